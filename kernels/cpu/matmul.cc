@@ -1,0 +1,154 @@
+#include "kernels/cpu/matmul.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdserve::kernels {
+namespace {
+
+constexpr int kLanes = 8;
+
+// Fixed lane reduction: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), then the k tail
+// in order. Both the AVX2 and the portable kernel end through this function,
+// so they agree bit for bit.
+inline float FinishDot(const float lanes[kLanes], const float* a, const float* b,
+                       int64_t k8, int64_t k) {
+  const float s04 = lanes[0] + lanes[4], s26 = lanes[2] + lanes[6];
+  const float s15 = lanes[1] + lanes[5], s37 = lanes[3] + lanes[7];
+  float s = (s04 + s26) + (s15 + s37);
+  for (int64_t i = k8; i < k; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+float DotPortable(const float* a, const float* b, int64_t k) {
+  float lanes[kLanes] = {0};
+  const int64_t k8 = k & ~int64_t{kLanes - 1};
+  for (int64_t i = 0; i < k8; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
+  }
+  return FinishDot(lanes, a, b, k8, k);
+}
+
+// Register tile: MR rows of x against NR rows of w, one 8-lane accumulator per
+// output element, so the per-element order matches DotPortable exactly.
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t ldx,
+                                                  const float* w, int64_t ldw,
+                                                  int64_t k, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = k & ~int64_t{kLanes - 1};
+  for (int64_t p = 0; p < k8; p += kLanes) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  alignas(32) float lanes[kLanes];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      _mm256_store_ps(lanes, acc[i][j]);
+      y[i * ldy + j] = FinishDot(lanes, x + i * ldx, w + j * ldw, k8, k);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b,
+                                                  int64_t k) {
+  float y;
+  TileAvx2<1, 1>(a, k, b, k, k, &y, 1);
+  return y;
+}
+
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// Computes y[:, n0:n1] for all m rows. Rows of x are visited in blocks that
+// stay in L2 while a few weight rows sit in L1.
+void DeterministicPanel(const float* x, int64_t m, int64_t k, const float* w,
+                        int64_t n0, int64_t n1, float* y, int64_t n) {
+  constexpr int64_t kRowBlock = 64;
+  if (!HasAvx2()) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = n0; j < n1; ++j) y[i * n + j] = DotPortable(x + i * k, w + j * k, k);
+    return;
+  }
+  for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+    const int64_t i1 = std::min(m, i0 + kRowBlock);
+    int64_t j = n0;
+    for (; j + 3 <= n1; j += 3) {
+      int64_t i = i0;
+      for (; i + 4 <= i1; i += 4) TileAvx2<4, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i < i1; ++i) TileAvx2<1, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+    }
+    for (; j < n1; ++j) {
+      int64_t i = i0;
+      for (; i + 4 <= i1; i += 4) TileAvx2<4, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i < i1; ++i) TileAvx2<1, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+    }
+  }
+}
+
+int& ThreadsSetting() {
+  static int threads = 0;
+  return threads;
+}
+
+}  // namespace
+
+std::optional<MatMulMode> ParseMatMulMode(std::string_view s) {
+  if (s == "deterministic") return MatMulMode::kDeterministic;
+  if (s == "blas") return MatMulMode::kBlas;
+  return std::nullopt;
+}
+
+float DotFixedOrder(const float* a, const float* b, int64_t k) {
+  return HasAvx2() ? DotAvx2(a, b, k) : DotPortable(a, b, k);
+}
+
+void SetKernelThreads(int threads) {
+  if (threads <= 0) return;
+  ThreadsSetting() = threads;
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+}
+
+int KernelThreads() {
+  return ThreadsSetting() > 0 ? ThreadsSetting() : omp_get_max_threads();
+}
+
+void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
+              const float* __restrict__ w, int64_t n, float* __restrict__ y,
+              MatMulMode mode) {
+  if (m <= 0 || n <= 0) return;
+  if (mode == MatMulMode::kBlas) {
+    if (m == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x, 1, 0.0f, y, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k,
+                  0.0f, y, n);
+    }
+    return;
+  }
+  // Column panels of 48 weight rows (a multiple of the 3-row tile) balance
+  // threads while each panel's weights stay cache-resident across row blocks.
+  constexpr int64_t kPanel = 48;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), panels));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * n * k > (1 << 16))
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel;
+    DeterministicPanel(x, m, k, w, n0, std::min(n, n0 + kPanel), y, n);
+  }
+}
+
+}  // namespace pdserve::kernels

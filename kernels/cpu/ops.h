@@ -1,0 +1,40 @@
+// Element-wise and row-wise transformer ops on fp32 activations (CPU).
+// Stateless and thread-safe. Each op's per-row result depends only on that
+// row's inputs, so batching never changes a token's numbers.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pdserve::kernels {
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for `rows` rows of `dim`.
+// When `residual` is non-null it is first updated in place (residual += x) and
+// the normalised value is computed from the updated residual (fused add).
+void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
+             int64_t dim, float eps, float* out);
+
+// Rotary embedding, Hugging Face "rotate_half" (NeoX) pairing of element i with
+// i + head_dim/2. x: [rows, heads, head_dim], in place; positions: [rows];
+// inv_freq: [head_dim / 2].
+void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
+               const int32_t* positions, const float* inv_freq);
+
+// gate_up: [rows, 2 * inter] (gate then up); out: [rows, inter] = silu(gate) * up.
+void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out);
+
+// In-place numerically stable softmax over n values.
+void SoftmaxInPlace(float* x, int64_t n);
+
+// Rotary inverse frequencies, including the Llama-3 long-context scaling when
+// factor > 0 (factor, low/high frequency factors, original context length).
+struct RopeScaling {
+  float factor = 0;  // 0: no scaling
+  float low_freq_factor = 1;
+  float high_freq_factor = 4;
+  int64_t original_max_position_embeddings = 8192;
+};
+std::vector<float> RopeInvFreq(int64_t head_dim, double theta,
+                               const RopeScaling& scaling);
+
+}  // namespace pdserve::kernels

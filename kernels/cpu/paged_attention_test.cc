@@ -1,0 +1,156 @@
+#include "kernels/cpu/paged_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace pdserve::kernels {
+namespace {
+
+// A paged cache holding one or more sequences whose K/V were written through
+// WriteKv into shuffled blocks, plus the fp32 originals for a dense reference.
+struct PagedFixture {
+  std::vector<uint8_t> data;
+  std::vector<float> scales;
+  KvLayerView view;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<float>> k, v;  // per sequence [len, kv_heads, hd]
+};
+
+class PagedAttentionTest : public ::testing::Test {
+ protected:
+  PagedFixture Build(DType dtype, int kv_heads, int hd, int bs, const std::vector<int>& lens) {
+    PagedFixture f;
+    int total_blocks = 0;
+    for (int len : lens) total_blocks += (len + bs - 1) / bs;
+    total_blocks += 3;  // unused blocks in between
+    f.view = {nullptr, nullptr, dtype, kv_heads, hd, bs};
+    f.data.assign(total_blocks * f.view.ElementsPerBlock() * DTypeBytes(dtype), 0xAB);
+    f.scales.assign(total_blocks * 2 * kv_heads, 123.0f);  // stale garbage on purpose
+    f.view.data = f.data.data();
+    f.view.scales = f.scales.data();
+    std::vector<int32_t> perm(total_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    int next = 0;
+    std::normal_distribution<float> dist;
+    for (int len : lens) {
+      std::vector<int32_t> table;
+      for (int b = 0; b < (len + bs - 1) / bs; ++b) table.push_back(perm[next++]);
+      std::vector<float> k(len * kv_heads * hd), v(len * kv_heads * hd);
+      for (auto& x : k) x = dist(rng_);
+      for (auto& x : v) x = dist(rng_);
+      std::vector<int64_t> slots(len);
+      for (int t = 0; t < len; ++t) slots[t] = int64_t{table[t / bs]} * bs + t % bs;
+      WriteKv(k.data(), v.data(), len, slots.data(), f.view);
+      f.tables.push_back(table);
+      f.k.push_back(k);
+      f.v.push_back(v);
+    }
+    return f;
+  }
+
+  std::mt19937 rng_{11};
+};
+
+struct Case {
+  DType dtype;
+  float tol;  // max |out - ref| allowed; outputs are O(1)
+};
+
+TEST_F(PagedAttentionTest, MatchesDenseReferenceOverShapesAndDtypes) {
+  // Tolerances: fp32 is exact up to summation order; fp16 (11-bit mantissa),
+  // bf16 (8-bit) and int8 (per-block-per-head absmax scale) add storage error.
+  const Case cases[] = {{DType::kF32, 1e-5f}, {DType::kF16, 3e-3f},
+                        {DType::kBF16, 2e-2f}, {DType::kI8, 4e-2f}};
+  for (const Case& c : cases) {
+    for (int group : {1, 4, 8}) {
+      for (int bs : {1, 16, 32}) {
+        const int kv_heads = 2, hd = 32, heads = kv_heads * group;
+        const std::vector<int> lens = {1, 37, bs * 3};  // partial and exact last blocks
+        PagedFixture f = Build(c.dtype, kv_heads, hd, bs, lens);
+        // Each sequence queries its last 5 positions (a prefill chunk).
+        std::vector<AttentionSeq> seqs;
+        int64_t rows = 0;
+        for (size_t s = 0; s < lens.size(); ++s) {
+          const int nq = std::min(5, lens[s]);
+          seqs.push_back({rows, nq, lens[s] - nq, f.tables[s].data()});
+          rows += nq;
+        }
+        std::normal_distribution<float> dist;
+        std::vector<float> q(rows * heads * hd), out(rows * heads * hd);
+        for (auto& x : q) x = dist(rng_);
+        const float scale = 1.0f / std::sqrt(float(hd));
+        PagedAttention(q.data(), heads, seqs, f.view, scale, out.data());
+        for (size_t s = 0; s < lens.size(); ++s) {
+          for (int qi = 0; qi < seqs[s].num_q; ++qi) {
+            const int pos = seqs[s].start_pos + qi;
+            const int64_t row = seqs[s].q_row + qi;
+            for (int h = 0; h < heads; ++h) {
+              const int kvh = h / group;
+              const float* qv = &q[(row * heads + h) * hd];
+              std::vector<double> w(pos + 1);
+              double mx = -1e300, sum = 0;
+              for (int t = 0; t <= pos; ++t) {
+                double dot = 0;
+                for (int i = 0; i < hd; ++i) dot += double(qv[i]) * f.k[s][(t * kv_heads + kvh) * hd + i];
+                w[t] = dot * scale;
+                mx = std::max(mx, w[t]);
+              }
+              for (auto& x : w) sum += (x = std::exp(x - mx));
+              for (int i = 0; i < hd; ++i) {
+                double ref = 0;
+                for (int t = 0; t <= pos; ++t) ref += w[t] / sum * f.v[s][(t * kv_heads + kvh) * hd + i];
+                ASSERT_NEAR(out[(row * heads + h) * hd + i], ref, c.tol)
+                    << DTypeName(c.dtype) << " group=" << group << " bs=" << bs
+                    << " seq=" << s << " pos=" << pos;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(PagedAttentionTest, ChunkedPrefillEqualsOneQueryAtATimeBitForBit) {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+    const int kv_heads = 2, group = 4, heads = 8, hd = 64, bs = 16, len = 70;
+    PagedFixture f = Build(dtype, kv_heads, hd, bs, {len});
+    std::normal_distribution<float> dist;
+    std::vector<float> q(len * heads * hd), all(len * heads * hd), one(heads * hd);
+    for (auto& x : q) x = dist(rng_);
+    AttentionSeq seq{0, len, 0, f.tables[0].data()};
+    PagedAttention(q.data(), heads, {&seq, 1}, f.view, 0.125f, all.data());
+    for (int pos = 0; pos < len; ++pos) {
+      AttentionSeq single{0, 1, pos, f.tables[0].data()};
+      PagedAttention(q.data() + pos * heads * hd, heads, {&single, 1}, f.view, 0.125f, one.data());
+      ASSERT_EQ(0, std::memcmp(one.data(), all.data() + pos * heads * hd, one.size() * 4))
+          << DTypeName(dtype) << " pos=" << pos;
+    }
+    (void)group;
+  }
+}
+
+TEST_F(PagedAttentionTest, Int8TokenByTokenWritesEqualOneChunkWrite) {
+  const int kv_heads = 1, hd = 8, bs = 16, len = 16;
+  PagedFixture f = Build(DType::kI8, kv_heads, hd, bs, {len});
+  std::vector<uint8_t> chunk_data = f.data;
+  std::vector<float> chunk_scales = f.scales;
+  // Rewrite the same values one token at a time into the same block.
+  std::vector<int64_t> slots(len);
+  for (int t = 0; t < len; ++t) slots[t] = int64_t{f.tables[0][0]} * bs + t;
+  for (int t = 0; t < len; ++t) {
+    WriteKv(f.k[0].data() + t * hd, f.v[0].data() + t * hd, 1, &slots[t], f.view);
+  }
+  EXPECT_EQ(chunk_data, f.data);
+  EXPECT_EQ(chunk_scales, f.scales);
+}
+
+}  // namespace
+}  // namespace pdserve::kernels

@@ -1,0 +1,403 @@
+#!/usr/bin/python3
+"""Independent float64 PyTorch reference for a Hugging Face Llama-family decoder.
+
+Reads a Hugging Face model directory (config.json + model.safetensors, or
+sharded model-0000X-of-0000N.safetensors + model.safetensors.index.json),
+runs a full causal forward pass over the given token ids at positions 0..T-1
+and prints the logits as JSON, in the same shape as `pdserve model logits`:
+
+    /usr/bin/python3 tests/reference/llama_ref.py --model DIR --tokens 1,2,3
+        -> {"logits": [v0, v1, ..., v_{vocab-1}]}          (last position)
+    /usr/bin/python3 tests/reference/llama_ref.py --model DIR --tokens 1,2,3 --all-positions
+        -> {"logits": [[...], [...], [...]]}               (one list per position)
+
+Covered: Llama / Llama-3.x (incl. "llama3" rope_scaling), Mistral-style GQA,
+Qwen2 (q/k/v bias), tied embeddings, explicit head_dim; weights stored as
+F32 / F16 / BF16 (F64 also accepted). All arithmetic is done in float64.
+No dependency on `safetensors` or `transformers`: the file format is parsed here.
+
+The module is importable: load_config(), Checkpoint, forward(), reference_logits().
+Errors are reported on stderr with exit status 1.
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+
+class RefError(Exception):
+    """A user-facing error (bad model directory, missing tensor, wrong shape...)."""
+
+
+# --------------------------------------------------------------------------
+# safetensors reader
+# --------------------------------------------------------------------------
+
+# dtype tag -> (numpy dtype of the raw little-endian storage, bytes per element)
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # raw bits; widened to float32 below
+}
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 -> float32: put the 16 bits into the high half of a uint32."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class SafetensorsFile:
+    """Lazy reader for one .safetensors file (memory-mapped)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            file_size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) != 8:
+                    raise RefError(f"{path}: file too short for a safetensors header")
+                (header_len,) = struct.unpack("<Q", head)
+                if header_len > file_size - 8:
+                    raise RefError(f"{path}: header length {header_len} exceeds file size {file_size}")
+                header_bytes = f.read(header_len)
+        except OSError as e:
+            raise RefError(f"cannot read safetensors file {path}: {e.strerror}") from None
+        try:
+            header = json.loads(header_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RefError(f"{path}: invalid JSON header: {e}") from None
+        if not isinstance(header, dict):
+            raise RefError(f"{path}: header is not a JSON object")
+
+        self.data_start = 8 + header_len
+        data_len = file_size - self.data_start
+        self.tensors: Dict[str, dict] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = info["dtype"]
+                shape = [int(s) for s in info["shape"]]
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise RefError(f"{path}: malformed header entry for tensor '{name}': {info}") from None
+            if dtype not in _ST_DTYPES:
+                raise RefError(f"{path}: tensor '{name}' has unsupported dtype {dtype} "
+                               f"(supported: {', '.join(_ST_DTYPES)})")
+            numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            nbytes = numel * _ST_DTYPES[dtype].itemsize
+            if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
+                raise RefError(f"{path}: tensor '{name}' has bad data_offsets [{begin}, {end}] "
+                               f"for dtype {dtype} shape {shape} (expected {nbytes} bytes, "
+                               f"data buffer is {data_len} bytes)")
+            self.tensors[name] = {"dtype": dtype, "shape": shape, "begin": begin, "end": end}
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if file_size > 0 else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str) -> np.ndarray:
+        """Return tensor `name` as a float64 numpy array of its stored shape."""
+        info = self.tensors[name]
+        raw_dtype = _ST_DTYPES[info["dtype"]]
+        count = (info["end"] - info["begin"]) // raw_dtype.itemsize
+        raw = np.frombuffer(self._mm, dtype=raw_dtype, count=count,
+                            offset=self.data_start + info["begin"])
+        if info["dtype"] == "BF16":
+            raw = bf16_bits_to_float32(raw)
+        return raw.astype(np.float64).reshape(info["shape"])
+
+
+class Checkpoint:
+    """All tensors of a model directory (single file or sharded with an index)."""
+
+    INDEX = "model.safetensors.index.json"
+    SINGLE = "model.safetensors"
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        index_path = os.path.join(model_dir, self.INDEX)
+        single_path = os.path.join(model_dir, self.SINGLE)
+        self._files: Dict[str, SafetensorsFile] = {}
+        self._where: Dict[str, str] = {}  # tensor name -> file name
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise RefError(f"{index_path}: cannot read weight_map: {e}") from None
+            for fname in sorted(set(weight_map.values())):
+                fpath = os.path.join(model_dir, fname)
+                if not os.path.isfile(fpath):
+                    raise RefError(f"shard '{fname}' listed in {self.INDEX} not found in {model_dir}")
+                self._files[fname] = SafetensorsFile(fpath)
+            for name, fname in weight_map.items():
+                if name not in self._files[fname]:
+                    raise RefError(f"{self.INDEX} maps tensor '{name}' to '{fname}', "
+                                   f"but that shard does not contain it")
+                self._where[name] = fname
+        elif os.path.isfile(single_path):
+            self._files[self.SINGLE] = SafetensorsFile(single_path)
+            for name in self._files[self.SINGLE].tensors:
+                self._where[name] = self.SINGLE
+        else:
+            raise RefError(f"no weights in {model_dir}: expected {self.SINGLE} or {self.INDEX}")
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: List[int]) -> torch.Tensor:
+        """Load tensor `name` as float64, checking that it has exactly `shape`."""
+        if name not in self._where:
+            raise RefError(f"tensor '{name}' not found in {self.model_dir}")
+        sf = self._files[self._where[name]]
+        stored = sf.tensors[name]["shape"]
+        if list(stored) != list(shape):
+            raise RefError(f"tensor '{name}' has shape {stored}, expected {list(shape)}")
+        return torch.from_numpy(sf.read(name))
+
+
+# --------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------
+
+@dataclass
+class LlamaConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    tie_word_embeddings: bool
+    qkv_bias: bool      # q/k/v projections have a bias
+    o_bias: bool        # o_proj has a bias (Llama attention_bias=true)
+    max_position_embeddings: Optional[int]
+
+
+def load_config(model_dir: str) -> LlamaConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise RefError(f"model directory not found: {model_dir}")
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except OSError as e:
+        raise RefError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise RefError(f"{path}: invalid JSON: {e}") from None
+
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "vocab_size"):
+        if key not in c:
+            raise RefError(f"{path}: missing required field '{key}'")
+    hidden = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = c.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise RefError(f"{path}: hidden_size {hidden} not divisible by num_attention_heads {heads}")
+        head_dim = hidden // heads
+    head_dim = int(head_dim)
+    if heads % kv_heads:
+        raise RefError(f"{path}: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
+    if head_dim % 2:
+        raise RefError(f"{path}: head_dim {head_dim} must be even for RoPE")
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise RefError(f"{path}: unsupported hidden_act '{act}' (only silu)")
+
+    archs = c.get("architectures") or []
+    is_qwen2 = "Qwen2ForCausalLM" in archs or c.get("model_type") == "qwen2"
+    attention_bias = bool(c.get("attention_bias", False))
+
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_hidden_layers=int(c["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(c["vocab_size"]),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(c.get("rope_theta", 10000.0)),
+        rope_scaling=c.get("rope_scaling"),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or is_qwen2,
+        # HF LlamaAttention: o_proj uses bias=config.attention_bias; Qwen2's o_proj never has one.
+        o_bias=attention_bias and not is_qwen2,
+        max_position_embeddings=c.get("max_position_embeddings"),
+    )
+
+
+# --------------------------------------------------------------------------
+# model math
+# --------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """inv_freq[i] = 1/theta^(2i/head_dim), i in [0, head_dim/2), with optional rope_scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv_freq
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rs["factor"])
+    if rope_type != "llama3":
+        raise RefError(f"unsupported rope_scaling type '{rope_type}' (supported: default, linear, llama3)")
+    try:
+        factor = float(rs["factor"])
+        low = float(rs["low_freq_factor"])
+        high = float(rs["high_freq_factor"])
+        orig = float(rs["original_max_position_embeddings"])
+    except KeyError as e:
+        raise RefError(f"llama3 rope_scaling is missing field {e}") from None
+    # Same as transformers' _compute_llama3_parameters.
+    low_freq_wavelen = orig / low
+    high_freq_wavelen = orig / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attention(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Causal GQA self-attention of layer i. x: [T, hidden] -> [T, hidden]."""
+    T = x.shape[0]
+    H, KV, D, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    p = f"model.layers.{i}.self_attn."
+
+    def proj(name, n_heads):
+        y = x @ ckpt.get(p + name + ".weight", [n_heads * D, E]).T
+        if cfg.qkv_bias:
+            y = y + ckpt.get(p + name + ".bias", [n_heads * D])
+        return y.view(T, n_heads, D).transpose(0, 1)  # [heads, T, D]
+
+    q, k, v = proj("q_proj", H), proj("k_proj", KV), proj("v_proj", KV)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    group = H // KV  # query head h uses kv head h // group
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(D)  # [H, T, T]
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [H, T, D]
+    out = out.transpose(0, 1).reshape(T, H * D)
+    y = out @ ckpt.get(p + "o_proj.weight", [E, H * D]).T
+    if cfg.o_bias:
+        y = y + ckpt.get(p + "o_proj.bias", [E])
+    return y
+
+
+def mlp(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torch.Tensor:
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    p = f"model.layers.{i}.mlp."
+    gate = x @ ckpt.get(p + "gate_proj.weight", [F, E]).T
+    up = x @ ckpt.get(p + "up_proj.weight", [F, E]).T
+    return (torch.nn.functional.silu(gate) * up) @ ckpt.get(p + "down_proj.weight", [E, F]).T
+
+
+def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tensor:
+    """Logits for every position: float64 tensor [T, vocab_size]."""
+    if not tokens:
+        raise RefError("need at least one token")
+    for t in tokens:
+        if not 0 <= t < cfg.vocab_size:
+            raise RefError(f"token id {t} out of range [0, {cfg.vocab_size})")
+    E, V = cfg.hidden_size, cfg.vocab_size
+    T = len(tokens)
+
+    embed = ckpt.get("model.embed_tokens.weight", [V, E])
+    x = embed[torch.tensor(tokens, dtype=torch.long)]  # [T, E]
+
+    positions = torch.arange(T, dtype=torch.float64)
+    angles = positions[:, None] * rope_inv_freq(cfg)[None, :]  # [T, D/2]
+    emb = torch.cat((angles, angles), dim=-1)  # [T, D]
+    cos, sin = emb.cos(), emb.sin()
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, ckpt.get(p + "input_layernorm.weight", [E]), cfg.rms_norm_eps)
+        x = x + attention(cfg, ckpt, i, h, cos, sin)
+        h = rms_norm(x, ckpt.get(p + "post_attention_layernorm.weight", [E]), cfg.rms_norm_eps)
+        x = x + mlp(cfg, ckpt, i, h)
+
+    x = rms_norm(x, ckpt.get("model.norm.weight", [E]), cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
+        if not cfg.tie_word_embeddings:
+            raise RefError("tensor 'lm_head.weight' not found (and tie_word_embeddings is false)")
+        lm_head = embed
+    else:
+        lm_head = ckpt.get("lm_head.weight", [V, E])
+    return x @ lm_head.T
+
+
+def reference_logits(model_dir: str, tokens: List[int], all_positions: bool = False):
+    """Logits as plain Python lists: [vocab] (last position) or [T][vocab]."""
+    cfg = load_config(model_dir)
+    with torch.no_grad():
+        logits = forward(cfg, Checkpoint(model_dir), tokens)
+    return logits.tolist() if all_positions else logits[-1].tolist()
+
+
+def parse_tokens(text: str) -> List[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise RefError(f"--tokens must be comma-separated integers, got '{text}'") from None
+    if not tokens:
+        raise RefError("--tokens is empty")
+    return tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="Hugging Face model directory")
+    ap.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    ap.add_argument("--all-positions", action="store_true",
+                    help="print logits for every position instead of only the last")
+    args = ap.parse_args(argv)
+    try:
+        logits = reference_logits(args.model, parse_tokens(args.tokens), args.all_positions)
+    except RefError as e:
+        print(f"llama_ref: error: {e}", file=sys.stderr)
+        return 1
+    json.dump({"logits": logits}, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

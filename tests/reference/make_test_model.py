@@ -1,0 +1,186 @@
+#!/usr/bin/python3
+"""Write a small random Llama-family model in Hugging Face layout.
+
+Produces config.json + model.safetensors (or, with --sharded, N files
+model-0000X-of-0000N.safetensors + model.safetensors.index.json), using only
+numpy and a self-contained safetensors writer. Meant for testing
+llama_ref.py and the pdserve C++ engine on tiny models, e.g.
+
+    /usr/bin/python3 tests/reference/make_test_model.py /tmp/tiny \
+        --dtype BF16 --kv-heads 2 --rope-llama3 --sharded 2
+
+Options: --dtype F32|F16|BF16, --sharded [N], --qkv-bias (written as a
+Qwen2ForCausalLM config), --tied (tie_word_embeddings, no lm_head.weight),
+--rope-llama3 (llama3 rope_scaling chosen so all three frequency bands occur),
+--kv-heads, plus the sizes (--hidden, --heads, --head-dim, --layers, ...).
+
+make_model() is importable; it also returns the weights exactly as stored
+(rounded to the storage dtype, as float64 numpy arrays).
+"""
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 -> bfloat16 (round to nearest even), returned as uint16 bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def encode(x: np.ndarray, dtype: str):
+    """Return (raw little-endian bytes, values as float64 after rounding to dtype)."""
+    if dtype == "F32":
+        a = x.astype("<f4")
+        return a.tobytes(), a.astype(np.float64)
+    if dtype == "F16":
+        a = x.astype("<f2")
+        return a.tobytes(), a.astype(np.float64)
+    if dtype == "BF16":
+        bits = float32_to_bf16_bits(x).astype("<u2")
+        back = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return bits.tobytes(), back.astype(np.float64)
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def write_safetensors(path: str, tensors: dict, metadata: dict = None):
+    """tensors: name -> (raw bytes, dtype tag, shape). Header padded to 8 bytes."""
+    header = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, (raw, dtype, shape) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-len(hbytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hbytes)))
+        f.write(hbytes)
+        for raw, _, _ in tensors.values():
+            f.write(raw)
+
+
+def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_heads=None,
+               head_dim=None, vocab=64, dtype="F32", shards=1, qkv_bias=False, tied=False,
+               rope_llama3=False, rope_theta=10000.0, eps=1e-5, seed=0):
+    """Write a random model to out_dir; return (config dict, {name: float64 array as stored})."""
+    kv_heads = kv_heads or heads
+    d = head_dim or hidden // heads
+    rng = np.random.default_rng(seed)
+
+    def linear(n_out, n_in):
+        return rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+
+    def norm_weight():
+        return 1.0 + 0.1 * rng.standard_normal(hidden)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden))}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight()
+        w[p + "self_attn.q_proj.weight"] = linear(heads * d, hidden)
+        w[p + "self_attn.k_proj.weight"] = linear(kv_heads * d, hidden)
+        w[p + "self_attn.v_proj.weight"] = linear(kv_heads * d, hidden)
+        if qkv_bias:
+            w[p + "self_attn.q_proj.bias"] = 0.5 * rng.standard_normal(heads * d)
+            w[p + "self_attn.k_proj.bias"] = 0.5 * rng.standard_normal(kv_heads * d)
+            w[p + "self_attn.v_proj.bias"] = 0.5 * rng.standard_normal(kv_heads * d)
+        w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * d)
+        w[p + "post_attention_layernorm.weight"] = norm_weight()
+        w[p + "mlp.gate_proj.weight"] = linear(intermediate, hidden)
+        w[p + "mlp.up_proj.weight"] = linear(intermediate, hidden)
+        w[p + "mlp.down_proj.weight"] = linear(hidden, intermediate)
+    w["model.norm.weight"] = norm_weight()
+    if not tied:
+        w["lm_head.weight"] = linear(vocab, hidden)
+
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qkv_bias else "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "max_position_embeddings": 256,
+        "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
+    }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    if rope_llama3:
+        # With head_dim 8..16 and theta 1e4 the wavelengths span ~6..2e4, so an
+        # original context of 64 with factors 1/4 puts frequencies in all three bands.
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+    stored, encoded = {}, {}
+    for name, value in w.items():
+        raw, back = encode(value, dtype)
+        encoded[name] = (raw, dtype, value.shape)
+        stored[name] = back
+
+    meta = {"format": "pt"}
+    if shards <= 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), encoded, meta)
+    else:
+        names = list(encoded)
+        weight_map = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: encoded[n] for n in names[s::shards]}
+            write_safetensors(os.path.join(out_dir, fname), part, meta)
+            weight_map.update({n: fname for n in part})
+        total = sum(len(raw) for raw, _, _ in encoded.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return config, stored
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", choices=["F32", "F16", "BF16"], default="F32")
+    ap.add_argument("--sharded", type=int, nargs="?", const=2, default=1, metavar="N",
+                    help="write N shards + index (default N=2 when given)")
+    ap.add_argument("--qkv-bias", action="store_true", help="q/k/v bias (Qwen2ForCausalLM)")
+    ap.add_argument("--tied", action="store_true", help="tie_word_embeddings, no lm_head.weight")
+    ap.add_argument("--rope-llama3", action="store_true", help="llama3 rope_scaling")
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=None, help="explicit head_dim in config")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--eps", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    make_model(a.out_dir, hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
+               heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, vocab=a.vocab,
+               dtype=a.dtype, shards=a.sharded, qkv_bias=a.qkv_bias, tied=a.tied,
+               rope_llama3=a.rope_llama3, rope_theta=a.rope_theta, eps=a.eps, seed=a.seed)
+    print(f"wrote test model to {a.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
