@@ -23,7 +23,7 @@ inline size_t DTypeBytes(DType t) {
 }
 
 // Names as used on the command line and in the model fingerprint.
-inline std::string_view DTypeName(DType t) {
+inline const char* DTypeName(DType t) {
   switch (t) {
     case DType::kF32: return "fp32";
     case DType::kF16: return "fp16";

@@ -18,7 +18,7 @@
 // `ASSIGN_OR_RETURN(auto x, Foo());` declares/assigns x from a StatusOr or
 // returns its error status.
 #define ASSIGN_OR_RETURN(lhs, expr) \
-  ASSIGN_OR_RETURN_IMPL(PDSERVE_CONCAT(pdserve_statusor_, __LINE__), lhs, expr)
+  ASSIGN_OR_RETURN_IMPL(PDSERVE_CONCAT(pdserve_statusor_, __COUNTER__), lhs, expr)
 
 #define ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
   auto tmp = (expr);                          \

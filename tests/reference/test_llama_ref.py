@@ -12,6 +12,8 @@ safetensors reader is tested too.
     /usr/bin/python3 tests/reference/test_llama_ref.py
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -24,6 +26,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import compare_logits  # noqa: E402
 import llama_ref  # noqa: E402
 from make_test_model import make_model, write_safetensors  # noqa: E402
 
@@ -205,8 +208,16 @@ class SafetensorsReading(unittest.TestCase):
                 llama_ref.SafetensorsFile(path)
 
 
-def run_py(*args, env=None):
-    return subprocess.run([PY, *args], capture_output=True, text=True, env=env)
+def run_py(*args):
+    return subprocess.run([PY, *args], capture_output=True, text=True)
+
+
+def call_main(main, argv):
+    """Run a script's main(argv) in-process; return (rc, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
 
 
 class ErrorsAndCli(unittest.TestCase):
@@ -266,55 +277,78 @@ class ErrorsAndCli(unittest.TestCase):
         last = json.loads(r.stdout)["logits"]
         self.assertEqual(len(last), 64)
         self.assertIsInstance(last[0], float)
-        r = run_py(script, "--model", self.model, "--tokens", "1,2,3", "--all-positions")
+        r = run_py(script, "--model", self.model, "--tokens", "1, 2,3", "--all-positions")
         self.assertEqual(r.returncode, 0, r.stderr)
         allpos = json.loads(r.stdout)["logits"]
         self.assertEqual([len(x) for x in allpos], [64, 64, 64])
         self.assertEqual(allpos[-1], last)
-        r = run_py(script, "--model", os.path.join(self.tmp.name, "nope"), "--tokens", "1")
-        self.assertEqual(r.returncode, 1)
-        self.assertIn("llama_ref: error: model directory not found", r.stderr)
-        self.assertEqual(r.stdout, "")
+        # error path, in-process (same main() the CLI runs)
+        rc, out, err = call_main(llama_ref.main, ["--model", os.path.join(self.tmp.name, "nope"),
+                                                  "--tokens", "1"])
+        self.assertEqual(rc, 1)
+        self.assertIn("llama_ref: error: model directory not found", err)
+        self.assertEqual(out, "")
 
     def test_compare_logits(self):
-        # A fake pdserve binary: prints the reference logits, optionally perturbed.
+        # A fake pdserve binary (plain python, no torch, so it starts fast): prints
+        # precomputed reference logits, optionally perturbed at vocab index 7.
+        tokens = [4, 8, 15, 16, 23, 42]
+        for mode in ("last", "all"):
+            with open(os.path.join(self.tmp.name, f"logits_{mode}.json"), "w") as f:
+                json.dump(llama_ref.reference_logits(self.model, tokens, mode == "all"), f)
         fake = os.path.join(self.tmp.name, "fake_pdserve")
         with open(fake, "w") as f:
             f.write(f"""#!{PY}
 import json, os, sys
-sys.path.insert(0, {HERE!r})
-import llama_ref
 a = sys.argv[1:]
-assert a[:2] == ["model", "logits"], a
-model, tokens = a[a.index("--model") + 1], llama_ref.parse_tokens(a[a.index("--tokens") + 1])
-logits = llama_ref.reference_logits(model, tokens, "--all-positions" in a)
+assert a[:2] == ["model", "logits"] and a[a.index("--tokens") + 1] == "4,8,15,16,23,42", a
+mode = "all" if "--all-positions" in a and not os.environ.get("FAKE_FORCE_LAST") else "last"
+logits = json.load(open(os.path.join({self.tmp.name!r}, "logits_" + mode + ".json")))
 eps = float(os.environ.get("FAKE_PERTURB", "0"))
-if eps:
-    (logits[-1] if isinstance(logits[-1], list) else logits)[7] += eps
+(logits[-1] if mode == "all" else logits)[7] += eps
 print("loading model...")  # a log line before the JSON must be tolerated
 print(json.dumps({{"logits": logits}}))
 """)
         os.chmod(fake, 0o755)
-        cmp = os.path.join(HERE, "compare_logits.py")
-        base = [cmp, "--pdserve", fake, "--model", self.model, "--tokens", "4,8,15,16,23,42"]
-        env = dict(os.environ)
+        base = ["--pdserve", fake, "--model", self.model, "--tokens", "4,8,15,16,23,42"]
+        old = os.environ.get("FAKE_PERTURB")
+        try:
+            os.environ["FAKE_PERTURB"] = "1e-6"
+            rc, out, err = call_main(compare_logits.main, base + ["--all-positions"])
+            self.assertEqual(rc, 0, err)
+            self.assertIn("compare_logits: OK: 6 position(s) x 64 logits", out)
 
-        env["FAKE_PERTURB"] = "1e-6"
-        r = run_py(*base, "--all-positions", env=env)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("compare_logits: OK: 6 position(s) x 64 logits", r.stdout)
+            os.environ["FAKE_PERTURB"] = "0.5"
+            rc, out, err = call_main(compare_logits.main, base)
+            self.assertEqual(rc, 1)
+            self.assertIn("max abs diff 5.000e-01", err)
+            self.assertIn("worst at position 5, vocab index 7", err)
 
-        env["FAKE_PERTURB"] = "0.5"
-        r = run_py(*base, env=env)
-        self.assertEqual(r.returncode, 1)
-        self.assertIn("max abs diff 5.000e-01", r.stderr)
-        self.assertIn("worst at position 5, vocab index 7", r.stderr)
+            os.environ["FAKE_PERTURB"] = "100"  # within a huge rtol, but changes the argmax
+            rc, out, err = call_main(compare_logits.main, base + ["--all-positions", "--rtol", "100"])
+            self.assertEqual(rc, 1)
+            self.assertIn("argmax mismatch", err)
+            self.assertIn("pdserve argmax 7", err)
 
-        env["FAKE_PERTURB"] = "100"  # also changes the argmax
-        r = run_py(*base, "--all-positions", "--rtol", "100", env=env)
-        self.assertEqual(r.returncode, 1)
-        self.assertIn("argmax mismatch", r.stderr)
-        self.assertIn("pdserve argmax 7", r.stderr)
+            # shape mismatch: pdserve ignores --all-positions
+            os.environ["FAKE_PERTURB"] = "0"
+            os.environ["FAKE_FORCE_LAST"] = "1"
+            rc, out, err = call_main(compare_logits.main, base + ["--all-positions"])
+            self.assertEqual(rc, 1)
+            self.assertIn("shape mismatch: pdserve [64] vs reference [6, 64]", err)
+
+            # the reference's own errors are reported too
+            rc, out, err = call_main(compare_logits.main,
+                                     ["--pdserve", fake, "--model", os.path.join(self.tmp.name, "other"),
+                                      "--tokens", "4,8,15,16,23,42"])
+            self.assertEqual(rc, 1)
+            self.assertIn("reference: model directory not found", err)
+        finally:
+            os.environ.pop("FAKE_FORCE_LAST", None)
+            if old is None:
+                os.environ.pop("FAKE_PERTURB", None)
+            else:
+                os.environ["FAKE_PERTURB"] = old
 
 
 if __name__ == "__main__":

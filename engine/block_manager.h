@@ -1,0 +1,114 @@
+// Block allocation, reference counting and the prefix cache of one KV pool.
+//
+// Prefix cache (ARCHITECTURE.md, contract):
+//  - only full blocks are cached, identified by a chained XXH3-128 hash
+//    h_i = XXH3_128(h_{i-1} || model_fingerprint || cache_salt || tokens_i),
+//    h_{-1} = 0 (never a per-process randomised hash);
+//  - blocks are ref-counted; at zero a cached block stays, evictable in LRU
+//    order; uncached free blocks are handed out before any cached one;
+//  - a block in transfer is pinned simply by holding a reference.
+// Every change to the set of cached hashes is published as a sequence-
+// numbered KvEvent (stored / removed / cleared) for the router's index.
+//
+// Owned by the worker's engine thread; not thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+
+namespace pdserve::engine {
+
+struct BlockHash {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const BlockHash&) const = default;
+  std::string Hex() const;
+};
+
+// The block hash's low 64 bits are already uniformly distributed.
+struct BlockHashHasher {
+  size_t operator()(const BlockHash& h) const { return h.lo; }
+};
+
+using ModelFingerprint = std::array<uint64_t, 2>;
+
+// Hash of one full block given its parent's hash.
+BlockHash HashBlock(const BlockHash& parent, const ModelFingerprint& fingerprint,
+                    absl::string_view cache_salt, const int32_t* tokens, int block_size);
+
+// Appends the hashes of full blocks of `tokens` not yet in `hashes`.
+void ExtendBlockHashes(const ModelFingerprint& fingerprint, absl::string_view cache_salt,
+                       std::span<const int32_t> tokens, int block_size,
+                       std::vector<BlockHash>* hashes);
+
+struct KvEvent {
+  enum class Type { kStored, kRemoved, kCleared };
+  uint64_t seq = 0;  // 1, 2, 3, ... per worker; a gap means a lost event
+  Type type = Type::kStored;
+  BlockHash parent;  // stored: hash of the block before the first one, 0 if none
+  std::vector<BlockHash> hashes;
+};
+using KvEventSink = std::function<void(const KvEvent&)>;
+
+class BlockManager {
+ public:
+  BlockManager(int64_t num_blocks, KvEventSink sink = nullptr);
+
+  int64_t num_blocks() const { return static_cast<int64_t>(ref_.size()); }
+  // Blocks an allocation can take now: never-used/uncached free plus evictable cached.
+  int64_t num_free() const { return static_cast<int64_t>(free_.size() + lru_.size()); }
+  int64_t num_active() const { return num_blocks() - num_free(); }
+  // Unreferenced blocks that still hold a cached prefix.
+  int64_t num_cached() const { return static_cast<int64_t>(lru_.size()); }
+
+  // Block ids holding the longest cached prefix of `hashes` (no refs taken).
+  std::vector<int32_t> Lookup(std::span<const BlockHash> hashes) const;
+  // Takes one reference on each block (e.g. the result of Lookup).
+  void Acquire(std::span<const int32_t> blocks);
+  // Appends `n` fresh blocks with one reference each, evicting cached blocks
+  // in LRU order if needed. Returns false, changing nothing, if fewer than n
+  // blocks are free.
+  bool Allocate(int64_t n, std::vector<int32_t>* out);
+  // Drops one reference from each block. Blocks reaching zero stay cached (if
+  // committed) and are appended to the LRU in the given order, so pass a
+  // sequence's blocks tail first to make its prefix the last to go.
+  void Release(std::span<const int32_t> blocks);
+  // Records that `blocks[i]` now holds the full block with hash `hashes[i]`,
+  // a chain continuing `parent`. A hash already cached elsewhere keeps its
+  // block; the duplicate stays uncached.
+  void Commit(const BlockHash& parent, std::span<const int32_t> blocks,
+              std::span<const BlockHash> hashes);
+  // Forgets every cached hash (publishes `cleared`); unreferenced cached
+  // blocks become plain free blocks.
+  void ClearCache();
+
+  int32_t RefCount(int32_t block) const { return ref_[block]; }
+  bool IsCached(int32_t block) const { return hash_of_[block].has_value(); }
+  uint64_t last_event_seq() const { return event_seq_; }
+  // Hashes of every cached block (for a subscriber's resync snapshot).
+  std::vector<BlockHash> CachedHashes() const;
+
+ private:
+  void Publish(KvEvent::Type type, const BlockHash& parent, std::vector<BlockHash> hashes);
+  void Evict(int32_t block, std::vector<BlockHash>* removed);
+
+  std::vector<int32_t> ref_;
+  std::vector<std::optional<BlockHash>> hash_of_;
+  std::vector<int32_t> free_;  // unreferenced and uncached (stack)
+  std::list<int32_t> lru_;     // unreferenced and cached, least recent first
+  std::vector<std::list<int32_t>::iterator> lru_pos_;
+  absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> cached_;
+  KvEventSink sink_;
+  uint64_t event_seq_ = 0;
+};
+
+}  // namespace pdserve::engine

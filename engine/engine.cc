@@ -1,0 +1,292 @@
+#include "engine/engine.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace pdserve::engine {
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kEos: return "eos";
+    case FinishReason::kCancelled: return "cancelled";
+  }
+  return "";
+}
+
+absl::Status EngineConfig::Validate() const {
+  if (block_size < 1 || block_size > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size must be in [1, 256], got ", block_size));
+  }
+  if (kv_cache_bytes <= 0) return absl::InvalidArgumentError("kv cache memory must be positive");
+  if (max_num_seqs < 1) return absl::InvalidArgumentError("max_num_seqs must be at least 1");
+  if (max_num_batched_tokens < 1) {
+    return absl::InvalidArgumentError("max_num_batched_tokens must be at least 1");
+  }
+  if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must not be negative");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
+    KvEventSink events) {
+  RETURN_IF_ERROR(config.Validate());
+  const ModelConfig& mc = weights->config;
+  KvCacheSpec spec{static_cast<int32_t>(mc.num_layers), static_cast<int32_t>(mc.num_kv_heads),
+                   static_cast<int32_t>(mc.head_dim), config.block_size, config.kv_dtype};
+  ASSIGN_OR_RETURN(auto pool, KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
+  EngineConfig c = config;
+  if (c.max_model_len == 0 || c.max_model_len > mc.max_position_embeddings) {
+    c.max_model_len = static_cast<int32_t>(std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(weights), c, std::move(pool), std::move(events)));
+}
+
+Engine::Engine(std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
+               std::unique_ptr<KvPool> pool, KvEventSink events)
+    : config_(config),
+      pool_(std::move(pool)),
+      blocks_(pool_->num_blocks(), std::move(events)),
+      model_(weights, config.matmul) {
+  // The cache identity covers the weights, block size and KV dtype: blocks
+  // made under any other of these must never be shared.
+  struct {
+    uint64_t weights[2];
+    int32_t block_size;
+    int32_t dtype;
+  } id{{weights->fingerprint[0], weights->fingerprint[1]}, config.block_size,
+       static_cast<int32_t>(config.kv_dtype)};
+  const XXH128_hash_t h = XXH3_128bits(&id, sizeof(id));
+  fingerprint_ = {h.high64, h.low64};
+}
+
+int64_t Engine::BlocksFor(int64_t tokens) const {
+  return (tokens + config_.block_size - 1) / config_.block_size;
+}
+
+absl::Status Engine::AddRequest(EngineRequest request) {
+  const ModelConfig& mc = model_.config();
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt has no tokens");
+  for (int32_t t : request.prompt) {
+    if (t < 0 || t >= mc.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", t, " is outside the vocabulary [0, ", mc.vocab_size, ")"));
+    }
+  }
+  RETURN_IF_ERROR(request.sampling.Validate());
+  const int64_t prompt = static_cast<int64_t>(request.prompt.size());
+  const int64_t total = prompt + request.sampling.max_tokens;
+  if (total > config_.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt (", prompt, " tokens) + max_tokens (", request.sampling.max_tokens,
+        ") exceeds max_model_len ", config_.max_model_len));
+  }
+  if (BlocksFor(total) > pool_->num_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", BlocksFor(total), " KV blocks but the whole cache has ",
+        pool_->num_blocks(), "; it can never be scheduled"));
+  }
+  if (seqs_.count(request.id)) {
+    return absl::AlreadyExistsError(absl::StrCat("request id \"", request.id, "\" is in use"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = request.prompt;
+  seq->num_prompt = static_cast<int32_t>(prompt);
+  seq->req = std::move(request);
+  waiting_.push_back(seq.get());
+  seqs_.emplace(seq->req.id, std::move(seq));
+  return absl::OkStatus();
+}
+
+void Engine::Abort(const std::string& id, FinishReason reason) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  Sequence* seq = it->second.get();
+  ReleaseBlocks(seq);
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  aborted_.emplace_back(id, reason);
+  seqs_.erase(it);
+}
+
+void Engine::ReleaseBlocks(Sequence* seq) {
+  // Tail first, so the LRU evicts a sequence's suffix before its prefix.
+  std::vector<int32_t> reversed(seq->blocks.rbegin(), seq->blocks.rend());
+  blocks_.Release(reversed);
+  seq->blocks.clear();
+  seq->num_computed = 0;
+  seq->num_committed = 0;
+}
+
+void Engine::Preempt(Sequence* seq) {
+  ReleaseBlocks(seq);
+  ++preemptions_;
+}
+
+void Engine::CommitFullBlocks(Sequence* seq) {
+  if (!config_.enable_prefix_caching) return;
+  const int32_t full = seq->num_computed / config_.block_size;
+  if (full <= seq->num_committed) return;
+  ExtendBlockHashes(fingerprint_, seq->req.cache_salt,
+                    std::span<const int32_t>(seq->tokens.data(), full * config_.block_size),
+                    config_.block_size, &seq->hashes);
+  const int32_t first = seq->num_committed;
+  const BlockHash parent = first == 0 ? BlockHash{} : seq->hashes[first - 1];
+  blocks_.Commit(parent, std::span<const int32_t>(seq->blocks).subspan(first, full - first),
+                 std::span<const BlockHash>(seq->hashes).subspan(first, full - first));
+  seq->num_committed = full;
+}
+
+bool Engine::TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens) {
+  const int32_t len = static_cast<int32_t>(seq->tokens.size());
+  std::vector<int32_t> hits;
+  if (config_.enable_prefix_caching) {
+    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens, config_.block_size,
+                      &seq->hashes);
+    // At least the last token is always computed, to produce logits.
+    const size_t usable = static_cast<size_t>((len - 1) / config_.block_size);
+    hits = blocks_.Lookup(std::span<const BlockHash>(seq->hashes)
+                              .first(std::min(usable, seq->hashes.size())));
+  }
+  const int32_t computed = static_cast<int32_t>(hits.size()) * config_.block_size;
+  const int32_t n = std::min(len - computed, budget);
+  const int64_t need = BlocksFor(computed + n) - static_cast<int64_t>(hits.size());
+  int64_t hits_idle = 0;
+  for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
+  if (need + hits_idle > blocks_.num_free()) return false;
+  blocks_.Acquire(hits);
+  seq->blocks = hits;
+  blocks_.Allocate(need, &seq->blocks);
+  seq->num_computed = computed;
+  seq->num_committed = static_cast<int32_t>(hits.size());
+  if (seq->cached_prompt_tokens < 0) {
+    seq->cached_prompt_tokens = computed;
+    prefix_queried_ += seq->num_prompt;
+    prefix_hit_ += computed;
+  }
+  *scheduled_tokens = n;
+  return true;
+}
+
+absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
+  std::vector<StepOutput> outputs;
+  for (auto& [id, reason] : aborted_) {
+    StepOutput out;
+    out.id = id;
+    out.finish = reason;
+    outputs.push_back(std::move(out));
+  }
+  aborted_.clear();
+
+  int32_t budget = config_.max_num_batched_tokens;
+  std::vector<Scheduled> batch;
+  bool preempted = false;
+  // Running sequences first, oldest first; preempt from the newest end.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* seq = running_[i];
+    const int32_t n = std::min<int32_t>(
+        static_cast<int32_t>(seq->tokens.size()) - seq->num_computed, budget);
+    const int64_t need = BlocksFor(seq->num_computed + n) - static_cast<int64_t>(seq->blocks.size());
+    while (need > blocks_.num_free() && running_.back() != seq) {
+      Sequence* victim = running_.back();
+      running_.pop_back();
+      Preempt(victim);
+      waiting_.push_front(victim);
+      preempted = true;
+    }
+    if (need > blocks_.num_free()) {
+      running_.pop_back();  // seq itself is the newest
+      Preempt(seq);
+      waiting_.push_front(seq);
+      preempted = true;
+      break;
+    }
+    blocks_.Allocate(need, &seq->blocks);
+    batch.push_back({seq, n});
+    budget -= n;
+    ++i;
+  }
+  while (!preempted && !waiting_.empty() && budget > 0 &&
+         static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+    Sequence* seq = waiting_.front();
+    int32_t n = 0;
+    if (!TryAdmit(seq, budget, &n)) break;
+    waiting_.pop_front();
+    running_.push_back(seq);
+    batch.push_back({seq, n});
+    budget -= n;
+  }
+  if (batch.empty()) return outputs;
+  ++steps_;
+
+  std::vector<LlamaModel::SeqInput> inputs;
+  for (const Scheduled& s : batch) {
+    const bool completes = s.seq->num_computed + s.num_tokens ==
+                           static_cast<int32_t>(s.seq->tokens.size());
+    inputs.push_back({std::span<const int32_t>(s.seq->tokens).subspan(s.seq->num_computed, s.num_tokens),
+                      s.seq->num_computed, s.seq->blocks,
+                      completes ? LlamaModel::Logits::kLast : LlamaModel::Logits::kNone});
+  }
+  logits_.clear();
+  RETURN_IF_ERROR(model_.Forward(inputs, pool_.get(), &logits_));
+
+  const ModelConfig& mc = model_.config();
+  int64_t logit_row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence* seq = batch[i].seq;
+    seq->num_computed += batch[i].num_tokens;
+    CommitFullBlocks(seq);
+    if (inputs[i].logits == LlamaModel::Logits::kNone) continue;
+    const int64_t position = static_cast<int64_t>(seq->tokens.size());
+    const int32_t token = SampleToken(&logits_[logit_row * mc.vocab_size], mc.vocab_size,
+                                      seq->req.sampling, position, &sample_scratch_);
+    ++logit_row;
+    seq->tokens.push_back(token);
+    StepOutput out;
+    out.id = seq->req.id;
+    out.new_tokens.push_back(token);
+    out.prompt_tokens = seq->num_prompt;
+    out.cached_prompt_tokens = std::max(0, seq->cached_prompt_tokens);
+    out.completion_tokens = static_cast<int32_t>(seq->tokens.size()) - seq->num_prompt;
+    if (!seq->req.sampling.ignore_eos && token == mc.eos_token_id) {
+      out.finish = FinishReason::kEos;
+    } else if (out.completion_tokens >= static_cast<int32_t>(seq->req.sampling.max_tokens) ||
+               static_cast<int32_t>(seq->tokens.size()) >= config_.max_model_len) {
+      out.finish = FinishReason::kLength;
+    }
+    outputs.push_back(std::move(out));
+  }
+  // Retire finished sequences after the loop: `batch` points into seqs_.
+  for (const StepOutput& out : outputs) {
+    if (out.finish == FinishReason::kNone || out.new_tokens.empty()) continue;
+    auto it = seqs_.find(out.id);
+    Sequence* seq = it->second.get();
+    ReleaseBlocks(seq);
+    running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+    seqs_.erase(it);
+  }
+  return outputs;
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s;
+  s.num_running = static_cast<int64_t>(running_.size());
+  s.num_waiting = static_cast<int64_t>(waiting_.size());
+  s.blocks_cached = blocks_.num_cached();
+  s.blocks_free = blocks_.num_free() - s.blocks_cached;
+  s.blocks_active = blocks_.num_active();
+  s.prefix_queried_tokens = prefix_queried_;
+  s.prefix_hit_tokens = prefix_hit_;
+  s.preemptions = preemptions_;
+  s.steps = steps_;
+  return s;
+}
+
+}  // namespace pdserve::engine

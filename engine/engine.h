@@ -1,0 +1,136 @@
+// The inference engine of one worker: a continuous-batching scheduler over a
+// paged, prefix-cached KV pool and a LlamaModel.
+//
+// Each Step() schedules under a token budget (running sequences first, then
+// waiting ones, with long prompts split into chunks), runs one forward pass,
+// samples, and reports new tokens. When blocks run out, the most recently
+// admitted running sequence is preempted: its blocks are released (full ones
+// stay in the prefix cache) and it is recomputed later. A request that could
+// never fit in the pool is refused up front with RESOURCE_EXHAUSTED.
+//
+// Not thread-safe: one engine thread owns the Engine (STYLE.md, threads);
+// services hand work to it through a queue.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "engine/block_manager.h"
+#include "engine/kv_cache.h"
+#include "engine/llama_model.h"
+#include "engine/sampling.h"
+#include "engine/weights.h"
+
+namespace pdserve::engine {
+
+struct EngineConfig {
+  int32_t block_size = 16;
+  DType kv_dtype = DType::kF32;
+  int64_t kv_cache_bytes = int64_t{256} << 20;
+  int32_t max_num_seqs = 64;              // running sequences at once
+  int32_t max_num_batched_tokens = 512;   // token budget per step (chunked prefill)
+  int32_t max_model_len = 0;              // 0: the model's max_position_embeddings
+  bool enable_prefix_caching = true;
+  kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;
+
+  absl::Status Validate() const;
+};
+
+enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled };
+const char* FinishReasonName(FinishReason r);  // "", "length", "stop", "eos", "cancelled"
+
+struct EngineRequest {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  std::string cache_salt;
+};
+
+struct StepOutput {
+  std::string id;
+  std::vector<int32_t> new_tokens;
+  FinishReason finish = FinishReason::kNone;
+  int32_t prompt_tokens = 0;
+  int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+  int32_t completion_tokens = 0;
+};
+
+struct EngineStats {
+  int64_t num_running = 0;
+  int64_t num_waiting = 0;
+  int64_t blocks_free = 0;    // never used or evicted
+  int64_t blocks_active = 0;  // referenced by a sequence
+  int64_t blocks_cached = 0;  // unreferenced but holding a cached prefix
+  int64_t prefix_queried_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t preemptions = 0;
+  int64_t steps = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
+      KvEventSink events = nullptr);
+
+  // INVALID_ARGUMENT for bad ids/params or prompt + max_tokens beyond
+  // max_model_len; ALREADY_EXISTS for a live duplicate id; RESOURCE_EXHAUSTED
+  // when the request could never fit in the whole pool.
+  absl::Status AddRequest(EngineRequest request);
+  // Ends a request; its final StepOutput (finish = kCancelled unless another
+  // reason is given) comes from the next Step(). Unknown ids are ignored.
+  void Abort(const std::string& id, FinishReason reason = FinishReason::kCancelled);
+  absl::StatusOr<std::vector<StepOutput>> Step();
+  bool HasWork() const { return !running_.empty() || !waiting_.empty() || !aborted_.empty(); }
+
+  EngineStats Stats() const;
+  const EngineConfig& config() const { return config_; }
+  const KvCacheSpec& kv_spec() const { return pool_->spec(); }
+  int32_t max_model_len() const { return config_.max_model_len; }
+  const LlamaModel& model() const { return model_; }
+  BlockManager& block_manager() { return blocks_; }
+
+ private:
+  struct Sequence {
+    EngineRequest req;
+    std::vector<int32_t> tokens;  // prompt then generated
+    int32_t num_prompt = 0;
+    int32_t num_computed = 0;     // tokens whose K/V are in the blocks
+    int32_t num_committed = 0;    // leading blocks registered in the prefix cache
+    int32_t cached_prompt_tokens = -1;  // set at first admission
+    std::vector<int32_t> blocks;
+    std::vector<BlockHash> hashes;  // of full blocks of `tokens`
+  };
+  struct Scheduled {
+    Sequence* seq;
+    int32_t num_tokens;
+  };
+
+  Engine(std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
+         std::unique_ptr<KvPool> pool, KvEventSink events);
+  int64_t BlocksFor(int64_t tokens) const;
+  bool TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens);
+  void Preempt(Sequence* seq);
+  void ReleaseBlocks(Sequence* seq);
+  void CommitFullBlocks(Sequence* seq);
+
+  EngineConfig config_;
+  std::unique_ptr<KvPool> pool_;
+  BlockManager blocks_;
+  LlamaModel model_;
+  ModelFingerprint fingerprint_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;  // in admission order
+  std::vector<std::pair<std::string, FinishReason>> aborted_;
+  std::vector<float> logits_;
+  std::vector<std::pair<float, int32_t>> sample_scratch_;
+  int64_t prefix_queried_ = 0, prefix_hit_ = 0, preemptions_ = 0, steps_ = 0;
+};
+
+}  // namespace pdserve::engine

@@ -1,0 +1,168 @@
+#include "engine/engine.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "engine/test_util.h"
+
+namespace pdserve::engine {
+namespace {
+
+class EngineTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Engine> Make(EngineConfig config = {}, KvEventSink sink = nullptr) {
+    auto e = Engine::Create(testing::TinyWeights(), config, std::move(sink));
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  }
+  static EngineRequest Req(const std::string& id, int len, int salt, uint32_t max_tokens,
+                           float temperature = 0.0f) {
+    EngineRequest r;
+    r.id = id;
+    for (int i = 0; i < len; ++i) r.prompt.push_back((i * 31 + salt * 17 + 3) % 256);
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.temperature = temperature;
+    r.sampling.seed = 1234 + salt;
+    r.sampling.ignore_eos = true;
+    return r;
+  }
+  // Runs to completion; returns generated tokens per request id.
+  static std::map<std::string, std::vector<int32_t>> Drain(Engine* e,
+                                                           std::map<std::string, StepOutput>* last = nullptr) {
+    std::map<std::string, std::vector<int32_t>> out;
+    for (int steps = 0; e->HasWork() && steps < 10000; ++steps) {
+      auto step = e->Step();
+      EXPECT_TRUE(step.ok()) << step.status();
+      for (auto& o : *step) {
+        auto& v = out[o.id];
+        v.insert(v.end(), o.new_tokens.begin(), o.new_tokens.end());
+        if (last && o.finish != FinishReason::kNone) (*last)[o.id] = o;
+      }
+    }
+    EXPECT_FALSE(e->HasWork());
+    return out;
+  }
+  static void ExpectNoLeaks(Engine* e) {
+    const EngineStats s = e->Stats();
+    EXPECT_EQ(s.blocks_active, 0);
+    EXPECT_EQ(s.blocks_free + s.blocks_cached, e->block_manager().num_blocks());
+  }
+};
+
+TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
+  // Each request alone...
+  std::map<std::string, std::vector<int32_t>> alone;
+  for (int i = 0; i < 4; ++i) {
+    auto e = Make();
+    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12, i % 2 ? 0.8f : 0.0f)).ok());
+    auto out = Drain(e.get());
+    alone.insert(out.begin(), out.end());
+  }
+  // ...equals all of them together, with a tiny token budget forcing chunking.
+  EngineConfig cfg;
+  cfg.max_num_batched_tokens = 7;
+  auto e = Make(cfg);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12, i % 2 ? 0.8f : 0.0f)).ok());
+  }
+  EXPECT_EQ(Drain(e.get()), alone);
+  ExpectNoLeaks(e.get());
+}
+
+TEST_F(EngineTest, PreemptionUnderMemoryPressureKeepsOutputsAndLeaksNothing) {
+  auto reference = Make();
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(reference->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
+  const auto expected = Drain(reference.get());
+  // 12 blocks of 16 tokens: 6 requests of 70 tokens need 30 blocks together.
+  EngineConfig cfg;
+  cfg.kv_cache_bytes = 12 * 16 * testing::TinyWeights()->config.num_layers * 2 *
+                       testing::TinyWeights()->config.num_kv_heads *
+                       testing::TinyWeights()->config.head_dim * 4;
+  auto e = Make(cfg);
+  ASSERT_EQ(e->block_manager().num_blocks(), 12);
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
+  EXPECT_EQ(Drain(e.get()), expected);
+  EXPECT_GT(e->Stats().preemptions, 0);
+  ExpectNoLeaks(e.get());
+}
+
+TEST_F(EngineTest, PrefixCacheHitsAreCountedAndDoNotChangeTokens) {
+  std::vector<KvEvent> events;
+  auto e = Make({}, [&](const KvEvent& ev) { events.push_back(ev); });
+  ASSERT_TRUE(e->AddRequest(Req("a", 50, 7, 5)).ok());
+  const auto first = Drain(e.get());
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events[0].type, KvEvent::Type::kStored);
+  EXPECT_EQ(events[0].seq, 1u);
+  ASSERT_TRUE(e->AddRequest(Req("b", 50, 7, 5)).ok());  // same prompt
+  std::map<std::string, StepOutput> last;
+  const auto second = Drain(e.get(), &last);
+  EXPECT_EQ(second.at("b"), first.at("a"));
+  EXPECT_EQ(last.at("b").cached_prompt_tokens, 48);  // 3 full blocks of 16
+  EXPECT_EQ(last.at("b").finish, FinishReason::kLength);
+  // A different cache salt never shares blocks.
+  auto salted = Req("c", 50, 7, 5);
+  salted.cache_salt = "tenant-x";
+  ASSERT_TRUE(e->AddRequest(salted).ok());
+  const auto third = Drain(e.get(), &last);
+  EXPECT_EQ(last.at("c").cached_prompt_tokens, 0);
+  EXPECT_EQ(third.at("c"), first.at("a"));
+  EXPECT_EQ(e->Stats().prefix_hit_tokens, 48);
+  EXPECT_EQ(e->Stats().prefix_queried_tokens, 150);
+  ExpectNoLeaks(e.get());
+}
+
+TEST_F(EngineTest, RejectsBadRequestsWithTheRightCodes) {
+  EngineConfig cfg;
+  cfg.kv_cache_bytes = 4 * 16 * 2 * 2 * 2 * 16 * 4;  // 4 blocks
+  auto e = Make(cfg);
+  EXPECT_EQ(e->AddRequest(Req("x", 0, 0, 4)).code(), absl::StatusCode::kInvalidArgument);
+  auto bad_tok = Req("x", 3, 0, 4);
+  bad_tok.prompt[1] = 5000;
+  EXPECT_EQ(e->AddRequest(bad_tok).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->AddRequest(Req("x", 2000, 0, 100)).code(), absl::StatusCode::kInvalidArgument);
+  auto never = e->AddRequest(Req("x", 60, 0, 10));  // 70 tokens > 64 slots
+  EXPECT_EQ(never.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(never.message()), ::testing::HasSubstr("can never"));
+  ASSERT_TRUE(e->AddRequest(Req("x", 3, 0, 4)).ok());
+  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 4)).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(EngineTest, AbortEndsTheRequestAndReleasesItsBlocks) {
+  auto e = Make();
+  ASSERT_TRUE(e->AddRequest(Req("a", 40, 1, 100)).ok());
+  ASSERT_TRUE(e->AddRequest(Req("b", 40, 2, 3)).ok());
+  ASSERT_TRUE(e->Step().ok());
+  e->Abort("a");
+  e->Abort("unknown");
+  std::map<std::string, StepOutput> last;
+  Drain(e.get(), &last);
+  EXPECT_EQ(last.at("a").finish, FinishReason::kCancelled);
+  EXPECT_EQ(last.at("b").finish, FinishReason::kLength);
+  ExpectNoLeaks(e.get());
+}
+
+TEST_F(EngineTest, StopsAtEosUnlessIgnored) {
+  auto weights = testing::TinyWeights();
+  // Find a prompt whose greedy continuation hits EOS within 200 tokens.
+  for (int salt = 0; salt < 50; ++salt) {
+    auto e = Make();
+    auto r = Req("e", 5, salt, 200);
+    r.sampling.ignore_eos = false;
+    r.sampling.temperature = 1.5f;
+    ASSERT_TRUE(e->AddRequest(r).ok());
+    std::map<std::string, StepOutput> last;
+    auto out = Drain(e.get(), &last);
+    if (last.at("e").finish == FinishReason::kEos) {
+      EXPECT_EQ(out.at("e").back(), weights->config.eos_token_id);
+      return;
+    }
+  }
+  GTEST_FAIL() << "no sampled continuation reached EOS";
+}
+
+}  // namespace
+}  // namespace pdserve::engine

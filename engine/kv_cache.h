@@ -1,0 +1,62 @@
+// The paged KV cache of one worker: its geometry (KvCacheSpec), the budget
+// arithmetic behind `pdserve kv-budget`, and the block storage (KvPool).
+//
+// Storage per layer follows kernels/cpu/paged_attention.h:
+//   [num_blocks][2 (K,V)][kv_heads][block_size][head_dim] of the KV dtype,
+// plus fp32 scales [num_blocks][2][kv_heads] for int8. One (layer, block) is
+// a contiguous span of BlockBytes() (+ scales), which KV transfer sends as is.
+// KvPool is owned by the worker's engine thread; it is not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "kernels/cpu/paged_attention.h"
+
+namespace pdserve::engine {
+
+struct KvCacheSpec {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = 16;  // tokens per block
+  DType dtype = DType::kF16;
+
+  absl::Status Validate() const;
+  // 2 x layers x kv_heads x head_dim x dtype bytes (scales excluded).
+  int64_t BytesPerToken() const;
+  // Per-(block, head, K/V) fp32 scales of all layers; 0 unless int8.
+  int64_t ScaleBytesPerBlock() const;
+  // All layers of one block, scales included.
+  int64_t BytesPerBlock() const;
+  // One layer of one block without scales: the unit of transfer.
+  int64_t LayerBlockBytes() const;
+  // Blocks that fit in `memory_bytes`.
+  int64_t BlocksForMemory(int64_t memory_bytes) const;
+  std::string DebugString() const;
+};
+
+class KvPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvCacheSpec& spec,
+                                                        int64_t num_blocks);
+  const KvCacheSpec& spec() const { return spec_; }
+  int64_t num_blocks() const { return num_blocks_; }
+  kernels::KvLayerView Layer(int layer);
+  // Raw (layer, block) span for transfer: data and, for int8, the scales.
+  uint8_t* LayerBlockData(int layer, int64_t block);
+  float* LayerBlockScales(int layer, int64_t block);  // nullptr unless int8
+
+ private:
+  KvPool(const KvCacheSpec& spec, int64_t num_blocks);
+  KvCacheSpec spec_;
+  int64_t num_blocks_;
+  std::vector<std::unique_ptr<uint8_t[]>> data_;  // per layer
+  std::vector<std::vector<float>> scales_;        // per layer, int8 only
+};
+
+}  // namespace pdserve::engine

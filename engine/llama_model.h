@@ -1,0 +1,52 @@
+// Forward pass of a Llama-family decoder over a batch of sequences whose
+// K/V live in a paged KvPool. Each sequence contributes a run of new tokens
+// (a prefill chunk or one decode token) at consecutive positions; their K/V
+// are written into the sequence's blocks and attention reads the whole
+// prefix through its block table.
+//
+// With MatMulMode::kDeterministic a token's hidden states and logits depend
+// only on its own sequence, never on what else is in the batch.
+// Not thread-safe (reuses scratch buffers); one instance per engine thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/kv_cache.h"
+#include "engine/weights.h"
+#include "kernels/cpu/matmul.h"
+
+namespace pdserve::engine {
+
+class LlamaModel {
+ public:
+  enum class Logits { kNone, kLast, kAll };
+  struct SeqInput {
+    std::span<const int32_t> tokens;  // new tokens of this step
+    int32_t start_pos = 0;            // position of tokens[0]
+    std::span<const int32_t> block_table;  // covers positions < start_pos + tokens.size()
+    Logits logits = Logits::kLast;
+  };
+
+  LlamaModel(std::shared_ptr<const ModelWeights> weights, kernels::MatMulMode mode);
+
+  const ModelConfig& config() const { return weights_->config; }
+  const ModelWeights& weights() const { return *weights_; }
+  // Runs the batch and appends logits rows [rows, vocab] in sequence order
+  // (one row per kLast sequence, one per token for kAll).
+  absl::Status Forward(std::span<const SeqInput> seqs, KvPool* pool, std::vector<float>* logits);
+
+ private:
+  std::shared_ptr<const ModelWeights> weights_;
+  kernels::MatMulMode mode_;
+  std::vector<float> inv_freq_;
+  // Scratch, grown as needed.
+  std::vector<float> residual_, normed_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_, rows_;
+  std::vector<int32_t> positions_;
+  std::vector<int64_t> slots_;
+};
+
+}  // namespace pdserve::engine

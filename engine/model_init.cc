@@ -1,0 +1,130 @@
+#include "engine/model_init.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "engine/safetensors.h"
+#include "engine/tokenizer.h"
+
+namespace pdserve::engine {
+namespace {
+
+// SplitMix64 + Box-Muller: fully specified here, so the weights do not depend
+// on the standard library's distribution implementations.
+class NormalGenerator {
+ public:
+  explicit NormalGenerator(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  float Next() {
+    const double u1 = (static_cast<double>(NextU64() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(NextU64() >> 11) * 0x1.0p-53;
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * M_PI * u2));
+  }
+
+ private:
+  uint64_t NextU64() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  uint64_t state_;
+};
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
+  ModelConfig c;
+  c.vocab_size = ByteTokenizer::kVocab;
+  c.bos_token_id = ByteTokenizer::kBos;
+  c.eos_token_id = ByteTokenizer::kEos;
+  c.rope_theta = 10000.0;
+  c.rms_norm_eps = 1e-5;
+  if (preset == "tiny") {
+    c.hidden_size = 64;
+    c.intermediate_size = 160;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 16;
+    c.max_position_embeddings = 2048;
+  } else if (preset == "small") {
+    c.hidden_size = 512;
+    c.intermediate_size = 1408;
+    c.num_layers = 8;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.head_dim = 64;
+    c.max_position_embeddings = 4096;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown preset \"", preset, "\" (choose tiny or small)"));
+  }
+  return c;
+}
+
+absl::Status WriteRandomModel(const ModelInitOptions& options) {
+  ASSIGN_OR_RETURN(ModelConfig c, PresetConfig(options.preset));
+  std::error_code ec;
+  std::filesystem::create_directories(options.out_dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(options.out_dir, ": cannot create directory: ", ec.message()));
+  }
+  NormalGenerator rng(options.seed);
+  // Keep storage alive until written: TensorToWrite points into it.
+  std::vector<std::vector<float>> storage;
+  std::vector<TensorToWrite> tensors;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, float std_dev, float mean) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(n);
+    for (auto& x : v) x = mean + std_dev * rng.Next();
+    storage.push_back(std::move(v));
+    tensors.push_back({name, options.weight_dtype, std::move(shape), nullptr});
+  };
+  const int64_t h = c.hidden_size, hd = c.head_dim;
+  // Scaled so activations stay O(1) and logits are decisive (few near-ties).
+  const float in_h = 1.0f / std::sqrt(static_cast<float>(h));
+  add("model.embed_tokens.weight", {c.vocab_size, h}, 1.0f, 0.0f);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    add(p + "input_layernorm.weight", {h}, 0.1f, 1.0f);
+    add(p + "self_attn.q_proj.weight", {c.num_heads * hd, h}, in_h, 0.0f);
+    add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
+    add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
+    add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
+        1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
+    add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
+    add(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, in_h, 0.0f);
+    add(p + "mlp.up_proj.weight", {c.intermediate_size, h}, in_h, 0.0f);
+    add(p + "mlp.down_proj.weight", {h, c.intermediate_size},
+        1.0f / std::sqrt(static_cast<float>(c.intermediate_size)), 0.0f);
+  }
+  add("model.norm.weight", {h}, 0.1f, 1.0f);
+  add("lm_head.weight", {c.vocab_size, h}, 2.0f * in_h, 0.0f);
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].values = storage[i].data();
+
+  const std::string dir = options.out_dir;
+  RETURN_IF_ERROR(WriteText(dir + "/config.json", c.ToJson()));
+  RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors));
+  RETURN_IF_ERROR(WriteText(dir + "/tokenizer.json", ByteTokenizer::TokenizerJson()));
+  RETURN_IF_ERROR(WriteText(dir + "/tokenizer_config.json", ByteTokenizer::TokenizerConfigJson()));
+  RETURN_IF_ERROR(WriteText(dir + "/generation_config.json",
+                            absl::StrCat("{\"bos_token_id\": ", c.bos_token_id,
+                                         ", \"eos_token_id\": ", c.eos_token_id, "}\n")));
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::engine

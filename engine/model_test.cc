@@ -1,0 +1,124 @@
+#include "engine/llama_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "engine/test_util.h"
+
+namespace pdserve::engine {
+namespace {
+
+using Logits = LlamaModel::Logits;
+
+class ModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    weights_ = testing::TinyWeights();
+    const auto& c = weights_->config;
+    spec_ = {static_cast<int32_t>(c.num_layers), static_cast<int32_t>(c.num_kv_heads),
+             static_cast<int32_t>(c.head_dim), 16, DType::kF32};
+    pool_ = std::move(*KvPool::Create(spec_, 64));
+  }
+  std::vector<int32_t> Prompt(int n, int salt = 0) {
+    std::vector<int32_t> t(n);
+    for (int i = 0; i < n; ++i) t[i] = (i * 37 + salt * 11 + 5) % 256;
+    return t;
+  }
+  std::vector<int32_t> Table(int first, int n) {
+    std::vector<int32_t> t(n);
+    std::iota(t.begin(), t.end(), first);
+    return t;
+  }
+  std::shared_ptr<const ModelWeights> weights_;
+  KvCacheSpec spec_;
+  std::unique_ptr<KvPool> pool_;
+};
+
+TEST_F(ModelTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
+  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  const auto prompt = Prompt(45);
+  auto table = Table(0, 3);
+  std::vector<float> cold, warm;
+  LlamaModel::SeqInput all{prompt, 0, table, Logits::kLast};
+  ASSERT_TRUE(model.Forward({&all, 1}, pool_.get(), &cold).ok());
+  // A second sequence shares the first two blocks (32 tokens) and computes
+  // only the suffix into its own third block.
+  std::vector<int32_t> table2 = {0, 1, 10};
+  LlamaModel::SeqInput suffix{std::span<const int32_t>(prompt).subspan(32), 32, table2, Logits::kLast};
+  ASSERT_TRUE(model.Forward({&suffix, 1}, pool_.get(), &warm).ok());
+  EXPECT_EQ(cold, warm);  // bit-identical, not just close
+}
+
+TEST_F(ModelTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
+  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  const auto a = Prompt(40, 1), b = Prompt(7, 2);
+  auto ta = Table(0, 4), tb = Table(20, 4);
+  // Reference: each prompt alone with all-position logits.
+  std::vector<float> ref_a, ref_b;
+  LlamaModel::SeqInput ia{a, 0, ta, Logits::kAll}, ib{b, 0, tb, Logits::kAll};
+  ASSERT_TRUE(model.Forward({&ia, 1}, pool_.get(), &ref_a).ok());
+  ASSERT_TRUE(model.Forward({&ib, 1}, pool_.get(), &ref_b).ok());
+  // Now: a in chunks of 13, b one token at a time, batched together.
+  const int64_t v = weights_->config.vocab_size;
+  std::vector<float> got_a, got_b;
+  int pa = 0, pb = 0;
+  while (pa < 40 || pb < 7) {
+    std::vector<LlamaModel::SeqInput> batch;
+    const int na = std::min(13, 40 - pa);
+    if (na > 0) batch.push_back({std::span<const int32_t>(a).subspan(pa, na), pa, ta, Logits::kAll});
+    if (pb < 7) batch.push_back({std::span<const int32_t>(b).subspan(pb, 1), pb, tb, Logits::kAll});
+    std::vector<float> out;
+    ASSERT_TRUE(model.Forward(batch, pool_.get(), &out).ok());
+    got_a.insert(got_a.end(), out.begin(), out.begin() + na * v);
+    if (pb < 7) got_b.insert(got_b.end(), out.begin() + na * v, out.end());
+    pa += na;
+    pb += pb < 7;
+  }
+  EXPECT_EQ(got_a, ref_a);
+  EXPECT_EQ(got_b, ref_b);
+}
+
+TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {
+  LlamaModel det(weights_, kernels::MatMulMode::kDeterministic);
+  LlamaModel blas(weights_, kernels::MatMulMode::kBlas);
+  const auto prompt = Prompt(50);
+  auto table = Table(0, 4);
+  std::vector<float> a, b;
+  LlamaModel::SeqInput in{prompt, 0, table, Logits::kAll};
+  ASSERT_TRUE(det.Forward({&in, 1}, pool_.get(), &a).ok());
+  ASSERT_TRUE(blas.Forward({&in, 1}, pool_.get(), &b).ok());
+  double max_abs = 0, max_ref = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    max_abs = std::max(max_abs, std::fabs(double(a[i]) - b[i]));
+    max_ref = std::max(max_ref, std::fabs(double(a[i])));
+  }
+  EXPECT_LT(max_abs / max_ref, 1e-4);
+  // Quantised KV caches: relative error of the logits stays bounded.
+  for (auto [dtype, tol] : {std::pair{DType::kF16, 5e-3}, {DType::kBF16, 3e-2}, {DType::kI8, 6e-2}}) {
+    KvCacheSpec spec = spec_;
+    spec.dtype = dtype;
+    auto pool = std::move(*KvPool::Create(spec, 8));
+    std::vector<float> q;
+    ASSERT_TRUE(det.Forward({&in, 1}, pool.get(), &q).ok());
+    double err = 0;
+    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, std::fabs(double(a[i]) - q[i]));
+    EXPECT_LT(err / max_ref, tol) << DTypeName(dtype);
+  }
+}
+
+TEST_F(ModelTest, RejectsOutOfVocabularyTokensAndMissingBlocks) {
+  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  std::vector<int32_t> bad = {1, 100000};
+  auto table = Table(0, 1);
+  std::vector<float> out;
+  LlamaModel::SeqInput in{bad, 0, table, Logits::kLast};
+  EXPECT_EQ(model.Forward({&in, 1}, pool_.get(), &out).code(), absl::StatusCode::kInvalidArgument);
+  const auto long_prompt = Prompt(40);
+  LlamaModel::SeqInput in2{long_prompt, 0, table, Logits::kLast};
+  EXPECT_EQ(model.Forward({&in2, 1}, pool_.get(), &out).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pdserve::engine

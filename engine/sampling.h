@@ -1,0 +1,45 @@
+// Token sampling. Randomness comes from a counter-based RNG (Philox4x32-10)
+// keyed by (seed, position of the token being sampled), never by worker or
+// batch state, so the same request yields the same tokens on every path
+// (ARCHITECTURE.md, equivalence contract). Stateless and thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace pdserve::engine {
+
+struct SamplingParams {
+  uint32_t max_tokens = 16;
+  float temperature = 0.0f;  // 0 = greedy
+  float top_p = 1.0f;        // (0, 1]; 0 is treated as 1
+  uint32_t top_k = 0;        // 0 = off
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+
+  // INVALID_ARGUMENT for max_tokens 0, temperature outside [0, 100], top_p
+  // outside [0, 1], NaNs, or empty stop strings.
+  absl::Status Validate() const;
+};
+
+// Philox4x32 with 10 rounds (Salmon et al., SC'11).
+std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> counter,
+                                   std::array<uint32_t, 2> key);
+
+// Uniform float in [0, 1) for (seed, position): 24 random bits.
+float UniformForPosition(uint64_t seed, int64_t position);
+
+// Picks the next token from fp32 logits [vocab]. Greedy takes the first
+// maximum. Otherwise: logits / temperature, keep the top_k largest (ties by
+// lower id), softmax, keep the smallest prefix in (prob desc, id asc) order
+// whose mass reaches top_p, and invert the CDF at UniformForPosition.
+// `scratch` avoids allocation per call.
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
+                    int64_t position, std::vector<std::pair<float, int32_t>>* scratch);
+
+}  // namespace pdserve::engine

@@ -1,0 +1,87 @@
+#include "engine/sampling.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+namespace pdserve::engine {
+namespace {
+
+class SamplingTest : public ::testing::Test {
+ protected:
+  int32_t Sample(const std::vector<float>& logits, const SamplingParams& p, int64_t pos) {
+    return SampleToken(logits.data(), static_cast<int64_t>(logits.size()), p, pos, &scratch_);
+  }
+  std::vector<std::pair<float, int32_t>> scratch_;
+};
+
+TEST_F(SamplingTest, PhiloxMatchesPublishedKnownAnswers) {
+  // Random123 kat_vectors for philox4x32_10.
+  EXPECT_EQ(Philox4x32({0, 0, 0, 0}, {0, 0}),
+            (std::array<uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(Philox4x32({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),
+            (std::array<uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(Philox4x32({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
+            (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+}
+
+TEST_F(SamplingTest, GreedyAndDegenerateFiltersTakeTheArgmax) {
+  const std::vector<float> logits = {0.1f, 2.0f, 2.0f, -1.0f};
+  SamplingParams p;
+  EXPECT_EQ(Sample(logits, p, 0), 1);  // first maximum
+  p.temperature = 1.0f;
+  p.top_k = 1;
+  EXPECT_EQ(Sample(logits, p, 5), 1);
+  p.top_k = 0;
+  p.top_p = 1e-6f;
+  EXPECT_EQ(Sample(logits, p, 5), 1);
+}
+
+TEST_F(SamplingTest, SameSeedAndPositionGiveTheSameTokenAndFollowTheDistribution) {
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, 3.0f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.seed = 42;
+  std::map<int32_t, int> counts;
+  for (int64_t pos = 0; pos < 20000; ++pos) {
+    const int32_t t = Sample(logits, p, pos);
+    EXPECT_EQ(t, Sample(logits, p, pos));
+    ++counts[t];
+  }
+  // softmax(0,1,2,3) = 0.032, 0.087, 0.237, 0.644
+  EXPECT_NEAR(counts[3] / 20000.0, 0.644, 0.02);
+  EXPECT_NEAR(counts[0] / 20000.0, 0.032, 0.01);
+  p.top_k = 2;  // only ids 2 and 3 remain: 0.269 / 0.731
+  counts.clear();
+  for (int64_t pos = 0; pos < 20000; ++pos) ++counts[Sample(logits, p, pos)];
+  EXPECT_EQ(counts[0] + counts[1], 0);
+  EXPECT_NEAR(counts[2] / 20000.0, 0.269, 0.02);
+  p.seed = 43;  // another seed changes the stream
+  int differ = 0;
+  SamplingParams q = p;
+  q.seed = 42;
+  for (int64_t pos = 0; pos < 200; ++pos) differ += Sample(logits, p, pos) != Sample(logits, q, pos);
+  EXPECT_GT(differ, 20);
+}
+
+TEST_F(SamplingTest, ValidateRejectsOutOfRangeParameters) {
+  SamplingParams p;
+  EXPECT_TRUE(p.Validate().ok());
+  p.max_tokens = 0;
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.temperature = -1;
+  EXPECT_FALSE(p.Validate().ok());
+  p.temperature = 101;
+  EXPECT_FALSE(p.Validate().ok());
+  p = {};
+  p.top_p = 1.5f;
+  EXPECT_FALSE(p.Validate().ok());
+  p = {};
+  p.stop = {""};
+  EXPECT_FALSE(p.Validate().ok());
+}
+
+}  // namespace
+}  // namespace pdserve::engine
