@@ -1,0 +1,35 @@
+// The `pdserve` command-line front end: one binary, many subcommands.
+// Each subcommand is a function taking its own argv (flags already parsed
+// into ABSL_FLAGs, which live only in cli/) and returning an exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace pdserve::cli {
+
+struct Command {
+  const char* name;     // "model init", "generate", ...
+  const char* summary;  // one line for `pdserve --help`
+  std::string usage;    // full text for `pdserve NAME --help`
+  int (*run)(const std::vector<std::string>& positional);
+};
+
+const std::vector<Command>& AllCommands();
+
+// Prints "pdserve: error: <message>" to stderr and returns the exit code for
+// the status (2 for invalid arguments, 1 otherwise).
+int ReportError(const absl::Status& status);
+
+// Engine options shared by generate, model logits and bench engine.
+struct EngineFlags;
+
+int RunModelInit(const std::vector<std::string>& args);
+int RunModelLogits(const std::vector<std::string>& args);
+int RunGenerate(const std::vector<std::string>& args);
+int RunKvBudget(const std::vector<std::string>& args);
+int RunBenchEngine(const std::vector<std::string>& args);
+
+}  // namespace pdserve::cli

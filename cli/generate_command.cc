@@ -1,0 +1,113 @@
+// `pdserve generate --model DIR`: the in-process reference path. Streams
+// exactly the generated text to stdout (or JSON with --json).
+#include <cstdio>
+#include <memory>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/json.h"
+#include "engine/engine.h"
+#include "engine/tokenizer.h"
+#include "engine/weights.h"
+
+ABSL_FLAG(std::string, prompt, "", "prompt text");
+ABSL_FLAG(uint32_t, max_tokens, 16, "maximum tokens to generate");
+ABSL_FLAG(float, temperature, 0.0f, "sampling temperature (0 = greedy)");
+ABSL_FLAG(float, top_p, 1.0f, "nucleus sampling mass in (0, 1]");
+ABSL_FLAG(uint32_t, top_k, 0, "keep the k most likely tokens (0 = off)");
+ABSL_FLAG(std::string, stop, "", "stop string (repeatable)");
+ABSL_FLAG(bool, ignore_eos, false, "keep generating after EOS");
+ABSL_FLAG(std::string, cache_salt, "", "prefix-cache isolation salt");
+ABSL_DECLARE_FLAG(uint64_t, seed);
+
+namespace pdserve::cli {
+
+engine::SamplingParams SamplingParamsFromFlags() {
+  engine::SamplingParams p;
+  p.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  p.temperature = absl::GetFlag(FLAGS_temperature);
+  p.top_p = absl::GetFlag(FLAGS_top_p);
+  p.top_k = absl::GetFlag(FLAGS_top_k);
+  p.seed = absl::GetFlag(FLAGS_seed);
+  p.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
+  if (!absl::GetFlag(FLAGS_stop).empty()) {
+    p.stop = absl::StrSplit(absl::GetFlag(FLAGS_stop), '\x1f');
+  }
+  return p;
+}
+
+int RunGenerate(const std::vector<std::string>&) {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model DIR is required"));
+  auto config = EngineConfigFromFlags();
+  if (!config.ok()) return ReportError(config.status());
+  engine::SamplingParams sampling = SamplingParamsFromFlags();
+  if (auto s = sampling.Validate(); !s.ok()) return ReportError(s);
+  auto tokenizer = engine::Tokenizer::Load(dir);
+  if (!tokenizer.ok()) return ReportError(tokenizer.status());
+  auto weights = engine::ModelWeights::Load(dir);
+  if (!weights.ok()) return ReportError(weights.status());
+  auto engine = engine::Engine::Create(std::make_shared<const engine::ModelWeights>(std::move(*weights)),
+                                       *config);
+  if (!engine.ok()) return ReportError(engine.status());
+
+  engine::EngineRequest req;
+  req.id = "local-0";
+  req.prompt = (*tokenizer)->Encode(absl::GetFlag(FLAGS_prompt));
+  req.sampling = sampling;
+  req.cache_salt = absl::GetFlag(FLAGS_cache_salt);
+  const bool as_json = absl::GetFlag(FLAGS_json);
+  if (auto s = (*engine)->AddRequest(req); !s.ok()) return ReportError(s);
+
+  engine::TextStream text(tokenizer->get(), sampling.stop);
+  std::vector<int32_t> ids;
+  std::string all_text;
+  engine::StepOutput last;
+  auto emit = [&](const std::string& t) {
+    all_text += t;
+    if (!as_json && !t.empty()) {
+      std::fwrite(t.data(), 1, t.size(), stdout);
+      std::fflush(stdout);
+    }
+  };
+  bool done = false;
+  while (!done) {
+    auto step = (*engine)->Step();
+    if (!step.ok()) return ReportError(step.status());
+    for (const auto& out : *step) {
+      ids.insert(ids.end(), out.new_tokens.begin(), out.new_tokens.end());
+      last.prompt_tokens = std::max(last.prompt_tokens, out.prompt_tokens);
+      last.cached_prompt_tokens = std::max(last.cached_prompt_tokens, out.cached_prompt_tokens);
+      last.completion_tokens = static_cast<int32_t>(ids.size());
+      auto delta = text.Push(out.new_tokens);
+      emit(delta.text);
+      if (delta.stopped) {
+        (*engine)->Abort(req.id, engine::FinishReason::kStop);
+        last.finish = engine::FinishReason::kStop;
+      } else if (out.finish != engine::FinishReason::kNone) {
+        if (last.finish == engine::FinishReason::kNone) last.finish = out.finish;
+        emit(text.Finish().text);
+        done = true;
+      }
+    }
+    if (!(*engine)->HasWork()) done = true;
+  }
+  if (as_json) {
+    std::string id_list;
+    for (size_t i = 0; i < ids.size(); ++i) absl::StrAppend(&id_list, i ? "," : "", ids[i]);
+    std::printf("{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, \"finish_reason\": \"%s\", "
+                "\"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %zu, "
+                "\"cached_prompt_tokens\": %d}}\n",
+                json::Quote(req.id).c_str(), id_list.c_str(), json::Quote(all_text).c_str(),
+                engine::FinishReasonName(last.finish), static_cast<int>(req.prompt.size()), ids.size(),
+                last.cached_prompt_tokens);
+  } else {
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace pdserve::cli

@@ -1,0 +1,89 @@
+// pdserve: one binary with subcommands (ARCHITECTURE.md, command line).
+#include <cstdio>
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+void PrintTopUsage(FILE* out) {
+  std::fprintf(out, "usage: pdserve COMMAND [FLAGS]\n\ncommands:\n");
+  for (const Command& c : AllCommands()) std::fprintf(out, "  %-16s %s\n", c.name, c.summary);
+  std::fprintf(out, "\n`pdserve COMMAND --help` describes a command's flags.\n");
+}
+
+}  // namespace
+
+int Main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    PrintTopUsage(args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  // Longest match: "model init" before "model".
+  const Command* cmd = nullptr;
+  size_t words = 0;
+  for (const Command& c : AllCommands()) {
+    std::vector<std::string> parts = absl::StrSplit(c.name, ' ');
+    if (parts.size() > args.size() || parts.size() <= words) continue;
+    if (std::equal(parts.begin(), parts.end(), args.begin())) {
+      cmd = &c;
+      words = parts.size();
+    }
+  }
+  if (cmd == nullptr) {
+    std::fprintf(stderr, "pdserve: unknown command \"%s\"\n\n", absl::StrJoin(args, " ").c_str());
+    PrintTopUsage(stderr);
+    return 2;
+  }
+  std::vector<std::string> rest(args.begin() + words, args.end());
+  for (const std::string& a : rest) {
+    if (a == "--help" || a == "-h" || a == "--helpfull") {
+      std::printf("usage: pdserve %s\n", cmd->usage.c_str());
+      return 0;
+    }
+  }
+  // Contract flags use dashes (--max-tokens); Abseil flag names use underscores.
+  // --stop may repeat: the occurrences are joined with \x1f into one value.
+  std::vector<std::string> stops, others;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (rest[i] == "--stop" && i + 1 < rest.size()) {
+      stops.push_back(rest[++i]);
+    } else if (rest[i].rfind("--stop=", 0) == 0) {
+      stops.push_back(rest[i].substr(7));
+    } else {
+      others.push_back(rest[i]);
+    }
+  }
+  if (!stops.empty()) others.push_back("--stop=" + absl::StrJoin(stops, "\x1f"));
+  std::vector<std::string> translated = {std::string("pdserve ") + cmd->name};
+  for (const std::string& a : others) {
+    if (a.rfind("--", 0) == 0) {
+      const size_t eq = a.find('=');
+      std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      std::replace(name.begin(), name.end(), '-', '_');
+      translated.push_back("--" + name + (eq == std::string::npos ? "" : a.substr(eq)));
+    } else {
+      translated.push_back(a);
+    }
+  }
+  std::vector<char*> cargv;
+  for (auto& s : translated) cargv.push_back(s.data());
+  absl::SetProgramUsageMessage(std::string("pdserve ") + cmd->usage);
+  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(cargv.size()), cargv.data());
+  std::vector<std::string> pos;
+  for (size_t i = 1; i < positional.size(); ++i) pos.emplace_back(positional[i]);
+  return cmd->run(pos);
+}
+
+}  // namespace pdserve::cli
+
+int main(int argc, char** argv) { return pdserve::cli::Main(argc, argv); }

@@ -1,0 +1,145 @@
+// `pdserve model init`, `pdserve model logits` and `pdserve kv-budget`.
+#include <cstdio>
+#include <memory>
+#include <numeric>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/json.h"
+#include "engine/kv_cache.h"
+#include "engine/llama_model.h"
+#include "engine/model_init.h"
+#include "engine/weights.h"
+#include "kernels/cpu/matmul.h"
+
+ABSL_FLAG(std::string, preset, "small", "model preset: tiny or small");
+ABSL_FLAG(std::string, out, "", "output directory");
+ABSL_FLAG(uint64_t, seed, 0, "random seed (weights for model init; sampling for generate)");
+ABSL_FLAG(std::string, dtype, "", "storage dtype (model init: fp32|fp16|bf16; kv-budget: KV dtype)");
+ABSL_FLAG(std::string, tokens, "",
+          "model logits: comma-separated token ids; kv-budget: a token count");
+ABSL_FLAG(bool, all_positions, false, "print logits for every position");
+ABSL_FLAG(int64_t, layers, 0, "number of layers");
+ABSL_FLAG(int64_t, kv_heads, 0, "number of KV heads");
+ABSL_FLAG(int64_t, head_dim, 0, "head dimension");
+ABSL_FLAG(std::string, memory, "", "memory budget in bytes (suffixes KiB, MiB, GiB allowed)");
+
+namespace pdserve::cli {
+
+int RunModelInit(const std::vector<std::string>&) {
+  engine::ModelInitOptions opts;
+  opts.preset = absl::GetFlag(FLAGS_preset);
+  opts.out_dir = absl::GetFlag(FLAGS_out);
+  opts.seed = absl::GetFlag(FLAGS_seed);
+  if (opts.out_dir.empty()) return ReportError(absl::InvalidArgumentError("--out is required"));
+  const std::string dt = absl::GetFlag(FLAGS_dtype).empty() ? "fp32" : absl::GetFlag(FLAGS_dtype);
+  auto dtype = ParseDType(dt);
+  if (!dtype || *dtype == DType::kI8) {
+    return ReportError(absl::InvalidArgumentError("--dtype must be fp32, fp16 or bf16"));
+  }
+  opts.weight_dtype = *dtype;
+  if (auto s = engine::WriteRandomModel(opts); !s.ok()) return ReportError(s);
+  std::fprintf(stderr, "pdserve: wrote %s model (seed %llu) to %s\n", opts.preset.c_str(),
+               static_cast<unsigned long long>(opts.seed), opts.out_dir.c_str());
+  return 0;
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t v;
+    if (!absl::SimpleAtoi(part, &v) || v < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokens: \"", part, "\" is not a token id"));
+    }
+    ids.push_back(v);
+  }
+  if (ids.empty()) return absl::InvalidArgumentError("--tokens needs at least one token id");
+  return ids;
+}
+
+int RunModelLogits(const std::vector<std::string>&) {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model is required"));
+  auto tokens = ParseTokenList(absl::GetFlag(FLAGS_tokens));
+  if (!tokens.ok()) return ReportError(tokens.status());
+  kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
+  auto weights = engine::ModelWeights::Load(dir);
+  if (!weights.ok()) return ReportError(weights.status());
+  auto shared = std::make_shared<const engine::ModelWeights>(std::move(*weights));
+  const auto& c = shared->config;
+  if (static_cast<int64_t>(tokens->size()) > c.max_position_embeddings) {
+    return ReportError(absl::InvalidArgumentError("more tokens than max_position_embeddings"));
+  }
+  // fp32 KV: this command is the accuracy reference.
+  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers), static_cast<int32_t>(c.num_kv_heads),
+                           static_cast<int32_t>(c.head_dim), 16, DType::kF32};
+  const int64_t blocks = (static_cast<int64_t>(tokens->size()) + 15) / 16;
+  auto pool = engine::KvPool::Create(spec, blocks);
+  if (!pool.ok()) return ReportError(pool.status());
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  engine::LlamaModel model(shared, kernels::MatMulMode::kDeterministic);
+  const bool all = absl::GetFlag(FLAGS_all_positions);
+  engine::LlamaModel::SeqInput in{*tokens, 0, table,
+                                  all ? engine::LlamaModel::Logits::kAll : engine::LlamaModel::Logits::kLast};
+  std::vector<float> logits;
+  if (auto s = model.Forward({&in, 1}, pool->get(), &logits); !s.ok()) return ReportError(s);
+  std::string out = "{\"logits\": ";
+  if (all) {
+    out += "[";
+    for (size_t p = 0; p < tokens->size(); ++p) {
+      if (p) out += ", ";
+      out += json::FloatArray(&logits[p * c.vocab_size], c.vocab_size);
+    }
+    out += "]";
+  } else {
+    out += json::FloatArray(logits.data(), c.vocab_size);
+  }
+  out += "}\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
+
+int RunKvBudget(const std::vector<std::string>&) {
+  engine::KvCacheSpec spec;
+  spec.num_layers = static_cast<int32_t>(absl::GetFlag(FLAGS_layers));
+  spec.num_kv_heads = static_cast<int32_t>(absl::GetFlag(FLAGS_kv_heads));
+  spec.head_dim = static_cast<int32_t>(absl::GetFlag(FLAGS_head_dim));
+  spec.block_size = absl::GetFlag(FLAGS_block_size);
+  const std::string dt = absl::GetFlag(FLAGS_dtype).empty() ? "fp16" : absl::GetFlag(FLAGS_dtype);
+  auto dtype = ParseDType(dt);
+  if (!dtype) return ReportError(absl::InvalidArgumentError("--dtype must be fp32, bf16, fp16 or int8"));
+  spec.dtype = *dtype;
+  if (auto s = spec.Validate(); !s.ok()) return ReportError(s);
+  std::string out = absl::StrCat("{\"layers\": ", spec.num_layers, ", \"kv_heads\": ", spec.num_kv_heads,
+                                 ", \"head_dim\": ", spec.head_dim, ", \"dtype\": \"", DTypeName(spec.dtype),
+                                 "\", \"block_size\": ", spec.block_size,
+                                 ", \"bytes_per_token\": ", spec.BytesPerToken(),
+                                 ", \"bytes_per_block\": ", spec.BytesPerBlock());
+  int64_t tokens = 0;
+  if (!absl::GetFlag(FLAGS_tokens).empty() &&
+      (!absl::SimpleAtoi(absl::GetFlag(FLAGS_tokens), &tokens) || tokens <= 0)) {
+    return ReportError(absl::InvalidArgumentError("--tokens must be a positive token count"));
+  }
+  if (tokens > 0) {
+    const int64_t blocks = (tokens + spec.block_size - 1) / spec.block_size;
+    absl::StrAppend(&out, ", \"tokens\": ", tokens, ", \"bytes\": ", tokens * spec.BytesPerToken(),
+                    ", \"blocks\": ", blocks, ", \"block_bytes\": ", blocks * spec.BytesPerBlock());
+  }
+  if (!absl::GetFlag(FLAGS_memory).empty()) {
+    auto mem = ParseBytes(absl::GetFlag(FLAGS_memory));
+    if (!mem.ok()) return ReportError(mem.status());
+    const int64_t fit = spec.BlocksForMemory(*mem);
+    absl::StrAppend(&out, ", \"memory\": ", *mem, ", \"blocks_fit\": ", fit,
+                    ", \"tokens_fit\": ", fit * spec.block_size);
+  }
+  out += "}\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
+
+}  // namespace pdserve::cli
