@@ -71,7 +71,7 @@ int64_t Engine::BlocksFor(int64_t tokens) const {
   return (tokens + config_.block_size - 1) / config_.block_size;
 }
 
-absl::Status Engine::AddRequest(EngineRequest request) {
+absl::Status Engine::Validate(const EngineRequest& request) const {
   const ModelConfig& mc = model_.config();
   if (request.prompt.empty()) return absl::InvalidArgumentError("prompt has no tokens");
   for (int32_t t : request.prompt) {
@@ -96,6 +96,12 @@ absl::Status Engine::AddRequest(EngineRequest request) {
   if (seqs_.count(request.id)) {
     return absl::AlreadyExistsError(absl::StrCat("request id \"", request.id, "\" is in use"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::AddRequest(EngineRequest request) {
+  RETURN_IF_ERROR(Validate(request));
+  const int64_t prompt = static_cast<int64_t>(request.prompt.size());
   auto seq = std::make_unique<Sequence>();
   seq->tokens = request.prompt;
   seq->num_prompt = static_cast<int32_t>(prompt);
@@ -109,14 +115,20 @@ void Engine::Abort(const std::string& id, FinishReason reason) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return;
   Sequence* seq = it->second.get();
-  ReleaseBlocks(seq);
+  ReleaseSequenceBlocks(seq);
+  reserved_.erase(id);
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   aborted_.emplace_back(id, reason);
   seqs_.erase(it);
 }
 
-void Engine::ReleaseBlocks(Sequence* seq) {
+void Engine::ReleaseBlocks(std::span<const int32_t> blocks) {
+  std::vector<int32_t> reversed(blocks.rbegin(), blocks.rend());
+  blocks_.Release(reversed);
+}
+
+void Engine::ReleaseSequenceBlocks(Sequence* seq) {
   // Tail first, so the LRU evicts a sequence's suffix before its prefix.
   std::vector<int32_t> reversed(seq->blocks.rbegin(), seq->blocks.rend());
   blocks_.Release(reversed);
@@ -126,7 +138,7 @@ void Engine::ReleaseBlocks(Sequence* seq) {
 }
 
 void Engine::Preempt(Sequence* seq) {
-  ReleaseBlocks(seq);
+  ReleaseSequenceBlocks(seq);
   ++preemptions_;
 }
 
@@ -255,24 +267,90 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     out.prompt_tokens = seq->num_prompt;
     out.cached_prompt_tokens = std::max(0, seq->cached_prompt_tokens);
     out.completion_tokens = static_cast<int32_t>(seq->tokens.size()) - seq->num_prompt;
-    if (!seq->req.sampling.ignore_eos && token == mc.eos_token_id) {
-      out.finish = FinishReason::kEos;
-    } else if (out.completion_tokens >= static_cast<int32_t>(seq->req.sampling.max_tokens) ||
-               static_cast<int32_t>(seq->tokens.size()) >= config_.max_model_len) {
-      out.finish = FinishReason::kLength;
-    }
+    out.finish = CheckFinish(*seq);
     outputs.push_back(std::move(out));
   }
   // Retire finished sequences after the loop: `batch` points into seqs_.
-  for (const StepOutput& out : outputs) {
+  for (StepOutput& out : outputs) {
     if (out.finish == FinishReason::kNone || out.new_tokens.empty()) continue;
     auto it = seqs_.find(out.id);
     Sequence* seq = it->second.get();
-    ReleaseBlocks(seq);
+    if (seq->req.hold_blocks_on_finish) {
+      out.held_blocks = std::move(seq->blocks);
+      seq->blocks.clear();
+    } else {
+      ReleaseSequenceBlocks(seq);
+    }
     running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
     seqs_.erase(it);
   }
   return outputs;
+}
+
+FinishReason Engine::CheckFinish(const Sequence& seq) const {
+  const int32_t token = seq.tokens.back();
+  const int32_t completion = static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
+  if (!seq.req.sampling.ignore_eos && token == model_.config().eos_token_id) return FinishReason::kEos;
+  if (completion >= static_cast<int32_t>(seq.req.sampling.max_tokens) ||
+      static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {
+    return FinishReason::kLength;
+  }
+  return FinishReason::kNone;
+}
+
+absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
+  RETURN_IF_ERROR(Validate(request));
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = request.prompt;
+  seq->num_prompt = static_cast<int32_t>(seq->tokens.size());
+  seq->req = std::move(request);
+  std::vector<int32_t> hits;
+  if (config_.enable_prefix_caching) {
+    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens, config_.block_size, &seq->hashes);
+    hits = blocks_.Lookup(seq->hashes);
+  }
+  const int64_t need = BlocksFor(seq->num_prompt) - static_cast<int64_t>(hits.size());
+  int64_t hits_idle = 0;
+  for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
+  if (need + hits_idle > blocks_.num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: need ", need + hits_idle, " free blocks, have ", blocks_.num_free()));
+  }
+  blocks_.Acquire(hits);
+  seq->blocks = hits;
+  blocks_.Allocate(need, &seq->blocks);
+  seq->num_committed = static_cast<int32_t>(hits.size());
+  seq->cached_prompt_tokens = std::min(seq->num_prompt, static_cast<int32_t>(hits.size()) * config_.block_size);
+  prefix_queried_ += seq->num_prompt;
+  prefix_hit_ += seq->cached_prompt_tokens;
+  Reservation r{seq->blocks, static_cast<int32_t>(hits.size())};
+  reserved_[seq->req.id] = seq.get();
+  seqs_.emplace(seq->req.id, std::move(seq));
+  return r;
+}
+
+absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id, int32_t first_token) {
+  auto it = reserved_.find(id);
+  if (it == reserved_.end()) {
+    return absl::NotFoundError(absl::StrCat("no reservation for request \"", id, "\""));
+  }
+  Sequence* seq = it->second;
+  reserved_.erase(it);
+  if (first_token < 0 || first_token >= model_.config().vocab_size) {
+    Abort(id);
+    return absl::InvalidArgumentError(absl::StrCat("first token ", first_token, " is outside the vocabulary"));
+  }
+  seq->num_computed = seq->num_prompt;
+  CommitFullBlocks(seq);
+  seq->tokens.push_back(first_token);
+  const FinishReason finish = CheckFinish(*seq);
+  if (finish != FinishReason::kNone) {
+    ReleaseSequenceBlocks(seq);
+    seqs_.erase(id);
+    return finish;
+  }
+  running_.push_back(seq);
+  return FinishReason::kNone;
 }
 
 EngineStats Engine::Stats() const {
@@ -286,6 +364,9 @@ EngineStats Engine::Stats() const {
   s.prefix_hit_tokens = prefix_hit_;
   s.preemptions = preemptions_;
   s.steps = steps_;
+  s.num_reserved = static_cast<int64_t>(reserved_.size());
+  for (const Sequence* seq : waiting_) s.queued_prefill_tokens += seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
+  for (const Sequence* seq : running_) s.queued_prefill_tokens += seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
   return s;
 }
 

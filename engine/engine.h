@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,10 @@ struct EngineRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   std::string cache_salt;
+  // Prefill workers: when the request finishes, keep its blocks referenced
+  // and hand them to the caller (StepOutput::held_blocks) so their KV can be
+  // sent; the caller returns them with ReleaseBlocks().
+  bool hold_blocks_on_finish = false;
 };
 
 struct StepOutput {
@@ -58,6 +63,15 @@ struct StepOutput {
   int32_t prompt_tokens = 0;
   int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
   int32_t completion_tokens = 0;
+  std::vector<int32_t> held_blocks;  // see EngineRequest::hold_blocks_on_finish
+};
+
+// Blocks reserved on a decode worker for a prompt whose KV another worker
+// computes. Leading `cached_blocks` came from this worker's own prefix cache
+// and need no transfer.
+struct Reservation {
+  std::vector<int32_t> blocks;  // one per ceil(prompt / block_size)
+  int32_t cached_blocks = 0;
 };
 
 struct EngineStats {
@@ -70,6 +84,8 @@ struct EngineStats {
   int64_t prefix_hit_tokens = 0;
   int64_t preemptions = 0;
   int64_t steps = 0;
+  int64_t num_reserved = 0;          // awaiting remote KV
+  int64_t queued_prefill_tokens = 0; // prompt tokens admitted but not yet computed
 };
 
 class Engine {
@@ -86,7 +102,20 @@ class Engine {
   // reason is given) comes from the next Step(). Unknown ids are ignored.
   void Abort(const std::string& id, FinishReason reason = FinishReason::kCancelled);
   absl::StatusOr<std::vector<StepOutput>> Step();
+
+  // Decode side of disaggregation. Reserve validates like AddRequest and
+  // takes blocks for the whole prompt now (reusing cached prefix blocks), or
+  // fails with RESOURCE_EXHAUSTED if they are not free at the moment (the
+  // caller retries within its deadline). The sequence is not scheduled until
+  // CompleteReservation: the prompt's KV has arrived and `first_token` was
+  // sampled by the prefill worker. Returns the finish reason if the first
+  // token already ends the request (its blocks are then released).
+  absl::StatusOr<Reservation> Reserve(EngineRequest request);
+  absl::StatusOr<FinishReason> CompleteReservation(const std::string& id, int32_t first_token);
+  // Returns blocks handed out through StepOutput::held_blocks.
+  void ReleaseBlocks(std::span<const int32_t> blocks);
   bool HasWork() const { return !running_.empty() || !waiting_.empty() || !aborted_.empty(); }
+  bool Has(const std::string& id) const { return seqs_.count(id) > 0; }
 
   EngineStats Stats() const;
   const EngineConfig& config() const { return config_; }
@@ -94,6 +123,9 @@ class Engine {
   int32_t max_model_len() const { return config_.max_model_len; }
   const LlamaModel& model() const { return model_; }
   BlockManager& block_manager() { return blocks_; }
+  // The KV storage, for transfer code running on (or synchronised with) the
+  // engine thread.
+  KvPool& pool() { return *pool_; }
 
  private:
   struct Sequence {
@@ -116,7 +148,7 @@ class Engine {
   int64_t BlocksFor(int64_t tokens) const;
   bool TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens);
   void Preempt(Sequence* seq);
-  void ReleaseBlocks(Sequence* seq);
+  void ReleaseSequenceBlocks(Sequence* seq);
   void CommitFullBlocks(Sequence* seq);
 
   EngineConfig config_;
@@ -124,7 +156,11 @@ class Engine {
   BlockManager blocks_;
   LlamaModel model_;
   ModelFingerprint fingerprint_;
+  absl::Status Validate(const EngineRequest& request) const;
+  FinishReason CheckFinish(const Sequence& seq) const;
+
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;
+  absl::flat_hash_map<std::string, Sequence*> reserved_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;  // in admission order
   std::vector<std::pair<std::string, FinishReason>> aborted_;

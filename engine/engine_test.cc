@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 
 #include "engine/test_util.h"
@@ -162,6 +163,60 @@ TEST_F(EngineTest, StopsAtEosUnlessIgnored) {
     }
   }
   GTEST_FAIL() << "no sampled continuation reached EOS";
+}
+
+}  // namespace
+}  // namespace pdserve::engine
+
+namespace pdserve::engine {
+namespace {
+
+TEST_F(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
+  auto colocated = Make();
+  auto req = Req("d", 45, 3, 10, 0.7f);
+  ASSERT_TRUE(colocated->AddRequest(req).ok());
+  const auto expected = Drain(colocated.get()).at("d");
+
+  auto prefill = Make();
+  auto decode = Make();
+  // Decode reserves first; prefill computes, holds its blocks, and we copy
+  // the KV spans (what a transport does) before completing the reservation.
+  auto reservation = decode->Reserve(req);
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  EXPECT_EQ(reservation->blocks.size(), 3u);
+  EXPECT_EQ(reservation->cached_blocks, 0);
+  auto p_req = req;
+  p_req.sampling.max_tokens = 1;
+  p_req.hold_blocks_on_finish = true;
+  ASSERT_TRUE(prefill->AddRequest(p_req).ok());
+  std::map<std::string, StepOutput> last;
+  auto first = Drain(prefill.get(), &last);
+  const auto& held = last.at("d").held_blocks;
+  ASSERT_EQ(held.size(), 3u);
+  EXPECT_EQ(prefill->Stats().blocks_active, 3);
+  for (int l = 0; l < testing::TinyWeights()->config.num_layers; ++l) {
+    for (size_t b = 0; b < held.size(); ++b) {
+      std::memcpy(decode->pool().LayerBlockData(l, reservation->blocks[b]),
+                  prefill->pool().LayerBlockData(l, held[b]), prefill->kv_spec().LayerBlockBytes());
+    }
+  }
+  prefill->ReleaseBlocks(held);
+  ExpectNoLeaks(prefill.get());
+  auto finish = decode->CompleteReservation("d", first.at("d")[0]);
+  ASSERT_TRUE(finish.ok());
+  EXPECT_EQ(*finish, FinishReason::kNone);
+  auto rest = Drain(decode.get());
+  std::vector<int32_t> got = first.at("d");
+  got.insert(got.end(), rest["d"].begin(), rest["d"].end());
+  EXPECT_EQ(got, expected);
+  ExpectNoLeaks(decode.get());
+  // A second reservation of the same prompt reuses the decode worker's cache.
+  auto again = decode->Reserve(req);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->cached_blocks, 2);  // the two full prompt blocks
+  decode->Abort("d");
+  ASSERT_TRUE(decode->Step().ok());
+  ExpectNoLeaks(decode.get());
 }
 
 }  // namespace

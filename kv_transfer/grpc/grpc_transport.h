@@ -1,0 +1,58 @@
+// The `grpc` KV transport: client-streaming Push over the internal KvTransfer
+// service. Works between any two hosts and on CPU pools. Spans are batched
+// into messages of about kMessageBytes so per-message overhead stays small;
+// each span's bytes are copied once, into the protobuf, which gRPC then sends.
+//
+// GrpcKvTransport is thread-safe (channels are shared); sessions are not.
+// KvTransferService is a gRPC service feeding a KvReceiver; thread-safe.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "kv_transfer/receiver.h"
+#include "kv_transfer/transfer_metrics.h"
+#include "kv_transfer/transport.h"
+#include "pdserve/v1/internal.grpc.pb.h"
+
+namespace pdserve::kv_transfer {
+
+class GrpcKvTransport : public KvTransport {
+ public:
+  static constexpr size_t kMessageBytes = 1 << 20;
+  // `metrics` may be null.
+  explicit GrpcKvTransport(TransferMetrics* metrics, absl::Duration timeout = absl::Seconds(60));
+  const char* name() const override { return "grpc"; }
+  absl::StatusOr<std::unique_ptr<KvSendSession>> Open(const SendPlan& plan,
+                                                       engine::KvPool* pool) override;
+
+ private:
+  std::shared_ptr<grpc::Channel> ChannelFor(const std::string& destination);
+
+  TransferMetrics* metrics_;
+  absl::Duration timeout_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+class KvTransferService final : public v1::KvTransfer::Service {
+ public:
+  explicit KvTransferService(KvReceiver* receiver) : receiver_(receiver) {}
+  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<v1::KvChunk>* reader,
+                    v1::KvTransferAck* ack) override;
+
+ private:
+  KvReceiver* receiver_;
+};
+
+v1::KvLayout ToProto(const KvLayout& layout);
+KvLayout FromProto(const v1::KvLayout& layout);
+
+// Channel arguments for pdserve's internal channels (large messages).
+grpc::ChannelArguments InternalChannelArgs();
+
+}  // namespace pdserve::kv_transfer

@@ -1,0 +1,90 @@
+// The receiving side of KV transfer, shared by every backend: reservations,
+// per-chunk validation, completion and timeouts.
+//
+// Safety (contract): a chunk is written only if its reservation exists, its
+// layout matched at the handshake, its layer and logical block index lie in
+// what was reserved (and not in the leading blocks the receiver already had),
+// and its byte lengths are exact. Anything else is rejected and counted. A
+// reservation ends exactly once: complete, failed, timed out or cancelled;
+// after that no chunk for it is written, so the engine may free its blocks.
+//
+// Thread-safe. Chunk copies happen under the mutex, which serialises them
+// against Cancel, so a block is never written after its reservation ended.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/kv_cache.h"
+#include "kv_transfer/transport.h"
+
+namespace pdserve::kv_transfer {
+
+// Failure reasons, also the `reason` label of pdserve_kv_transfer_failures_total.
+struct ReceiverCounters {
+  std::function<void(const std::string& reason)> on_failure;  // may be null
+  std::function<void(uint64_t bytes)> on_bytes;               // may be null
+  std::function<void(double seconds)> on_complete;            // may be null
+};
+
+class KvReceiver {
+ public:
+  KvReceiver(engine::KvPool* pool, KvLayout layout, ReceiverCounters counters = {});
+
+  const KvLayout& layout() const { return layout_; }
+
+  // Registers a reservation: `blocks` are the receiver's physical blocks by
+  // logical index; indices below `skip_blocks` are already present. Returns
+  // the reservation id the sender must quote.
+  uint64_t Expect(const std::string& request_id, std::vector<int32_t> blocks, int32_t skip_blocks);
+
+  // Called by a transport when a stream opens: checks the reservation and
+  // the layouts (FAILED_PRECONDITION with both values on mismatch).
+  absl::Status Begin(uint64_t reservation_id, const std::string& request_id, const KvLayout& sender);
+  // Validates and writes one (layer, block) span.
+  absl::Status Write(uint64_t reservation_id, int32_t layer, int32_t block_index,
+                     std::string_view data, std::string_view scales);
+  // The sender ended its stream (ok = it believes everything was sent).
+  void End(uint64_t reservation_id, bool ok);
+
+  // Blocks until every expected (layer, block) arrived, or the reservation
+  // failed, or no progress for `stall_timeout`, or `deadline` passed. Always
+  // ends the reservation.
+  absl::Status Wait(uint64_t reservation_id, absl::Duration stall_timeout, absl::Time deadline);
+  // Ends a reservation early. Idempotent; unknown ids are ignored.
+  void Cancel(uint64_t reservation_id);
+
+  int64_t num_reservations() const;
+
+ private:
+  struct Pending {
+    std::string request_id;
+    std::vector<int32_t> blocks;
+    int32_t skip_blocks = 0;
+    std::vector<uint8_t> received;  // [layer][block]
+    int64_t remaining = 0;
+    absl::Time last_progress;
+    absl::Time started;
+    bool failed = false;
+    bool waiting = false;  // a Wait() call owns the entry
+    std::string error;
+  };
+  void Fail(Pending* p, const std::string& reason, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  engine::KvPool* pool_;
+  const KvLayout layout_;
+  ReceiverCounters counters_;
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pdserve::kv_transfer

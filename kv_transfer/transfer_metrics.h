@@ -1,0 +1,27 @@
+// The KV-transfer metrics of one process, registered once at start-up
+// (contract names). Thread-safe.
+#pragma once
+
+#include <string>
+
+#include "common/metric_handles.h"
+#include "kv_transfer/receiver.h"
+
+namespace pdserve::kv_transfer {
+
+class TransferMetrics {
+ public:
+  explicit TransferMetrics(metrics::Registry& r);
+  metrics::Counter* bytes_sent;
+  metrics::Counter* bytes_received;
+  metrics::Histogram* duration;
+  metrics::Gauge* in_flight;
+  void Failure(const std::string& reason);
+  // Counters for a KvReceiver feeding these metrics.
+  ReceiverCounters ForReceiver();
+
+ private:
+  metrics::CounterFamily* failures_;
+};
+
+}  // namespace pdserve::kv_transfer

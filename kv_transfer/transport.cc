@@ -1,0 +1,34 @@
+#include "kv_transfer/transport.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace pdserve::kv_transfer {
+
+KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec, const std::string& fingerprint) {
+  return {fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+          DTypeName(spec.dtype)};
+}
+
+std::string KvLayout::DebugString() const {
+  return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers, " kv_heads=", kv_heads,
+                      " head_dim=", head_dim, " block_size=", block_size, " dtype=", dtype);
+}
+
+absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {
+  std::vector<std::string> diffs;
+  auto cmp = [&](const char* name, const auto& a, const auto& b) {
+    if (a != b) diffs.push_back(absl::StrCat(name, ": sender ", a, " vs receiver ", b));
+  };
+  cmp("model fingerprint", sender.fingerprint, receiver.fingerprint);
+  cmp("num_layers", sender.num_layers, receiver.num_layers);
+  cmp("kv_heads", sender.kv_heads, receiver.kv_heads);
+  cmp("head_dim", sender.head_dim, receiver.head_dim);
+  cmp("block_size", sender.block_size, receiver.block_size);
+  cmp("kv dtype", sender.dtype, receiver.dtype);
+  if (diffs.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("KV layout mismatch: ", absl::StrJoin(diffs, "; ")));
+}
+
+}  // namespace pdserve::kv_transfer

@@ -1,0 +1,81 @@
+// Moving paged KV blocks from a prefill worker's pool into the blocks a
+// decode worker reserved for the same request.
+//
+// One interface, several backends (STYLE.md): `grpc` (any host, CPU pools)
+// and `nccl` (GPU pools). A sender opens a session for one request, sends
+// layer ranges as they become ready (layer-wise streaming), and finishes; the
+// receiving side is the transport-independent KvReceiver (receiver.h).
+//
+// Chunks address blocks by their logical index in the request's block table,
+// never by a physical block of the receiver, so a sender cannot write outside
+// what the receiver reserved.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/kv_cache.h"
+
+namespace pdserve::kv_transfer {
+
+// What both ends must agree on before any bytes move (contract: handshake).
+struct KvLayout {
+  std::string fingerprint;  // hex of the engine cache identity
+  int32_t num_layers = 0;
+  int32_t kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = 0;
+  std::string dtype;
+
+  static KvLayout FromSpec(const engine::KvCacheSpec& spec, const std::string& fingerprint);
+  std::string DebugString() const;
+  bool operator==(const KvLayout&) const = default;
+};
+
+// OK if equal; otherwise FAILED_PRECONDITION naming every field that differs
+// with both values ("block_size: sender 16 vs receiver 32").
+absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver);
+
+struct SendPlan {
+  std::string destination;  // host:port of the receiver
+  std::string request_id;
+  uint64_t reservation_id = 0;
+  std::string sender_id;
+  KvLayout layout;
+  // (logical block index in the request, physical block in the sender's pool)
+  std::vector<std::pair<int32_t, int32_t>> blocks;
+};
+
+struct SendStats {
+  uint64_t bytes = 0;
+  uint64_t spans = 0;
+};
+
+// One request's transfer. Not thread-safe; used by one sending thread. The
+// sender's blocks must stay referenced (pinned) until Finish or Cancel returns.
+class KvSendSession {
+ public:
+  virtual ~KvSendSession() = default;
+  // Sends layers [first, last) of every planned block. May be called several
+  // times with consecutive ranges as prefill produces layers.
+  virtual absl::Status SendLayers(int32_t first, int32_t last) = 0;
+  // Completes the transfer and waits for the receiver's acknowledgement.
+  virtual absl::StatusOr<SendStats> Finish() = 0;
+  // Abandons the transfer; the receiver frees its reservation. Idempotent.
+  virtual void Cancel() = 0;
+};
+
+class KvTransport {
+ public:
+  virtual ~KvTransport() = default;
+  virtual const char* name() const = 0;
+  // Opens a session; reads blocks from `pool` (never written by the session).
+  virtual absl::StatusOr<std::unique_ptr<KvSendSession>> Open(const SendPlan& plan,
+                                                               engine::KvPool* pool) = 0;
+};
+
+}  // namespace pdserve::kv_transfer
