@@ -23,13 +23,16 @@ const std::vector<Command>& AllCommands();
 // the status (2 for invalid arguments, 1 otherwise).
 int ReportError(const absl::Status& status);
 
-// Engine options shared by generate, model logits and bench engine.
-struct EngineFlags;
-
 int RunModelInit(const std::vector<std::string>& args);
 int RunModelLogits(const std::vector<std::string>& args);
 int RunGenerate(const std::vector<std::string>& args);
 int RunKvBudget(const std::vector<std::string>& args);
 int RunBenchEngine(const std::vector<std::string>& args);
+int RunRouter(const std::vector<std::string>& args);
+int RunPrefillWorker(const std::vector<std::string>& args);
+int RunDecodeWorker(const std::vector<std::string>& args);
+int RunWorker(const std::vector<std::string>& args);
+int RunUp(const std::vector<std::string>& args);
+int RunGenerateRemote();
 
 }  // namespace pdserve::cli

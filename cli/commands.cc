@@ -72,12 +72,41 @@ const std::vector<Command>& AllCommands() {
        "Prints {\"logits\": [...]} for the last position, or one list per position\n"
        "with --all-positions. fp32 KV cache: this is the accuracy reference path.\n",
        RunModelLogits},
-      {"generate", "generate text in-process (the reference path)",
-       "generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
+      {"up", "run router + prefill + decode workers on localhost (the embedded default)",
+       "up [--model DIR] [--prefill N] [--decode M] [--port 50051] [--metrics-port 9400]\n"
+       "   [--policy cache_aware|round_robin] [engine flags]\n\n"
+       "Starts N prefill and M decode workers (or, with --prefill 0, M colocated\n"
+       "--role both workers) and a router, as child processes on 127.0.0.1, and prints\n"
+       "their endpoints. Without --model it creates the default small model under\n"
+       "~/.cache/pdserve/models. Plaintext: for local use. Ctrl-C stops everything.\n\n" +
+           std::string(kEngineFlags),
+       RunUp},
+      {"router", "the public Router service",
+       "router --model DIR [--port 50051] [--metrics-port 9400] [--host 127.0.0.1]\n"
+       "       [--prefill-workers A,B] [--decode-workers C,D] [--both-workers E]\n"
+       "       [--policy cache_aware|round_robin] [--w-prefill 1] [--w-decode 64]\n"
+       "       [--local-prefill-threshold 32] [--max-retries 3]\n\n"
+       "Worker lists take host:port or dns:NAME:PORT (every address of NAME, e.g. a\n"
+       "Kubernetes headless Service). Workers started with --router register themselves.\n",
+       RunRouter},
+      {"prefill", "a prefill worker",
+       "prefill --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] [--advertise HOST]\n"
+       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n\n" + std::string(kEngineFlags),
+       RunPrefillWorker},
+      {"decode", "a decode worker",
+       "decode --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] [--advertise HOST]\n"
+       "       [--router ADDR] [--admission-timeout-ms 10000] [engine flags]\n\n" + std::string(kEngineFlags),
+       RunDecodeWorker},
+      {"worker", "a worker of any role (--role both: colocated prefill + decode)",
+       "worker --role prefill|decode|both --model DIR [--port 0] [--metrics-port 0] [--router ADDR]\n"
+       "       [engine flags]\n\n" + std::string(kEngineFlags),
+       RunWorker},
+      {"generate", "generate text through a router, or in-process with --model",
+       "generate (--router ADDR | --model DIR) --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
        "         [--top-k K] [--seed S] [--stop STR]... [--ignore-eos] [--cache-salt S] [--json]\n"
        "         [engine flags]\n\n"
        "Streams exactly the generated text to stdout; --json prints token ids, text,\n"
-       "finish reason and usage instead.\n\n" + std::string(kEngineFlags),
+       "finish reason and usage instead. --timeout-ms sets a deadline (router only).\n\n" + std::string(kEngineFlags),
        RunGenerate},
       {"kv-budget", "KV cache size arithmetic as JSON",
        "kv-budget --layers L --kv-heads H --head-dim D [--dtype fp16] [--tokens T]\n"

@@ -22,6 +22,7 @@ ABSL_FLAG(std::string, stop, "", "stop string (repeatable)");
 ABSL_FLAG(bool, ignore_eos, false, "keep generating after EOS");
 ABSL_FLAG(std::string, cache_salt, "", "prefix-cache isolation salt");
 ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(std::string, router);
 
 namespace pdserve::cli {
 
@@ -40,8 +41,9 @@ engine::SamplingParams SamplingParamsFromFlags() {
 }
 
 int RunGenerate(const std::vector<std::string>&) {
+  if (!absl::GetFlag(FLAGS_router).empty()) return RunGenerateRemote();
   const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model DIR is required"));
+  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model DIR or --router ADDR is required"));
   auto config = EngineConfigFromFlags();
   if (!config.ok()) return ReportError(config.status());
   engine::SamplingParams sampling = SamplingParamsFromFlags();

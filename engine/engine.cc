@@ -353,6 +353,13 @@ absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id, 
   return FinishReason::kNone;
 }
 
+bool Engine::IsWaiting(const std::string& id) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  return std::find(waiting_.begin(), waiting_.end(), it->second.get()) != waiting_.end() &&
+         it->second->cached_prompt_tokens < 0;
+}
+
 EngineStats Engine::Stats() const {
   EngineStats s;
   s.num_running = static_cast<int64_t>(running_.size());

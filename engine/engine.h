@@ -116,12 +116,16 @@ class Engine {
   void ReleaseBlocks(std::span<const int32_t> blocks);
   bool HasWork() const { return !running_.empty() || !waiting_.empty() || !aborted_.empty(); }
   bool Has(const std::string& id) const { return seqs_.count(id) > 0; }
+  // True while `id` waits for admission (not yet holding blocks).
+  bool IsWaiting(const std::string& id) const;
 
   EngineStats Stats() const;
   const EngineConfig& config() const { return config_; }
   const KvCacheSpec& kv_spec() const { return pool_->spec(); }
   int32_t max_model_len() const { return config_.max_model_len; }
   const LlamaModel& model() const { return model_; }
+  // Identity of this engine's cached blocks: weights, block size, KV dtype.
+  const ModelFingerprint& cache_fingerprint() const { return fingerprint_; }
   BlockManager& block_manager() { return blocks_; }
   // The KV storage, for transfer code running on (or synchronised with) the
   // engine thread.

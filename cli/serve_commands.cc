@@ -1,0 +1,367 @@
+// `pdserve router`, `prefill`, `decode`, `worker --role both`, `up`, and the
+// gRPC client behind `generate --router`.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/json.h"
+#include "common/logging.h"
+#include "common/metrics_http.h"
+#include "decode_service/worker_server.h"
+#include "engine/model_init.h"
+#include "pdserve/v1/internal.grpc.pb.h"
+#include "pdserve/v1/router.grpc.pb.h"
+#include "prefill_service/sampling_convert.h"
+#include "router/router_service.h"
+
+ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on (0.0.0.0 in containers)");
+ABSL_FLAG(int32_t, port, -1, "gRPC port (router default 50051; workers default 0 = any free port)");
+ABSL_FLAG(int32_t, metrics_port, -1, "Prometheus /metrics port (router default 9400; workers 0 = any)");
+ABSL_FLAG(std::string, advertise, "", "host other processes use to reach this worker (default: --host)");
+ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
+ABSL_FLAG(std::string, router, "", "router address (workers register there; generate sends there)");
+ABSL_FLAG(std::string, kv_transport, "grpc", "KV transfer backend: grpc (nccl on GPU builds)");
+ABSL_FLAG(std::string, prefill_workers, "", "router: prefill worker addresses (host:port or dns:name:port), comma-separated");
+ABSL_FLAG(std::string, decode_workers, "", "router: decode worker addresses, comma-separated");
+ABSL_FLAG(std::string, both_workers, "", "router: colocated (--role both) worker addresses, comma-separated");
+ABSL_FLAG(std::string, policy, "cache_aware", "router: cache_aware or round_robin");
+ABSL_FLAG(double, w_prefill, 1.0, "router: weight of uncached + queued prefill tokens");
+ABSL_FLAG(double, w_decode, 64.0, "router: weight of decode load (sequences)");
+ABSL_FLAG(int64_t, local_prefill_threshold, 32, "router: uncached tokens at or below this prefill on the decode worker");
+ABSL_FLAG(int32_t, max_retries, 3, "router: retries before the first token / migrations after it");
+ABSL_FLAG(int32_t, admission_timeout_ms, 10000, "worker: wait this long for free KV blocks before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, prefill, 1, "up: number of prefill workers (0 = colocated --role both workers)");
+ABSL_FLAG(int32_t, decode, 1, "up: number of decode (or colocated) workers");
+ABSL_FLAG(int32_t, timeout_ms, 0, "generate --router: request deadline (0 = none)");
+ABSL_DECLARE_FLAG(std::string, prompt);
+ABSL_DECLARE_FLAG(uint32_t, max_tokens);
+ABSL_DECLARE_FLAG(std::string, cache_salt);
+
+namespace pdserve::cli {
+
+engine::SamplingParams SamplingParamsFromFlags();
+
+namespace {
+
+absl::Notification* g_stop = nullptr;
+
+void OnSignal(int) {
+  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
+}
+
+void WaitForSignal() {
+  static absl::Notification stop;
+  g_stop = &stop;
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  stop.WaitForNotification();
+}
+
+std::vector<std::string> SplitList(const std::string& s) {
+  return absl::StrSplit(s, ',', absl::SkipWhitespace());
+}
+
+absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(int port) {
+  return metrics::MetricsHttpServer::Start(&metrics::Registry::Default(),
+                                           absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0",
+                                           port);
+}
+
+int RunWorkerWithRole(const std::string& role) {
+  decode::WorkerConfig config;
+  config.role = role;
+  config.model_dir = absl::GetFlag(FLAGS_model);
+  auto engine = EngineConfigFromFlags();
+  if (!engine.ok()) return ReportError(engine.status());
+  config.engine = *engine;
+  config.listen_host = absl::GetFlag(FLAGS_host);
+  config.port = std::max(0, absl::GetFlag(FLAGS_port));
+  config.advertise_host = absl::GetFlag(FLAGS_advertise);
+  config.kv_transport = absl::GetFlag(FLAGS_kv_transport);
+  config.admission_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
+  auto server = decode::WorkerServer::Start(config, &metrics::Registry::Default());
+  if (!server.ok()) return ReportError(server.status());
+  auto http = StartMetrics(std::max(0, absl::GetFlag(FLAGS_metrics_port)));
+  if (!http.ok()) return ReportError(http.status());
+  // One parseable line for `pdserve up` and scripts.
+  std::printf("pdserve worker %s listening on %s metrics %d\n", (*server)->id().c_str(),
+              (*server)->address().c_str(), (*http)->port());
+  std::fflush(stdout);
+  const std::string router = absl::GetFlag(FLAGS_router);
+  std::thread heartbeat;
+  std::atomic<bool> stop{false};
+  if (!router.empty()) {
+    heartbeat = std::thread([&] {
+      auto stub = v1::RouterControl::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+      while (!stop) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        v1::RegisterWorkerRequest req;
+        req.set_address((*server)->address());
+        req.set_role(role);
+        v1::RegisterWorkerResponse resp;
+        stub->RegisterWorker(&ctx, req, &resp);
+        for (int i = 0; i < 20 && !stop; ++i) absl::SleepFor(absl::Milliseconds(100));
+      }
+    });
+  }
+  WaitForSignal();
+  stop = true;
+  if (heartbeat.joinable()) heartbeat.join();
+  (*server)->Shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int RunPrefillWorker(const std::vector<std::string>&) { return RunWorkerWithRole("prefill"); }
+int RunDecodeWorker(const std::vector<std::string>&) { return RunWorkerWithRole("decode"); }
+int RunWorker(const std::vector<std::string>&) { return RunWorkerWithRole(absl::GetFlag(FLAGS_role)); }
+
+int RunRouter(const std::vector<std::string>&) {
+  router::RouterConfig config;
+  config.model_dir = absl::GetFlag(FLAGS_model);
+  config.workers.prefill = SplitList(absl::GetFlag(FLAGS_prefill_workers));
+  config.workers.decode = SplitList(absl::GetFlag(FLAGS_decode_workers));
+  config.workers.both = SplitList(absl::GetFlag(FLAGS_both_workers));
+  config.policy = absl::GetFlag(FLAGS_policy);
+  config.policy_config.w_prefill = absl::GetFlag(FLAGS_w_prefill);
+  config.policy_config.w_decode = absl::GetFlag(FLAGS_w_decode);
+  config.policy_config.local_prefill_threshold = absl::GetFlag(FLAGS_local_prefill_threshold);
+  config.max_retries = absl::GetFlag(FLAGS_max_retries);
+  auto server = router::RouterServer::Create(config, &metrics::Registry::Default());
+  if (!server.ok()) return ReportError(server.status());
+  const int want = absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
+  auto port = (*server)->Serve(absl::GetFlag(FLAGS_host), want);
+  if (!port.ok()) return ReportError(port.status());
+  auto http = StartMetrics(absl::GetFlag(FLAGS_metrics_port) < 0 ? 9400 : absl::GetFlag(FLAGS_metrics_port));
+  if (!http.ok()) return ReportError(http.status());
+  std::printf("pdserve router listening on %s:%d metrics %d\n", absl::GetFlag(FLAGS_host).c_str(), *port,
+              (*http)->port());
+  std::fflush(stdout);
+  WaitForSignal();
+  (*server)->Shutdown();
+  return 0;
+}
+
+namespace {
+
+struct Child {
+  pid_t pid = -1;
+  std::string name;
+  std::string address;
+  int metrics_port = 0;
+};
+
+// Starts `pdserve ARGS...` and reads its "listening on ADDR metrics PORT" line.
+absl::StatusOr<Child> Spawn(const std::string& name, std::vector<std::string> args) {
+  int fds[2];
+  if (pipe(fds) != 0) return absl::InternalError("pipe failed");
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    static std::string self = "/proc/self/exe";
+    argv.push_back(self.data());
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv("/proc/self/exe", argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  FILE* in = fdopen(fds[0], "r");
+  char line[512];
+  Child child{pid, name, "", 0};
+  while (fgets(line, sizeof(line), in) != nullptr) {
+    std::string s(line);
+    const size_t at = s.find("listening on ");
+    if (at == std::string::npos) continue;
+    std::vector<std::string> parts = absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
+    child.address = parts[0];
+    if (parts.size() >= 3) child.metrics_port = std::atoi(parts[2].c_str());
+    break;
+  }
+  // Keep draining the child's stdout so it never blocks on a full pipe.
+  std::thread([in] {
+    char buf[512];
+    while (fgets(buf, sizeof(buf), in) != nullptr) std::fputs(buf, stdout);
+    fclose(in);
+  }).detach();
+  if (child.address.empty()) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return absl::InternalError(absl::StrCat(name, " exited before listening (see its error above)"));
+  }
+  return child;
+}
+
+}  // namespace
+
+int RunUp(const std::vector<std::string>&) {
+  std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) {
+    model = DefaultModelDir();
+    if (!std::filesystem::exists(model + "/config.json")) {
+      std::fprintf(stderr, "pdserve up: creating the default model (small preset) in %s\n", model.c_str());
+      engine::ModelInitOptions opts;
+      opts.preset = "small";
+      opts.out_dir = model;
+      if (auto s = engine::WriteRandomModel(opts); !s.ok()) return ReportError(s);
+    }
+  }
+  const int n_prefill = absl::GetFlag(FLAGS_prefill), n_decode = absl::GetFlag(FLAGS_decode);
+  if (n_prefill < 0 || n_decode < 1) {
+    return ReportError(absl::InvalidArgumentError("--decode must be at least 1 and --prefill at least 0"));
+  }
+  // Engine flags pass through to the workers.
+  std::vector<std::string> engine_args = {
+      "--model=" + model,
+      "--kv-dtype=" + absl::GetFlag(FLAGS_kv_dtype),
+      "--block-size=" + std::to_string(absl::GetFlag(FLAGS_block_size)),
+      "--kv-cache-memory=" + absl::GetFlag(FLAGS_kv_cache_memory),
+      "--max-num-seqs=" + std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
+      "--max-num-batched-tokens=" + std::to_string(absl::GetFlag(FLAGS_max_num_batched_tokens)),
+      "--matmul=" + absl::GetFlag(FLAGS_matmul),
+      "--threads=" + std::to_string(absl::GetFlag(FLAGS_threads)),
+      std::string("--enable-prefix-caching=") + (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
+  };
+  std::vector<Child> children;
+  auto stop_all = [&] {
+    for (auto& c : children) kill(c.pid, SIGTERM);
+    for (auto& c : children) waitpid(c.pid, nullptr, 0);
+  };
+  std::vector<std::string> prefill_addrs, decode_addrs;
+  for (int i = 0; i < n_prefill + n_decode; ++i) {
+    const bool is_prefill = i < n_prefill;
+    const std::string role = is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
+    std::vector<std::string> args = {"worker", "--role=" + role, "--port=0", "--metrics-port=0"};
+    args.insert(args.end(), engine_args.begin(), engine_args.end());
+    auto child = Spawn(absl::StrCat(role, "-", i), args);
+    if (!child.ok()) {
+      stop_all();
+      return ReportError(child.status());
+    }
+    (is_prefill ? prefill_addrs : decode_addrs).push_back(child->address);
+    children.push_back(*child);
+  }
+  const int port = absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
+  const int mport = absl::GetFlag(FLAGS_metrics_port) < 0 ? 9400 : absl::GetFlag(FLAGS_metrics_port);
+  std::vector<std::string> router_args = {
+      "router", "--model=" + model, "--port=" + std::to_string(port), "--metrics-port=" + std::to_string(mport),
+      "--policy=" + absl::GetFlag(FLAGS_policy),
+      "--local-prefill-threshold=" + std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
+  if (n_prefill > 0) {
+    router_args.push_back("--prefill-workers=" + absl::StrJoin(prefill_addrs, ","));
+    router_args.push_back("--decode-workers=" + absl::StrJoin(decode_addrs, ","));
+  } else {
+    router_args.push_back("--both-workers=" + absl::StrJoin(decode_addrs, ","));
+  }
+  auto router = Spawn("router", router_args);
+  if (!router.ok()) {
+    stop_all();
+    return ReportError(router.status());
+  }
+  children.push_back(*router);
+  std::printf("\npdserve is up (plaintext, local use): model %s\n", model.c_str());
+  for (const auto& c : children) {
+    std::printf("  %-10s grpc %-22s metrics http://127.0.0.1:%d/metrics\n", c.name.c_str(), c.address.c_str(),
+                c.metrics_port);
+  }
+  std::printf("\nTry:\n  %s generate --router 127.0.0.1:%d --prompt \"hello\" --max-tokens 32\n",
+              "build/bin/pdserve", port);
+  std::printf("Ctrl-C stops everything.\n");
+  std::fflush(stdout);
+  // Stop on Ctrl-C, or when any child dies unexpectedly.
+  static absl::Notification stop;
+  g_stop = &stop;
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  while (!stop.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+    int status;
+    const pid_t dead = waitpid(-1, &status, WNOHANG);
+    if (dead > 0) {
+      for (auto& c : children) {
+        if (c.pid == dead) {
+          std::fprintf(stderr, "pdserve up: %s exited; stopping the cluster\n", c.name.c_str());
+          c.pid = -1;
+        }
+      }
+      break;
+    }
+  }
+  for (auto& c : children) {
+    if (c.pid > 0) kill(c.pid, SIGTERM);
+  }
+  for (auto& c : children) {
+    if (c.pid > 0) waitpid(c.pid, nullptr, 0);
+  }
+  return 0;
+}
+
+int RunGenerateRemote() {
+  v1::GenerateRequest req;
+  req.set_prompt(absl::GetFlag(FLAGS_prompt));
+  *req.mutable_sampling() = SamplingToProto(SamplingParamsFromFlags());
+  req.set_cache_salt(absl::GetFlag(FLAGS_cache_salt));
+  auto stub = v1::Router::NewStub(grpc::CreateChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  }
+  auto reader = stub->Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  std::vector<uint32_t> ids;
+  std::string text, finish, request_id, pw, dw;
+  v1::Usage usage;
+  const bool as_json = absl::GetFlag(FLAGS_json);
+  while (reader->Read(&resp)) {
+    ids.insert(ids.end(), resp.token_ids().begin(), resp.token_ids().end());
+    text += resp.text();
+    request_id = resp.request_id();
+    if (!as_json && !resp.text().empty()) {
+      std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
+      std::fflush(stdout);
+    }
+    if (!resp.finish_reason().empty()) {
+      finish = resp.finish_reason();
+      usage = resp.usage();
+      pw = resp.prefill_worker();
+      dw = resp.decode_worker();
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  if (!st.ok()) {
+    std::fprintf(stderr, "pdserve: error: %s: %s\n", absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())).c_str(),
+                 st.error_message().c_str());
+    return st.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? 2 : 1;
+  }
+  if (as_json) {
+    std::printf("{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, \"finish_reason\": \"%s\", "
+                "\"usage\": {\"prompt_tokens\": %u, \"completion_tokens\": %u, \"cached_prompt_tokens\": %u}, "
+                "\"prefill_worker\": %s, \"decode_worker\": %s}\n",
+                json::Quote(request_id).c_str(), absl::StrJoin(ids, ",").c_str(), json::Quote(text).c_str(),
+                finish.c_str(), usage.prompt_tokens(), usage.completion_tokens(), usage.cached_prompt_tokens(),
+                json::Quote(pw).c_str(), json::Quote(dw).c_str());
+  }
+  return 0;
+}
+
+}  // namespace pdserve::cli

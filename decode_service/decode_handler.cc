@@ -1,0 +1,175 @@
+#include "decode_service/decode_handler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "kv_transfer/grpc/grpc_transport.h"
+#include "prefill_service/sampling_convert.h"
+
+namespace pdserve::decode {
+namespace {
+
+absl::Time DeadlineOf(grpc::ServerContext* context) {
+  const auto d = context->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(d);
+}
+
+}  // namespace
+
+std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(const std::string& address) {
+  absl::MutexLock l(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) {
+    stub = v1::Worker::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                                         kv_transfer::InternalChannelArgs()));
+  }
+  return stub;
+}
+
+grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::WorkerGenerateRequest& request,
+                                     grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
+  engine::EngineRequest req;
+  req.id = request.request_id().empty() ? "anonymous" : request.request_id();
+  req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
+  req.sampling = SamplingFromProto(request.sampling());
+  req.sampling.stop.clear();  // stop strings are applied on text, by the router
+  req.cache_salt = request.cache_salt();
+  const absl::Time deadline = DeadlineOf(context);
+
+  v1::WorkerGenerateResponse base;
+  base.set_decode_worker(options_.worker_id);
+
+  if (request.prefill_address().empty()) {
+    // Local prefill (colocated, or conditional disaggregation).
+    auto stream = loop_->Submit(req);
+    if (!stream.ok()) return ToGrpc(stream.status());
+    base.set_prefill_worker(options_.worker_id);
+    return StreamOutputs(context, req.id, *stream, base, writer);
+  }
+
+  // 1. Reserve the prompt's blocks here before any prefill compute.
+  absl::StatusOr<engine::Reservation> reservation;
+  const absl::Time admit_by = std::min(deadline, absl::Now() + options_.admission_timeout);
+  while (true) {
+    reservation = loop_->Call([&](engine::Engine& e) { return e.Reserve(req); });
+    if (reservation.ok() || reservation.status().code() != absl::StatusCode::kResourceExhausted ||
+        reservation.status().message().find("never") != absl::string_view::npos) {
+      break;
+    }
+    if (absl::Now() >= admit_by || context->IsCancelled()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (!reservation.ok()) {
+    if (reservation.status().code() == absl::StatusCode::kResourceExhausted && absl::Now() >= deadline) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed while waiting for KV blocks");
+    }
+    return ToGrpc(reservation.status());
+  }
+  const uint64_t reservation_id = receiver_->Expect(req.id, reservation->blocks, reservation->cached_blocks);
+  auto release = [&] {
+    receiver_->Cancel(reservation_id);
+    loop_->Abort(req.id);
+  };
+
+  // 2. The prefill worker computes what it lacks and pushes what we lack.
+  v1::PrefillRequest prefill;
+  prefill.set_request_id(req.id);
+  *prefill.mutable_token_ids() = request.token_ids();
+  *prefill.mutable_sampling() = request.sampling();
+  prefill.set_cache_salt(req.cache_salt);
+  prefill.set_kv_destination(options_.kv_address);
+  prefill.set_reservation_id(reservation_id);
+  prefill.set_skip_blocks(static_cast<uint32_t>(reservation->cached_blocks));
+  *prefill.mutable_layout() = kv_transfer::ToProto(receiver_->layout());
+  v1::PrefillResponse prefilled;
+  grpc::ClientContext pctx;
+  if (deadline != absl::InfiniteFuture()) pctx.set_deadline(absl::ToChronoTime(deadline));
+  const grpc::Status pst = PrefillStub(request.prefill_address())->Prefill(&pctx, prefill, &prefilled);
+  if (!pst.ok()) {
+    release();
+    // A dead or failing prefill worker is retryable elsewhere.
+    if (pst.error_code() == grpc::StatusCode::INTERNAL || pst.error_code() == grpc::StatusCode::UNKNOWN) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill failed: " + pst.error_message());
+    }
+    return pst;
+  }
+  if (absl::Status s = receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline); !s.ok()) {
+    loop_->Abort(req.id);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
+  }
+
+  // 3. First token to the client at once, then decode here.
+  const int32_t first = static_cast<int32_t>(prefilled.first_token());
+  base.set_prefill_worker(prefilled.worker_id());
+  const uint32_t cached = std::max<uint32_t>(prefilled.cached_prompt_tokens(),
+                                             reservation->cached_blocks * loop_->kv_spec().block_size);
+  base.set_cached_prompt_tokens(std::min<uint32_t>(cached, req.prompt.size()));
+  struct Started {
+    absl::StatusOr<engine::FinishReason> finish;
+    std::shared_ptr<engine::RequestStream> stream;
+  };
+  Started started = loop_->Call([&](engine::Engine& e) {
+    Started s{engine::FinishReason::kNone, loop_->AttachStream(req.id)};
+    s.finish = e.CompleteReservation(req.id, first);
+    return s;
+  });
+  if (!started.finish.ok()) return ToGrpc(started.finish.status());
+  v1::WorkerGenerateResponse msg = base;
+  msg.add_token_ids(static_cast<uint32_t>(first));
+  if (*started.finish != engine::FinishReason::kNone) {
+    msg.set_finish_reason(engine::FinishReasonName(*started.finish));
+    writer->Write(msg);
+    return grpc::Status::OK;
+  }
+  if (!writer->Write(msg)) {
+    loop_->Abort(req.id);
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
+  return StreamOutputs(context, req.id, started.stream, base, writer);
+}
+
+grpc::Status DecodeHandler::StreamOutputs(grpc::ServerContext* context, const std::string& id,
+                                          const std::shared_ptr<engine::RequestStream>& stream,
+                                          v1::WorkerGenerateResponse base,
+                                          grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
+  const absl::Time deadline = DeadlineOf(context);
+  const absl::Time admit_by = absl::Now() + options_.admission_timeout;
+  bool admitted = false;
+  while (true) {
+    if (!admitted && absl::Now() >= admit_by) {
+      admitted = !loop_->Call([&](engine::Engine& e) { return e.IsWaiting(id); });
+      if (!admitted) {
+        loop_->Abort(id);
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "KV cache full: the request was not admitted within the admission timeout");
+      }
+    }
+    if (context->IsCancelled()) {
+      loop_->Abort(id);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
+    }
+    if (absl::Now() >= deadline) {
+      loop_->Abort(id);
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "request deadline exceeded");
+    }
+    if (absl::Status s = stream->error(); !s.ok()) return ToGrpc(s);
+    for (const auto& out : stream->Pop(absl::Milliseconds(50))) {
+      admitted = true;
+      v1::WorkerGenerateResponse msg = base;
+      for (int32_t t : out.new_tokens) msg.add_token_ids(static_cast<uint32_t>(t));
+      if (out.cached_prompt_tokens > 0 && base.cached_prompt_tokens() == 0) {
+        msg.set_cached_prompt_tokens(static_cast<uint32_t>(out.cached_prompt_tokens));
+      }
+      msg.set_finish_reason(engine::FinishReasonName(out.finish));
+      if (!writer->Write(msg)) {
+        loop_->Abort(id);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      }
+      if (out.finish != engine::FinishReason::kNone) return grpc::Status::OK;
+    }
+  }
+}
+
+}  // namespace pdserve::decode

@@ -1,0 +1,35 @@
+// The prefill side of disaggregation: compute a prompt's KV (reusing this
+// worker's prefix cache, so only the uncached suffix is computed), push the
+// blocks the decode worker lacks into its reservation, and return the first
+// sampled token. The blocks stay referenced until the transfer ends, then
+// remain in this worker's prefix cache (LRU). Thread-safe: one handler
+// serves all concurrent Prefill RPCs.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <string>
+
+#include "engine/engine_loop.h"
+#include "kv_transfer/transport.h"
+#include "pdserve/v1/internal.pb.h"
+
+namespace pdserve::prefill {
+
+class PrefillHandler {
+ public:
+  PrefillHandler(engine::EngineLoop* loop, kv_transfer::KvTransport* transport,
+                 kv_transfer::KvLayout layout, std::string worker_id)
+      : loop_(loop), transport_(transport), layout_(std::move(layout)), worker_id_(std::move(worker_id)) {}
+
+  grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest& request,
+                       v1::PrefillResponse* response);
+
+ private:
+  engine::EngineLoop* loop_;
+  kv_transfer::KvTransport* transport_;
+  const kv_transfer::KvLayout layout_;
+  const std::string worker_id_;
+};
+
+}  // namespace pdserve::prefill

@@ -1,0 +1,34 @@
+// Conversions between the public SamplingParams message and the engine's.
+// Header-only, stateless.
+#pragma once
+
+#include "engine/sampling.h"
+#include "pdserve/v1/router.pb.h"
+
+namespace pdserve {
+
+inline engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
+  engine::SamplingParams s;
+  s.max_tokens = p.max_tokens();
+  s.temperature = p.temperature();
+  s.top_p = p.top_p() == 0.0f ? 1.0f : p.top_p();
+  s.top_k = p.top_k();
+  s.seed = p.seed();
+  s.stop.assign(p.stop().begin(), p.stop().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+inline v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
+  v1::SamplingParams p;
+  p.set_max_tokens(s.max_tokens);
+  p.set_temperature(s.temperature);
+  p.set_top_p(s.top_p);
+  p.set_top_k(s.top_k);
+  p.set_seed(s.seed);
+  for (const auto& stop : s.stop) p.add_stop(stop);
+  p.set_ignore_eos(s.ignore_eos);
+  return p;
+}
+
+}  // namespace pdserve

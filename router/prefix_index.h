@@ -1,0 +1,49 @@
+// The router's cluster-wide prefix index: which worker holds which KV block
+// hashes, fed by the workers' KV event streams, plus short-lived speculative
+// entries for requests just routed (so identical prompts arriving back to
+// back land together before the worker's `stored` events arrive).
+//
+// Query cost is O(blocks) hash lookups, each touching a small per-hash list of
+// workers, so thousands of blocks take microseconds. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/block_manager.h"
+
+namespace pdserve::router {
+
+using WorkerIndex = int32_t;  // dense ids assigned by the registry
+
+class PrefixIndex {
+ public:
+  // Applies one worker's events. Unknown hashes in `removed` are ignored.
+  void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
+  void Removed(WorkerIndex worker, std::span<const engine::BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets everything about a worker (cleared, resync, or worker gone).
+  void ClearWorker(WorkerIndex worker) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records that `worker` will hold these blocks soon; expires after `ttl`.
+  void Speculate(WorkerIndex worker, std::span<const engine::BlockHash> hashes, absl::Duration ttl)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // For each worker in `workers`, how many leading blocks of `hashes` it holds.
+  std::vector<int32_t> LeadingBlocks(std::span<const engine::BlockHash> hashes,
+                                     std::span<const WorkerIndex> workers) const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t num_hashes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Holder {
+    WorkerIndex worker;
+    absl::Time expires;  // InfiniteFuture for confirmed entries
+  };
+  using Holders = absl::InlinedVector<Holder, 2>;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher> index_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pdserve::router

@@ -1,0 +1,236 @@
+#include "router/worker_registry.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kv_transfer/grpc/grpc_transport.h"
+
+namespace pdserve::router {
+namespace {
+
+engine::BlockHash HashFromBytes(const std::string& b) {
+  engine::BlockHash h;
+  if (b.size() != 16) return h;
+  for (int i = 0; i < 8; ++i) {
+    h.hi = (h.hi << 8) | static_cast<uint8_t>(b[i]);
+    h.lo = (h.lo << 8) | static_cast<uint8_t>(b[8 + i]);
+  }
+  return h;
+}
+
+engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
+  engine::ModelFingerprint fp{0, 0};
+  if (hex.size() != 32) return fp;
+  uint64_t hi = 0, lo = 0;
+  if (!absl::SimpleHexAtoi(hex.substr(0, 16), &hi) || !absl::SimpleHexAtoi(hex.substr(16), &lo)) return fp;
+  return {hi, lo};
+}
+
+}  // namespace
+
+struct WorkerRegistry::Entry {
+  WorkerView view;
+  bool subscribed = false;  // an event thread runs for it
+};
+
+WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
+    : config_(std::move(config)), index_(index) {
+  absl::MutexLock l(&mu_);
+  for (const auto& a : config_.prefill) if (a.rfind("dns:", 0) != 0) Add(a, "prefill");
+  for (const auto& a : config_.decode) if (a.rfind("dns:", 0) != 0) Add(a, "decode");
+  for (const auto& a : config_.both) if (a.rfind("dns:", 0) != 0) Add(a, "both");
+}
+
+WorkerRegistry::~WorkerRegistry() { Stop(); }
+
+WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address, const std::string& role) {
+  for (auto& e : entries_) {
+    if (e->view.address == address) return e.get();
+  }
+  auto e = std::make_unique<Entry>();
+  e->view.index = static_cast<WorkerIndex>(entries_.size());
+  e->view.address = address;
+  e->view.role = role;
+  e->view.stub = v1::Worker::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), kv_transfer::InternalChannelArgs()));
+  entries_.push_back(std::move(e));
+  return entries_.back().get();
+}
+
+void WorkerRegistry::Register(const std::string& address, const std::string& role) {
+  absl::MutexLock l(&mu_);
+  Add(address, role);
+}
+
+void WorkerRegistry::Start() {
+  threads_.emplace_back([this] { PollLoop(); });
+}
+
+void WorkerRegistry::Stop() {
+  if (stop_.exchange(true)) return;
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
+  absl::MutexLock l(&mu_);
+  std::vector<WorkerView> out;
+  for (const auto& e : entries_) {
+    if (e->view.up) out.push_back(e->view);
+  }
+  return out;
+}
+
+std::vector<WorkerView> WorkerRegistry::AllWorkers() const {
+  absl::MutexLock l(&mu_);
+  std::vector<WorkerView> out;
+  for (const auto& e : entries_) out.push_back(e->view);
+  return out;
+}
+
+void WorkerRegistry::ReportFailure(WorkerIndex index) {
+  absl::MutexLock l(&mu_);
+  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size())) return;
+  entries_[index]->view.up = false;
+}
+
+void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens, int64_t requests) {
+  absl::MutexLock l(&mu_);
+  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size())) return;
+  entries_[index]->view.routed_prefill_tokens += prefill_tokens;
+  entries_[index]->view.routed_requests += requests;
+}
+
+bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
+  const absl::Time until = absl::Now() + timeout;
+  while (absl::Now() < until) {
+    if (UpWorkers().size() >= n) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return UpWorkers().size() >= n;
+}
+
+void WorkerRegistry::ResolveDns() {
+  auto resolve = [&](const std::string& entry, const std::string& role) {
+    // dns:NAME:PORT -> every A record of NAME.
+    const std::string rest = entry.substr(4);
+    const size_t colon = rest.rfind(':');
+    if (colon == std::string::npos) return;
+    const std::string host = rest.substr(0, colon), port = rest.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return;
+    for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+      char ip[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, ip, sizeof(ip));
+      Register(absl::StrCat(ip, ":", port), role);
+    }
+    freeaddrinfo(res);
+  };
+  for (const auto& a : config_.prefill) if (a.rfind("dns:", 0) == 0) resolve(a, "prefill");
+  for (const auto& a : config_.decode) if (a.rfind("dns:", 0) == 0) resolve(a, "decode");
+  for (const auto& a : config_.both) if (a.rfind("dns:", 0) == 0) resolve(a, "both");
+}
+
+void WorkerRegistry::PollLoop() {
+  int round = 0;
+  while (!stop_) {
+    if (round++ % 10 == 0) ResolveDns();
+    std::vector<std::pair<Entry*, std::shared_ptr<v1::Worker::Stub>>> targets;
+    {
+      absl::MutexLock l(&mu_);
+      for (auto& e : entries_) targets.emplace_back(e.get(), e->view.stub);
+    }
+    for (auto& [entry, stub] : targets) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      v1::WorkerStatus status;
+      const grpc::Status st = stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
+      bool start_events = false;
+      {
+        absl::MutexLock l(&mu_);
+        WorkerView& v = entry->view;
+        const bool was_up = v.up;
+        v.up = st.ok();
+        if (st.ok()) {
+          v.status = status;
+          v.id = status.id();
+          v.role = status.role();
+          v.fingerprint = ParseFingerprint(status.cache_fingerprint());
+          v.routed_prefill_tokens = 0;  // the heartbeat now reflects it
+          v.routed_requests = 0;
+          if (!entry->subscribed) {
+            entry->subscribed = true;
+            start_events = true;
+          }
+          if (!was_up) PDSERVE_LOG(INFO) << "worker up: " << v.id;
+        } else if (was_up) {
+          PDSERVE_LOG(WARNING) << "worker down: " << v.address << ": " << st.error_message();
+        }
+      }
+      if (!st.ok()) index_->ClearWorker(entry->view.index);
+      if (start_events) {
+        absl::MutexLock l(&mu_);
+        threads_.emplace_back([this, entry] { EventLoop(entry); });
+      }
+    }
+    absl::SleepFor(config_.heartbeat);
+  }
+}
+
+void WorkerRegistry::EventLoop(Entry* entry) {
+  std::shared_ptr<v1::Worker::Stub> stub;
+  WorkerIndex index;
+  {
+    absl::MutexLock l(&mu_);
+    stub = entry->view.stub;
+    index = entry->view.index;
+  }
+  while (!stop_) {
+    grpc::ClientContext ctx;
+    auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
+    v1::KvEventBatch batch;
+    uint64_t last = 0;
+    bool synced = false;
+    std::vector<engine::BlockHash> hashes;
+    while (!stop_ && reader->Read(&batch)) {
+      if (batch.snapshot()) {
+        index_->ClearWorker(index);
+        synced = true;
+      } else if (!synced) {
+        break;
+      }
+      bool gap = false;
+      for (const auto& e : batch.events()) {
+        if (!batch.snapshot() && e.seq() != last + 1) {
+          gap = true;  // lost events: resubscribe for a fresh snapshot
+          break;
+        }
+        last = e.seq();
+        hashes.clear();
+        for (const auto& h : e.hashes()) hashes.push_back(HashFromBytes(h));
+        switch (e.type()) {
+          case v1::KvEventProto::STORED: index_->Stored(index, hashes); break;
+          case v1::KvEventProto::REMOVED: index_->Removed(index, hashes); break;
+          default: index_->ClearWorker(index); break;
+        }
+      }
+      if (gap) break;
+      if (stop_) break;
+    }
+    ctx.TryCancel();
+    reader->Finish();
+    // Back off; the poll loop marks the worker down if it is gone.
+    for (int i = 0; i < 5 && !stop_; ++i) absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+}  // namespace pdserve::router
