@@ -168,7 +168,7 @@ const std::string& WorkerServer::address() const { return impl_->address; }
 const std::string& WorkerServer::id() const { return impl_->id; }
 
 void WorkerServer::Shutdown() {
-  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
 }
 void WorkerServer::Wait() { impl_->server->Wait(); }
 

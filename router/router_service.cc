@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -183,9 +184,26 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       const WorkerView* pre = decision->prefill;
       (pre ? m->remote : m->local)->Increment();
       const int64_t uncached = route.num_tokens - decision->prefill_cached_tokens;
-      registry->AddLoad(dec->index, pre ? 0 : uncached, 1);
+      const WorkerIndex prefill_at = pre ? pre->index : dec->index;
+      registry->AddLoad(prefill_at, uncached, 0);
+      registry->AddLoad(dec->index, 0, 1);
+      // Undone when the first token arrives (prefill done) and when the
+      // stream ends (decode done), whichever way it ends.
+      bool prefill_pending = true;
+      auto prefill_done = [&] {
+        if (prefill_pending) registry->AddLoad(prefill_at, -uncached, 0);
+        prefill_pending = false;
+      };
+      struct DecodeDone {
+        WorkerRegistry* r;
+        WorkerIndex i;
+        std::function<void()> prefill_done;
+        ~DecodeDone() {
+          prefill_done();
+          r->AddLoad(i, 0, -1);
+        }
+      } decode_done{registry.get(), dec->index, prefill_done};
       if (pre) {
-        registry->AddLoad(pre->index, uncached, 0);
         index.Speculate(pre->index, Policy::HashesFor(*pre, req.cache_salt(), tokens), config.speculative_ttl);
       }
       index.Speculate(dec->index, Policy::HashesFor(*dec, req.cache_salt(), tokens), config.speculative_ttl);
@@ -212,6 +230,7 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
           wctx.TryCancel();
           break;
         }
+        prefill_done();
         if (!cached_known) {
           cached = resp.cached_prompt_tokens();
           cached_known = true;
@@ -332,7 +351,7 @@ absl::StatusOr<int> RouterServer::Serve(const std::string& host, int port) {
 }
 
 void RouterServer::Shutdown() {
-  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
 }
 
 void RouterServer::Wait() {

@@ -165,8 +165,6 @@ void WorkerRegistry::PollLoop() {
           v.id = status.id();
           v.role = status.role();
           v.fingerprint = ParseFingerprint(status.cache_fingerprint());
-          v.routed_prefill_tokens = 0;  // the heartbeat now reflects it
-          v.routed_requests = 0;
           if (!entry->subscribed) {
             entry->subscribed = true;
             start_events = true;

@@ -27,7 +27,9 @@ struct WorkerView {
   bool up = false;
   v1::WorkerStatus status;
   engine::ModelFingerprint fingerprint{};
-  int64_t routed_prefill_tokens = 0;  // router-side load not yet visible in status
+  // Router-side in-flight accounting, exact between heartbeats: prefill
+  // tokens routed whose first token has not come back, and open requests.
+  int64_t routed_prefill_tokens = 0;
   int64_t routed_requests = 0;
   std::shared_ptr<v1::Worker::Stub> stub;
 };
@@ -52,7 +54,7 @@ class WorkerRegistry {
   // A call to this worker just failed at the transport level: mark it down
   // until a heartbeat succeeds again.
   void ReportFailure(WorkerIndex index);
-  // Router-side load accounting between heartbeats.
+  // Router-side load accounting (deltas; negative when work completes).
   void AddLoad(WorkerIndex index, int64_t prefill_tokens, int64_t requests);
   // Blocks until at least `n` workers are up or `timeout` passes.
   bool WaitForWorkers(size_t n, absl::Duration timeout) const;

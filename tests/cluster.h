@@ -1,0 +1,193 @@
+// Test helper: real pdserve processes on loopback (workers on free ports, a
+// router), a gRPC client for the public API, and metric scraping.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "pdserve/v1/router.grpc.pb.h"
+
+namespace pdserve::testing {
+
+struct Proc {
+  pid_t pid = -1;
+  std::string role;
+  std::string address;
+  int metrics_port = 0;
+  bool alive() const { return pid > 0; }
+};
+
+// Starts `pdserve ARGS` and waits for its "listening on" line.
+inline Proc StartProcess(const std::string& role, const std::vector<std::string>& args) {
+  int fds[2];
+  EXPECT_EQ(pipe(fds), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    std::vector<char*> argv;
+    std::string bin = PDSERVE_BIN;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(PDSERVE_BIN, argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  FILE* in = fdopen(fds[0], "r");
+  Proc p{pid, role, "", 0};
+  char line[512];
+  while (fgets(line, sizeof(line), in) != nullptr) {
+    std::string s(line);
+    const size_t at = s.find("listening on ");
+    if (at == std::string::npos) continue;
+    std::vector<std::string> parts = absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
+    p.address = parts[0];
+    p.metrics_port = std::atoi(parts[2].c_str());
+    break;
+  }
+  std::thread([in] {
+    char buf[512];
+    while (fgets(buf, sizeof(buf), in) != nullptr) {
+    }
+    fclose(in);
+  }).detach();
+  EXPECT_FALSE(p.address.empty()) << role << " did not start";
+  return p;
+}
+
+inline void Kill(Proc* p, int sig = SIGKILL) {
+  if (p->pid <= 0) return;
+  kill(p->pid, sig);
+  waitpid(p->pid, nullptr, 0);
+  p->pid = -1;
+}
+
+// HTTP GET of /metrics over a raw socket.
+std::string Scrape(int port);
+// Value of one exposition line ("name{labels}"), or -1.
+double MetricValue(const std::string& text, const std::string& series);
+
+struct Cluster {
+  std::vector<Proc> prefill, decode;
+  Proc router;
+  std::unique_ptr<v1::Router::Stub> stub;
+
+  // n_prefill == 0 with colocated: `worker --role both` processes.
+  static Cluster Start(const std::string& model, int n_prefill, int n_decode,
+                       const std::vector<std::string>& router_flags = {},
+                       const std::vector<std::string>& worker_flags = {}) {
+    Cluster c;
+    for (int i = 0; i < n_prefill + n_decode; ++i) {
+      const bool is_prefill = i < n_prefill;
+      const std::string role = is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
+      std::vector<std::string> args = {"worker", "--role=" + role, "--model=" + model, "--port=0",
+                                       "--metrics-port=0", "--threads=1"};
+      args.insert(args.end(), worker_flags.begin(), worker_flags.end());
+      (is_prefill ? c.prefill : c.decode).push_back(StartProcess(role, args));
+    }
+    std::vector<std::string> paddr, daddr;
+    for (auto& p : c.prefill) paddr.push_back(p.address);
+    for (auto& p : c.decode) daddr.push_back(p.address);
+    std::vector<std::string> args = {"router", "--model=" + model, "--port=0", "--metrics-port=0"};
+    if (n_prefill > 0) {
+      args.push_back("--prefill-workers=" + absl::StrJoin(paddr, ","));
+      args.push_back("--decode-workers=" + absl::StrJoin(daddr, ","));
+    } else {
+      args.push_back("--both-workers=" + absl::StrJoin(daddr, ","));
+    }
+    args.insert(args.end(), router_flags.begin(), router_flags.end());
+    c.router = StartProcess("router", args);
+    c.stub = v1::Router::NewStub(grpc::CreateChannel(c.router.address, grpc::InsecureChannelCredentials()));
+    c.WaitForWorkers(n_prefill + n_decode);
+    return c;
+  }
+
+  void WaitForWorkers(int n) {
+    for (int i = 0; i < 100; ++i) {
+      grpc::ClientContext ctx;
+      v1::ListWorkersResponse resp;
+      if (stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) {
+        int up = 0;
+        for (const auto& w : resp.workers()) up += w.state() == "up";
+        if (up >= n) return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ADD_FAILURE() << "workers did not come up";
+  }
+
+  std::vector<Proc*> All() {
+    std::vector<Proc*> out;
+    for (auto& p : prefill) out.push_back(&p);
+    for (auto& p : decode) out.push_back(&p);
+    out.push_back(&router);
+    return out;
+  }
+
+  ~Cluster() {
+    // Router first, so workers have no subscribers left to wait for.
+    Kill(&router, SIGKILL);
+    for (Proc* p : All()) Kill(p, SIGTERM);
+  }
+  Cluster() = default;
+  Cluster(Cluster&&) = default;
+  Cluster& operator=(Cluster&&) = default;
+};
+
+struct Result {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+  std::string text;
+  v1::GenerateResponse last;
+  int messages = 0;
+};
+
+// Streams one request; `on_message` (optional) runs after each message.
+inline Result Generate(v1::Router::Stub* stub, const v1::GenerateRequest& req,
+                       std::function<void(const v1::GenerateResponse&)> on_message = nullptr,
+                       int timeout_ms = 120000) {
+  Result r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  auto reader = stub->Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    ++r.messages;
+    r.tokens.insert(r.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+    r.text += resp.text();
+    r.last = resp;
+    if (on_message) on_message(resp);
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+inline v1::GenerateRequest Request(const std::string& prompt, uint32_t max_tokens, float temperature = 0,
+                                   uint64_t seed = 0, const std::string& salt = "") {
+  v1::GenerateRequest req;
+  req.set_prompt(prompt);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  req.mutable_sampling()->set_temperature(temperature);
+  req.mutable_sampling()->set_seed(seed);
+  req.mutable_sampling()->set_ignore_eos(true);
+  req.set_cache_salt(salt);
+  return req;
+}
+
+}  // namespace pdserve::testing
