@@ -89,11 +89,17 @@ grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::Wor
   const grpc::Status pst = PrefillStub(request.prefill_address())->Prefill(&pctx, prefill, &prefilled);
   if (!pst.ok()) {
     release();
-    // A dead or failing prefill worker is retryable elsewhere.
-    if (pst.error_code() == grpc::StatusCode::INTERNAL || pst.error_code() == grpc::StatusCode::UNKNOWN) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill failed: " + pst.error_message());
+    // Name the prefill worker as the culprit (kPrefillFailedPrefix), so the
+    // router retries with another prefill worker rather than dropping us.
+    // Transport-level failures become UNAVAILABLE (retryable); request errors
+    // such as a layout mismatch keep their code.
+    grpc::StatusCode code = pst.error_code();
+    if (code == grpc::StatusCode::INTERNAL || code == grpc::StatusCode::UNKNOWN ||
+        code == grpc::StatusCode::CANCELLED) {
+      code = grpc::StatusCode::UNAVAILABLE;
     }
-    return pst;
+    return grpc::Status(code, absl::StrCat(kPrefillFailedPrefix, request.prefill_address(), ": ",
+                                           pst.error_message()));
   }
   if (absl::Status s = receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline); !s.ok()) {
     loop_->Abort(req.id);

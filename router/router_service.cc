@@ -7,7 +7,9 @@
 #include <functional>
 #include <map>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "decode_service/decode_handler.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metric_handles.h"
@@ -297,9 +299,10 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       if (!Retryable(last_error.error_code())) return last_error;
       PDSERVE_LOG(WARNING) << "request " << id << " on " << dec->address << " failed after " << generated.size()
                            << " tokens: " << last_error.error_message() << "; retrying elsewhere";
-      exclude.push_back(dec->index);
-      if (pre && last_error.error_message().find("prefill") != std::string::npos) exclude.push_back(pre->index);
-      registry->ReportFailure(dec->index);
+      const bool prefill_failed = pre && absl::StartsWith(last_error.error_message(), decode::kPrefillFailedPrefix);
+      const WorkerIndex failed = prefill_failed ? pre->index : dec->index;
+      exclude.push_back(failed);
+      registry->ReportFailure(failed);
     }
     return last_error;
   }
