@@ -240,7 +240,12 @@ int RunUp(const std::vector<std::string>&) {
       "--max-num-seqs=" + std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
       "--max-num-batched-tokens=" + std::to_string(absl::GetFlag(FLAGS_max_num_batched_tokens)),
       "--matmul=" + absl::GetFlag(FLAGS_matmul),
-      "--threads=" + std::to_string(absl::GetFlag(FLAGS_threads)),
+      // Workers share the machine: split the cores unless told otherwise, so
+      // kernel threads of different processes do not fight over one core.
+      "--threads=" + std::to_string(absl::GetFlag(FLAGS_threads) > 0
+                                        ? absl::GetFlag(FLAGS_threads)
+                                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
+                                                          std::max(1, n_prefill + n_decode))),
       std::string("--enable-prefix-caching=") + (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
   };
   std::vector<Child> children;

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <numbers>
 
+#include "kernels/cpu/matmul.h"
+
 namespace pdserve::kernels {
 
 void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
              int64_t dim, float eps, float* out) {
-#pragma omp parallel for schedule(static) if (rows > 16)
+#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * dim;
     if (residual != nullptr) {
@@ -27,7 +29,7 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
 void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                const int32_t* positions, const float* inv_freq) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (rows > 16)
+#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     float cos_t[512], sin_t[512];  // head_dim <= 1024 is validated by the model config
     const float pos = static_cast<float>(positions[r]);
@@ -48,7 +50,7 @@ void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
 }
 
 void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
-#pragma omp parallel for schedule(static) if (rows > 16)
+#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * inter;
     const float* u = g + inter;

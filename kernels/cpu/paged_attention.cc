@@ -69,7 +69,7 @@ void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache) {
   const int64_t stride = int64_t{cache.num_kv_heads} * cache.head_dim;
   // Parallel over heads: tokens of one (block, head) stay in order.
-#pragma omp parallel for schedule(static) if (num_tokens * stride > 8192)
+#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (num_tokens * stride > 8192)
   for (int h = 0; h < cache.num_kv_heads; ++h) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t block = slots[t] / cache.block_size;
@@ -114,7 +114,7 @@ void PagedAttention(const float* q, int32_t num_heads, std::span<const Attention
     }
   }
   const int64_t row_stride = int64_t{num_heads} * d;
-#pragma omp parallel
+#pragma omp parallel num_threads(std::min<int>(KernelThreads(), static_cast<int>(tasks.size())))
   {
     std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
     std::vector<float> acc, m, l;

@@ -57,8 +57,10 @@ class Communicator {
   // Sends and receives between GroupStart and GroupEnd are issued together
   // (ncclGroupStart/End), so several buffers travel as one operation.
   virtual absl::Status GroupStart() = 0;
-  virtual absl::Status Send(size_t offset, size_t bytes) = 0;  // wire staging to the peer
-  virtual absl::Status Recv(size_t offset, size_t bytes) = 0;  // from the peer into wire staging
+  virtual absl::Status Send(size_t offset,
+                            size_t bytes) = 0;  // wire staging to the peer
+  virtual absl::Status Recv(
+      size_t offset, size_t bytes) = 0;  // from the peer into wire staging
   virtual absl::Status GroupEnd() = 0;
   virtual absl::StatusOr<std::unique_ptr<Completion>> Record() = 0;
 
@@ -78,13 +80,14 @@ class CommunicatorFactory {
   // Joins the two-rank communicator named by `unique_id` as `rank`. Returns
   // once both ranks joined; DEADLINE_EXCEEDED if the peer did not join by
   // `deadline`. `op_timeout` bounds every later wait inside the communicator.
-  virtual absl::StatusOr<std::unique_ptr<Communicator>> Create(const std::string& unique_id,
-                                                               int rank, absl::Time deadline,
-                                                               absl::Duration op_timeout) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Create(
+      const std::string& unique_id, int rank, absl::Time deadline,
+      absl::Duration op_timeout) = 0;
 };
 
 // Polls `completion` until it is done, it fails, or `deadline` passes
 // (DEADLINE_EXCEEDED naming `what`). Backs off from microseconds to 1 ms.
-absl::Status AwaitCompletion(Completion& completion, absl::Time deadline, const char* what);
+absl::Status AwaitCompletion(Completion& completion, absl::Time deadline,
+                             const char* what);
 
 }  // namespace pdserve::kv_transfer::nccl

@@ -8,7 +8,13 @@
 namespace pdserve::kv_transfer::nccl {
 namespace {
 
-enum Kind : uint8_t { kHello = 1, kBegin = 2, kManifest = 3, kEnd = 4, kReply = 5 };
+enum Kind : uint8_t {
+  kHello = 1,
+  kBegin = 2,
+  kManifest = 3,
+  kEnd = 4,
+  kReply = 5
+};
 
 // Strings longer than this are rejected; no legitimate field comes close.
 constexpr uint32_t kMaxStringBytes = 1 << 20;
@@ -28,7 +34,9 @@ class Writer {
  private:
   // Little-endian hosts only (x86-64, aarch64), like the rest of pdserve's
   // binary formats.
-  void Raw(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  void Raw(const void* p, size_t n) {
+    out_.append(static_cast<const char*>(p), n);
+  }
   std::string out_;
 };
 
@@ -68,8 +76,9 @@ void WriteLayout(Writer& w, const KvLayout& l) {
 }
 
 bool ReadLayout(Reader& r, KvLayout* l) {
-  return r.Str(&l->fingerprint) && r.I32(&l->num_layers) && r.I32(&l->kv_heads) &&
-         r.I32(&l->head_dim) && r.I32(&l->block_size) && r.Str(&l->dtype);
+  return r.Str(&l->fingerprint) && r.I32(&l->num_layers) &&
+         r.I32(&l->kv_heads) && r.I32(&l->head_dim) && r.I32(&l->block_size) &&
+         r.Str(&l->dtype);
 }
 
 }  // namespace
@@ -127,8 +136,8 @@ absl::StatusOr<ControlMessage> DecodeMessage(std::string_view bytes) {
     }
     case kBegin: {
       BeginMessage m;
-      ok = r.U64(&m.transfer_id) && r.U64(&m.reservation_id) && r.Str(&m.request_id) &&
-           ReadLayout(r, &m.layout);
+      ok = r.U64(&m.transfer_id) && r.U64(&m.reservation_id) &&
+           r.Str(&m.request_id) && ReadLayout(r, &m.layout);
       out = std::move(m);
       break;
     }
@@ -155,7 +164,8 @@ absl::StatusOr<ControlMessage> DecodeMessage(std::string_view bytes) {
     case kReply: {
       ReplyMessage m;
       uint32_t code = 0;
-      ok = r.U32(&code) && code <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated) &&
+      ok = r.U32(&code) &&
+           code <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated) &&
            r.Str(&m.message) && r.U64(&m.max_batch_bytes);
       m.code = static_cast<absl::StatusCode>(code);
       out = std::move(m);
@@ -163,13 +173,13 @@ absl::StatusOr<ControlMessage> DecodeMessage(std::string_view bytes) {
     }
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("KV control message of unknown kind ", static_cast<int>(kind), " (",
-                       bytes.size(), " bytes)"));
+          absl::StrCat("KV control message of unknown kind ",
+                       static_cast<int>(kind), " (", bytes.size(), " bytes)"));
   }
   if (!ok || r.remaining() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed KV control message of kind ",
-                                                   static_cast<int>(kind), " (", bytes.size(),
-                                                   " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed KV control message of kind ",
+                     static_cast<int>(kind), " (", bytes.size(), " bytes)"));
   }
   return out;
 }
@@ -181,6 +191,8 @@ ReplyMessage ReplyFor(const absl::Status& status) {
   return reply;
 }
 
-absl::Status StatusOf(const ReplyMessage& reply) { return absl::Status(reply.code, reply.message); }
+absl::Status StatusOf(const ReplyMessage& reply) {
+  return absl::Status(reply.code, reply.message);
+}
 
 }  // namespace pdserve::kv_transfer::nccl

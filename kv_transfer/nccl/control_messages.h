@@ -76,8 +76,8 @@ struct ReplyMessage {
   bool operator==(const ReplyMessage&) const = default;
 };
 
-using ControlMessage =
-    std::variant<HelloMessage, BeginMessage, ManifestMessage, EndMessage, ReplyMessage>;
+using ControlMessage = std::variant<HelloMessage, BeginMessage, ManifestMessage,
+                                    EndMessage, ReplyMessage>;
 
 std::string EncodeMessage(const ControlMessage& message);
 // INVALID_ARGUMENT for anything that is not exactly one encoded message.
