@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "kv_transfer/grpc/grpc_transport.h"
+#include "router/kv_event_applier.h"
 
 namespace pdserve::router {
 namespace {
@@ -196,33 +197,24 @@ void WorkerRegistry::EventLoop(Entry* entry) {
     grpc::ClientContext ctx;
     auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
     v1::KvEventBatch batch;
-    uint64_t last = 0;
-    bool synced = false;
-    std::vector<engine::BlockHash> hashes;
+    KvEventApplier applier(index_, index);
     while (!stop_ && reader->Read(&batch)) {
-      if (batch.snapshot()) {
-        index_->ClearWorker(index);
-        synced = true;
-      } else if (!synced) {
-        break;
-      }
-      bool gap = false;
+      bool resync = false;
       for (const auto& e : batch.events()) {
-        if (!batch.snapshot() && e.seq() != last + 1) {
-          gap = true;  // lost events: resubscribe for a fresh snapshot
+        engine::KvEvent event;
+        event.seq = e.seq();
+        event.type = e.type() == v1::KvEventProto::STORED    ? engine::KvEvent::Type::kStored
+                     : e.type() == v1::KvEventProto::REMOVED ? engine::KvEvent::Type::kRemoved
+                                                             : engine::KvEvent::Type::kCleared;
+        for (const auto& h : e.hashes()) event.hashes.push_back(HashFromBytes(h));
+        if (batch.snapshot()) {
+          applier.Snapshot(event.seq, event.hashes);
+        } else if (!applier.Apply(event)) {
+          resync = true;  // lost events: resubscribe for a fresh snapshot
           break;
         }
-        last = e.seq();
-        hashes.clear();
-        for (const auto& h : e.hashes()) hashes.push_back(HashFromBytes(h));
-        switch (e.type()) {
-          case v1::KvEventProto::STORED: index_->Stored(index, hashes); break;
-          case v1::KvEventProto::REMOVED: index_->Removed(index, hashes); break;
-          default: index_->ClearWorker(index); break;
-        }
       }
-      if (gap) break;
-      if (stop_) break;
+      if (resync || stop_) break;
     }
     ctx.TryCancel();
     reader->Finish();
