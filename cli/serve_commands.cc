@@ -44,6 +44,7 @@ ABSL_FLAG(double, w_prefill, 1.0, "router: weight of uncached + queued prefill t
 ABSL_FLAG(double, w_decode, 64.0, "router: weight of decode load (sequences)");
 ABSL_FLAG(int64_t, local_prefill_threshold, 32, "router: uncached tokens at or below this prefill on the decode worker");
 ABSL_FLAG(int32_t, max_retries, 3, "router: retries before the first token / migrations after it");
+ABSL_FLAG(int32_t, drain_timeout_ms, 30000, "worker: on SIGTERM, finish in-flight requests for up to this long");
 ABSL_FLAG(int32_t, admission_timeout_ms, 10000, "worker: wait this long for free KV blocks before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, prefill, 1, "up: number of prefill workers (0 = colocated --role both workers)");
 ABSL_FLAG(int32_t, decode, 1, "up: number of decode (or colocated) workers");
@@ -121,6 +122,7 @@ int RunWorkerWithRole(const std::string& role) {
     });
   }
   WaitForSignal();
+  (*server)->Drain(absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms)));
   stop = true;
   if (heartbeat.joinable()) heartbeat.join();
   (*server)->Shutdown();

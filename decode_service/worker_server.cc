@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
@@ -70,6 +72,15 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   std::unique_ptr<grpc::Server> server;
   metrics::Registry::CollectorHandle collector;
   bool serves_prefill = false, serves_decode = false;
+  std::atomic<bool> draining{false};
+  std::atomic<int> in_flight{0};
+
+  // Counts a handler as in flight for the drain.
+  struct InFlight {
+    explicit InFlight(std::atomic<int>* n) : n_(n) { ++*n_; }
+    ~InFlight() { --*n_; }
+    std::atomic<int>* n_;
+  };
 
   grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerStatus* out) override {
     const engine::EngineStats s = loop->stats();
@@ -84,17 +95,22 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     out->set_total_blocks(static_cast<uint32_t>(loop->num_blocks()));
     out->set_queued_prefill_tokens(static_cast<uint64_t>(s.queued_prefill_tokens));
     out->set_cache_fingerprint(cache_fingerprint);
+    out->set_draining(draining);
     return grpc::Status::OK;
   }
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::WorkerGenerateRequest* req,
                         grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
     if (!serves_decode) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this is a prefill-only worker");
+    InFlight guard(&in_flight);
+    if (draining) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
     return decode->Generate(ctx, *req, writer);
   }
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req, v1::PrefillResponse* resp) override {
     if (!serves_prefill) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this is a decode-only worker");
+    InFlight guard(&in_flight);
+    if (draining) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
     return prefill->Prefill(ctx, *req, resp);
   }
 
@@ -166,6 +182,18 @@ WorkerServer::WorkerServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 WorkerServer::~WorkerServer() { Shutdown(); }
 const std::string& WorkerServer::address() const { return impl_->address; }
 const std::string& WorkerServer::id() const { return impl_->id; }
+
+void WorkerServer::Drain(absl::Duration grace) {
+  impl_->draining = true;
+  if (auto* health = impl_->server->GetHealthCheckService()) health->SetServingStatus(false);
+  PDSERVE_LOG(INFO) << "draining: " << impl_->in_flight << " request(s) in flight";
+  const absl::Time until = absl::Now() + grace;
+  while (impl_->in_flight > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  if (impl_->in_flight > 0) {
+    PDSERVE_LOG(WARNING) << "drain grace period over with " << impl_->in_flight
+                         << " request(s) in flight; they migrate";
+  }
+}
 
 void WorkerServer::Shutdown() {
   if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));

@@ -38,6 +38,11 @@ class WorkerServer {
   ~WorkerServer();
   const std::string& address() const;
   const std::string& id() const;
+  // Graceful drain: report NOT_SERVING (health and status), refuse new work
+  // with UNAVAILABLE (the router retries elsewhere), and wait up to `grace`
+  // for in-flight requests to finish. Requests still running after that are
+  // cut off when the server shuts down; the router migrates them.
+  void Drain(absl::Duration grace);
   void Shutdown();
   void Wait();
 

@@ -163,7 +163,9 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       if (attempts > config.max_retries) return last_error;
       if (attempts > 0) m->retries->Increment();
       ++attempts;
-      const std::vector<WorkerView> workers = registry->UpWorkers();
+      std::vector<WorkerView> workers = registry->UpWorkers();
+      // A draining worker finishes what it has but takes nothing new.
+      std::erase_if(workers, [](const WorkerView& w) { return w.status.draining(); });
       uint32_t max_len = 0;
       for (const auto& w : workers) {
         if (w.role != "prefill") max_len = max_len ? std::min(max_len, w.status.max_model_len()) : w.status.max_model_len();

@@ -288,3 +288,36 @@ TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
 
 }  // namespace
 }  // namespace pdserve::testing
+
+namespace pdserve::testing {
+namespace {
+
+TEST_F(ServingTest, SigtermDrainsADecodeWorkerWithoutClientErrors) {
+  Cluster c = Cluster::Start(*model_, 1, 2, {"--local-prefill-threshold=-1"});
+  constexpr int kClients = 6;
+  std::vector<std::thread> clients;
+  std::vector<Result> results(kClients);
+  std::atomic<int> streaming{0};
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      bool counted = false;
+      results[i] = Generate(c.stub.get(), Request(Family(20 + i), 150), [&](const v1::GenerateResponse&) {
+        if (!counted) ++streaming;
+        counted = true;
+      });
+    });
+  }
+  while (streaming < kClients / 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  Kill(&c.decode[0], SIGTERM);  // waits for the process: drain then exit
+  // New work keeps flowing to the remaining worker meanwhile.
+  auto after = Generate(c.stub.get(), Request(Family(30), 10));
+  for (auto& t : clients) t.join();
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].tokens.size(), 150u) << i;
+  }
+}
+
+}  // namespace
+}  // namespace pdserve::testing
