@@ -1,16 +1,37 @@
 // The table of subcommands and their help texts.
+#include <unistd.h>
+
 #include <cstdio>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/engine_bench.h"
+#include "bench/serve_bench.h"
+#include "bench/transfer_bench.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 
 ABSL_FLAG(std::string, batch_sizes, "1,8,32", "bench engine: decode batch sizes");
 ABSL_FLAG(int32_t, prefill_tokens, 512, "bench engine: prompt length for the prefill figure");
 ABSL_FLAG(int32_t, decode_steps, 32, "bench engine: timed decode steps per batch size");
+ABSL_FLAG(std::string, workload, "synthetic", "bench serve: chat, multiturn, longdoc, mixed or synthetic");
+ABSL_FLAG(std::string, trace, "", "bench serve: JSONL trace to replay instead of a workload");
+ABSL_FLAG(int32_t, num_requests, 32, "bench serve: requests per run");
+ABSL_FLAG(double, rate, 0, "bench serve: Poisson arrival rate in requests/s (0 with --concurrency: closed loop)");
+ABSL_FLAG(int32_t, concurrency, 0, "bench serve: closed-loop clients (0: open loop at --rate)");
+ABSL_FLAG(int32_t, input_len, 128, "bench serve: prompt length unit in bytes");
+ABSL_FLAG(int32_t, output_len, 32, "bench serve: output tokens per request");
+ABSL_FLAG(double, slo_ttft, 2.0, "bench serve: TTFT SLO in seconds");
+ABSL_FLAG(double, slo_itl, 0.2, "bench serve: inter-token latency SLO in seconds");
+ABSL_FLAG(bool, goodput, false, "bench serve: search for the highest rate with >= 90% within SLO");
+ABSL_FLAG(double, max_rate, 16, "bench serve: upper end of the goodput search");
+ABSL_FLAG(std::string, cdf_svg, "", "bench serve: write the TTFT CDF plot here");
+ABSL_FLAG(std::string, transfer_tokens, "1024,4096,16384", "bench transfer: sequence lengths in tokens");
+ABSL_FLAG(int32_t, repetitions, 3, "bench transfer: timed repetitions per size");
+ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(std::string, router);
 
 namespace pdserve::cli {
 namespace {
@@ -57,6 +78,59 @@ int RunBenchEngine(const std::vector<std::string>&) {
   } else {
     std::printf("%s", result->ToTable().c_str());
   }
+  return 0;
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseIntList(const std::string& text, const char* flag) {
+  std::vector<int32_t> out;
+  for (absl::string_view p : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t v;
+    if (!absl::SimpleAtoi(p, &v) || v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, " must list positive integers"));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " is empty"));
+  return out;
+}
+
+int RunBenchServe(const std::vector<std::string>&) {
+  bench::ServeBenchConfig c;
+  c.router = absl::GetFlag(FLAGS_router);
+  c.workload.name = absl::GetFlag(FLAGS_workload);
+  c.workload.num_requests = absl::GetFlag(FLAGS_num_requests);
+  c.workload.rate = absl::GetFlag(FLAGS_rate);
+  c.workload.input_len = absl::GetFlag(FLAGS_input_len);
+  c.workload.output_len = absl::GetFlag(FLAGS_output_len);
+  c.workload.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
+  c.trace_file = absl::GetFlag(FLAGS_trace);
+  c.concurrency = absl::GetFlag(FLAGS_concurrency);
+  c.slo_ttft_s = absl::GetFlag(FLAGS_slo_ttft);
+  c.slo_itl_s = absl::GetFlag(FLAGS_slo_itl);
+  c.search_goodput = absl::GetFlag(FLAGS_goodput);
+  c.max_rate = absl::GetFlag(FLAGS_max_rate);
+  c.progress = isatty(2);
+  auto report = bench::RunServeBench(c);
+  if (!report.ok()) return ReportError(report.status());
+  if (!absl::GetFlag(FLAGS_cdf_svg).empty()) {
+    if (auto s = bench::WriteCdfSvg(*report, absl::GetFlag(FLAGS_cdf_svg)); !s.ok()) return ReportError(s);
+  }
+  std::printf("%s", absl::GetFlag(FLAGS_json) ? (report->ToJson() + "\n").c_str() : report->ToTable().c_str());
+  return report->failed > 0 ? 1 : 0;
+}
+
+int RunBenchTransfer(const std::vector<std::string>&) {
+  bench::TransferBenchConfig c;
+  auto tokens = ParseIntList(absl::GetFlag(FLAGS_transfer_tokens), "--transfer-tokens");
+  if (!tokens.ok()) return ReportError(tokens.status());
+  c.tokens = *tokens;
+  c.repetitions = absl::GetFlag(FLAGS_repetitions);
+  auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
+  if (!dtype) return ReportError(absl::InvalidArgumentError("--kv-dtype must be fp32, bf16, fp16 or int8"));
+  c.layouts = bench::DefaultTransferLayouts(*dtype, absl::GetFlag(FLAGS_block_size));
+  auto result = bench::RunTransferBench(c);
+  if (!result.ok()) return ReportError(result.status());
+  std::printf("%s", absl::GetFlag(FLAGS_json) ? (result->ToJson() + "\n").c_str() : result->ToTable().c_str());
   return 0;
 }
 
@@ -122,6 +196,21 @@ const std::vector<Command>& AllCommands() {
        "roofline ratio: bytes a step must read (weights + KV) per second divided by\n"
        "the STREAM-triad bandwidth measured in the same run.\n\n" + std::string(kEngineFlags),
        RunBenchEngine},
+      {"bench serve", "load generator against a router: latency percentiles, throughput, goodput",
+       "bench serve --router ADDR [--workload chat|multiturn|longdoc|mixed|synthetic | --trace FILE]\n"
+       "            [--num-requests 32] [--rate R | --concurrency C] [--input-len 128] [--output-len 32]\n"
+       "            [--slo-ttft 2.0] [--slo-itl 0.2] [--goodput --max-rate 16] [--cdf-svg FILE] [--seed S] [--json]\n\n"
+       "Open loop: Poisson arrivals at --rate requests/s; closed loop: --concurrency clients.\n"
+       "Trace lines: {\"arrival_s\": 0.5, \"prompt\": \"...\" | \"prompt_tokens\": 300, \"max_tokens\": 32,\n"
+       "\"prefix_group\": \"g1\"}. Goodput: the highest rate at which >= 90% of requests meet\n"
+       "both SLOs (TTFT, and the request's mean inter-token latency), found by bisection.\n",
+       RunBenchServe},
+      {"bench transfer", "KV transfer throughput over grpc vs raw loopback TCP",
+       "bench transfer [--transfer-tokens 1024,4096,16384] [--repetitions 3] [--kv-dtype fp32] [--json]\n\n"
+       "Moves the KV blocks of sequences of each length for the small layout (--kv-dtype) and an\n"
+       "8B-shaped layout (32 layers, 8 KV heads, head_dim 128, bf16) through the grpc transport on\n"
+       "loopback, verifies the bytes, and compares with a plain TCP socket moving the same bytes.\n",
+       RunBenchTransfer},
   };
   return commands;
 }

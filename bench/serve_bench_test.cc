@@ -1,0 +1,111 @@
+#include "bench/serve_bench.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "tests/cluster.h"
+
+namespace pdserve::bench {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ServeBenchTest, NearestRankPercentiles) {
+  std::vector<double> v;
+  for (int i = 100; i >= 1; --i) v.push_back(i);  // 1..100, unsorted
+  const Percentiles p = ComputePercentiles(v);
+  EXPECT_EQ(p.p50, 50);
+  EXPECT_EQ(p.p90, 90);
+  EXPECT_EQ(p.p99, 99);
+  EXPECT_DOUBLE_EQ(p.mean, 50.5);
+  const Percentiles three = ComputePercentiles({3, 1, 2});
+  EXPECT_EQ(three.p50, 2);
+  EXPECT_EQ(three.p99, 3);
+  EXPECT_EQ(ComputePercentiles({}).p50, 0);
+}
+
+TEST(ServeBenchTest, SummaryCountsTokensHitsAndSlo) {
+  std::vector<RequestResult> r(4);
+  for (int i = 0; i < 4; ++i) {
+    r[i].ok = i != 3;
+    r[i].ttft_s = 0.1 * (i + 1);
+    r[i].e2e_s = r[i].ttft_s + 0.5;
+    r[i].itl_s = {0.1, 0.1, 0.1, 0.1, 0.1};
+    r[i].prompt_tokens = 100;
+    r[i].completion_tokens = 6;
+    r[i].cached_prompt_tokens = i == 0 ? 0 : 64;
+  }
+  const ServeReport s = Summarise(r, 2.0, /*slo_ttft=*/0.25, /*slo_itl=*/0.2);
+  EXPECT_EQ(s.succeeded, 3);
+  EXPECT_EQ(s.failed, 1);
+  EXPECT_EQ(s.prompt_tokens, 300);
+  EXPECT_EQ(s.completion_tokens, 18);
+  EXPECT_DOUBLE_EQ(s.prefix_hit_rate, 128.0 / 300);
+  EXPECT_DOUBLE_EQ(s.requests_per_s, 1.5);
+  EXPECT_DOUBLE_EQ(s.slo_attainment, 0.5);  // 2 of 4 within TTFT 0.25 s
+  EXPECT_DOUBLE_EQ(s.ttft.p50, 0.2);
+}
+
+TEST(ServeBenchTest, TraceParserNamesTheBadLine) {
+  const std::string good = R"({"arrival_s": 0.5, "prompt": "hi", "max_tokens": 3}
+{"arrival_s": 1, "prompt_tokens": 20, "max_tokens": 2, "prefix_group": "g"}
+
+{"arrival_s": 2, "prompt_tokens": 20, "max_tokens": 2, "prefix_group": "g"}
+)";
+  auto ok = ParseTrace(good, "t.jsonl");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_EQ(ok->size(), 3u);
+  EXPECT_EQ((*ok)[1].prompt.substr(0, 20), (*ok)[2].prompt.substr(0, 20));  // shared group prefix
+  const std::pair<std::string, std::string> bad[] = {
+      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 1}\n{not json}\n", "t.jsonl:2"},
+      {"{\"arrival_s\": -1, \"prompt\": \"x\", \"max_tokens\": 1}\n", "t.jsonl:1"},
+      {"\n\n{\"arrival_s\": 0, \"max_tokens\": 1}\n", "t.jsonl:3"},
+      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 0}\n", "t.jsonl:1"},
+      {"[1,2]\n", "t.jsonl:1"},
+  };
+  for (const auto& [text, where] : bad) {
+    auto r = ParseTrace(text, "t.jsonl");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(where)) << r.status();
+  }
+}
+
+TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
+  const std::string model = std::filesystem::temp_directory_path() / ("pdserve_bench_" + std::to_string(::getpid()));
+  ASSERT_EQ(std::system((std::string(PDSERVE_BIN) + " model init --preset tiny --out " + model + " 2>/dev/null").c_str()), 0);
+  auto cluster = testing::Cluster::Start(model, 1, 1);
+  ServeBenchConfig c;
+  c.router = cluster.router.address;
+  c.workload.name = "synthetic";
+  c.workload.num_requests = 9;
+  c.workload.input_len = 40;
+  c.workload.output_len = 7;
+  c.concurrency = 3;
+  c.progress = false;
+  auto report = RunServeBench(c);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->requests, 9);
+  EXPECT_EQ(report->succeeded, 9);
+  EXPECT_EQ(report->completion_tokens, 9 * 7);
+  EXPECT_EQ(report->prompt_tokens, 9 * 41);  // byte tokenizer: 40 bytes + BOS
+  EXPECT_GT(report->ttft.p50, 0);
+  EXPECT_LE(report->ttft.p50, report->ttft.p99);
+  // Open loop: arrivals follow the Poisson schedule, so the run lasts at
+  // least until the last arrival.
+  c.concurrency = 0;
+  c.workload.rate = 20;
+  auto specs = MakeWorkload(c.workload);
+  ASSERT_TRUE(specs.ok());
+  auto open = RunServeBench(c);
+  ASSERT_TRUE(open.ok());
+  EXPECT_EQ(open->succeeded, 9);
+  EXPECT_GE(open->duration_s, specs->back().arrival_s);
+  const std::string svg = std::filesystem::temp_directory_path() / "pdserve_cdf_test.svg";
+  ASSERT_TRUE(WriteCdfSvg(*open, svg).ok());
+  EXPECT_GT(std::filesystem::file_size(svg), 200u);
+}
+
+}  // namespace
+}  // namespace pdserve::bench
