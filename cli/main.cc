@@ -1,5 +1,8 @@
 // pdserve: one binary with subcommands (ARCHITECTURE.md, command line).
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -86,4 +89,16 @@ int Main(int argc, char** argv) {
 
 }  // namespace pdserve::cli
 
-int main(int argc, char** argv) { return pdserve::cli::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // Kernel threads wait passively between parallel regions unless the user
+  // chose otherwise. Spinning (libgomp's default) collapses when cores are
+  // shared — several workers per node, or a busy CI machine: a descheduled
+  // team member stalls every barrier for a whole time slice (measured: decode
+  // step 12 ms -> 180 ms on 2 shared cores). libgomp reads the variable when
+  // it loads, so it is set here and the binary re-executes itself once.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    execv("/proc/self/exe", argv);  // on failure, carry on with the default
+  }
+  return pdserve::cli::Main(argc, argv);
+}
