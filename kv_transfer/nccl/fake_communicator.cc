@@ -143,8 +143,9 @@ class FakeCompletion : public Completion {
   absl::StatusOr<bool> Poll() override {
     absl::MutexLock l(&state_->mu);
     Fabric& f = *fabric_;
-    if (f.aborted[rank_])
+    if (f.aborted[rank_]) {
       return absl::FailedPreconditionError("fake NCCL communicator aborted");
+    }
     state_->Pump(f);
     if (!f.error.ok()) return f.error;
     if (f.done_ticket[rank_] < ticket_) return false;
@@ -221,17 +222,19 @@ class FakeCommunicator : public Communicator {
   }
 
   absl::Status GroupEnd() override {
-    if (group_depth_ == 0)
+    if (group_depth_ == 0) {
       return absl::FailedPreconditionError(
           "fake NCCL: GroupEnd without GroupStart");
+    }
     if (--group_depth_ > 0) return absl::OkStatus();
     std::unique_ptr<Op> group = std::move(group_);
     group->unmatched = static_cast<int>(group->p2p.size());
     absl::MutexLock l(&state_->mu);
     if (absl::Status s = Usable(); !s.ok()) return s;
     std::vector<std::string> parts = {absl::StrCat("r", rank_)};
-    for (const P2p& p : group->p2p)
+    for (const P2p& p : group->p2p) {
       parts.push_back(absl::StrCat(p.send ? "send:" : "recv:", p.bytes));
+    }
     state_->group_log.push_back(absl::StrJoin(parts, " "));
     fabric_->stream[rank_].push_back(std::move(group));
     ++fabric_->enqueued[rank_];
@@ -260,8 +263,9 @@ class FakeCommunicator : public Communicator {
 
  private:
   absl::Status Usable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-    if (fabric_->aborted[rank_])
+    if (fabric_->aborted[rank_]) {
       return absl::FailedPreconditionError("fake NCCL communicator aborted");
+    }
     return fabric_->error;
   }
 
@@ -328,7 +332,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> FakeCommunicatorFactory::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("fake NCCL: rank ", rank, " of a 2-rank communicator"));
   }
-  State* state = state_.get();
+  const std::shared_ptr<State> state = state_;  // alive while this call waits
   absl::MutexLock l(&state->mu);
   std::shared_ptr<Fabric>& slot = state->fabrics[unique_id];
   if (!slot) slot = std::make_shared<Fabric>();

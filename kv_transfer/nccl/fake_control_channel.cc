@@ -23,8 +23,9 @@ class FakeControlChannel : public ControlChannel {
 
   absl::Status Send(std::string message) override {
     absl::MutexLock l(&link_->mu);
-    if (link_->closed)
+    if (link_->closed) {
       return absl::UnavailableError("KV control channel is closed");
+    }
     link_->queues[1 - end_].push_back(std::move(message));
     return absl::OkStatus();
   }
@@ -43,8 +44,9 @@ class FakeControlChannel : public ControlChannel {
       link->queues[end].pop_front();
       return message;
     }
-    if (link->closed)
+    if (link->closed) {
       return absl::UnavailableError("KV control channel is closed");
+    }
     return absl::DeadlineExceededError(
         "no KV control message before the deadline");
   }

@@ -52,8 +52,9 @@ class NcclCompletion : public Completion {
   }
 
   absl::StatusOr<bool> Poll() override {
-    if (handle_->comm == nullptr)
+    if (handle_->comm == nullptr) {
       return absl::FailedPreconditionError("NCCL communicator aborted");
+    }
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(handle_->device));
     const cudaError_t query = cudaEventQuery(event_);
     if (query == cudaSuccess) return true;
@@ -213,8 +214,9 @@ class NcclCommunicator : public Communicator {
   // Every call selects the device (the calling thread may have another one)
   // and fails once the communicator was aborted.
   absl::Status Alive() const {
-    if (handle_->comm == nullptr)
+    if (handle_->comm == nullptr) {
       return absl::FailedPreconditionError("NCCL communicator aborted");
+    }
     return PDSERVE_CUDA_STATUS(cudaSetDevice(handle_->device));
   }
   absl::Status InRange(size_t offset, size_t bytes) const {
@@ -267,8 +269,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicatorFactory::Create(
   ncclComm_t comm = nullptr;
   absl::Status s =
       PDSERVE_NCCL_STATUS(ncclCommInitRankConfig(&comm, 2, id, rank, &config));
-  if (s.ok())
+  if (s.ok()) {
     s = WaitReady(comm, deadline, "the KV peer joining the NCCL communicator");
+  }
   if (!s.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);
     cudaStreamDestroy(stream);

@@ -113,18 +113,21 @@ class NcclProtocolTest : public ::testing::Test {
       }
     }
     for (int i = 0; i < skip; ++i) {
-      for (int l = 0; l < spec_.num_layers; ++l)
+      for (int l = 0; l < spec_.num_layers; ++l) {
         EXPECT_TRUE(IsZero(pool_.get(), l, blocks[i]));
+      }
     }
   }
 
   // Every receiver block outside `reserved` is still zero.
   void ExpectUntouchedOutside(const std::vector<int32_t>& reserved) {
     for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
-      if (std::find(reserved.begin(), reserved.end(), b) != reserved.end())
+      if (std::find(reserved.begin(), reserved.end(), b) != reserved.end()) {
         continue;
-      for (int l = 0; l < spec_.num_layers; ++l)
+      }
+      for (int l = 0; l < spec_.num_layers; ++l) {
         EXPECT_TRUE(IsZero(pool_.get(), l, b)) << "block " << b;
+      }
     }
   }
 
@@ -173,8 +176,9 @@ TEST_F(NcclProtocolTest, EveryDtypeArrivesByteIdenticalWholeAndLayerwise) {
       auto session = transport->Open(prefill.plan, prefill.pool.get());
       ASSERT_TRUE(session.ok()) << session.status();
       if (layerwise) {
-        for (int l = 0; l < spec_.num_layers; ++l)
+        for (int l = 0; l < spec_.num_layers; ++l) {
           ASSERT_TRUE((*session)->SendLayers(l, l + 1).ok());
+        }
       } else {
         ASSERT_TRUE((*session)->SendLayers(0, spec_.num_layers).ok());
       }
@@ -267,8 +271,9 @@ TEST_F(NcclProtocolTest, ConcurrentTransfersOnOneLinkBothArriveIntact) {
   constexpr int kSenders = 4;
   std::vector<std::vector<int32_t>> reserved(kSenders);
   std::vector<uint64_t> ids;
-  for (int s = 0; s < kSenders; ++s)
+  for (int s = 0; s < kSenders; ++s) {
     ids.push_back(Reserve(absl::StrCat("req-", s), 3, 1, &reserved[s]));
+  }
   std::vector<std::thread> threads;
   std::vector<absl::Status> results(kSenders);
   for (int s = 0; s < kSenders; ++s) {
@@ -279,8 +284,9 @@ TEST_F(NcclProtocolTest, ConcurrentTransfersOnOneLinkBothArriveIntact) {
         results[s] = session.status();
         return;
       }
-      for (int l = 0; l < 3 && results[s].ok(); ++l)
+      for (int l = 0; l < 3 && results[s].ok(); ++l) {
         results[s] = (*session)->SendLayers(l, l + 1);
+      }
       if (results[s].ok()) results[s] = (*session)->Finish().status();
     });
   }
@@ -345,14 +351,16 @@ TEST_F(NcclProtocolTest,
     EXPECT_THAT(waited.message(), HasSubstr("outside reservation"));
     ExpectUntouchedOutside(reserved);
     for (int i = 0; i < 2; ++i) {
-      for (int l = 0; l < 3; ++l)
+      for (int l = 0; l < 3; ++l) {
         EXPECT_TRUE(IsZero(pool_.get(), l, reserved[i]))
             << "cached block " << i;
+      }
     }
     EXPECT_EQ(receiver_->num_reservations(), 0);
     for (int32_t b : reserved) {
-      for (int l = 0; l < 3; ++l)
+      for (int l = 0; l < 3; ++l) {
         std::memset(pool_->LayerBlockData(l, b), 0, spec_.LayerBlockBytes());
+      }
     }
   }
   EXPECT_EQ(Failures("out_of_range"), 2);
@@ -471,8 +479,8 @@ TEST_F(NcclProtocolTest,
 
 TEST_F(NcclProtocolTest,
        PeerThatNeverJoinsTheCommunicatorFailsOpenWithinTheTimeout) {
-  FakeCommunicatorFactory
-      elsewhere;  // the receiver joins a different "network"
+  // The receiver joins on a different fake "network", so its rank never pairs.
+  FakeCommunicatorFactory elsewhere;
   StartReceiver(Spec(DType::kF16), ReceiverConfig(absl::Milliseconds(300)),
                 &elsewhere);
   auto transport = Transport(SenderConfig(absl::Milliseconds(300)));
@@ -486,6 +494,8 @@ TEST_F(NcclProtocolTest,
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(transport->num_links(), 0);
   receiver_->Cancel(id);
+  // `elsewhere` must outlive the endpoint, whose link may still be joining.
+  endpoint_->Shutdown();
 }
 
 TEST_F(NcclProtocolTest, NoReceiverListeningIsUnavailable) {
@@ -633,9 +643,10 @@ TEST(ControlMessagesTest, RandomBytesNeverCrashOrAllocateWildly) {
   for (int i = 0; i < 20000; ++i) {
     std::string bytes(length(rng), '\0');
     for (char& c : bytes) c = static_cast<char>(byte(rng));
-    if (!bytes.empty())
+    if (!bytes.empty()) {
       bytes[0] = static_cast<char>(1 + i % 5);  // a known kind, then noise
-    decoded += DecodeMessage(bytes).ok() ? 1 : 0;
+      decoded += DecodeMessage(bytes).ok() ? 1 : 0;
+    }
   }
   // A manifest claiming 2^32 - 1 spans in a few bytes is refused, not
   // allocated.

@@ -56,13 +56,15 @@ class ReceiveLink {
         Reply(ReplyFor(message.status()));
         break;
       }
-      if (!std::visit([this](auto& m) { return Handle(m); }, *message).ok())
+      if (!std::visit([this](auto& m) { return Handle(m); }, *message).ok()) {
         break;
+      }
     }
     // Whatever is still open lost its sender.
     for (auto& [id, transfer] : transfers_) {
-      if (transfer.status.ok())
+      if (transfer.status.ok()) {
         receiver_->End(transfer.reservation_id, /*ok=*/false);
+      }
     }
     transfers_.clear();
     comm_.reset();
@@ -112,8 +114,9 @@ class ReceiveLink {
     }
     const absl::Status s =
         receiver_->Begin(m.reservation_id, m.request_id, m.layout);
-    if (s.ok())
+    if (s.ok()) {
       transfers_[m.transfer_id] = {m.reservation_id, absl::OkStatus()};
+    }
     Reply(ReplyFor(s));
     return absl::OkStatus();
   }

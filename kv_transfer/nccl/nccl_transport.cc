@@ -76,8 +76,9 @@ class NcclLink {
   absl::StatusOr<ReplyMessage> Call(const ControlMessage& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     RETURN_IF_ERROR(status_);
-    if (absl::Status s = channel_->Send(EncodeMessage(request)); !s.ok())
+    if (absl::Status s = channel_->Send(EncodeMessage(request)); !s.ok()) {
       return Break(s);
+    }
     absl::StatusOr<std::string> bytes =
         channel_->Receive(absl::Now() + config_.timeout);
     if (!bytes.ok()) {
@@ -179,8 +180,9 @@ class NcclSendSession : public KvSendSession {
   }
 
   absl::Status SendLayers(int32_t first, int32_t last) override {
-    if (done_)
+    if (done_) {
       return absl::FailedPreconditionError("transfer already finished");
+    }
     RETURN_IF_ERROR(status_);
     if (first < 0 || last > pool_->spec().num_layers || first > last) {
       return absl::InvalidArgumentError(
@@ -203,8 +205,9 @@ class NcclSendSession : public KvSendSession {
   }
 
   absl::StatusOr<SendStats> Finish() override {
-    if (done_)
+    if (done_) {
       return absl::FailedPreconditionError("transfer already finished");
+    }
     if (!status_.ok()) {
       Cancel();
       return status_;
@@ -227,8 +230,9 @@ class NcclSendSession : public KvSendSession {
     done_ = true;
     absl::MutexLock l(&link_->mu);
     // Best effort: on a broken link the receiver ends the transfer itself.
-    if (!link_->broken())
+    if (!link_->broken()) {
       link_->Call(EndMessage{transfer_id_, /*ok=*/false}).IgnoreError();
+    }
   }
 
  private:
@@ -248,8 +252,9 @@ class NcclSendSession : public KvSendSession {
     RETURN_IF_ERROR(link_->Drain());
     Communicator* comm = link_->comm();
     if (absl::Status s = comm->ReserveStaging(data_total + scale_total);
-        !s.ok())
+        !s.ok()) {
       return link_->Break(s);
+    }
     uint8_t* host = comm->host_staging();
     ManifestMessage manifest{transfer_id_, {}};
     manifest.spans.reserve(n);
@@ -284,9 +289,10 @@ class NcclSendSession : public KvSendSession {
     link_->SetLast(*std::move(done));
     stats_.bytes += data_total + scale_total;
     stats_.spans += n;
-    if (metrics_)
+    if (metrics_) {
       metrics_->bytes_sent->Increment(
           static_cast<double>(data_total + scale_total));
+    }
     return absl::OkStatus();
   }
 
@@ -319,8 +325,9 @@ absl::StatusOr<std::shared_ptr<NcclLink>> NcclKvTransport::LinkTo(
   {
     absl::MutexLock l(&mu_);
     std::shared_ptr<NcclLink>& slot = links_[destination];
-    if (!slot || slot->broken())
+    if (!slot || slot->broken()) {
       slot = std::make_shared<NcclLink>(destination, config_);
+    }
     link = slot;
   }
   // Connecting waits on the peer, so it holds only this link's lock: other
@@ -333,8 +340,9 @@ absl::StatusOr<std::shared_ptr<NcclLink>> NcclKvTransport::LinkTo(
 
 absl::StatusOr<std::unique_ptr<KvSendSession>> NcclKvTransport::Open(
     const SendPlan& plan, engine::KvPool* pool) {
-  if (plan.destination.empty())
+  if (plan.destination.empty()) {
     return absl::InvalidArgumentError("KV destination is empty");
+  }
   // Both ends size every span from the layout the handshake compares, so the
   // plan must describe the pool the bytes are read from.
   if (absl::Status s = CheckLayouts(

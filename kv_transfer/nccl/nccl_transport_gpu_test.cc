@@ -88,8 +88,9 @@ TEST(NcclTransportGpuTest, EveryDtypeArrivesByteIdenticalBetweenTwoGpus) {
     Prefill prefill(spec, id, "req-1", 5, 1, 21);
     auto session = transport.Open(prefill.plan, prefill.pool.get());
     ASSERT_TRUE(session.ok()) << session.status();
-    for (int l = 0; l < spec.num_layers; ++l)
+    for (int l = 0; l < spec.num_layers; ++l) {
       ASSERT_TRUE((*session)->SendLayers(l, l + 1).ok());
+    }
     auto stats = (*session)->Finish();
     ASSERT_TRUE(stats.ok()) << stats.status();
     ASSERT_TRUE(

@@ -42,11 +42,13 @@ inline void FillBlock(engine::KvPool* pool, uint64_t seed, int index,
   const auto& spec = pool->spec();
   for (int l = 0; l < spec.num_layers; ++l) {
     uint8_t* data = pool->LayerBlockData(l, block);
-    for (int64_t i = 0; i < spec.LayerBlockBytes(); ++i)
+    for (int64_t i = 0; i < spec.LayerBlockBytes(); ++i) {
       data[i] = ByteAt(seed, l, index, i);
+    }
     uint8_t* scales = ScalesOf(pool, l, block);
-    for (size_t i = 0; i < ScaleBytes(spec); ++i)
+    for (size_t i = 0; i < ScaleBytes(spec); ++i) {
       scales[i] = ByteAt(seed + 1, l, index, i);
+    }
   }
 }
 
