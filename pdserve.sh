@@ -11,7 +11,7 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libopenblas-dev libcivetweb-dev libxxhash-dev
+  libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
   prometheus python3-torch python3-numpy
 )
 

@@ -6,6 +6,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -38,6 +40,10 @@ engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
 struct WorkerRegistry::Entry {
   WorkerView view;
   bool subscribed = false;  // an event thread runs for it
+  bool from_dns = false;
+  // Gone from DNS (a rolled-out pod): no longer polled, routed to or counted.
+  // Entries are never erased, so WorkerIndex values stay valid.
+  bool retired = false;
 };
 
 WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
@@ -83,7 +89,7 @@ std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
   absl::MutexLock l(&mu_);
   std::vector<WorkerView> out;
   for (const auto& e : entries_) {
-    if (e->view.up) out.push_back(e->view);
+    if (e->view.up && !e->retired) out.push_back(e->view);
   }
   return out;
 }
@@ -91,7 +97,9 @@ std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
 std::vector<WorkerView> WorkerRegistry::AllWorkers() const {
   absl::MutexLock l(&mu_);
   std::vector<WorkerView> out;
-  for (const auto& e : entries_) out.push_back(e->view);
+  for (const auto& e : entries_) {
+    if (!e->retired) out.push_back(e->view);
+  }
   return out;
 }
 
@@ -118,8 +126,11 @@ bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
 }
 
 void WorkerRegistry::ResolveDns() {
+  std::vector<std::pair<std::string, std::string>> found;  // (address, role)
+  bool any_dns = false, all_resolved = true;
   auto resolve = [&](const std::string& entry, const std::string& role) {
     // dns:NAME:PORT -> every A record of NAME.
+    any_dns = true;
     const std::string rest = entry.substr(4);
     const size_t colon = rest.rfind(':');
     if (colon == std::string::npos) return;
@@ -128,17 +139,38 @@ void WorkerRegistry::ResolveDns() {
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
-    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
+      all_resolved = false;  // keep what we have rather than retire on a DNS hiccup
+      return;
+    }
     for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
       char ip[INET_ADDRSTRLEN];
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, ip, sizeof(ip));
-      Register(absl::StrCat(ip, ":", port), role);
+      found.emplace_back(absl::StrCat(ip, ":", port), role);
     }
     freeaddrinfo(res);
   };
   for (const auto& a : config_.prefill) if (a.rfind("dns:", 0) == 0) resolve(a, "prefill");
   for (const auto& a : config_.decode) if (a.rfind("dns:", 0) == 0) resolve(a, "decode");
   for (const auto& a : config_.both) if (a.rfind("dns:", 0) == 0) resolve(a, "both");
+  if (!any_dns) return;
+  absl::MutexLock l(&mu_);
+  for (const auto& [address, role] : found) {
+    Entry* e = Add(address, role);
+    e->from_dns = true;
+    e->retired = false;
+  }
+  if (!all_resolved) return;
+  for (auto& e : entries_) {
+    if (!e->from_dns || e->retired) continue;
+    const bool listed = std::any_of(found.begin(), found.end(), [&](const auto& f) { return f.first == e->view.address; });
+    if (!listed) {
+      e->retired = true;
+      e->view.up = false;
+      index_->ClearWorker(e->view.index);
+      PDSERVE_LOG(INFO) << "worker " << e->view.address << " left DNS; forgotten";
+    }
+  }
 }
 
 void WorkerRegistry::PollLoop() {
@@ -148,7 +180,9 @@ void WorkerRegistry::PollLoop() {
     std::vector<std::pair<Entry*, std::shared_ptr<v1::Worker::Stub>>> targets;
     {
       absl::MutexLock l(&mu_);
-      for (auto& e : entries_) targets.emplace_back(e.get(), e->view.stub);
+      for (auto& e : entries_) {
+        if (!e->retired) targets.emplace_back(e.get(), e->view.stub);
+      }
     }
     for (auto& [entry, stub] : targets) {
       grpc::ClientContext ctx;
@@ -193,7 +227,11 @@ void WorkerRegistry::EventLoop(Entry* entry) {
     stub = entry->view.stub;
     index = entry->view.index;
   }
-  while (!stop_) {
+  auto retired = [&] {
+    absl::MutexLock l(&mu_);
+    return entry->retired;
+  };
+  while (!stop_ && !retired()) {
     grpc::ClientContext ctx;
     auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
     v1::KvEventBatch batch;
