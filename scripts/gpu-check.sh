@@ -25,17 +25,25 @@ build() {
     # machine has its own driver matching its kernel module).
     ldd "build-gpu/bin/$t" | awk '/=> \// {print $3}' | while read -r lib; do
       case "$(basename "$lib")" in
-        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*) ;;
+        # libnccl (200+ MB) is taken from the GPU machine's own NCCL (its
+        # Python image ships nvidia-nccl-cu13), keeping the bundle small.
+        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libnccl.so*) ;;
         *) cp -nL "$lib" "$BUNDLE/lib/" ;;
       esac
     done
   done
   du -sh "$BUNDLE"
+  if [ "$(du -sm "$BUNDLE" | cut -f1)" -gt 60 ]; then
+    echo "bundle is over the 64 MiB the device tool carries" >&2
+    exit 1
+  fi
   echo "bundle ready: run it on the GPU machine with carry=[\"$BUNDLE\"] and command 'bash scripts/gpu-check.sh run'"
 }
 
 run() {
-  export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
+  local nccl_dir
+  nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:${nccl_dir}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   local failed=0
   for t in "${TESTS[@]}"; do
