@@ -15,10 +15,10 @@ namespace pdserve::bench {
 struct EngineBenchConfig {
   std::string model_dir;
   engine::EngineConfig engine;
-  int32_t prefill_tokens = 512;        // prompt length for the prefill figure
-  int32_t decode_context = 128;        // prompt length before decode timing
+  int32_t prefill_tokens = 512;  // prompt length for the prefill figure
+  int32_t decode_context = 128;  // prompt length before decode timing
   std::vector<int32_t> batch_sizes = {1, 8, 32};
-  int32_t decode_steps = 32;           // timed decode steps per batch size
+  int32_t decode_steps = 32;  // timed decode steps per batch size
   int64_t stream_bytes = int64_t{256} << 20;  // triad working set (3 arrays)
   absl::Status Validate() const;
 };
@@ -44,6 +44,7 @@ struct EngineBenchResult {
 // (3 arrays x 4 bytes per element per pass, best of several passes).
 double MeasureTriadBandwidth(int64_t bytes);
 
-absl::StatusOr<EngineBenchResult> RunEngineBench(const EngineBenchConfig& config);
+absl::StatusOr<EngineBenchResult> RunEngineBench(
+    const EngineBenchConfig& config);
 
 }  // namespace pdserve::bench

@@ -16,15 +16,15 @@
 namespace pdserve::bench {
 
 struct ServeBenchConfig {
-  std::string router;            // host:port
+  std::string router;  // host:port
   WorkloadConfig workload;
-  std::string trace_file;        // replaces the named workload
-  int32_t concurrency = 0;       // > 0: closed loop with this many clients
+  std::string trace_file;   // replaces the named workload
+  int32_t concurrency = 0;  // > 0: closed loop with this many clients
   double slo_ttft_s = 2.0;
   double slo_itl_s = 0.2;
-  bool search_goodput = false;   // repeat at increasing rates to find goodput
-  double max_rate = 16;          // upper end of the goodput search (requests/s)
-  bool progress = true;          // live progress bar on stderr
+  bool search_goodput = false;  // repeat at increasing rates to find goodput
+  double max_rate = 16;         // upper end of the goodput search (requests/s)
+  bool progress = true;         // live progress bar on stderr
   absl::Status Validate() const;
 };
 
@@ -48,13 +48,13 @@ Percentiles ComputePercentiles(std::vector<double> values);
 struct ServeReport {
   int32_t requests = 0, succeeded = 0, failed = 0;
   double duration_s = 0;
-  double request_rate = 0;      // offered (open loop), 0 for closed loop
+  double request_rate = 0;  // offered (open loop), 0 for closed loop
   Percentiles ttft, itl, e2e;
   double requests_per_s = 0, output_tokens_per_s = 0, input_tokens_per_s = 0;
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_prompt_tokens = 0;
   double prefix_hit_rate = 0;
-  double slo_attainment = 0;    // fraction meeting both SLOs
-  double goodput_rate = -1;     // requests/s; -1 when not searched
+  double slo_attainment = 0;         // fraction meeting both SLOs
+  double goodput_rate = -1;          // requests/s; -1 when not searched
   std::vector<double> ttft_samples;  // for the CDF plot
   std::string ToJson() const;
   std::string ToTable() const;
@@ -63,8 +63,8 @@ struct ServeReport {
 // Runs one schedule against the router.
 absl::StatusOr<ServeReport> RunServeBench(const ServeBenchConfig& config);
 // Summarises results (exposed for tests).
-ServeReport Summarise(const std::vector<RequestResult>& results, double duration_s, double slo_ttft_s,
-                      double slo_itl_s);
+ServeReport Summarise(const std::vector<RequestResult>& results,
+                      double duration_s, double slo_ttft_s, double slo_itl_s);
 // Writes a latency CDF (TTFT, e2e) as SVG.
 absl::Status WriteCdfSvg(const ServeReport& report, const std::string& path);
 

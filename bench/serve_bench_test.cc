@@ -49,7 +49,8 @@ TEST(ServeBenchTest, SummaryCountsTokensHitsAndSlo) {
 }
 
 TEST(ServeBenchTest, TraceParserNamesTheBadLine) {
-  const std::string good = R"({"arrival_s": 0.5, "prompt": "hi", "max_tokens": 3}
+  const std::string good =
+      R"({"arrival_s": 0.5, "prompt": "hi", "max_tokens": 3}
 {"arrival_s": 1, "prompt_tokens": 20, "max_tokens": 2, "prefix_group": "g"}
 
 {"arrival_s": 2, "prompt_tokens": 20, "max_tokens": 2, "prefix_group": "g"}
@@ -57,24 +58,34 @@ TEST(ServeBenchTest, TraceParserNamesTheBadLine) {
   auto ok = ParseTrace(good, "t.jsonl");
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_EQ(ok->size(), 3u);
-  EXPECT_EQ((*ok)[1].prompt.substr(0, 20), (*ok)[2].prompt.substr(0, 20));  // shared group prefix
+  EXPECT_EQ((*ok)[1].prompt.substr(0, 20),
+            (*ok)[2].prompt.substr(0, 20));  // shared group prefix
   const std::pair<std::string, std::string> bad[] = {
-      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 1}\n{not json}\n", "t.jsonl:2"},
-      {"{\"arrival_s\": -1, \"prompt\": \"x\", \"max_tokens\": 1}\n", "t.jsonl:1"},
+      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 1}\n{not json}\n",
+       "t.jsonl:2"},
+      {"{\"arrival_s\": -1, \"prompt\": \"x\", \"max_tokens\": 1}\n",
+       "t.jsonl:1"},
       {"\n\n{\"arrival_s\": 0, \"max_tokens\": 1}\n", "t.jsonl:3"},
-      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 0}\n", "t.jsonl:1"},
+      {"{\"arrival_s\": 0, \"prompt\": \"x\", \"max_tokens\": 0}\n",
+       "t.jsonl:1"},
       {"[1,2]\n", "t.jsonl:1"},
   };
   for (const auto& [text, where] : bad) {
     auto r = ParseTrace(text, "t.jsonl");
     ASSERT_FALSE(r.ok()) << text;
-    EXPECT_THAT(std::string(r.status().message()), HasSubstr(where)) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(where))
+        << r.status();
   }
 }
 
 TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
-  const std::string model = std::filesystem::temp_directory_path() / ("pdserve_bench_" + std::to_string(::getpid()));
-  ASSERT_EQ(std::system((std::string(PDSERVE_BIN) + " model init --preset tiny --out " + model + " 2>/dev/null").c_str()), 0);
+  const std::string model = std::filesystem::temp_directory_path() /
+                            ("pdserve_bench_" + std::to_string(::getpid()));
+  ASSERT_EQ(
+      std::system((std::string(PDSERVE_BIN) +
+                   " model init --preset tiny --out " + model + " 2>/dev/null")
+                      .c_str()),
+      0);
   auto cluster = testing::Cluster::Start(model, 1, 1);
   ServeBenchConfig c;
   c.router = cluster.router.address;
@@ -102,7 +113,8 @@ TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
   ASSERT_TRUE(open.ok());
   EXPECT_EQ(open->succeeded, 9);
   EXPECT_GE(open->duration_s, specs->back().arrival_s);
-  const std::string svg = std::filesystem::temp_directory_path() / "pdserve_cdf_test.svg";
+  const std::string svg =
+      std::filesystem::temp_directory_path() / "pdserve_cdf_test.svg";
   ASSERT_TRUE(WriteCdfSvg(*open, svg).ok());
   EXPECT_GT(std::filesystem::file_size(svg), 200u);
 }

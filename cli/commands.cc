@@ -13,23 +13,36 @@
 #include "cli/command.h"
 #include "cli/flags.h"
 
-ABSL_FLAG(std::string, batch_sizes, "1,8,32", "bench engine: decode batch sizes");
-ABSL_FLAG(int32_t, prefill_tokens, 512, "bench engine: prompt length for the prefill figure");
-ABSL_FLAG(int32_t, decode_steps, 32, "bench engine: timed decode steps per batch size");
-ABSL_FLAG(std::string, workload, "synthetic", "bench serve: chat, multiturn, longdoc, mixed or synthetic");
-ABSL_FLAG(std::string, trace, "", "bench serve: JSONL trace to replay instead of a workload");
+ABSL_FLAG(std::string, batch_sizes, "1,8,32",
+          "bench engine: decode batch sizes");
+ABSL_FLAG(int32_t, prefill_tokens, 512,
+          "bench engine: prompt length for the prefill figure");
+ABSL_FLAG(int32_t, decode_steps, 32,
+          "bench engine: timed decode steps per batch size");
+ABSL_FLAG(std::string, workload, "synthetic",
+          "bench serve: chat, multiturn, longdoc, mixed or synthetic");
+ABSL_FLAG(std::string, trace, "",
+          "bench serve: JSONL trace to replay instead of a workload");
 ABSL_FLAG(int32_t, num_requests, 32, "bench serve: requests per run");
-ABSL_FLAG(double, rate, 0, "bench serve: Poisson arrival rate in requests/s (0 with --concurrency: closed loop)");
-ABSL_FLAG(int32_t, concurrency, 0, "bench serve: closed-loop clients (0: open loop at --rate)");
+ABSL_FLAG(double, rate, 0,
+          "bench serve: Poisson arrival rate in requests/s (0 with "
+          "--concurrency: closed loop)");
+ABSL_FLAG(int32_t, concurrency, 0,
+          "bench serve: closed-loop clients (0: open loop at --rate)");
 ABSL_FLAG(int32_t, input_len, 128, "bench serve: prompt length unit in bytes");
 ABSL_FLAG(int32_t, output_len, 32, "bench serve: output tokens per request");
 ABSL_FLAG(double, slo_ttft, 2.0, "bench serve: TTFT SLO in seconds");
-ABSL_FLAG(double, slo_itl, 0.2, "bench serve: inter-token latency SLO in seconds");
-ABSL_FLAG(bool, goodput, false, "bench serve: search for the highest rate with >= 90% within SLO");
+ABSL_FLAG(double, slo_itl, 0.2,
+          "bench serve: inter-token latency SLO in seconds");
+ABSL_FLAG(bool, goodput, false,
+          "bench serve: search for the highest rate with >= 90% within SLO");
 ABSL_FLAG(double, max_rate, 16, "bench serve: upper end of the goodput search");
-ABSL_FLAG(std::string, cdf_svg, "", "bench serve: write the TTFT CDF plot here");
-ABSL_FLAG(std::string, transfer_tokens, "1024,4096,16384", "bench transfer: sequence lengths in tokens");
-ABSL_FLAG(int32_t, repetitions, 3, "bench transfer: timed repetitions per size");
+ABSL_FLAG(std::string, cdf_svg, "",
+          "bench serve: write the TTFT CDF plot here");
+ABSL_FLAG(std::string, transfer_tokens, "1024,4096,16384",
+          "bench transfer: sequence lengths in tokens");
+ABSL_FLAG(int32_t, repetitions, 3,
+          "bench transfer: timed repetitions per size");
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, router);
 
@@ -40,18 +53,23 @@ constexpr char kEngineFlags[] =
     "engine flags:\n"
     "  --kv-dtype fp32|bf16|fp16|int8   KV cache dtype (default fp32)\n"
     "  --block-size N                   tokens per KV block (default 16)\n"
-    "  --kv-cache-memory BYTES          KV cache budget, e.g. 512MiB (default 256MiB)\n"
-    "  --max-num-seqs N                 running sequences per step (default 64)\n"
+    "  --kv-cache-memory BYTES          KV cache budget, e.g. 512MiB (default "
+    "256MiB)\n"
+    "  --max-num-seqs N                 running sequences per step (default "
+    "64)\n"
     "  --max-num-batched-tokens N       token budget per step (default 512)\n"
-    "  --max-model-len N                prompt + output limit (default: model's)\n"
+    "  --max-model-len N                prompt + output limit (default: "
+    "model's)\n"
     "  --enable-prefix-caching=false    disable prefix-cache reuse\n"
-    "  --matmul deterministic|blas      linear kernels (default deterministic: batch-invariant)\n"
+    "  --matmul deterministic|blas      linear kernels (default deterministic: "
+    "batch-invariant)\n"
     "  --threads N                      kernel threads (default: all cores)\n";
 
 }  // namespace
 
 int ReportError(const absl::Status& status) {
-  std::fprintf(stderr, "pdserve: error: %s\n", std::string(status.message()).c_str());
+  std::fprintf(stderr, "pdserve: error: %s\n",
+               std::string(status.message()).c_str());
   return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
@@ -64,10 +82,12 @@ int RunBenchEngine(const std::vector<std::string>&) {
   config.prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
   config.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   config.batch_sizes.clear();
-  for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes), ',', absl::SkipWhitespace())) {
+  for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes),
+                                            ',', absl::SkipWhitespace())) {
     int32_t b;
     if (!absl::SimpleAtoi(p, &b) || b < 1) {
-      return ReportError(absl::InvalidArgumentError("--batch-sizes must list positive integers"));
+      return ReportError(absl::InvalidArgumentError(
+          "--batch-sizes must list positive integers"));
     }
     config.batch_sizes.push_back(b);
   }
@@ -81,16 +101,20 @@ int RunBenchEngine(const std::vector<std::string>&) {
   return 0;
 }
 
-absl::StatusOr<std::vector<int32_t>> ParseIntList(const std::string& text, const char* flag) {
+absl::StatusOr<std::vector<int32_t>> ParseIntList(const std::string& text,
+                                                  const char* flag) {
   std::vector<int32_t> out;
-  for (absl::string_view p : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+  for (absl::string_view p :
+       absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     int32_t v;
     if (!absl::SimpleAtoi(p, &v) || v < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, " must list positive integers"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must list positive integers"));
     }
     out.push_back(v);
   }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " is empty"));
+  if (out.empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, " is empty"));
   return out;
 }
 
@@ -102,7 +126,8 @@ int RunBenchServe(const std::vector<std::string>&) {
   c.workload.rate = absl::GetFlag(FLAGS_rate);
   c.workload.input_len = absl::GetFlag(FLAGS_input_len);
   c.workload.output_len = absl::GetFlag(FLAGS_output_len);
-  c.workload.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
+  c.workload.seed =
+      absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
   c.trace_file = absl::GetFlag(FLAGS_trace);
   c.concurrency = absl::GetFlag(FLAGS_concurrency);
   c.slo_ttft_s = absl::GetFlag(FLAGS_slo_ttft);
@@ -113,103 +138,166 @@ int RunBenchServe(const std::vector<std::string>&) {
   auto report = bench::RunServeBench(c);
   if (!report.ok()) return ReportError(report.status());
   if (!absl::GetFlag(FLAGS_cdf_svg).empty()) {
-    if (auto s = bench::WriteCdfSvg(*report, absl::GetFlag(FLAGS_cdf_svg)); !s.ok()) return ReportError(s);
+    if (auto s = bench::WriteCdfSvg(*report, absl::GetFlag(FLAGS_cdf_svg));
+        !s.ok())
+      return ReportError(s);
   }
-  std::printf("%s", absl::GetFlag(FLAGS_json) ? (report->ToJson() + "\n").c_str() : report->ToTable().c_str());
+  std::printf("%s", absl::GetFlag(FLAGS_json)
+                        ? (report->ToJson() + "\n").c_str()
+                        : report->ToTable().c_str());
   return report->failed > 0 ? 1 : 0;
 }
 
 int RunBenchTransfer(const std::vector<std::string>&) {
   bench::TransferBenchConfig c;
-  auto tokens = ParseIntList(absl::GetFlag(FLAGS_transfer_tokens), "--transfer-tokens");
+  auto tokens =
+      ParseIntList(absl::GetFlag(FLAGS_transfer_tokens), "--transfer-tokens");
   if (!tokens.ok()) return ReportError(tokens.status());
   c.tokens = *tokens;
   c.repetitions = absl::GetFlag(FLAGS_repetitions);
   auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
-  if (!dtype) return ReportError(absl::InvalidArgumentError("--kv-dtype must be fp32, bf16, fp16 or int8"));
-  c.layouts = bench::DefaultTransferLayouts(*dtype, absl::GetFlag(FLAGS_block_size));
+  if (!dtype)
+    return ReportError(absl::InvalidArgumentError(
+        "--kv-dtype must be fp32, bf16, fp16 or int8"));
+  c.layouts =
+      bench::DefaultTransferLayouts(*dtype, absl::GetFlag(FLAGS_block_size));
   auto result = bench::RunTransferBench(c);
   if (!result.ok()) return ReportError(result.status());
-  std::printf("%s", absl::GetFlag(FLAGS_json) ? (result->ToJson() + "\n").c_str() : result->ToTable().c_str());
+  std::printf("%s", absl::GetFlag(FLAGS_json)
+                        ? (result->ToJson() + "\n").c_str()
+                        : result->ToTable().c_str());
   return 0;
 }
 
 const std::vector<Command>& AllCommands() {
   static const std::vector<Command> commands = {
-      {"model init", "write a deterministic random-weight model (Hugging Face layout)",
-       "model init --preset tiny|small --out DIR [--seed N] [--dtype fp32|fp16|bf16]\n\n"
-       "Writes config.json, model.safetensors and a byte-level tokenizer (256 byte\n"
-       "tokens + BOS/EOS). The same preset and seed always give the same files.\n",
+      {"model init",
+       "write a deterministic random-weight model (Hugging Face layout)",
+       "model init --preset tiny|small --out DIR [--seed N] [--dtype "
+       "fp32|fp16|bf16]\n\n"
+       "Writes config.json, model.safetensors and a byte-level tokenizer (256 "
+       "byte\n"
+       "tokens + BOS/EOS). The same preset and seed always give the same "
+       "files.\n",
        RunModelInit},
       {"model logits", "print the logits of a token sequence as JSON",
-       "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads N]\n\n"
-       "Prints {\"logits\": [...]} for the last position, or one list per position\n"
-       "with --all-positions. fp32 KV cache: this is the accuracy reference path.\n",
+       "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads "
+       "N]\n\n"
+       "Prints {\"logits\": [...]} for the last position, or one list per "
+       "position\n"
+       "with --all-positions. fp32 KV cache: this is the accuracy reference "
+       "path.\n",
        RunModelLogits},
-      {"up", "run router + prefill + decode workers on localhost (the embedded default)",
-       "up [--model DIR] [--prefill N] [--decode M] [--port 50051] [--metrics-port 9400]\n"
+      {"up",
+       "run router + prefill + decode workers on localhost (the embedded "
+       "default)",
+       "up [--model DIR] [--prefill N] [--decode M] [--port 50051] "
+       "[--metrics-port 9400]\n"
        "   [--policy cache_aware|round_robin] [engine flags]\n\n"
-       "Starts N prefill and M decode workers (or, with --prefill 0, M colocated\n"
-       "--role both workers) and a router, as child processes on 127.0.0.1, and prints\n"
-       "their endpoints. Without --model it creates the default small model under\n"
-       "~/.cache/pdserve/models. Plaintext: for local use. Ctrl-C stops everything.\n\n" +
+       "Starts N prefill and M decode workers (or, with --prefill 0, M "
+       "colocated\n"
+       "--role both workers) and a router, as child processes on 127.0.0.1, "
+       "and prints\n"
+       "their endpoints. Without --model it creates the default small model "
+       "under\n"
+       "~/.cache/pdserve/models. Plaintext: for local use. Ctrl-C stops "
+       "everything.\n\n" +
            std::string(kEngineFlags),
        RunUp},
       {"router", "the public Router service",
-       "router --model DIR [--port 50051] [--metrics-port 9400] [--host 127.0.0.1]\n"
-       "       [--prefill-workers A,B] [--decode-workers C,D] [--both-workers E]\n"
-       "       [--policy cache_aware|round_robin] [--w-prefill 1] [--w-decode 64]\n"
+       "router --model DIR [--port 50051] [--metrics-port 9400] [--host "
+       "127.0.0.1]\n"
+       "       [--prefill-workers A,B] [--decode-workers C,D] [--both-workers "
+       "E]\n"
+       "       [--policy cache_aware|round_robin] [--w-prefill 1] [--w-decode "
+       "64]\n"
        "       [--local-prefill-threshold 32] [--max-retries 3]\n\n"
-       "Worker lists take host:port or dns:NAME:PORT (every address of NAME, e.g. a\n"
-       "Kubernetes headless Service). Workers started with --router register themselves.\n",
+       "Worker lists take host:port or dns:NAME:PORT (every address of NAME, "
+       "e.g. a\n"
+       "Kubernetes headless Service). Workers started with --router register "
+       "themselves.\n",
        RunRouter},
       {"prefill", "a prefill worker",
-       "prefill --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] [--advertise HOST]\n"
-       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n\n" + std::string(kEngineFlags),
+       "prefill --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
+       "[--advertise HOST]\n"
+       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n\n" +
+           std::string(kEngineFlags),
        RunPrefillWorker},
       {"decode", "a decode worker",
-       "decode --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] [--advertise HOST]\n"
-       "       [--router ADDR] [--admission-timeout-ms 10000] [engine flags]\n\n" + std::string(kEngineFlags),
+       "decode --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
+       "[--advertise HOST]\n"
+       "       [--router ADDR] [--admission-timeout-ms 10000] [engine "
+       "flags]\n\n" +
+           std::string(kEngineFlags),
        RunDecodeWorker},
-      {"worker", "a worker of any role (--role both: colocated prefill + decode)",
-       "worker --role prefill|decode|both --model DIR [--port 0] [--metrics-port 0] [--router ADDR]\n"
-       "       [engine flags]\n\n" + std::string(kEngineFlags),
+      {"worker",
+       "a worker of any role (--role both: colocated prefill + decode)",
+       "worker --role prefill|decode|both --model DIR [--port 0] "
+       "[--metrics-port 0] [--router ADDR]\n"
+       "       [engine flags]\n\n" +
+           std::string(kEngineFlags),
        RunWorker},
       {"generate", "generate text through a router, or in-process with --model",
-       "generate (--router ADDR | --model DIR) --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
-       "         [--top-k K] [--seed S] [--stop STR]... [--ignore-eos] [--cache-salt S] [--json]\n"
+       "generate (--router ADDR | --model DIR) --prompt TEXT [--max-tokens N] "
+       "[--temperature T] [--top-p P]\n"
+       "         [--top-k K] [--seed S] [--stop STR]... [--ignore-eos] "
+       "[--cache-salt S] [--json]\n"
        "         [engine flags]\n\n"
-       "Streams exactly the generated text to stdout; --json prints token ids, text,\n"
-       "finish reason and usage instead. --timeout-ms sets a deadline (router only).\n\n" + std::string(kEngineFlags),
+       "Streams exactly the generated text to stdout; --json prints token ids, "
+       "text,\n"
+       "finish reason and usage instead. --timeout-ms sets a deadline (router "
+       "only).\n\n" +
+           std::string(kEngineFlags),
        RunGenerate},
       {"kv-budget", "KV cache size arithmetic as JSON",
-       "kv-budget --layers L --kv-heads H --head-dim D [--dtype fp16] [--tokens T]\n"
+       "kv-budget --layers L --kv-heads H --head-dim D [--dtype fp16] "
+       "[--tokens T]\n"
        "          [--block-size 16] [--memory BYTES]\n\n"
-       "bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes. With --tokens,\n"
-       "the bytes and blocks for T tokens; with --memory, the blocks and tokens that fit\n"
+       "bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes. With "
+       "--tokens,\n"
+       "the bytes and blocks for T tokens; with --memory, the blocks and "
+       "tokens that fit\n"
        "(int8 blocks include their fp32 per-(block, head) scales).\n",
        RunKvBudget},
-      {"bench engine", "prefill/decode throughput and the decode roofline ratio",
-       "bench engine --model DIR [--batch-sizes 1,8,32] [--prefill-tokens 512]\n"
+      {"bench engine",
+       "prefill/decode throughput and the decode roofline ratio",
+       "bench engine --model DIR [--batch-sizes 1,8,32] [--prefill-tokens "
+       "512]\n"
        "             [--decode-steps 32] [--json] [engine flags]\n\n"
-       "Reports prefill tokens/s, decode tokens/s per batch size, and the decode\n"
-       "roofline ratio: bytes a step must read (weights + KV) per second divided by\n"
-       "the STREAM-triad bandwidth measured in the same run.\n\n" + std::string(kEngineFlags),
+       "Reports prefill tokens/s, decode tokens/s per batch size, and the "
+       "decode\n"
+       "roofline ratio: bytes a step must read (weights + KV) per second "
+       "divided by\n"
+       "the STREAM-triad bandwidth measured in the same run.\n\n" +
+           std::string(kEngineFlags),
        RunBenchEngine},
-      {"bench serve", "load generator against a router: latency percentiles, throughput, goodput",
-       "bench serve --router ADDR [--workload chat|multiturn|longdoc|mixed|synthetic | --trace FILE]\n"
-       "            [--num-requests 32] [--rate R | --concurrency C] [--input-len 128] [--output-len 32]\n"
-       "            [--slo-ttft 2.0] [--slo-itl 0.2] [--goodput --max-rate 16] [--cdf-svg FILE] [--seed S] [--json]\n\n"
-       "Open loop: Poisson arrivals at --rate requests/s; closed loop: --concurrency clients.\n"
-       "Trace lines: {\"arrival_s\": 0.5, \"prompt\": \"...\" | \"prompt_tokens\": 300, \"max_tokens\": 32,\n"
-       "\"prefix_group\": \"g1\"}. Goodput: the highest rate at which >= 90% of requests meet\n"
-       "both SLOs (TTFT, and the request's mean inter-token latency), found by bisection.\n",
+      {"bench serve",
+       "load generator against a router: latency percentiles, throughput, "
+       "goodput",
+       "bench serve --router ADDR [--workload "
+       "chat|multiturn|longdoc|mixed|synthetic | --trace FILE]\n"
+       "            [--num-requests 32] [--rate R | --concurrency C] "
+       "[--input-len 128] [--output-len 32]\n"
+       "            [--slo-ttft 2.0] [--slo-itl 0.2] [--goodput --max-rate 16] "
+       "[--cdf-svg FILE] [--seed S] [--json]\n\n"
+       "Open loop: Poisson arrivals at --rate requests/s; closed loop: "
+       "--concurrency clients.\n"
+       "Trace lines: {\"arrival_s\": 0.5, \"prompt\": \"...\" | "
+       "\"prompt_tokens\": 300, \"max_tokens\": 32,\n"
+       "\"prefix_group\": \"g1\"}. Goodput: the highest rate at which >= 90% "
+       "of requests meet\n"
+       "both SLOs (TTFT, and the request's mean inter-token latency), found by "
+       "bisection.\n",
        RunBenchServe},
       {"bench transfer", "KV transfer throughput over grpc vs raw loopback TCP",
-       "bench transfer [--transfer-tokens 1024,4096,16384] [--repetitions 3] [--kv-dtype fp32] [--json]\n\n"
-       "Moves the KV blocks of sequences of each length for the small layout (--kv-dtype) and an\n"
-       "8B-shaped layout (32 layers, 8 KV heads, head_dim 128, bf16) through the grpc transport on\n"
-       "loopback, verifies the bytes, and compares with a plain TCP socket moving the same bytes.\n",
+       "bench transfer [--transfer-tokens 1024,4096,16384] [--repetitions 3] "
+       "[--kv-dtype fp32] [--json]\n\n"
+       "Moves the KV blocks of sequences of each length for the small layout "
+       "(--kv-dtype) and an\n"
+       "8B-shaped layout (32 layers, 8 KV heads, head_dim 128, bf16) through "
+       "the grpc transport on\n"
+       "loopback, verifies the bytes, and compares with a plain TCP socket "
+       "moving the same bytes.\n",
        RunBenchTransfer},
   };
   return commands;

@@ -11,15 +11,21 @@
 #include "kernels/cpu/matmul.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
-ABSL_FLAG(std::string, kv_dtype, "fp32", "KV cache dtype: fp32, bf16, fp16 or int8");
+ABSL_FLAG(std::string, kv_dtype, "fp32",
+          "KV cache dtype: fp32, bf16, fp16 or int8");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens");
-ABSL_FLAG(std::string, kv_cache_memory, "256MiB", "KV cache memory budget (e.g. 512MiB, 2GiB)");
+ABSL_FLAG(std::string, kv_cache_memory, "256MiB",
+          "KV cache memory budget (e.g. 512MiB, 2GiB)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "maximum running sequences per step");
-ABSL_FLAG(int32_t, max_num_batched_tokens, 512, "token budget per engine step (chunked prefill)");
-ABSL_FLAG(int32_t, max_model_len, 0, "maximum prompt + output tokens (0: model's limit)");
-ABSL_FLAG(bool, enable_prefix_caching, true, "reuse cached prefix blocks across requests");
+ABSL_FLAG(int32_t, max_num_batched_tokens, 512,
+          "token budget per engine step (chunked prefill)");
+ABSL_FLAG(int32_t, max_model_len, 0,
+          "maximum prompt + output tokens (0: model's limit)");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "reuse cached prefix blocks across requests");
 ABSL_FLAG(std::string, matmul, "deterministic",
-          "linear-layer kernel: deterministic (batch-invariant, default) or blas (OpenBLAS)");
+          "linear-layer kernel: deterministic (batch-invariant, default) or "
+          "blas (OpenBLAS)");
 ABSL_FLAG(int32_t, threads, 0, "kernel threads (0: all cores)");
 ABSL_FLAG(bool, json, false, "print JSON instead of text");
 
@@ -31,13 +37,16 @@ absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
     const char* suffix;
     double factor;
   };
-  const Unit units[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
-                        {"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"k", 1024.0},
-                        {"m", 1048576.0}, {"g", 1073741824.0}, {"b", 1.0}};
+  const Unit units[] = {{"kib", 1024.0},       {"mib", 1048576.0},
+                        {"gib", 1073741824.0}, {"kb", 1e3},
+                        {"mb", 1e6},           {"gb", 1e9},
+                        {"k", 1024.0},         {"m", 1048576.0},
+                        {"g", 1073741824.0},   {"b", 1.0}};
   double factor = 1;
   for (const Unit& u : units) {
     const std::string suf = u.suffix;
-    if (s.size() > suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0) {
+    if (s.size() > suf.size() &&
+        s.compare(s.size() - suf.size(), suf.size(), suf) == 0) {
       factor = u.factor;
       s.resize(s.size() - suf.size());
       break;
@@ -45,7 +54,8 @@ absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
   }
   double value;
   if (!absl::SimpleAtod(s, &value) || !(value >= 0) || value * factor > 9e18) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot parse \"", text, "\" as a byte size"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot parse \"", text, "\" as a byte size"));
   }
   return static_cast<int64_t>(value * factor);
 }
@@ -54,20 +64,23 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   engine::EngineConfig c;
   auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-dtype must be fp32, bf16, fp16 or int8, got \"", absl::GetFlag(FLAGS_kv_dtype), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-dtype must be fp32, bf16, fp16 or int8, got \"",
+                     absl::GetFlag(FLAGS_kv_dtype), "\""));
   }
   c.kv_dtype = *dtype;
   c.block_size = absl::GetFlag(FLAGS_block_size);
-  ASSIGN_OR_RETURN(c.kv_cache_bytes, ParseBytes(absl::GetFlag(FLAGS_kv_cache_memory)));
+  ASSIGN_OR_RETURN(c.kv_cache_bytes,
+                   ParseBytes(absl::GetFlag(FLAGS_kv_cache_memory)));
   c.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   c.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   c.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   c.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   auto mode = kernels::ParseMatMulMode(absl::GetFlag(FLAGS_matmul));
   if (!mode) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--matmul must be deterministic or blas, got \"", absl::GetFlag(FLAGS_matmul), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul must be deterministic or blas, got \"",
+                     absl::GetFlag(FLAGS_matmul), "\""));
   }
   c.matmul = *mode;
   kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
@@ -78,7 +91,8 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
 std::string DefaultModelDir() {
   if (const char* env = std::getenv("PDSERVE_MODEL_DIR")) return env;
   const char* home = std::getenv("HOME");
-  return absl::StrCat(home ? home : "/tmp", "/.cache/pdserve/models/small-seed0");
+  return absl::StrCat(home ? home : "/tmp",
+                      "/.cache/pdserve/models/small-seed0");
 }
 
 }  // namespace pdserve::cli

@@ -43,7 +43,9 @@ engine::SamplingParams SamplingParamsFromFlags() {
 int RunGenerate(const std::vector<std::string>&) {
   if (!absl::GetFlag(FLAGS_router).empty()) return RunGenerateRemote();
   const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model DIR or --router ADDR is required"));
+  if (dir.empty())
+    return ReportError(
+        absl::InvalidArgumentError("--model DIR or --router ADDR is required"));
   auto config = EngineConfigFromFlags();
   if (!config.ok()) return ReportError(config.status());
   engine::SamplingParams sampling = SamplingParamsFromFlags();
@@ -52,8 +54,9 @@ int RunGenerate(const std::vector<std::string>&) {
   if (!tokenizer.ok()) return ReportError(tokenizer.status());
   auto weights = engine::ModelWeights::Load(dir);
   if (!weights.ok()) return ReportError(weights.status());
-  auto engine = engine::Engine::Create(std::make_shared<const engine::ModelWeights>(std::move(*weights)),
-                                       *config);
+  auto engine = engine::Engine::Create(
+      std::make_shared<const engine::ModelWeights>(std::move(*weights)),
+      *config);
   if (!engine.ok()) return ReportError(engine.status());
 
   engine::EngineRequest req;
@@ -82,7 +85,8 @@ int RunGenerate(const std::vector<std::string>&) {
     for (const auto& out : *step) {
       ids.insert(ids.end(), out.new_tokens.begin(), out.new_tokens.end());
       last.prompt_tokens = std::max(last.prompt_tokens, out.prompt_tokens);
-      last.cached_prompt_tokens = std::max(last.cached_prompt_tokens, out.cached_prompt_tokens);
+      last.cached_prompt_tokens =
+          std::max(last.cached_prompt_tokens, out.cached_prompt_tokens);
       last.completion_tokens = static_cast<int32_t>(ids.size());
       auto delta = text.Push(out.new_tokens);
       emit(delta.text);
@@ -90,7 +94,8 @@ int RunGenerate(const std::vector<std::string>&) {
         (*engine)->Abort(req.id, engine::FinishReason::kStop);
         last.finish = engine::FinishReason::kStop;
       } else if (out.finish != engine::FinishReason::kNone) {
-        if (last.finish == engine::FinishReason::kNone) last.finish = out.finish;
+        if (last.finish == engine::FinishReason::kNone)
+          last.finish = out.finish;
         emit(text.Finish().text);
         done = true;
       }
@@ -99,13 +104,17 @@ int RunGenerate(const std::vector<std::string>&) {
   }
   if (as_json) {
     std::string id_list;
-    for (size_t i = 0; i < ids.size(); ++i) absl::StrAppend(&id_list, i ? "," : "", ids[i]);
-    std::printf("{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, \"finish_reason\": \"%s\", "
-                "\"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %zu, "
-                "\"cached_prompt_tokens\": %d}}\n",
-                json::Quote(req.id).c_str(), id_list.c_str(), json::Quote(all_text).c_str(),
-                engine::FinishReasonName(last.finish), static_cast<int>(req.prompt.size()), ids.size(),
-                last.cached_prompt_tokens);
+    for (size_t i = 0; i < ids.size(); ++i)
+      absl::StrAppend(&id_list, i ? "," : "", ids[i]);
+    std::printf(
+        "{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, "
+        "\"finish_reason\": \"%s\", "
+        "\"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %zu, "
+        "\"cached_prompt_tokens\": %d}}\n",
+        json::Quote(req.id).c_str(), id_list.c_str(),
+        json::Quote(all_text).c_str(), engine::FinishReasonName(last.finish),
+        static_cast<int>(req.prompt.size()), ids.size(),
+        last.cached_prompt_tokens);
   } else {
     std::fflush(stdout);
   }

@@ -18,15 +18,18 @@
 
 ABSL_FLAG(std::string, preset, "small", "model preset: tiny or small");
 ABSL_FLAG(std::string, out, "", "output directory");
-ABSL_FLAG(uint64_t, seed, 0, "random seed (weights for model init; sampling for generate)");
-ABSL_FLAG(std::string, dtype, "", "storage dtype (model init: fp32|fp16|bf16; kv-budget: KV dtype)");
+ABSL_FLAG(uint64_t, seed, 0,
+          "random seed (weights for model init; sampling for generate)");
+ABSL_FLAG(std::string, dtype, "",
+          "storage dtype (model init: fp32|fp16|bf16; kv-budget: KV dtype)");
 ABSL_FLAG(std::string, tokens, "",
           "model logits: comma-separated token ids; kv-budget: a token count");
 ABSL_FLAG(bool, all_positions, false, "print logits for every position");
 ABSL_FLAG(int64_t, layers, 0, "number of layers");
 ABSL_FLAG(int64_t, kv_heads, 0, "number of KV heads");
 ABSL_FLAG(int64_t, head_dim, 0, "head dimension");
-ABSL_FLAG(std::string, memory, "", "memory budget in bytes (suffixes KiB, MiB, GiB allowed)");
+ABSL_FLAG(std::string, memory, "",
+          "memory budget in bytes (suffixes KiB, MiB, GiB allowed)");
 
 namespace pdserve::cli {
 
@@ -35,47 +38,58 @@ int RunModelInit(const std::vector<std::string>&) {
   opts.preset = absl::GetFlag(FLAGS_preset);
   opts.out_dir = absl::GetFlag(FLAGS_out);
   opts.seed = absl::GetFlag(FLAGS_seed);
-  if (opts.out_dir.empty()) return ReportError(absl::InvalidArgumentError("--out is required"));
-  const std::string dt = absl::GetFlag(FLAGS_dtype).empty() ? "fp32" : absl::GetFlag(FLAGS_dtype);
+  if (opts.out_dir.empty())
+    return ReportError(absl::InvalidArgumentError("--out is required"));
+  const std::string dt =
+      absl::GetFlag(FLAGS_dtype).empty() ? "fp32" : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
   if (!dtype || *dtype == DType::kI8) {
-    return ReportError(absl::InvalidArgumentError("--dtype must be fp32, fp16 or bf16"));
+    return ReportError(
+        absl::InvalidArgumentError("--dtype must be fp32, fp16 or bf16"));
   }
   opts.weight_dtype = *dtype;
   if (auto s = engine::WriteRandomModel(opts); !s.ok()) return ReportError(s);
-  std::fprintf(stderr, "pdserve: wrote %s model (seed %llu) to %s\n", opts.preset.c_str(),
-               static_cast<unsigned long long>(opts.seed), opts.out_dir.c_str());
+  std::fprintf(stderr, "pdserve: wrote %s model (seed %llu) to %s\n",
+               opts.preset.c_str(), static_cast<unsigned long long>(opts.seed),
+               opts.out_dir.c_str());
   return 0;
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
   std::vector<int32_t> ids;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+  for (absl::string_view part :
+       absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     int32_t v;
     if (!absl::SimpleAtoi(part, &v) || v < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--tokens: \"", part, "\" is not a token id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tokens: \"", part, "\" is not a token id"));
     }
     ids.push_back(v);
   }
-  if (ids.empty()) return absl::InvalidArgumentError("--tokens needs at least one token id");
+  if (ids.empty())
+    return absl::InvalidArgumentError("--tokens needs at least one token id");
   return ids;
 }
 
 int RunModelLogits(const std::vector<std::string>&) {
   const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) return ReportError(absl::InvalidArgumentError("--model is required"));
+  if (dir.empty())
+    return ReportError(absl::InvalidArgumentError("--model is required"));
   auto tokens = ParseTokenList(absl::GetFlag(FLAGS_tokens));
   if (!tokens.ok()) return ReportError(tokens.status());
   kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
   auto weights = engine::ModelWeights::Load(dir);
   if (!weights.ok()) return ReportError(weights.status());
-  auto shared = std::make_shared<const engine::ModelWeights>(std::move(*weights));
+  auto shared =
+      std::make_shared<const engine::ModelWeights>(std::move(*weights));
   const auto& c = shared->config;
   if (static_cast<int64_t>(tokens->size()) > c.max_position_embeddings) {
-    return ReportError(absl::InvalidArgumentError("more tokens than max_position_embeddings"));
+    return ReportError(
+        absl::InvalidArgumentError("more tokens than max_position_embeddings"));
   }
   // fp32 KV: this command is the accuracy reference.
-  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers), static_cast<int32_t>(c.num_kv_heads),
+  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers),
+                           static_cast<int32_t>(c.num_kv_heads),
                            static_cast<int32_t>(c.head_dim), 16, DType::kF32};
   const int64_t blocks = (static_cast<int64_t>(tokens->size()) + 15) / 16;
   auto pool = engine::KvPool::Create(spec, blocks);
@@ -85,9 +99,11 @@ int RunModelLogits(const std::vector<std::string>&) {
   engine::LlamaModel model(shared, kernels::MatMulMode::kDeterministic);
   const bool all = absl::GetFlag(FLAGS_all_positions);
   engine::LlamaModel::SeqInput in{*tokens, 0, table,
-                                  all ? engine::LlamaModel::Logits::kAll : engine::LlamaModel::Logits::kLast};
+                                  all ? engine::LlamaModel::Logits::kAll
+                                      : engine::LlamaModel::Logits::kLast};
   std::vector<float> logits;
-  if (auto s = model.Forward({&in, 1}, pool->get(), &logits); !s.ok()) return ReportError(s);
+  if (auto s = model.Forward({&in, 1}, pool->get(), &logits); !s.ok())
+    return ReportError(s);
   std::string out = "{\"logits\": ";
   if (all) {
     out += "[";
@@ -110,25 +126,33 @@ int RunKvBudget(const std::vector<std::string>&) {
   spec.num_kv_heads = static_cast<int32_t>(absl::GetFlag(FLAGS_kv_heads));
   spec.head_dim = static_cast<int32_t>(absl::GetFlag(FLAGS_head_dim));
   spec.block_size = absl::GetFlag(FLAGS_block_size);
-  const std::string dt = absl::GetFlag(FLAGS_dtype).empty() ? "fp16" : absl::GetFlag(FLAGS_dtype);
+  const std::string dt =
+      absl::GetFlag(FLAGS_dtype).empty() ? "fp16" : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
-  if (!dtype) return ReportError(absl::InvalidArgumentError("--dtype must be fp32, bf16, fp16 or int8"));
+  if (!dtype)
+    return ReportError(
+        absl::InvalidArgumentError("--dtype must be fp32, bf16, fp16 or int8"));
   spec.dtype = *dtype;
   if (auto s = spec.Validate(); !s.ok()) return ReportError(s);
-  std::string out = absl::StrCat("{\"layers\": ", spec.num_layers, ", \"kv_heads\": ", spec.num_kv_heads,
-                                 ", \"head_dim\": ", spec.head_dim, ", \"dtype\": \"", DTypeName(spec.dtype),
-                                 "\", \"block_size\": ", spec.block_size,
-                                 ", \"bytes_per_token\": ", spec.BytesPerToken(),
-                                 ", \"bytes_per_block\": ", spec.BytesPerBlock());
+  std::string out = absl::StrCat(
+      "{\"layers\": ", spec.num_layers, ", \"kv_heads\": ", spec.num_kv_heads,
+      ", \"head_dim\": ", spec.head_dim, ", \"dtype\": \"",
+      DTypeName(spec.dtype), "\", \"block_size\": ", spec.block_size,
+      ", \"bytes_per_token\": ", spec.BytesPerToken(),
+      ", \"bytes_per_block\": ", spec.BytesPerBlock());
   int64_t tokens = 0;
   if (!absl::GetFlag(FLAGS_tokens).empty() &&
-      (!absl::SimpleAtoi(absl::GetFlag(FLAGS_tokens), &tokens) || tokens <= 0)) {
-    return ReportError(absl::InvalidArgumentError("--tokens must be a positive token count"));
+      (!absl::SimpleAtoi(absl::GetFlag(FLAGS_tokens), &tokens) ||
+       tokens <= 0)) {
+    return ReportError(
+        absl::InvalidArgumentError("--tokens must be a positive token count"));
   }
   if (tokens > 0) {
     const int64_t blocks = (tokens + spec.block_size - 1) / spec.block_size;
-    absl::StrAppend(&out, ", \"tokens\": ", tokens, ", \"bytes\": ", tokens * spec.BytesPerToken(),
-                    ", \"blocks\": ", blocks, ", \"block_bytes\": ", blocks * spec.BytesPerBlock());
+    absl::StrAppend(&out, ", \"tokens\": ", tokens,
+                    ", \"bytes\": ", tokens * spec.BytesPerToken(),
+                    ", \"blocks\": ", blocks,
+                    ", \"block_bytes\": ", blocks * spec.BytesPerBlock());
   }
   if (!absl::GetFlag(FLAGS_memory).empty()) {
     auto mem = ParseBytes(absl::GetFlag(FLAGS_memory));

@@ -1,10 +1,9 @@
 // `pdserve router`, `prefill`, `decode`, `worker --role both`, `up`, and the
 // gRPC client behind `generate --router`.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <grpcpp/grpcpp.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -29,26 +28,47 @@
 #include "prefill_service/sampling_convert.h"
 #include "router/router_service.h"
 
-ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on (0.0.0.0 in containers)");
-ABSL_FLAG(int32_t, port, -1, "gRPC port (router default 50051; workers default 0 = any free port)");
-ABSL_FLAG(int32_t, metrics_port, -1, "Prometheus /metrics port (router default 9400; workers 0 = any)");
-ABSL_FLAG(std::string, advertise, "", "host other processes use to reach this worker (default: --host)");
+ABSL_FLAG(std::string, host, "127.0.0.1",
+          "address to listen on (0.0.0.0 in containers)");
+ABSL_FLAG(
+    int32_t, port, -1,
+    "gRPC port (router default 50051; workers default 0 = any free port)");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "Prometheus /metrics port (router default 9400; workers 0 = any)");
+ABSL_FLAG(std::string, advertise, "",
+          "host other processes use to reach this worker (default: --host)");
 ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
-ABSL_FLAG(std::string, router, "", "router address (workers register there; generate sends there)");
-ABSL_FLAG(std::string, kv_transport, "grpc", "KV transfer backend: grpc (nccl on GPU builds)");
-ABSL_FLAG(std::string, prefill_workers, "", "router: prefill worker addresses (host:port or dns:name:port), comma-separated");
-ABSL_FLAG(std::string, decode_workers, "", "router: decode worker addresses, comma-separated");
-ABSL_FLAG(std::string, both_workers, "", "router: colocated (--role both) worker addresses, comma-separated");
-ABSL_FLAG(std::string, policy, "cache_aware", "router: cache_aware or round_robin");
-ABSL_FLAG(double, w_prefill, 1.0, "router: weight of uncached + queued prefill tokens");
+ABSL_FLAG(std::string, router, "",
+          "router address (workers register there; generate sends there)");
+ABSL_FLAG(std::string, kv_transport, "grpc",
+          "KV transfer backend: grpc (nccl on GPU builds)");
+ABSL_FLAG(std::string, prefill_workers, "",
+          "router: prefill worker addresses (host:port or dns:name:port), "
+          "comma-separated");
+ABSL_FLAG(std::string, decode_workers, "",
+          "router: decode worker addresses, comma-separated");
+ABSL_FLAG(std::string, both_workers, "",
+          "router: colocated (--role both) worker addresses, comma-separated");
+ABSL_FLAG(std::string, policy, "cache_aware",
+          "router: cache_aware or round_robin");
+ABSL_FLAG(double, w_prefill, 1.0,
+          "router: weight of uncached + queued prefill tokens");
 ABSL_FLAG(double, w_decode, 64.0, "router: weight of decode load (sequences)");
-ABSL_FLAG(int64_t, local_prefill_threshold, 32, "router: uncached tokens at or below this prefill on the decode worker");
-ABSL_FLAG(int32_t, max_retries, 3, "router: retries before the first token / migrations after it");
-ABSL_FLAG(int32_t, drain_timeout_ms, 30000, "worker: on SIGTERM, finish in-flight requests for up to this long");
-ABSL_FLAG(int32_t, admission_timeout_ms, 10000, "worker: wait this long for free KV blocks before RESOURCE_EXHAUSTED");
-ABSL_FLAG(int32_t, prefill, 1, "up: number of prefill workers (0 = colocated --role both workers)");
+ABSL_FLAG(
+    int64_t, local_prefill_threshold, 32,
+    "router: uncached tokens at or below this prefill on the decode worker");
+ABSL_FLAG(int32_t, max_retries, 3,
+          "router: retries before the first token / migrations after it");
+ABSL_FLAG(int32_t, drain_timeout_ms, 30000,
+          "worker: on SIGTERM, finish in-flight requests for up to this long");
+ABSL_FLAG(
+    int32_t, admission_timeout_ms, 10000,
+    "worker: wait this long for free KV blocks before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, prefill, 1,
+          "up: number of prefill workers (0 = colocated --role both workers)");
 ABSL_FLAG(int32_t, decode, 1, "up: number of decode (or colocated) workers");
-ABSL_FLAG(int32_t, timeout_ms, 0, "generate --router: request deadline (0 = none)");
+ABSL_FLAG(int32_t, timeout_ms, 0,
+          "generate --router: request deadline (0 = none)");
 ABSL_DECLARE_FLAG(std::string, prompt);
 ABSL_DECLARE_FLAG(uint32_t, max_tokens);
 ABSL_DECLARE_FLAG(std::string, cache_salt);
@@ -77,10 +97,11 @@ std::vector<std::string> SplitList(const std::string& s) {
   return absl::StrSplit(s, ',', absl::SkipWhitespace());
 }
 
-absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(int port) {
-  return metrics::MetricsHttpServer::Start(&metrics::Registry::Default(),
-                                           absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0",
-                                           port);
+absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(
+    int port) {
+  return metrics::MetricsHttpServer::Start(
+      &metrics::Registry::Default(),
+      absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", port);
 }
 
 int RunWorkerWithRole(const std::string& role) {
@@ -94,30 +115,36 @@ int RunWorkerWithRole(const std::string& role) {
   config.port = std::max(0, absl::GetFlag(FLAGS_port));
   config.advertise_host = absl::GetFlag(FLAGS_advertise);
   config.kv_transport = absl::GetFlag(FLAGS_kv_transport);
-  config.admission_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
-  auto server = decode::WorkerServer::Start(config, &metrics::Registry::Default());
+  config.admission_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
+  auto server =
+      decode::WorkerServer::Start(config, &metrics::Registry::Default());
   if (!server.ok()) return ReportError(server.status());
   auto http = StartMetrics(std::max(0, absl::GetFlag(FLAGS_metrics_port)));
   if (!http.ok()) return ReportError(http.status());
   // One parseable line for `pdserve up` and scripts.
-  std::printf("pdserve worker %s listening on %s metrics %d\n", (*server)->id().c_str(),
-              (*server)->address().c_str(), (*http)->port());
+  std::printf("pdserve worker %s listening on %s metrics %d\n",
+              (*server)->id().c_str(), (*server)->address().c_str(),
+              (*http)->port());
   std::fflush(stdout);
   const std::string router = absl::GetFlag(FLAGS_router);
   std::thread heartbeat;
   std::atomic<bool> stop{false};
   if (!router.empty()) {
     heartbeat = std::thread([&] {
-      auto stub = v1::RouterControl::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+      auto stub = v1::RouterControl::NewStub(
+          grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
       while (!stop) {
         grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(2));
         v1::RegisterWorkerRequest req;
         req.set_address((*server)->address());
         req.set_role(role);
         v1::RegisterWorkerResponse resp;
         stub->RegisterWorker(&ctx, req, &resp);
-        for (int i = 0; i < 20 && !stop; ++i) absl::SleepFor(absl::Milliseconds(100));
+        for (int i = 0; i < 20 && !stop; ++i)
+          absl::SleepFor(absl::Milliseconds(100));
       }
     });
   }
@@ -131,9 +158,15 @@ int RunWorkerWithRole(const std::string& role) {
 
 }  // namespace
 
-int RunPrefillWorker(const std::vector<std::string>&) { return RunWorkerWithRole("prefill"); }
-int RunDecodeWorker(const std::vector<std::string>&) { return RunWorkerWithRole("decode"); }
-int RunWorker(const std::vector<std::string>&) { return RunWorkerWithRole(absl::GetFlag(FLAGS_role)); }
+int RunPrefillWorker(const std::vector<std::string>&) {
+  return RunWorkerWithRole("prefill");
+}
+int RunDecodeWorker(const std::vector<std::string>&) {
+  return RunWorkerWithRole("decode");
+}
+int RunWorker(const std::vector<std::string>&) {
+  return RunWorkerWithRole(absl::GetFlag(FLAGS_role));
+}
 
 int RunRouter(const std::vector<std::string>&) {
   router::RouterConfig config;
@@ -144,17 +177,22 @@ int RunRouter(const std::vector<std::string>&) {
   config.policy = absl::GetFlag(FLAGS_policy);
   config.policy_config.w_prefill = absl::GetFlag(FLAGS_w_prefill);
   config.policy_config.w_decode = absl::GetFlag(FLAGS_w_decode);
-  config.policy_config.local_prefill_threshold = absl::GetFlag(FLAGS_local_prefill_threshold);
+  config.policy_config.local_prefill_threshold =
+      absl::GetFlag(FLAGS_local_prefill_threshold);
   config.max_retries = absl::GetFlag(FLAGS_max_retries);
-  auto server = router::RouterServer::Create(config, &metrics::Registry::Default());
+  auto server =
+      router::RouterServer::Create(config, &metrics::Registry::Default());
   if (!server.ok()) return ReportError(server.status());
-  const int want = absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
+  const int want =
+      absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
   auto port = (*server)->Serve(absl::GetFlag(FLAGS_host), want);
   if (!port.ok()) return ReportError(port.status());
-  auto http = StartMetrics(absl::GetFlag(FLAGS_metrics_port) < 0 ? 9400 : absl::GetFlag(FLAGS_metrics_port));
+  auto http = StartMetrics(absl::GetFlag(FLAGS_metrics_port) < 0
+                               ? 9400
+                               : absl::GetFlag(FLAGS_metrics_port));
   if (!http.ok()) return ReportError(http.status());
-  std::printf("pdserve router listening on %s:%d metrics %d\n", absl::GetFlag(FLAGS_host).c_str(), *port,
-              (*http)->port());
+  std::printf("pdserve router listening on %s:%d metrics %d\n",
+              absl::GetFlag(FLAGS_host).c_str(), *port, (*http)->port());
   std::fflush(stdout);
   WaitForSignal();
   (*server)->Shutdown();
@@ -171,7 +209,8 @@ struct Child {
 };
 
 // Starts `pdserve ARGS...` and reads its "listening on ADDR metrics PORT" line.
-absl::StatusOr<Child> Spawn(const std::string& name, std::vector<std::string> args) {
+absl::StatusOr<Child> Spawn(const std::string& name,
+                            std::vector<std::string> args) {
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("pipe failed");
   const pid_t pid = fork();
@@ -196,7 +235,8 @@ absl::StatusOr<Child> Spawn(const std::string& name, std::vector<std::string> ar
     std::string s(line);
     const size_t at = s.find("listening on ");
     if (at == std::string::npos) continue;
-    std::vector<std::string> parts = absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
+    std::vector<std::string> parts =
+        absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
     child.address = parts[0];
     if (parts.size() >= 3) child.metrics_port = std::atoi(parts[2].c_str());
     break;
@@ -210,7 +250,8 @@ absl::StatusOr<Child> Spawn(const std::string& name, std::vector<std::string> ar
   if (child.address.empty()) {
     int status = 0;
     waitpid(pid, &status, 0);
-    return absl::InternalError(absl::StrCat(name, " exited before listening (see its error above)"));
+    return absl::InternalError(
+        absl::StrCat(name, " exited before listening (see its error above)"));
   }
   return child;
 }
@@ -222,16 +263,22 @@ int RunUp(const std::vector<std::string>&) {
   if (model.empty()) {
     model = DefaultModelDir();
     if (!std::filesystem::exists(model + "/config.json")) {
-      std::fprintf(stderr, "pdserve up: creating the default model (small preset) in %s\n", model.c_str());
+      std::fprintf(
+          stderr,
+          "pdserve up: creating the default model (small preset) in %s\n",
+          model.c_str());
       engine::ModelInitOptions opts;
       opts.preset = "small";
       opts.out_dir = model;
-      if (auto s = engine::WriteRandomModel(opts); !s.ok()) return ReportError(s);
+      if (auto s = engine::WriteRandomModel(opts); !s.ok())
+        return ReportError(s);
     }
   }
-  const int n_prefill = absl::GetFlag(FLAGS_prefill), n_decode = absl::GetFlag(FLAGS_decode);
+  const int n_prefill = absl::GetFlag(FLAGS_prefill),
+            n_decode = absl::GetFlag(FLAGS_decode);
   if (n_prefill < 0 || n_decode < 1) {
-    return ReportError(absl::InvalidArgumentError("--decode must be at least 1 and --prefill at least 0"));
+    return ReportError(absl::InvalidArgumentError(
+        "--decode must be at least 1 and --prefill at least 0"));
   }
   // Engine flags pass through to the workers.
   std::vector<std::string> engine_args = {
@@ -240,15 +287,20 @@ int RunUp(const std::vector<std::string>&) {
       "--block-size=" + std::to_string(absl::GetFlag(FLAGS_block_size)),
       "--kv-cache-memory=" + absl::GetFlag(FLAGS_kv_cache_memory),
       "--max-num-seqs=" + std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
-      "--max-num-batched-tokens=" + std::to_string(absl::GetFlag(FLAGS_max_num_batched_tokens)),
+      "--max-num-batched-tokens=" +
+          std::to_string(absl::GetFlag(FLAGS_max_num_batched_tokens)),
       "--matmul=" + absl::GetFlag(FLAGS_matmul),
       // Workers share the machine: split the cores unless told otherwise, so
       // kernel threads of different processes do not fight over one core.
-      "--threads=" + std::to_string(absl::GetFlag(FLAGS_threads) > 0
-                                        ? absl::GetFlag(FLAGS_threads)
-                                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
-                                                          std::max(1, n_prefill + n_decode))),
-      std::string("--enable-prefix-caching=") + (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
+      "--threads=" +
+          std::to_string(
+              absl::GetFlag(FLAGS_threads) > 0
+                  ? absl::GetFlag(FLAGS_threads)
+                  : std::max(1, static_cast<int>(
+                                    std::thread::hardware_concurrency()) /
+                                    std::max(1, n_prefill + n_decode))),
+      std::string("--enable-prefix-caching=") +
+          (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
   };
   std::vector<Child> children;
   auto stop_all = [&] {
@@ -258,8 +310,10 @@ int RunUp(const std::vector<std::string>&) {
   std::vector<std::string> prefill_addrs, decode_addrs;
   for (int i = 0; i < n_prefill + n_decode; ++i) {
     const bool is_prefill = i < n_prefill;
-    const std::string role = is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
-    std::vector<std::string> args = {"worker", "--role=" + role, "--port=0", "--metrics-port=0"};
+    const std::string role =
+        is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
+    std::vector<std::string> args = {"worker", "--role=" + role, "--port=0",
+                                     "--metrics-port=0"};
     args.insert(args.end(), engine_args.begin(), engine_args.end());
     auto child = Spawn(absl::StrCat(role, "-", i), args);
     if (!child.ok()) {
@@ -269,15 +323,24 @@ int RunUp(const std::vector<std::string>&) {
     (is_prefill ? prefill_addrs : decode_addrs).push_back(child->address);
     children.push_back(*child);
   }
-  const int port = absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
-  const int mport = absl::GetFlag(FLAGS_metrics_port) < 0 ? 9400 : absl::GetFlag(FLAGS_metrics_port);
+  const int port =
+      absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
+  const int mport = absl::GetFlag(FLAGS_metrics_port) < 0
+                        ? 9400
+                        : absl::GetFlag(FLAGS_metrics_port);
   std::vector<std::string> router_args = {
-      "router", "--model=" + model, "--port=" + std::to_string(port), "--metrics-port=" + std::to_string(mport),
+      "router",
+      "--model=" + model,
+      "--port=" + std::to_string(port),
+      "--metrics-port=" + std::to_string(mport),
       "--policy=" + absl::GetFlag(FLAGS_policy),
-      "--local-prefill-threshold=" + std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
+      "--local-prefill-threshold=" +
+          std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
   if (n_prefill > 0) {
-    router_args.push_back("--prefill-workers=" + absl::StrJoin(prefill_addrs, ","));
-    router_args.push_back("--decode-workers=" + absl::StrJoin(decode_addrs, ","));
+    router_args.push_back("--prefill-workers=" +
+                          absl::StrJoin(prefill_addrs, ","));
+    router_args.push_back("--decode-workers=" +
+                          absl::StrJoin(decode_addrs, ","));
   } else {
     router_args.push_back("--both-workers=" + absl::StrJoin(decode_addrs, ","));
   }
@@ -287,13 +350,16 @@ int RunUp(const std::vector<std::string>&) {
     return ReportError(router.status());
   }
   children.push_back(*router);
-  std::printf("\npdserve is up (plaintext, local use): model %s\n", model.c_str());
+  std::printf("\npdserve is up (plaintext, local use): model %s\n",
+              model.c_str());
   for (const auto& c : children) {
-    std::printf("  %-10s grpc %-22s metrics http://127.0.0.1:%d/metrics\n", c.name.c_str(), c.address.c_str(),
-                c.metrics_port);
+    std::printf("  %-10s grpc %-22s metrics http://127.0.0.1:%d/metrics\n",
+                c.name.c_str(), c.address.c_str(), c.metrics_port);
   }
-  std::printf("\nTry:\n  %s generate --router 127.0.0.1:%d --prompt \"hello\" --max-tokens 32\n",
-              "build/bin/pdserve", port);
+  std::printf(
+      "\nTry:\n  %s generate --router 127.0.0.1:%d --prompt \"hello\" "
+      "--max-tokens 32\n",
+      "build/bin/pdserve", port);
   std::printf("Ctrl-C stops everything.\n");
   std::fflush(stdout);
   // Stop on Ctrl-C, or when any child dies unexpectedly.
@@ -307,7 +373,8 @@ int RunUp(const std::vector<std::string>&) {
     if (dead > 0) {
       for (auto& c : children) {
         if (c.pid == dead) {
-          std::fprintf(stderr, "pdserve up: %s exited; stopping the cluster\n", c.name.c_str());
+          std::fprintf(stderr, "pdserve up: %s exited; stopping the cluster\n",
+                       c.name.c_str());
           c.pid = -1;
         }
       }
@@ -328,10 +395,13 @@ int RunGenerateRemote() {
   req.set_prompt(absl::GetFlag(FLAGS_prompt));
   *req.mutable_sampling() = SamplingToProto(SamplingParamsFromFlags());
   req.set_cache_salt(absl::GetFlag(FLAGS_cache_salt));
-  auto stub = v1::Router::NewStub(grpc::CreateChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials()));
+  auto stub = v1::Router::NewStub(grpc::CreateChannel(
+      absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    ctx.set_deadline(
+        std::chrono::system_clock::now() +
+        std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
   }
   auto reader = stub->Generate(&ctx, req);
   v1::GenerateResponse resp;
@@ -356,17 +426,24 @@ int RunGenerateRemote() {
   }
   const grpc::Status st = reader->Finish();
   if (!st.ok()) {
-    std::fprintf(stderr, "pdserve: error: %s: %s\n", absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())).c_str(),
-                 st.error_message().c_str());
+    std::fprintf(
+        stderr, "pdserve: error: %s: %s\n",
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()))
+            .c_str(),
+        st.error_message().c_str());
     return st.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? 2 : 1;
   }
   if (as_json) {
-    std::printf("{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, \"finish_reason\": \"%s\", "
-                "\"usage\": {\"prompt_tokens\": %u, \"completion_tokens\": %u, \"cached_prompt_tokens\": %u}, "
-                "\"prefill_worker\": %s, \"decode_worker\": %s}\n",
-                json::Quote(request_id).c_str(), absl::StrJoin(ids, ",").c_str(), json::Quote(text).c_str(),
-                finish.c_str(), usage.prompt_tokens(), usage.completion_tokens(), usage.cached_prompt_tokens(),
-                json::Quote(pw).c_str(), json::Quote(dw).c_str());
+    std::printf(
+        "{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, "
+        "\"finish_reason\": \"%s\", "
+        "\"usage\": {\"prompt_tokens\": %u, \"completion_tokens\": %u, "
+        "\"cached_prompt_tokens\": %u}, "
+        "\"prefill_worker\": %s, \"decode_worker\": %s}\n",
+        json::Quote(request_id).c_str(), absl::StrJoin(ids, ",").c_str(),
+        json::Quote(text).c_str(), finish.c_str(), usage.prompt_tokens(),
+        usage.completion_tokens(), usage.cached_prompt_tokens(),
+        json::Quote(pw).c_str(), json::Quote(dw).c_str());
   }
   return 0;
 }

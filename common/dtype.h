@@ -14,10 +14,13 @@ enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
 
 inline size_t DTypeBytes(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
+    case DType::kF32:
+      return 4;
     case DType::kF16:
-    case DType::kBF16: return 2;
-    case DType::kI8: return 1;
+    case DType::kBF16:
+      return 2;
+    case DType::kI8:
+      return 1;
   }
   return 0;
 }
@@ -25,17 +28,22 @@ inline size_t DTypeBytes(DType t) {
 // Names as used on the command line and in the model fingerprint.
 inline const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "fp32";
-    case DType::kF16: return "fp16";
-    case DType::kBF16: return "bf16";
-    case DType::kI8: return "int8";
+    case DType::kF32:
+      return "fp32";
+    case DType::kF16:
+      return "fp16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kI8:
+      return "int8";
   }
   return "?";
 }
 
 inline std::optional<DType> ParseDType(std::string_view s) {
   if (s == "fp32" || s == "float32" || s == "f32") return DType::kF32;
-  if (s == "fp16" || s == "float16" || s == "f16" || s == "half") return DType::kF16;
+  if (s == "fp16" || s == "float16" || s == "f16" || s == "half")
+    return DType::kF16;
   if (s == "bf16" || s == "bfloat16") return DType::kBF16;
   if (s == "int8" || s == "i8") return DType::kI8;
   return std::nullopt;
@@ -55,11 +63,14 @@ inline float BitsFloat(uint32_t u) {
 // bf16 is the high half of an fp32; rounding is to nearest even, NaN kept.
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-inline float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
+inline float Bf16ToFloat(uint16_t h) {
+  return BitsFloat(static_cast<uint32_t>(h) << 16);
+}
 
 // IEEE 754 binary16, round to nearest even; overflow saturates to infinity.
 inline uint16_t FloatToF16(float f) {
@@ -67,13 +78,16 @@ inline uint16_t FloatToF16(float f) {
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t abs = u & 0x7fffffffu;
   if (abs >= 0x7f800000u) {  // inf or NaN
-    return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+    return static_cast<uint16_t>(sign | 0x7c00u |
+                                 (abs > 0x7f800000u ? 0x200u : 0u));
   }
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (abs < 0x38800000u) {  // subnormal half (or zero)
+  if (abs >= 0x477ff000u)
+    return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {                         // subnormal half (or zero)
     // Scale into the subnormal range with the FPU doing the rounding.
     const float scaled = BitsFloat(abs) * 16777216.0f;  // 2^24
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(__builtin_nearbyintf(scaled)));
+    return static_cast<uint16_t>(
+        sign | static_cast<uint32_t>(__builtin_nearbyintf(scaled)));
   }
   uint32_t mant = abs & 0x7fffffu;
   uint32_t exp = (abs >> 23) - 112;  // rebias 127 -> 15

@@ -33,14 +33,15 @@ const Value* Find(const Value& object, absl::string_view key) {
 absl::StatusOr<int64_t> AsInt(const Value& v, absl::string_view what,
                               int64_t min, int64_t max) {
   if (v.kind_case() != Value::kNumberValue) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a number"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": expected a number"));
   }
   const double d = v.number_value();
   if (!std::isfinite(d) || d != std::floor(d) || d < static_cast<double>(min) ||
       d > static_cast<double>(max) || std::fabs(d) > 9007199254740992.0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": expected a whole number in [", min, ", ", max, "], got ",
-        Number(d)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": expected a whole number in [", min, ", ", max,
+                     "], got ", Number(d)));
   }
   return static_cast<int64_t>(d);
 }
@@ -52,7 +53,8 @@ absl::StatusOr<int64_t> GetInt(const Value& object, absl::string_view key,
   const Value* v = Find(object, key);
   if (v == nullptr) {
     if (fallback) return *fallback;
-    return absl::NotFoundError(absl::StrCat(what, ": missing field \"", key, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(what, ": missing field \"", key, "\""));
   }
   return AsInt(*v, absl::StrCat(what, ": field \"", key, "\""), min, max);
 }
@@ -63,7 +65,8 @@ absl::StatusOr<double> GetDouble(const Value& object, absl::string_view key,
   const Value* v = Find(object, key);
   if (v == nullptr) {
     if (fallback) return *fallback;
-    return absl::NotFoundError(absl::StrCat(what, ": missing field \"", key, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(what, ": missing field \"", key, "\""));
   }
   if (v->kind_case() != Value::kNumberValue) {
     return absl::InvalidArgumentError(
@@ -78,7 +81,8 @@ absl::StatusOr<bool> GetBool(const Value& object, absl::string_view key,
   const Value* v = Find(object, key);
   if (v == nullptr) {
     if (fallback) return *fallback;
-    return absl::NotFoundError(absl::StrCat(what, ": missing field \"", key, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(what, ": missing field \"", key, "\""));
   }
   if (v->kind_case() != Value::kBoolValue) {
     return absl::InvalidArgumentError(
@@ -87,13 +91,15 @@ absl::StatusOr<bool> GetBool(const Value& object, absl::string_view key,
   return v->bool_value();
 }
 
-absl::StatusOr<std::string> GetString(const Value& object, absl::string_view key,
+absl::StatusOr<std::string> GetString(const Value& object,
+                                      absl::string_view key,
                                       absl::string_view what,
                                       std::optional<std::string> fallback) {
   const Value* v = Find(object, key);
   if (v == nullptr) {
     if (fallback) return *fallback;
-    return absl::NotFoundError(absl::StrCat(what, ": missing field \"", key, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(what, ": missing field \"", key, "\""));
   }
   if (v->kind_case() != Value::kStringValue) {
     return absl::InvalidArgumentError(
@@ -108,11 +114,21 @@ std::string Quote(absl::string_view s) {
   out.push_back('"');
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];

@@ -8,12 +8,12 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <optional>
-#include "absl/strings/string_view.h"
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "google/protobuf/struct.pb.h"
 
 namespace pdserve::json {
@@ -42,7 +42,8 @@ absl::StatusOr<bool> GetBool(const Value& object, absl::string_view key,
 absl::StatusOr<std::string> GetString(
     const Value& object, absl::string_view key, absl::string_view what,
     std::optional<std::string> fallback = std::nullopt);
-// Converts a JSON number to an integer, failing unless it is whole and in range.
+// Converts a JSON number to an integer, failing unless it is whole and in
+// range.
 absl::StatusOr<int64_t> AsInt(const Value& v, absl::string_view what,
                               int64_t min = INT64_MIN / 2,
                               int64_t max = INT64_MAX / 2);

@@ -32,8 +32,8 @@ class LogMessage {
 #define PDSERVE_LOG_LEVEL_WARNING ::pdserve::LogLevel::kWarning
 #define PDSERVE_LOG_LEVEL_ERROR ::pdserve::LogLevel::kError
 
-#define PDSERVE_LOG(severity)                                          \
-  if (PDSERVE_LOG_LEVEL_##severity < ::pdserve::MinLogLevel()) {       \
-  } else                                                               \
+#define PDSERVE_LOG(severity)                                               \
+  if (PDSERVE_LOG_LEVEL_##severity < ::pdserve::MinLogLevel()) {            \
+  } else                                                                    \
     ::pdserve::LogMessage(PDSERVE_LOG_LEVEL_##severity, __FILE__, __LINE__) \
         .stream()

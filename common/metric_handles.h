@@ -22,20 +22,28 @@ T Must(absl::StatusOr<T> v) {
   return *std::move(v);
 }
 
-inline Counter* CounterChild(Registry& r, std::string_view name, std::string_view help,
+inline Counter* CounterChild(Registry& r, std::string_view name,
+                             std::string_view help,
                              std::vector<std::string> labels = {},
                              std::vector<std::string_view> values = {}) {
-  return Must(Must(r.AddCounter(name, help, std::move(labels)))->WithLabels(values));
+  return Must(
+      Must(r.AddCounter(name, help, std::move(labels)))->WithLabels(values));
 }
-inline Gauge* GaugeChild(Registry& r, std::string_view name, std::string_view help,
+inline Gauge* GaugeChild(Registry& r, std::string_view name,
+                         std::string_view help,
                          std::vector<std::string> labels = {},
                          std::vector<std::string_view> values = {}) {
-  return Must(Must(r.AddGauge(name, help, std::move(labels)))->WithLabels(values));
+  return Must(
+      Must(r.AddGauge(name, help, std::move(labels)))->WithLabels(values));
 }
-inline Histogram* HistogramChild(Registry& r, std::string_view name, std::string_view help,
-                                 std::vector<double> bounds, std::vector<std::string> labels = {},
+inline Histogram* HistogramChild(Registry& r, std::string_view name,
+                                 std::string_view help,
+                                 std::vector<double> bounds,
+                                 std::vector<std::string> labels = {},
                                  std::vector<std::string_view> values = {}) {
-  return Must(Must(r.AddHistogram(name, help, std::move(bounds), std::move(labels)))->WithLabels(values));
+  return Must(
+      Must(r.AddHistogram(name, help, std::move(bounds), std::move(labels)))
+          ->WithLabels(values));
 }
 
 }  // namespace pdserve::metrics

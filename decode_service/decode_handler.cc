@@ -12,24 +12,28 @@ namespace {
 
 absl::Time DeadlineOf(grpc::ServerContext* context) {
   const auto d = context->deadline();
-  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  if (d == std::chrono::system_clock::time_point::max())
+    return absl::InfiniteFuture();
   return absl::FromChrono(d);
 }
 
 }  // namespace
 
-std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(const std::string& address) {
+std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
+    const std::string& address) {
   absl::MutexLock l(&mu_);
   auto& stub = stubs_[address];
   if (!stub) {
-    stub = v1::Worker::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                                         kv_transfer::InternalChannelArgs()));
+    stub = v1::Worker::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                  kv_transfer::InternalChannelArgs()));
   }
   return stub;
 }
 
-grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::WorkerGenerateRequest& request,
-                                     grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
+grpc::Status DecodeHandler::Generate(
+    grpc::ServerContext* context, const v1::WorkerGenerateRequest& request,
+    grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
   engine::EngineRequest req;
   req.id = request.request_id().empty() ? "anonymous" : request.request_id();
   req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
@@ -51,23 +55,30 @@ grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::Wor
 
   // 1. Reserve the prompt's blocks here before any prefill compute.
   absl::StatusOr<engine::Reservation> reservation;
-  const absl::Time admit_by = std::min(deadline, absl::Now() + options_.admission_timeout);
+  const absl::Time admit_by =
+      std::min(deadline, absl::Now() + options_.admission_timeout);
   while (true) {
-    reservation = loop_->Call([&](engine::Engine& e) { return e.Reserve(req); });
-    if (reservation.ok() || reservation.status().code() != absl::StatusCode::kResourceExhausted ||
-        reservation.status().message().find("never") != absl::string_view::npos) {
+    reservation =
+        loop_->Call([&](engine::Engine& e) { return e.Reserve(req); });
+    if (reservation.ok() ||
+        reservation.status().code() != absl::StatusCode::kResourceExhausted ||
+        reservation.status().message().find("never") !=
+            absl::string_view::npos) {
       break;
     }
     if (absl::Now() >= admit_by || context->IsCancelled()) break;
     absl::SleepFor(absl::Milliseconds(20));
   }
   if (!reservation.ok()) {
-    if (reservation.status().code() == absl::StatusCode::kResourceExhausted && absl::Now() >= deadline) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed while waiting for KV blocks");
+    if (reservation.status().code() == absl::StatusCode::kResourceExhausted &&
+        absl::Now() >= deadline) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          "deadline passed while waiting for KV blocks");
     }
     return ToGrpc(reservation.status());
   }
-  const uint64_t reservation_id = receiver_->Expect(req.id, reservation->blocks, reservation->cached_blocks);
+  const uint64_t reservation_id = receiver_->Expect(req.id, reservation->blocks,
+                                                    reservation->cached_blocks);
   auto release = [&] {
     receiver_->Cancel(reservation_id);
     loop_->Abort(req.id);
@@ -85,8 +96,10 @@ grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::Wor
   *prefill.mutable_layout() = kv_transfer::ToProto(receiver_->layout());
   v1::PrefillResponse prefilled;
   grpc::ClientContext pctx;
-  if (deadline != absl::InfiniteFuture()) pctx.set_deadline(absl::ToChronoTime(deadline));
-  const grpc::Status pst = PrefillStub(request.prefill_address())->Prefill(&pctx, prefill, &prefilled);
+  if (deadline != absl::InfiniteFuture())
+    pctx.set_deadline(absl::ToChronoTime(deadline));
+  const grpc::Status pst = PrefillStub(request.prefill_address())
+                               ->Prefill(&pctx, prefill, &prefilled);
   if (!pst.ok()) {
     release();
     // Name the prefill worker as the culprit (kPrefillFailedPrefix), so the
@@ -94,23 +107,29 @@ grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::Wor
     // Transport-level failures become UNAVAILABLE (retryable); request errors
     // such as a layout mismatch keep their code.
     grpc::StatusCode code = pst.error_code();
-    if (code == grpc::StatusCode::INTERNAL || code == grpc::StatusCode::UNKNOWN ||
+    if (code == grpc::StatusCode::INTERNAL ||
+        code == grpc::StatusCode::UNKNOWN ||
         code == grpc::StatusCode::CANCELLED) {
       code = grpc::StatusCode::UNAVAILABLE;
     }
-    return grpc::Status(code, absl::StrCat(kPrefillFailedPrefix, request.prefill_address(), ": ",
-                                           pst.error_message()));
+    return grpc::Status(
+        code, absl::StrCat(kPrefillFailedPrefix, request.prefill_address(),
+                           ": ", pst.error_message()));
   }
-  if (absl::Status s = receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline); !s.ok()) {
+  if (absl::Status s =
+          receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline);
+      !s.ok()) {
     loop_->Abort(req.id);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        std::string(s.message()));
   }
 
   // 3. First token to the client at once, then decode here.
   const int32_t first = static_cast<int32_t>(prefilled.first_token());
   base.set_prefill_worker(prefilled.worker_id());
-  const uint32_t cached = std::max<uint32_t>(prefilled.cached_prompt_tokens(),
-                                             reservation->cached_blocks * loop_->kv_spec().block_size);
+  const uint32_t cached = std::max<uint32_t>(
+      prefilled.cached_prompt_tokens(),
+      reservation->cached_blocks * loop_->kv_spec().block_size);
   base.set_cached_prompt_tokens(std::min<uint32_t>(cached, req.prompt.size()));
   struct Started {
     absl::StatusOr<engine::FinishReason> finish;
@@ -136,20 +155,23 @@ grpc::Status DecodeHandler::Generate(grpc::ServerContext* context, const v1::Wor
   return StreamOutputs(context, req.id, started.stream, base, writer);
 }
 
-grpc::Status DecodeHandler::StreamOutputs(grpc::ServerContext* context, const std::string& id,
-                                          const std::shared_ptr<engine::RequestStream>& stream,
-                                          v1::WorkerGenerateResponse base,
-                                          grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
+grpc::Status DecodeHandler::StreamOutputs(
+    grpc::ServerContext* context, const std::string& id,
+    const std::shared_ptr<engine::RequestStream>& stream,
+    v1::WorkerGenerateResponse base,
+    grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
   const absl::Time deadline = DeadlineOf(context);
   const absl::Time admit_by = absl::Now() + options_.admission_timeout;
   bool admitted = false;
   while (true) {
     if (!admitted && absl::Now() >= admit_by) {
-      admitted = !loop_->Call([&](engine::Engine& e) { return e.IsWaiting(id); });
+      admitted =
+          !loop_->Call([&](engine::Engine& e) { return e.IsWaiting(id); });
       if (!admitted) {
         loop_->Abort(id);
         return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            "KV cache full: the request was not admitted within the admission timeout");
+                            "KV cache full: the request was not admitted "
+                            "within the admission timeout");
       }
     }
     if (context->IsCancelled()) {
@@ -158,15 +180,18 @@ grpc::Status DecodeHandler::StreamOutputs(grpc::ServerContext* context, const st
     }
     if (absl::Now() >= deadline) {
       loop_->Abort(id);
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "request deadline exceeded");
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          "request deadline exceeded");
     }
     if (absl::Status s = stream->error(); !s.ok()) return ToGrpc(s);
     for (const auto& out : stream->Pop(absl::Milliseconds(50))) {
       admitted = true;
       v1::WorkerGenerateResponse msg = base;
-      for (int32_t t : out.new_tokens) msg.add_token_ids(static_cast<uint32_t>(t));
+      for (int32_t t : out.new_tokens)
+        msg.add_token_ids(static_cast<uint32_t>(t));
       if (out.cached_prompt_tokens > 0 && base.cached_prompt_tokens() == 0) {
-        msg.set_cached_prompt_tokens(static_cast<uint32_t>(out.cached_prompt_tokens));
+        msg.set_cached_prompt_tokens(
+            static_cast<uint32_t>(out.cached_prompt_tokens));
       }
       msg.set_finish_reason(engine::FinishReasonName(out.finish));
       if (!writer->Write(msg)) {

@@ -35,25 +35,29 @@ struct DecodeOptions {
 
 class DecodeHandler {
  public:
-  DecodeHandler(engine::EngineLoop* loop, kv_transfer::KvReceiver* receiver, DecodeOptions options)
+  DecodeHandler(engine::EngineLoop* loop, kv_transfer::KvReceiver* receiver,
+                DecodeOptions options)
       : loop_(loop), receiver_(receiver), options_(std::move(options)) {}
 
-  grpc::Status Generate(grpc::ServerContext* context, const v1::WorkerGenerateRequest& request,
+  grpc::Status Generate(grpc::ServerContext* context,
+                        const v1::WorkerGenerateRequest& request,
                         grpc::ServerWriter<v1::WorkerGenerateResponse>* writer);
 
  private:
   // Streams engine outputs until the request finishes, is cancelled or fails.
-  grpc::Status StreamOutputs(grpc::ServerContext* context, const std::string& id,
-                             const std::shared_ptr<engine::RequestStream>& stream,
-                             v1::WorkerGenerateResponse base,
-                             grpc::ServerWriter<v1::WorkerGenerateResponse>* writer);
+  grpc::Status StreamOutputs(
+      grpc::ServerContext* context, const std::string& id,
+      const std::shared_ptr<engine::RequestStream>& stream,
+      v1::WorkerGenerateResponse base,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>* writer);
   std::shared_ptr<v1::Worker::Stub> PrefillStub(const std::string& address);
 
   engine::EngineLoop* loop_;
   kv_transfer::KvReceiver* receiver_;
   const DecodeOptions options_;
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::decode

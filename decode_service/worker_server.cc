@@ -33,9 +33,10 @@ std::string HashBytes(const engine::BlockHash& h) {
 v1::KvEventProto EventToProto(const engine::KvEvent& e) {
   v1::KvEventProto p;
   p.set_seq(e.seq);
-  p.set_type(e.type == engine::KvEvent::Type::kStored    ? v1::KvEventProto::STORED
-             : e.type == engine::KvEvent::Type::kRemoved ? v1::KvEventProto::REMOVED
-                                                         : v1::KvEventProto::CLEARED);
+  p.set_type(e.type == engine::KvEvent::Type::kStored ? v1::KvEventProto::STORED
+             : e.type == engine::KvEvent::Type::kRemoved
+                 ? v1::KvEventProto::REMOVED
+                 : v1::KvEventProto::CLEARED);
   p.set_parent_hash(HashBytes(e.parent));
   for (const auto& h : e.hashes) p.add_hashes(HashBytes(h));
   return p;
@@ -45,13 +46,17 @@ v1::KvEventProto EventToProto(const engine::KvEvent& e) {
 
 absl::Status WorkerConfig::Validate() const {
   if (role != "prefill" && role != "decode" && role != "both") {
-    return absl::InvalidArgumentError(absl::StrCat("--role must be prefill, decode or both, got \"", role, "\""));
-  }
-  if (model_dir.empty()) return absl::InvalidArgumentError("--model is required");
-  if (port < 0 || port > 65535) return absl::InvalidArgumentError("--port must be in [0, 65535]");
-  if (kv_transport != "grpc") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-transport ", kv_transport, " is not available in this CPU build (available: grpc)"));
+        "--role must be prefill, decode or both, got \"", role, "\""));
+  }
+  if (model_dir.empty())
+    return absl::InvalidArgumentError("--model is required");
+  if (port < 0 || port > 65535)
+    return absl::InvalidArgumentError("--port must be in [0, 65535]");
+  if (kv_transport != "grpc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-transport ", kv_transport,
+                     " is not available in this CPU build (available: grpc)"));
   }
   return engine.Validate();
 }
@@ -82,7 +87,8 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     std::atomic<int>* n_;
   };
 
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerStatus* out) override {
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* out) override {
     const engine::EngineStats s = loop->stats();
     out->set_id(id);
     out->set_role(config.role);
@@ -91,43 +97,56 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     out->set_max_model_len(static_cast<uint32_t>(loop->max_model_len()));
     out->set_num_running(static_cast<uint32_t>(s.num_running));
     out->set_num_waiting(static_cast<uint32_t>(s.num_waiting));
-    out->set_free_blocks(static_cast<uint32_t>(s.blocks_free + s.blocks_cached));
+    out->set_free_blocks(
+        static_cast<uint32_t>(s.blocks_free + s.blocks_cached));
     out->set_total_blocks(static_cast<uint32_t>(loop->num_blocks()));
-    out->set_queued_prefill_tokens(static_cast<uint64_t>(s.queued_prefill_tokens));
+    out->set_queued_prefill_tokens(
+        static_cast<uint64_t>(s.queued_prefill_tokens));
     out->set_cache_fingerprint(cache_fingerprint);
     out->set_draining(draining);
     return grpc::Status::OK;
   }
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::WorkerGenerateRequest* req,
-                        grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
-    if (!serves_decode) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this is a prefill-only worker");
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const v1::WorkerGenerateRequest* req,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
+    if (!serves_decode)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this is a prefill-only worker");
     InFlight guard(&in_flight);
-    if (draining) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
+    if (draining)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
     return decode->Generate(ctx, *req, writer);
   }
 
-  grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req, v1::PrefillResponse* resp) override {
-    if (!serves_prefill) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this is a decode-only worker");
+  grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
+                       v1::PrefillResponse* resp) override {
+    if (!serves_prefill)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this is a decode-only worker");
     InFlight guard(&in_flight);
-    if (draining) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
+    if (draining)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
     return prefill->Prefill(ctx, *req, resp);
   }
 
-  grpc::Status SubscribeKvEvents(grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest*,
-                                 grpc::ServerWriter<v1::KvEventBatch>* writer) override {
+  grpc::Status SubscribeKvEvents(
+      grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest*,
+      grpc::ServerWriter<v1::KvEventBatch>* writer) override {
     // Snapshot on the engine thread: every cached hash as of a sequence number.
     struct Snapshot {
       uint64_t seq;
       std::vector<engine::BlockHash> hashes;
     };
     Snapshot snap = loop->Call([](engine::Engine& e) {
-      return Snapshot{e.block_manager().last_event_seq(), e.block_manager().CachedHashes()};
+      return Snapshot{e.block_manager().last_event_seq(),
+                      e.block_manager().CachedHashes()};
     });
     v1::KvEventBatch first;
     first.set_worker_id(id);
     first.set_snapshot(true);
-    engine::KvEvent all{snap.seq, engine::KvEvent::Type::kStored, {}, std::move(snap.hashes)};
+    engine::KvEvent all{
+        snap.seq, engine::KvEvent::Type::kStored, {}, std::move(snap.hashes)};
     *first.add_events() = EventToProto(all);
     if (!writer->Write(first)) return grpc::Status::OK;
     uint64_t after = snap.seq;
@@ -150,18 +169,24 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   }
 
   void RegisterMetrics(metrics::Registry& r) {
-    auto* running = metrics::GaugeChild(r, "pdserve_num_requests_running", "Sequences in the running batch");
-    auto* waiting = metrics::GaugeChild(r, "pdserve_num_requests_waiting", "Sequences waiting for admission");
-    auto* blocks = metrics::Must(r.AddGauge("pdserve_kv_cache_blocks", "KV cache blocks by state", {"state"}));
+    auto* running = metrics::GaugeChild(r, "pdserve_num_requests_running",
+                                        "Sequences in the running batch");
+    auto* waiting = metrics::GaugeChild(r, "pdserve_num_requests_waiting",
+                                        "Sequences waiting for admission");
+    auto* blocks = metrics::Must(r.AddGauge(
+        "pdserve_kv_cache_blocks", "KV cache blocks by state", {"state"}));
     auto* free_b = metrics::Must(blocks->WithLabels({"free"}));
     auto* active_b = metrics::Must(blocks->WithLabels({"active"}));
     auto* cached_b = metrics::Must(blocks->WithLabels({"cached"}));
-    auto* queried = metrics::CounterChild(r, "pdserve_prefix_cache_queried_tokens_total",
-                                          "Prompt tokens looked up in the prefix cache");
-    auto* hit = metrics::CounterChild(r, "pdserve_prefix_cache_hit_tokens_total",
-                                      "Prompt tokens served from the prefix cache");
-    auto* preempt = metrics::CounterChild(r, "pdserve_preemptions_total",
-                                          "Sequences preempted (recomputed later) for lack of KV blocks");
+    auto* queried =
+        metrics::CounterChild(r, "pdserve_prefix_cache_queried_tokens_total",
+                              "Prompt tokens looked up in the prefix cache");
+    auto* hit =
+        metrics::CounterChild(r, "pdserve_prefix_cache_hit_tokens_total",
+                              "Prompt tokens served from the prefix cache");
+    auto* preempt = metrics::CounterChild(
+        r, "pdserve_preemptions_total",
+        "Sequences preempted (recomputed later) for lack of KV blocks");
     auto last = std::make_shared<engine::EngineStats>();
     collector = r.AddCollector([=, this] {
       const engine::EngineStats s = loop->stats();
@@ -170,25 +195,32 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
       free_b->Set(static_cast<double>(s.blocks_free));
       active_b->Set(static_cast<double>(s.blocks_active));
       cached_b->Set(static_cast<double>(s.blocks_cached));
-      queried->Increment(static_cast<double>(s.prefix_queried_tokens - last->prefix_queried_tokens));
-      hit->Increment(static_cast<double>(s.prefix_hit_tokens - last->prefix_hit_tokens));
-      preempt->Increment(static_cast<double>(s.preemptions - last->preemptions));
+      queried->Increment(static_cast<double>(s.prefix_queried_tokens -
+                                             last->prefix_queried_tokens));
+      hit->Increment(
+          static_cast<double>(s.prefix_hit_tokens - last->prefix_hit_tokens));
+      preempt->Increment(
+          static_cast<double>(s.preemptions - last->preemptions));
       *last = s;
     });
   }
 };
 
-WorkerServer::WorkerServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+WorkerServer::WorkerServer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
 WorkerServer::~WorkerServer() { Shutdown(); }
 const std::string& WorkerServer::address() const { return impl_->address; }
 const std::string& WorkerServer::id() const { return impl_->id; }
 
 void WorkerServer::Drain(absl::Duration grace) {
   impl_->draining = true;
-  if (auto* health = impl_->server->GetHealthCheckService()) health->SetServingStatus(false);
-  PDSERVE_LOG(INFO) << "draining: " << impl_->in_flight << " request(s) in flight";
+  if (auto* health = impl_->server->GetHealthCheckService())
+    health->SetServingStatus(false);
+  PDSERVE_LOG(INFO) << "draining: " << impl_->in_flight
+                    << " request(s) in flight";
   const absl::Time until = absl::Now() + grace;
-  while (impl_->in_flight > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  while (impl_->in_flight > 0 && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(50));
   if (impl_->in_flight > 0) {
     PDSERVE_LOG(WARNING) << "drain grace period over with " << impl_->in_flight
                          << " request(s) in flight; they migrate";
@@ -196,55 +228,73 @@ void WorkerServer::Drain(absl::Duration grace) {
 }
 
 void WorkerServer::Shutdown() {
-  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  if (impl_->server)
+    impl_->server->Shutdown(std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(500));
 }
 void WorkerServer::Wait() { impl_->server->Wait(); }
 
-absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerConfig& config,
-                                                                  metrics::Registry* registry) {
+absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
+    const WorkerConfig& config, metrics::Registry* registry) {
   RETURN_IF_ERROR(config.Validate());
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->serves_prefill = config.role != "decode";
   impl->serves_decode = config.role != "prefill";
-  ASSIGN_OR_RETURN(engine::ModelWeights loaded, engine::ModelWeights::Load(config.model_dir));
-  auto weights = std::make_shared<const engine::ModelWeights>(std::move(loaded));
-  const std::string fingerprint = engine::BlockHash{weights->fingerprint[0], weights->fingerprint[1]}.Hex();
+  ASSIGN_OR_RETURN(engine::ModelWeights loaded,
+                   engine::ModelWeights::Load(config.model_dir));
+  auto weights =
+      std::make_shared<const engine::ModelWeights>(std::move(loaded));
+  const std::string fingerprint =
+      engine::BlockHash{weights->fingerprint[0], weights->fingerprint[1]}.Hex();
   Impl* raw = impl.get();
-  ASSIGN_OR_RETURN(auto eng, engine::Engine::Create(weights, config.engine,
-                                                    [raw](const engine::KvEvent& e) { raw->events.Append(e); }));
+  ASSIGN_OR_RETURN(auto eng,
+                   engine::Engine::Create(weights, config.engine,
+                                          [raw](const engine::KvEvent& e) {
+                                            raw->events.Append(e);
+                                          }));
   impl->layout = kv_transfer::KvLayout::FromSpec(eng->kv_spec(), fingerprint);
-  impl->cache_fingerprint = engine::BlockHash{eng->cache_fingerprint()[0], eng->cache_fingerprint()[1]}.Hex();
+  impl->cache_fingerprint = engine::BlockHash{eng->cache_fingerprint()[0],
+                                              eng->cache_fingerprint()[1]}
+                                .Hex();
   impl->loop = std::make_unique<engine::EngineLoop>(std::move(eng));
-  impl->transfer_metrics = std::make_unique<kv_transfer::TransferMetrics>(*registry);
-  impl->receiver = std::make_unique<kv_transfer::KvReceiver>(&impl->loop->pool_for_transfer(), impl->layout,
-                                                             impl->transfer_metrics->ForReceiver());
-  impl->transport = std::make_unique<kv_transfer::GrpcKvTransport>(impl->transfer_metrics.get());
-  impl->kv_service = std::make_unique<kv_transfer::KvTransferService>(impl->receiver.get());
+  impl->transfer_metrics =
+      std::make_unique<kv_transfer::TransferMetrics>(*registry);
+  impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
+      &impl->loop->pool_for_transfer(), impl->layout,
+      impl->transfer_metrics->ForReceiver());
+  impl->transport = std::make_unique<kv_transfer::GrpcKvTransport>(
+      impl->transfer_metrics.get());
+  impl->kv_service =
+      std::make_unique<kv_transfer::KvTransferService>(impl->receiver.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port), grpc::InsecureServerCredentials(),
-                           &port);
+  builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port),
+                           grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.RegisterService(impl.get());
   builder.RegisterService(impl->kv_service.get());
   impl->server = builder.BuildAndStart();
   if (!impl->server || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen_host, ":", config.port));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", config.listen_host, ":", config.port));
   }
-  const std::string host = config.advertise_host.empty()
-                               ? (config.listen_host == "0.0.0.0" ? "127.0.0.1" : config.listen_host)
-                               : config.advertise_host;
+  const std::string host =
+      config.advertise_host.empty()
+          ? (config.listen_host == "0.0.0.0" ? "127.0.0.1" : config.listen_host)
+          : config.advertise_host;
   impl->address = absl::StrCat(host, ":", port);
-  impl->id = config.id.empty() ? absl::StrCat(config.role, "@", impl->address) : config.id;
-  impl->prefill = std::make_unique<prefill::PrefillHandler>(impl->loop.get(), impl->transport.get(), impl->layout,
-                                                            impl->id);
+  impl->id = config.id.empty() ? absl::StrCat(config.role, "@", impl->address)
+                               : config.id;
+  impl->prefill = std::make_unique<prefill::PrefillHandler>(
+      impl->loop.get(), impl->transport.get(), impl->layout, impl->id);
   impl->decode = std::make_unique<DecodeHandler>(
       impl->loop.get(), impl->receiver.get(),
-      DecodeOptions{impl->id, impl->address, config.admission_timeout, config.kv_stall_timeout});
+      DecodeOptions{impl->id, impl->address, config.admission_timeout,
+                    config.kv_stall_timeout});
   impl->RegisterMetrics(*registry);
   return std::unique_ptr<WorkerServer>(new WorkerServer(std::move(impl)));
 }

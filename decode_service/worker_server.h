@@ -22,8 +22,8 @@ struct WorkerConfig {
   engine::EngineConfig engine;
   std::string listen_host = "127.0.0.1";  // 0.0.0.0 in containers
   int port = 0;                           // 0: any free port
-  std::string advertise_host;             // how others reach us; default listen_host
-  std::string id;                         // default role@host:port
+  std::string advertise_host;  // how others reach us; default listen_host
+  std::string id;              // default role@host:port
   absl::Duration admission_timeout = absl::Seconds(10);
   absl::Duration kv_stall_timeout = absl::Seconds(10);
   std::string kv_transport = "grpc";
@@ -33,8 +33,8 @@ struct WorkerConfig {
 
 class WorkerServer {
  public:
-  static absl::StatusOr<std::unique_ptr<WorkerServer>> Start(const WorkerConfig& config,
-                                                             metrics::Registry* registry);
+  static absl::StatusOr<std::unique_ptr<WorkerServer>> Start(
+      const WorkerConfig& config, metrics::Registry* registry);
   ~WorkerServer();
   const std::string& address() const;
   const std::string& id() const;

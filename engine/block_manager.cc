@@ -9,16 +9,21 @@
 
 namespace pdserve::engine {
 
-std::string BlockHash::Hex() const { return absl::StrFormat("%016x%016x", hi, lo); }
+std::string BlockHash::Hex() const {
+  return absl::StrFormat("%016x%016x", hi, lo);
+}
 
-BlockHash HashBlock(const BlockHash& parent, const ModelFingerprint& fingerprint,
-                    absl::string_view cache_salt, const int32_t* tokens, int block_size) {
+BlockHash HashBlock(const BlockHash& parent,
+                    const ModelFingerprint& fingerprint,
+                    absl::string_view cache_salt, const int32_t* tokens,
+                    int block_size) {
   // Byte layout (little-endian): parent.hi, parent.lo, fingerprint[0],
   // fingerprint[1], salt bytes, then block_size uint32 token ids. The salt's
   // length is implied, since the token part has a fixed size.
   XXH3_state_t state;
   XXH3_128bits_reset(&state);
-  const uint64_t head[4] = {parent.hi, parent.lo, fingerprint[0], fingerprint[1]};
+  const uint64_t head[4] = {parent.hi, parent.lo, fingerprint[0],
+                            fingerprint[1]};
   XXH3_128bits_update(&state, head, sizeof(head));
   XXH3_128bits_update(&state, cache_salt.data(), cache_salt.size());
   XXH3_128bits_update(&state, tokens, sizeof(int32_t) * block_size);
@@ -26,7 +31,8 @@ BlockHash HashBlock(const BlockHash& parent, const ModelFingerprint& fingerprint
   return {h.high64, h.low64};
 }
 
-void ExtendBlockHashes(const ModelFingerprint& fingerprint, absl::string_view cache_salt,
+void ExtendBlockHashes(const ModelFingerprint& fingerprint,
+                       absl::string_view cache_salt,
                        std::span<const int32_t> tokens, int block_size,
                        std::vector<BlockHash>* hashes) {
   const size_t full = tokens.size() / block_size;
@@ -38,13 +44,18 @@ void ExtendBlockHashes(const ModelFingerprint& fingerprint, absl::string_view ca
 }
 
 BlockManager::BlockManager(int64_t num_blocks, KvEventSink sink)
-    : ref_(num_blocks, 0), hash_of_(num_blocks), lru_pos_(num_blocks), sink_(std::move(sink)) {
+    : ref_(num_blocks, 0),
+      hash_of_(num_blocks),
+      lru_pos_(num_blocks),
+      sink_(std::move(sink)) {
   free_.reserve(num_blocks);
   // Stack order: block 0 is handed out first.
-  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+  for (int64_t b = num_blocks - 1; b >= 0; --b)
+    free_.push_back(static_cast<int32_t>(b));
 }
 
-std::vector<int32_t> BlockManager::Lookup(std::span<const BlockHash> hashes) const {
+std::vector<int32_t> BlockManager::Lookup(
+    std::span<const BlockHash> hashes) const {
   std::vector<int32_t> blocks;
   for (const BlockHash& h : hashes) {
     auto it = cached_.find(h);
@@ -56,7 +67,8 @@ std::vector<int32_t> BlockManager::Lookup(std::span<const BlockHash> hashes) con
 
 void BlockManager::Acquire(std::span<const int32_t> blocks) {
   for (int32_t b : blocks) {
-    if (ref_[b]++ == 0) lru_.erase(lru_pos_[b]);  // only cached blocks can be looked up
+    if (ref_[b]++ == 0)
+      lru_.erase(lru_pos_[b]);  // only cached blocks can be looked up
   }
 }
 
@@ -76,7 +88,8 @@ bool BlockManager::Allocate(int64_t n, std::vector<int32_t>* out) {
     ref_[b] = 1;
     out->push_back(b);
   }
-  if (!removed.empty()) Publish(KvEvent::Type::kRemoved, {}, std::move(removed));
+  if (!removed.empty())
+    Publish(KvEvent::Type::kRemoved, {}, std::move(removed));
   return true;
 }
 
@@ -97,7 +110,8 @@ void BlockManager::Release(std::span<const int32_t> blocks) {
   }
 }
 
-void BlockManager::Commit(const BlockHash& parent, std::span<const int32_t> blocks,
+void BlockManager::Commit(const BlockHash& parent,
+                          std::span<const int32_t> blocks,
                           std::span<const BlockHash> hashes) {
   std::vector<BlockHash> stored;
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -106,7 +120,8 @@ void BlockManager::Commit(const BlockHash& parent, std::span<const int32_t> bloc
     cached_[hashes[i]] = blocks[i];
     stored.push_back(hashes[i]);
   }
-  if (!stored.empty()) Publish(KvEvent::Type::kStored, parent, std::move(stored));
+  if (!stored.empty())
+    Publish(KvEvent::Type::kStored, parent, std::move(stored));
 }
 
 void BlockManager::ClearCache() {

@@ -42,11 +42,14 @@ struct BlockHashHasher {
 using ModelFingerprint = std::array<uint64_t, 2>;
 
 // Hash of one full block given its parent's hash.
-BlockHash HashBlock(const BlockHash& parent, const ModelFingerprint& fingerprint,
-                    absl::string_view cache_salt, const int32_t* tokens, int block_size);
+BlockHash HashBlock(const BlockHash& parent,
+                    const ModelFingerprint& fingerprint,
+                    absl::string_view cache_salt, const int32_t* tokens,
+                    int block_size);
 
 // Appends the hashes of full blocks of `tokens` not yet in `hashes`.
-void ExtendBlockHashes(const ModelFingerprint& fingerprint, absl::string_view cache_salt,
+void ExtendBlockHashes(const ModelFingerprint& fingerprint,
+                       absl::string_view cache_salt,
                        std::span<const int32_t> tokens, int block_size,
                        std::vector<BlockHash>* hashes);
 
@@ -54,7 +57,8 @@ struct KvEvent {
   enum class Type { kStored, kRemoved, kCleared };
   uint64_t seq = 0;  // 1, 2, 3, ... per worker; a gap means a lost event
   Type type = Type::kStored;
-  BlockHash parent;  // stored: hash of the block before the first one, 0 if none
+  BlockHash
+      parent;  // stored: hash of the block before the first one, 0 if none
   std::vector<BlockHash> hashes;
 };
 using KvEventSink = std::function<void(const KvEvent&)>;
@@ -64,8 +68,11 @@ class BlockManager {
   BlockManager(int64_t num_blocks, KvEventSink sink = nullptr);
 
   int64_t num_blocks() const { return static_cast<int64_t>(ref_.size()); }
-  // Blocks an allocation can take now: never-used/uncached free plus evictable cached.
-  int64_t num_free() const { return static_cast<int64_t>(free_.size() + lru_.size()); }
+  // Blocks an allocation can take now: never-used/uncached free plus evictable
+  // cached.
+  int64_t num_free() const {
+    return static_cast<int64_t>(free_.size() + lru_.size());
+  }
   int64_t num_active() const { return num_blocks() - num_free(); }
   // Unreferenced blocks that still hold a cached prefix.
   int64_t num_cached() const { return static_cast<int64_t>(lru_.size()); }
@@ -98,7 +105,8 @@ class BlockManager {
   std::vector<BlockHash> CachedHashes() const;
 
  private:
-  void Publish(KvEvent::Type type, const BlockHash& parent, std::vector<BlockHash> hashes);
+  void Publish(KvEvent::Type type, const BlockHash& parent,
+               std::vector<BlockHash> hashes);
   void Evict(int32_t block, std::vector<BlockHash>* removed);
 
   std::vector<int32_t> ref_;

@@ -13,7 +13,8 @@ using ::testing::IsEmpty;
 
 class BlockManagerTest : public ::testing::Test {
  protected:
-  std::vector<BlockHash> Hashes(const std::vector<int32_t>& tokens, std::string salt = "") {
+  std::vector<BlockHash> Hashes(const std::vector<int32_t>& tokens,
+                                std::string salt = "") {
     std::vector<BlockHash> out;
     ExtendBlockHashes(fp_, salt, tokens, 4, &out);
     return out;
@@ -63,7 +64,8 @@ TEST_F(BlockManagerTest, UncachedBlocksGoFirstThenLruEvictionPublishesRemoved) {
   ASSERT_TRUE(bm_.Allocate(2, &a));
   auto h = Hashes({1, 2, 3, 4, 5, 6, 7, 8});
   bm_.Commit({}, a, h);
-  const std::vector<int32_t> tail_first{a[1], a[0]};  // a[1] becomes least recent
+  const std::vector<int32_t> tail_first{a[1],
+                                        a[0]};  // a[1] becomes least recent
   bm_.Release(tail_first);
   ASSERT_TRUE(bm_.Allocate(2, &b));  // the two never-used blocks
   EXPECT_EQ(bm_.num_cached(), 2);
@@ -73,7 +75,7 @@ TEST_F(BlockManagerTest, UncachedBlocksGoFirstThenLruEvictionPublishesRemoved) {
   EXPECT_EQ(events_.back().type, KvEvent::Type::kRemoved);
   EXPECT_THAT(events_.back().hashes, ElementsAre(h[1]));
   EXPECT_THAT(bm_.Lookup(h), ElementsAre(a[0]));  // prefix still there
-  EXPECT_FALSE(bm_.Allocate(2, &c));               // only one left: nothing changes
+  EXPECT_FALSE(bm_.Allocate(2, &c));  // only one left: nothing changes
   EXPECT_EQ(bm_.num_free(), 1);
 }
 

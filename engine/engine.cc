@@ -11,11 +11,16 @@ namespace pdserve::engine {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kEos: return "eos";
-    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kNone:
+      return "";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kCancelled:
+      return "cancelled";
   }
   return "";
 }
@@ -25,12 +30,16 @@ absl::Status EngineConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("block_size must be in [1, 256], got ", block_size));
   }
-  if (kv_cache_bytes <= 0) return absl::InvalidArgumentError("kv cache memory must be positive");
-  if (max_num_seqs < 1) return absl::InvalidArgumentError("max_num_seqs must be at least 1");
+  if (kv_cache_bytes <= 0)
+    return absl::InvalidArgumentError("kv cache memory must be positive");
+  if (max_num_seqs < 1)
+    return absl::InvalidArgumentError("max_num_seqs must be at least 1");
   if (max_num_batched_tokens < 1) {
-    return absl::InvalidArgumentError("max_num_batched_tokens must be at least 1");
+    return absl::InvalidArgumentError(
+        "max_num_batched_tokens must be at least 1");
   }
-  if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must not be negative");
+  if (max_model_len < 0)
+    return absl::InvalidArgumentError("max_model_len must not be negative");
   return absl::OkStatus();
 }
 
@@ -39,18 +48,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     KvEventSink events) {
   RETURN_IF_ERROR(config.Validate());
   const ModelConfig& mc = weights->config;
-  KvCacheSpec spec{static_cast<int32_t>(mc.num_layers), static_cast<int32_t>(mc.num_kv_heads),
-                   static_cast<int32_t>(mc.head_dim), config.block_size, config.kv_dtype};
-  ASSIGN_OR_RETURN(auto pool, KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
+  KvCacheSpec spec{static_cast<int32_t>(mc.num_layers),
+                   static_cast<int32_t>(mc.num_kv_heads),
+                   static_cast<int32_t>(mc.head_dim), config.block_size,
+                   config.kv_dtype};
+  ASSIGN_OR_RETURN(
+      auto pool,
+      KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
   EngineConfig c = config;
   if (c.max_model_len == 0 || c.max_model_len > mc.max_position_embeddings) {
-    c.max_model_len = static_cast<int32_t>(std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
+    c.max_model_len = static_cast<int32_t>(
+        std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
   }
-  return std::unique_ptr<Engine>(new Engine(std::move(weights), c, std::move(pool), std::move(events)));
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(weights), c, std::move(pool), std::move(events)));
 }
 
-Engine::Engine(std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
-               std::unique_ptr<KvPool> pool, KvEventSink events)
+Engine::Engine(std::shared_ptr<const ModelWeights> weights,
+               const EngineConfig& config, std::unique_ptr<KvPool> pool,
+               KvEventSink events)
     : config_(config),
       pool_(std::move(pool)),
       blocks_(pool_->num_blocks(), std::move(events)),
@@ -61,7 +77,8 @@ Engine::Engine(std::shared_ptr<const ModelWeights> weights, const EngineConfig& 
     uint64_t weights[2];
     int32_t block_size;
     int32_t dtype;
-  } id{{weights->fingerprint[0], weights->fingerprint[1]}, config.block_size,
+  } id{{weights->fingerprint[0], weights->fingerprint[1]},
+       config.block_size,
        static_cast<int32_t>(config.kv_dtype)};
   const XXH128_hash_t h = XXH3_128bits(&id, sizeof(id));
   fingerprint_ = {h.high64, h.low64};
@@ -73,28 +90,33 @@ int64_t Engine::BlocksFor(int64_t tokens) const {
 
 absl::Status Engine::Validate(const EngineRequest& request) const {
   const ModelConfig& mc = model_.config();
-  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt has no tokens");
+  if (request.prompt.empty())
+    return absl::InvalidArgumentError("prompt has no tokens");
   for (int32_t t : request.prompt) {
     if (t < 0 || t >= mc.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt token id ", t, " is outside the vocabulary [0, ", mc.vocab_size, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ",
+                       mc.vocab_size, ")"));
     }
   }
   RETURN_IF_ERROR(request.sampling.Validate());
   const int64_t prompt = static_cast<int64_t>(request.prompt.size());
   const int64_t total = prompt + request.sampling.max_tokens;
   if (total > config_.max_model_len) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt, " tokens) + max_tokens (", request.sampling.max_tokens,
-        ") exceeds max_model_len ", config_.max_model_len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", prompt, " tokens) + max_tokens (",
+                     request.sampling.max_tokens, ") exceeds max_model_len ",
+                     config_.max_model_len));
   }
   if (BlocksFor(total) > pool_->num_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request needs ", BlocksFor(total), " KV blocks but the whole cache has ",
-        pool_->num_blocks(), "; it can never be scheduled"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", BlocksFor(total),
+                     " KV blocks but the whole cache has ", pool_->num_blocks(),
+                     "; it can never be scheduled"));
   }
   if (seqs_.count(request.id)) {
-    return absl::AlreadyExistsError(absl::StrCat("request id \"", request.id, "\" is in use"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("request id \"", request.id, "\" is in use"));
   }
   return absl::OkStatus();
 }
@@ -117,8 +139,10 @@ void Engine::Abort(const std::string& id, FinishReason reason) {
   Sequence* seq = it->second.get();
   ReleaseSequenceBlocks(seq);
   reserved_.erase(id);
-  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
-  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq),
+                 waiting_.end());
+  running_.erase(std::remove(running_.begin(), running_.end(), seq),
+                 running_.end());
   aborted_.emplace_back(id, reason);
   seqs_.erase(it);
 }
@@ -146,30 +170,36 @@ void Engine::CommitFullBlocks(Sequence* seq) {
   if (!config_.enable_prefix_caching) return;
   const int32_t full = seq->num_computed / config_.block_size;
   if (full <= seq->num_committed) return;
-  ExtendBlockHashes(fingerprint_, seq->req.cache_salt,
-                    std::span<const int32_t>(seq->tokens.data(), full * config_.block_size),
-                    config_.block_size, &seq->hashes);
+  ExtendBlockHashes(
+      fingerprint_, seq->req.cache_salt,
+      std::span<const int32_t>(seq->tokens.data(), full * config_.block_size),
+      config_.block_size, &seq->hashes);
   const int32_t first = seq->num_committed;
   const BlockHash parent = first == 0 ? BlockHash{} : seq->hashes[first - 1];
-  blocks_.Commit(parent, std::span<const int32_t>(seq->blocks).subspan(first, full - first),
-                 std::span<const BlockHash>(seq->hashes).subspan(first, full - first));
+  blocks_.Commit(
+      parent,
+      std::span<const int32_t>(seq->blocks).subspan(first, full - first),
+      std::span<const BlockHash>(seq->hashes).subspan(first, full - first));
   seq->num_committed = full;
 }
 
-bool Engine::TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens) {
+bool Engine::TryAdmit(Sequence* seq, int32_t budget,
+                      int32_t* scheduled_tokens) {
   const int32_t len = static_cast<int32_t>(seq->tokens.size());
   std::vector<int32_t> hits;
   if (config_.enable_prefix_caching) {
-    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens, config_.block_size,
-                      &seq->hashes);
+    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens,
+                      config_.block_size, &seq->hashes);
     // At least the last token is always computed, to produce logits.
     const size_t usable = static_cast<size_t>((len - 1) / config_.block_size);
     hits = blocks_.Lookup(std::span<const BlockHash>(seq->hashes)
                               .first(std::min(usable, seq->hashes.size())));
   }
-  const int32_t computed = static_cast<int32_t>(hits.size()) * config_.block_size;
+  const int32_t computed =
+      static_cast<int32_t>(hits.size()) * config_.block_size;
   const int32_t n = std::min(len - computed, budget);
-  const int64_t need = BlocksFor(computed + n) - static_cast<int64_t>(hits.size());
+  const int64_t need =
+      BlocksFor(computed + n) - static_cast<int64_t>(hits.size());
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   if (need + hits_idle > blocks_.num_free()) return false;
@@ -205,7 +235,8 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     Sequence* seq = running_[i];
     const int32_t n = std::min<int32_t>(
         static_cast<int32_t>(seq->tokens.size()) - seq->num_computed, budget);
-    const int64_t need = BlocksFor(seq->num_computed + n) - static_cast<int64_t>(seq->blocks.size());
+    const int64_t need = BlocksFor(seq->num_computed + n) -
+                         static_cast<int64_t>(seq->blocks.size());
     while (need > blocks_.num_free() && running_.back() != seq) {
       Sequence* victim = running_.back();
       running_.pop_back();
@@ -242,9 +273,11 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   for (const Scheduled& s : batch) {
     const bool completes = s.seq->num_computed + s.num_tokens ==
                            static_cast<int32_t>(s.seq->tokens.size());
-    inputs.push_back({std::span<const int32_t>(s.seq->tokens).subspan(s.seq->num_computed, s.num_tokens),
-                      s.seq->num_computed, s.seq->blocks,
-                      completes ? LlamaModel::Logits::kLast : LlamaModel::Logits::kNone});
+    inputs.push_back(
+        {std::span<const int32_t>(s.seq->tokens)
+             .subspan(s.seq->num_computed, s.num_tokens),
+         s.seq->num_computed, s.seq->blocks,
+         completes ? LlamaModel::Logits::kLast : LlamaModel::Logits::kNone});
   }
   logits_.clear();
   RETURN_IF_ERROR(model_.Forward(inputs, pool_.get(), &logits_));
@@ -257,8 +290,9 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     CommitFullBlocks(seq);
     if (inputs[i].logits == LlamaModel::Logits::kNone) continue;
     const int64_t position = static_cast<int64_t>(seq->tokens.size());
-    const int32_t token = SampleToken(&logits_[logit_row * mc.vocab_size], mc.vocab_size,
-                                      seq->req.sampling, position, &sample_scratch_);
+    const int32_t token =
+        SampleToken(&logits_[logit_row * mc.vocab_size], mc.vocab_size,
+                    seq->req.sampling, position, &sample_scratch_);
     ++logit_row;
     seq->tokens.push_back(token);
     StepOutput out;
@@ -266,7 +300,8 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     out.new_tokens.push_back(token);
     out.prompt_tokens = seq->num_prompt;
     out.cached_prompt_tokens = std::max(0, seq->cached_prompt_tokens);
-    out.completion_tokens = static_cast<int32_t>(seq->tokens.size()) - seq->num_prompt;
+    out.completion_tokens =
+        static_cast<int32_t>(seq->tokens.size()) - seq->num_prompt;
     out.finish = CheckFinish(*seq);
     outputs.push_back(std::move(out));
   }
@@ -281,7 +316,8 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     } else {
       ReleaseSequenceBlocks(seq);
     }
-    running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+    running_.erase(std::remove(running_.begin(), running_.end(), seq),
+                   running_.end());
     seqs_.erase(it);
   }
   return outputs;
@@ -289,8 +325,10 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
 
 FinishReason Engine::CheckFinish(const Sequence& seq) const {
   const int32_t token = seq.tokens.back();
-  const int32_t completion = static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
-  if (!seq.req.sampling.ignore_eos && token == model_.config().eos_token_id) return FinishReason::kEos;
+  const int32_t completion =
+      static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
+  if (!seq.req.sampling.ignore_eos && token == model_.config().eos_token_id)
+    return FinishReason::kEos;
   if (completion >= static_cast<int32_t>(seq.req.sampling.max_tokens) ||
       static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {
     return FinishReason::kLength;
@@ -306,21 +344,25 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   seq->req = std::move(request);
   std::vector<int32_t> hits;
   if (config_.enable_prefix_caching) {
-    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens, config_.block_size, &seq->hashes);
+    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens,
+                      config_.block_size, &seq->hashes);
     hits = blocks_.Lookup(seq->hashes);
   }
-  const int64_t need = BlocksFor(seq->num_prompt) - static_cast<int64_t>(hits.size());
+  const int64_t need =
+      BlocksFor(seq->num_prompt) - static_cast<int64_t>(hits.size());
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   if (need + hits_idle > blocks_.num_free()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: need ", need + hits_idle, " free blocks, have ", blocks_.num_free()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: need ", need + hits_idle,
+                     " free blocks, have ", blocks_.num_free()));
   }
   blocks_.Acquire(hits);
   seq->blocks = hits;
   blocks_.Allocate(need, &seq->blocks);
   seq->num_committed = static_cast<int32_t>(hits.size());
-  seq->cached_prompt_tokens = std::min(seq->num_prompt, static_cast<int32_t>(hits.size()) * config_.block_size);
+  seq->cached_prompt_tokens = std::min(
+      seq->num_prompt, static_cast<int32_t>(hits.size()) * config_.block_size);
   prefix_queried_ += seq->num_prompt;
   prefix_hit_ += seq->cached_prompt_tokens;
   Reservation r{seq->blocks, static_cast<int32_t>(hits.size())};
@@ -329,16 +371,19 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   return r;
 }
 
-absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id, int32_t first_token) {
+absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id,
+                                                         int32_t first_token) {
   auto it = reserved_.find(id);
   if (it == reserved_.end()) {
-    return absl::NotFoundError(absl::StrCat("no reservation for request \"", id, "\""));
+    return absl::NotFoundError(
+        absl::StrCat("no reservation for request \"", id, "\""));
   }
   Sequence* seq = it->second;
   reserved_.erase(it);
   if (first_token < 0 || first_token >= model_.config().vocab_size) {
     Abort(id);
-    return absl::InvalidArgumentError(absl::StrCat("first token ", first_token, " is outside the vocabulary"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first token ", first_token, " is outside the vocabulary"));
   }
   seq->num_computed = seq->num_prompt;
   CommitFullBlocks(seq);
@@ -356,7 +401,8 @@ absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id, 
 bool Engine::IsWaiting(const std::string& id) const {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return false;
-  return std::find(waiting_.begin(), waiting_.end(), it->second.get()) != waiting_.end() &&
+  return std::find(waiting_.begin(), waiting_.end(), it->second.get()) !=
+             waiting_.end() &&
          it->second->cached_prompt_tokens < 0;
 }
 
@@ -372,8 +418,12 @@ EngineStats Engine::Stats() const {
   s.preemptions = preemptions_;
   s.steps = steps_;
   s.num_reserved = static_cast<int64_t>(reserved_.size());
-  for (const Sequence* seq : waiting_) s.queued_prefill_tokens += seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
-  for (const Sequence* seq : running_) s.queued_prefill_tokens += seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
+  for (const Sequence* seq : waiting_)
+    s.queued_prefill_tokens +=
+        seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
+  for (const Sequence* seq : running_)
+    s.queued_prefill_tokens +=
+        seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);
   return s;
 }
 

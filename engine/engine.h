@@ -33,9 +33,10 @@ struct EngineConfig {
   int32_t block_size = 16;
   DType kv_dtype = DType::kF32;
   int64_t kv_cache_bytes = int64_t{256} << 20;
-  int32_t max_num_seqs = 64;              // running sequences at once
-  int32_t max_num_batched_tokens = 512;   // token budget per step (chunked prefill)
-  int32_t max_model_len = 0;              // 0: the model's max_position_embeddings
+  int32_t max_num_seqs = 64;  // running sequences at once
+  int32_t max_num_batched_tokens =
+      512;                    // token budget per step (chunked prefill)
+  int32_t max_model_len = 0;  // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
   kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;
 
@@ -43,7 +44,8 @@ struct EngineConfig {
 };
 
 enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled };
-const char* FinishReasonName(FinishReason r);  // "", "length", "stop", "eos", "cancelled"
+const char* FinishReasonName(
+    FinishReason r);  // "", "length", "stop", "eos", "cancelled"
 
 struct EngineRequest {
   std::string id;
@@ -61,7 +63,8 @@ struct StepOutput {
   std::vector<int32_t> new_tokens;
   FinishReason finish = FinishReason::kNone;
   int32_t prompt_tokens = 0;
-  int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+  int32_t cached_prompt_tokens =
+      0;  // prompt tokens served from the prefix cache
   int32_t completion_tokens = 0;
   std::vector<int32_t> held_blocks;  // see EngineRequest::hold_blocks_on_finish
 };
@@ -84,8 +87,9 @@ struct EngineStats {
   int64_t prefix_hit_tokens = 0;
   int64_t preemptions = 0;
   int64_t steps = 0;
-  int64_t num_reserved = 0;          // awaiting remote KV
-  int64_t queued_prefill_tokens = 0; // prompt tokens admitted but not yet computed
+  int64_t num_reserved = 0;  // awaiting remote KV
+  int64_t queued_prefill_tokens =
+      0;  // prompt tokens admitted but not yet computed
 };
 
 class Engine {
@@ -100,7 +104,8 @@ class Engine {
   absl::Status AddRequest(EngineRequest request);
   // Ends a request; its final StepOutput (finish = kCancelled unless another
   // reason is given) comes from the next Step(). Unknown ids are ignored.
-  void Abort(const std::string& id, FinishReason reason = FinishReason::kCancelled);
+  void Abort(const std::string& id,
+             FinishReason reason = FinishReason::kCancelled);
   absl::StatusOr<std::vector<StepOutput>> Step();
 
   // Decode side of disaggregation. Reserve validates like AddRequest and
@@ -111,10 +116,13 @@ class Engine {
   // sampled by the prefill worker. Returns the finish reason if the first
   // token already ends the request (its blocks are then released).
   absl::StatusOr<Reservation> Reserve(EngineRequest request);
-  absl::StatusOr<FinishReason> CompleteReservation(const std::string& id, int32_t first_token);
+  absl::StatusOr<FinishReason> CompleteReservation(const std::string& id,
+                                                   int32_t first_token);
   // Returns blocks handed out through StepOutput::held_blocks.
   void ReleaseBlocks(std::span<const int32_t> blocks);
-  bool HasWork() const { return !running_.empty() || !waiting_.empty() || !aborted_.empty(); }
+  bool HasWork() const {
+    return !running_.empty() || !waiting_.empty() || !aborted_.empty();
+  }
   bool Has(const std::string& id) const { return seqs_.count(id) > 0; }
   // True while `id` waits for admission (not yet holding blocks).
   bool IsWaiting(const std::string& id) const;
@@ -136,8 +144,8 @@ class Engine {
     EngineRequest req;
     std::vector<int32_t> tokens;  // prompt then generated
     int32_t num_prompt = 0;
-    int32_t num_computed = 0;     // tokens whose K/V are in the blocks
-    int32_t num_committed = 0;    // leading blocks registered in the prefix cache
+    int32_t num_computed = 0;   // tokens whose K/V are in the blocks
+    int32_t num_committed = 0;  // leading blocks registered in the prefix cache
     int32_t cached_prompt_tokens = -1;  // set at first admission
     std::vector<int32_t> blocks;
     std::vector<BlockHash> hashes;  // of full blocks of `tokens`
@@ -147,8 +155,9 @@ class Engine {
     int32_t num_tokens;
   };
 
-  Engine(std::shared_ptr<const ModelWeights> weights, const EngineConfig& config,
-         std::unique_ptr<KvPool> pool, KvEventSink events);
+  Engine(std::shared_ptr<const ModelWeights> weights,
+         const EngineConfig& config, std::unique_ptr<KvPool> pool,
+         KvEventSink events);
   int64_t BlocksFor(int64_t tokens) const;
   bool TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens);
   void Preempt(Sequence* seq);

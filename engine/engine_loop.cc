@@ -11,13 +11,15 @@ void RequestStream::Push(StepOutput out) {
 
 std::vector<StepOutput> RequestStream::Pop(absl::Duration timeout) {
   absl::MutexLock l(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(
-                           +[](RequestStream* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                             return !s->queue_.empty() || !s->error_.ok();
-                           },
-                           this),
-                       timeout);
-  std::vector<StepOutput> out(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
+  mu_.AwaitWithTimeout(
+      absl::Condition(
+          +[](RequestStream* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !s->queue_.empty() || !s->error_.ok();
+          },
+          this),
+      timeout);
+  std::vector<StepOutput> out(std::make_move_iterator(queue_.begin()),
+                              std::make_move_iterator(queue_.end()));
   queue_.clear();
   return out;
 }
@@ -54,7 +56,8 @@ void EngineLoop::Post(std::function<void(Engine&)> fn) {
   tasks_.push_back(std::move(fn));
 }
 
-absl::StatusOr<std::shared_ptr<RequestStream>> EngineLoop::Submit(EngineRequest request) {
+absl::StatusOr<std::shared_ptr<RequestStream>> EngineLoop::Submit(
+    EngineRequest request) {
   return Call([this, req = std::move(request)](Engine& e) mutable
               -> absl::StatusOr<std::shared_ptr<RequestStream>> {
     const std::string id = req.id;
@@ -85,12 +88,13 @@ void EngineLoop::Run() {
       absl::MutexLock l(&mu_);
       const bool has_work = engine_->HasWork();
       if (!has_work) {
-        mu_.AwaitWithTimeout(absl::Condition(
-                                 +[](EngineLoop* loop) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                   return loop->stop_ || !loop->tasks_.empty();
-                                 },
-                                 this),
-                             absl::Milliseconds(100));
+        mu_.AwaitWithTimeout(
+            absl::Condition(
+                +[](EngineLoop* loop) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                  return loop->stop_ || !loop->tasks_.empty();
+                },
+                this),
+            absl::Milliseconds(100));
       }
       if (stop_) return;
       tasks.swap(tasks_);
@@ -111,8 +115,10 @@ void EngineLoop::Run() {
         for (auto& out : *outputs) {
           auto it = streams_.find(out.id);
           if (it == streams_.end()) {
-            // Nobody listens (e.g. held blocks of an abandoned prefill): return them.
-            if (!out.held_blocks.empty()) engine_->ReleaseBlocks(out.held_blocks);
+            // Nobody listens (e.g. held blocks of an abandoned prefill): return
+            // them.
+            if (!out.held_blocks.empty())
+              engine_->ReleaseBlocks(out.held_blocks);
             continue;
           }
           const bool finished = out.finish != FinishReason::kNone;

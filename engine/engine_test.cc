@@ -13,16 +13,18 @@ namespace {
 
 class EngineTest : public ::testing::Test {
  protected:
-  std::unique_ptr<Engine> Make(EngineConfig config = {}, KvEventSink sink = nullptr) {
+  std::unique_ptr<Engine> Make(EngineConfig config = {},
+                               KvEventSink sink = nullptr) {
     auto e = Engine::Create(testing::TinyWeights(), config, std::move(sink));
     EXPECT_TRUE(e.ok()) << e.status();
     return std::move(*e);
   }
-  static EngineRequest Req(const std::string& id, int len, int salt, uint32_t max_tokens,
-                           float temperature = 0.0f) {
+  static EngineRequest Req(const std::string& id, int len, int salt,
+                           uint32_t max_tokens, float temperature = 0.0f) {
     EngineRequest r;
     r.id = id;
-    for (int i = 0; i < len; ++i) r.prompt.push_back((i * 31 + salt * 17 + 3) % 256);
+    for (int i = 0; i < len; ++i)
+      r.prompt.push_back((i * 31 + salt * 17 + 3) % 256);
     r.sampling.max_tokens = max_tokens;
     r.sampling.temperature = temperature;
     r.sampling.seed = 1234 + salt;
@@ -30,8 +32,8 @@ class EngineTest : public ::testing::Test {
     return r;
   }
   // Runs to completion; returns generated tokens per request id.
-  static std::map<std::string, std::vector<int32_t>> Drain(Engine* e,
-                                                           std::map<std::string, StepOutput>* last = nullptr) {
+  static std::map<std::string, std::vector<int32_t>> Drain(
+      Engine* e, std::map<std::string, StepOutput>* last = nullptr) {
     std::map<std::string, std::vector<int32_t>> out;
     for (int steps = 0; e->HasWork() && steps < 10000; ++steps) {
       auto step = e->Step();
@@ -57,7 +59,9 @@ TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
   std::map<std::string, std::vector<int32_t>> alone;
   for (int i = 0; i < 4; ++i) {
     auto e = Make();
-    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12, i % 2 ? 0.8f : 0.0f)).ok());
+    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12,
+                                  i % 2 ? 0.8f : 0.0f))
+                    .ok());
     auto out = Drain(e.get());
     alone.insert(out.begin(), out.end());
   }
@@ -66,7 +70,9 @@ TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
   cfg.max_num_batched_tokens = 7;
   auto e = Make(cfg);
   for (int i = 0; i < 4; ++i) {
-    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12, i % 2 ? 0.8f : 0.0f)).ok());
+    ASSERT_TRUE(e->AddRequest(Req("r" + std::to_string(i), 10 + 13 * i, i, 12,
+                                  i % 2 ? 0.8f : 0.0f))
+                    .ok());
   }
   EXPECT_EQ(Drain(e.get()), alone);
   ExpectNoLeaks(e.get());
@@ -74,7 +80,9 @@ TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
 
 TEST_F(EngineTest, PreemptionUnderMemoryPressureKeepsOutputsAndLeaksNothing) {
   auto reference = Make();
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(reference->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
+  for (int i = 0; i < 6; ++i)
+    ASSERT_TRUE(
+        reference->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
   const auto expected = Drain(reference.get());
   // 12 blocks of 16 tokens: 6 requests of 70 tokens need 30 blocks together.
   EngineConfig cfg;
@@ -83,7 +91,8 @@ TEST_F(EngineTest, PreemptionUnderMemoryPressureKeepsOutputsAndLeaksNothing) {
                        testing::TinyWeights()->config.head_dim * 4;
   auto e = Make(cfg);
   ASSERT_EQ(e->block_manager().num_blocks(), 12);
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
+  for (int i = 0; i < 6; ++i)
+    ASSERT_TRUE(e->AddRequest(Req("p" + std::to_string(i), 30, i, 40)).ok());
   EXPECT_EQ(Drain(e.get()), expected);
   EXPECT_GT(e->Stats().preemptions, 0);
   ExpectNoLeaks(e.get());
@@ -119,17 +128,21 @@ TEST_F(EngineTest, RejectsBadRequestsWithTheRightCodes) {
   EngineConfig cfg;
   cfg.kv_cache_bytes = 4 * 16 * 2 * 2 * 2 * 16 * 4;  // 4 blocks
   auto e = Make(cfg);
-  EXPECT_EQ(e->AddRequest(Req("x", 0, 0, 4)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->AddRequest(Req("x", 0, 0, 4)).code(),
+            absl::StatusCode::kInvalidArgument);
   auto bad_tok = Req("x", 3, 0, 4);
   bad_tok.prompt[1] = 5000;
   EXPECT_EQ(e->AddRequest(bad_tok).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 0)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(e->AddRequest(Req("x", 2000, 0, 100)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->AddRequest(Req("x", 2000, 0, 100)).code(),
+            absl::StatusCode::kInvalidArgument);
   auto never = e->AddRequest(Req("x", 60, 0, 10));  // 70 tokens > 64 slots
   EXPECT_EQ(never.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(never.message()), ::testing::HasSubstr("can never"));
   ASSERT_TRUE(e->AddRequest(Req("x", 3, 0, 4)).ok());
-  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 4)).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(e->AddRequest(Req("x", 3, 0, 4)).code(),
+            absl::StatusCode::kAlreadyExists);
 }
 
 TEST_F(EngineTest, AbortEndsTheRequestAndReleasesItsBlocks) {
@@ -197,7 +210,8 @@ TEST_F(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
   for (int l = 0; l < testing::TinyWeights()->config.num_layers; ++l) {
     for (size_t b = 0; b < held.size(); ++b) {
       std::memcpy(decode->pool().LayerBlockData(l, reservation->blocks[b]),
-                  prefill->pool().LayerBlockData(l, held[b]), prefill->kv_spec().LayerBlockBytes());
+                  prefill->pool().LayerBlockData(l, held[b]),
+                  prefill->kv_spec().LayerBlockBytes());
     }
   }
   prefill->ReleaseBlocks(held);

@@ -12,8 +12,8 @@ absl::Status KvCacheSpec::Validate() const {
         "kv cache: layers, kv_heads and head_dim must be positive");
   }
   if (block_size <= 0 || block_size > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv cache: block_size must be in [1, 256], got ", block_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv cache: block_size must be in [1, 256], got ", block_size));
   }
   return absl::OkStatus();
 }
@@ -64,13 +64,18 @@ KvPool::KvPool(const KvCacheSpec& spec, int64_t num_blocks)
   for (int l = 0; l < spec.num_layers; ++l) {
     // Zero-filled so that never-written slots hold finite values.
     data_.emplace_back(new uint8_t[layer_bytes]());
-    if (spec.dtype == DType::kI8) scales_.emplace_back(num_blocks * 2 * spec.num_kv_heads, 0.0f);
+    if (spec.dtype == DType::kI8)
+      scales_.emplace_back(num_blocks * 2 * spec.num_kv_heads, 0.0f);
   }
 }
 
 kernels::KvLayerView KvPool::Layer(int layer) {
-  return {data_[layer].get(), spec_.dtype == DType::kI8 ? scales_[layer].data() : nullptr,
-          spec_.dtype, spec_.num_kv_heads, spec_.head_dim, spec_.block_size};
+  return {data_[layer].get(),
+          spec_.dtype == DType::kI8 ? scales_[layer].data() : nullptr,
+          spec_.dtype,
+          spec_.num_kv_heads,
+          spec_.head_dim,
+          spec_.block_size};
 }
 
 uint8_t* KvPool::LayerBlockData(int layer, int64_t block) {

@@ -29,9 +29,11 @@ TEST(KvPoolTest, LayerBlockSpansAreContiguousAndDisjoint) {
   KvCacheSpec spec{2, 2, 4, 4, DType::kI8};
   auto pool = KvPool::Create(spec, 3);
   ASSERT_TRUE(pool.ok());
-  EXPECT_EQ((*pool)->LayerBlockData(0, 1) - (*pool)->LayerBlockData(0, 0), spec.LayerBlockBytes());
+  EXPECT_EQ((*pool)->LayerBlockData(0, 1) - (*pool)->LayerBlockData(0, 0),
+            spec.LayerBlockBytes());
   EXPECT_NE((*pool)->LayerBlockScales(1, 2), nullptr);
-  EXPECT_EQ(KvPool::Create(spec, 0).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(KvPool::Create(spec, 0).status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

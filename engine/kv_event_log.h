@@ -21,7 +21,8 @@ class KvEventLog {
   explicit KvEventLog(size_t capacity = 4096) : capacity_(capacity) {}
   void Append(const KvEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
   // Events with seq > after, waiting up to `timeout` for at least one.
-  absl::StatusOr<std::vector<KvEvent>> ReadAfter(uint64_t after, absl::Duration timeout)
+  absl::StatusOr<std::vector<KvEvent>> ReadAfter(uint64_t after,
+                                                 absl::Duration timeout)
       ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t last_seq() const ABSL_LOCKS_EXCLUDED(mu_);
 

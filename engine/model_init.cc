@@ -17,11 +17,13 @@ namespace {
 // on the standard library's distribution implementations.
 class NormalGenerator {
  public:
-  explicit NormalGenerator(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  explicit NormalGenerator(uint64_t seed)
+      : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
   float Next() {
     const double u1 = (static_cast<double>(NextU64() >> 11) + 1.0) * 0x1.0p-53;
     const double u2 = static_cast<double>(NextU64() >> 11) * 0x1.0p-53;
-    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * M_PI * u2));
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) *
+                              std::cos(2 * M_PI * u2));
   }
 
  private:
@@ -38,7 +40,8 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
   out.close();
-  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write"));
+  if (!out)
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write"));
   return absl::OkStatus();
 }
 
@@ -79,14 +82,15 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
   std::error_code ec;
   std::filesystem::create_directories(options.out_dir, ec);
   if (ec) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(options.out_dir, ": cannot create directory: ", ec.message()));
+    return absl::PermissionDeniedError(absl::StrCat(
+        options.out_dir, ": cannot create directory: ", ec.message()));
   }
   NormalGenerator rng(options.seed);
   // Keep storage alive until written: TensorToWrite points into it.
   std::vector<std::vector<float>> storage;
   std::vector<TensorToWrite> tensors;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, float std_dev, float mean) {
+  auto add = [&](const std::string& name, std::vector<int64_t> shape,
+                 float std_dev, float mean) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     std::vector<float> v(n);
@@ -114,16 +118,20 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
   }
   add("model.norm.weight", {h}, 0.1f, 1.0f);
   add("lm_head.weight", {c.vocab_size, h}, 2.0f * in_h, 0.0f);
-  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].values = storage[i].data();
+  for (size_t i = 0; i < tensors.size(); ++i)
+    tensors[i].values = storage[i].data();
 
   const std::string dir = options.out_dir;
   RETURN_IF_ERROR(WriteText(dir + "/config.json", c.ToJson()));
   RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors));
-  RETURN_IF_ERROR(WriteText(dir + "/tokenizer.json", ByteTokenizer::TokenizerJson()));
-  RETURN_IF_ERROR(WriteText(dir + "/tokenizer_config.json", ByteTokenizer::TokenizerConfigJson()));
-  RETURN_IF_ERROR(WriteText(dir + "/generation_config.json",
-                            absl::StrCat("{\"bos_token_id\": ", c.bos_token_id,
-                                         ", \"eos_token_id\": ", c.eos_token_id, "}\n")));
+  RETURN_IF_ERROR(
+      WriteText(dir + "/tokenizer.json", ByteTokenizer::TokenizerJson()));
+  RETURN_IF_ERROR(WriteText(dir + "/tokenizer_config.json",
+                            ByteTokenizer::TokenizerConfigJson()));
+  RETURN_IF_ERROR(
+      WriteText(dir + "/generation_config.json",
+                absl::StrCat("{\"bos_token_id\": ", c.bos_token_id,
+                             ", \"eos_token_id\": ", c.eos_token_id, "}\n")));
   return absl::OkStatus();
 }
 

@@ -1,10 +1,9 @@
-#include "engine/llama_model.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <numeric>
 
+#include "engine/llama_model.h"
 #include "engine/test_util.h"
 
 namespace pdserve::engine {
@@ -17,7 +16,8 @@ class ModelTest : public ::testing::Test {
   void SetUp() override {
     weights_ = testing::TinyWeights();
     const auto& c = weights_->config;
-    spec_ = {static_cast<int32_t>(c.num_layers), static_cast<int32_t>(c.num_kv_heads),
+    spec_ = {static_cast<int32_t>(c.num_layers),
+             static_cast<int32_t>(c.num_kv_heads),
              static_cast<int32_t>(c.head_dim), 16, DType::kF32};
     pool_ = std::move(*KvPool::Create(spec_, 64));
   }
@@ -46,7 +46,8 @@ TEST_F(ModelTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
   // A second sequence shares the first two blocks (32 tokens) and computes
   // only the suffix into its own third block.
   std::vector<int32_t> table2 = {0, 1, 10};
-  LlamaModel::SeqInput suffix{std::span<const int32_t>(prompt).subspan(32), 32, table2, Logits::kLast};
+  LlamaModel::SeqInput suffix{std::span<const int32_t>(prompt).subspan(32), 32,
+                              table2, Logits::kLast};
   ASSERT_TRUE(model.Forward({&suffix, 1}, pool_.get(), &warm).ok());
   EXPECT_EQ(cold, warm);  // bit-identical, not just close
 }
@@ -67,8 +68,12 @@ TEST_F(ModelTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
   while (pa < 40 || pb < 7) {
     std::vector<LlamaModel::SeqInput> batch;
     const int na = std::min(13, 40 - pa);
-    if (na > 0) batch.push_back({std::span<const int32_t>(a).subspan(pa, na), pa, ta, Logits::kAll});
-    if (pb < 7) batch.push_back({std::span<const int32_t>(b).subspan(pb, 1), pb, tb, Logits::kAll});
+    if (na > 0)
+      batch.push_back(
+          {std::span<const int32_t>(a).subspan(pa, na), pa, ta, Logits::kAll});
+    if (pb < 7)
+      batch.push_back(
+          {std::span<const int32_t>(b).subspan(pb, 1), pb, tb, Logits::kAll});
     std::vector<float> out;
     ASSERT_TRUE(model.Forward(batch, pool_.get(), &out).ok());
     got_a.insert(got_a.end(), out.begin(), out.begin() + na * v);
@@ -96,14 +101,17 @@ TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {
   }
   EXPECT_LT(max_abs / max_ref, 1e-4);
   // Quantised KV caches: relative error of the logits stays bounded.
-  for (auto [dtype, tol] : {std::pair{DType::kF16, 5e-3}, {DType::kBF16, 3e-2}, {DType::kI8, 6e-2}}) {
+  for (auto [dtype, tol] : {std::pair{DType::kF16, 5e-3},
+                            {DType::kBF16, 3e-2},
+                            {DType::kI8, 6e-2}}) {
     KvCacheSpec spec = spec_;
     spec.dtype = dtype;
     auto pool = std::move(*KvPool::Create(spec, 8));
     std::vector<float> q;
     ASSERT_TRUE(det.Forward({&in, 1}, pool.get(), &q).ok());
     double err = 0;
-    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, std::fabs(double(a[i]) - q[i]));
+    for (size_t i = 0; i < a.size(); ++i)
+      err = std::max(err, std::fabs(double(a[i]) - q[i]));
     EXPECT_LT(err / max_ref, tol) << DTypeName(dtype);
   }
 }
@@ -114,10 +122,12 @@ TEST_F(ModelTest, RejectsOutOfVocabularyTokensAndMissingBlocks) {
   auto table = Table(0, 1);
   std::vector<float> out;
   LlamaModel::SeqInput in{bad, 0, table, Logits::kLast};
-  EXPECT_EQ(model.Forward({&in, 1}, pool_.get(), &out).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model.Forward({&in, 1}, pool_.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
   const auto long_prompt = Prompt(40);
   LlamaModel::SeqInput in2{long_prompt, 0, table, Logits::kLast};
-  EXPECT_EQ(model.Forward({&in2, 1}, pool_.get(), &out).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model.Forward({&in2, 1}, pool_.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -21,15 +21,18 @@ absl::StatusOr<DType> ParseStDType(const std::string& s) {
   if (s == "F32") return DType::kF32;
   if (s == "F16") return DType::kF16;
   if (s == "BF16") return DType::kBF16;
-  return absl::UnimplementedError(
-      absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16)"));
+  return absl::UnimplementedError(absl::StrCat(
+      "dtype ", s, " is not supported (supported: F32, F16, BF16)"));
 }
 
 const char* StDTypeName(DType t) {
   switch (t) {
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    default: return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    default:
+      return "F32";
   }
 }
 
@@ -45,15 +48,18 @@ SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) munmap(map_, map_size_);
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
+    const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a regular file"));
   }
   const size_t size = static_cast<size_t>(st.st_size);
   void* map = nullptr;
@@ -61,7 +67,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) {
       ::close(fd);
-      return absl::InternalError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
+      return absl::InternalError(
+          absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
     }
   }
   ::close(fd);
@@ -78,19 +85,24 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
     const uint8_t* data, size_t size, const std::string& path) {
   auto corrupt = [&](const std::string& m) {
-    return absl::DataLossError(absl::StrCat(path, ": corrupt safetensors file: ", m));
+    return absl::DataLossError(
+        absl::StrCat(path, ": corrupt safetensors file: ", m));
   };
-  if (size < 8) return corrupt(absl::StrCat("file is ", size, " bytes, shorter than the 8-byte header length"));
+  if (size < 8)
+    return corrupt(absl::StrCat(
+        "file is ", size, " bytes, shorter than the 8-byte header length"));
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | data[i];
   if (header_len > kMaxHeaderBytes || header_len > size - 8) {
-    return corrupt(absl::StrCat("header length ", header_len, " exceeds the file (",
-                                size, " bytes) or the ", kMaxHeaderBytes, "-byte limit"));
+    return corrupt(absl::StrCat("header length ", header_len,
+                                " exceeds the file (", size, " bytes) or the ",
+                                kMaxHeaderBytes, "-byte limit"));
   }
   const std::string header(reinterpret_cast<const char*>(data + 8), header_len);
   auto root = json::Parse(header, absl::StrCat(path, " header"));
   if (!root.ok()) return corrupt(std::string(root.status().message()));
-  if (root->kind_case() != json::Value::kStructValue) return corrupt("header is not a JSON object");
+  if (root->kind_case() != json::Value::kStructValue)
+    return corrupt("header is not a JSON object");
   const uint8_t* buffer = data + 8 + header_len;
   const uint64_t buffer_len = size - 8 - header_len;
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
@@ -98,36 +110,46 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
   for (const auto& [name, entry] : root->struct_value().fields()) {
     if (name == "__metadata__") continue;
     const std::string what = absl::StrCat(path, ": tensor \"", name, "\"");
-    if (entry.kind_case() != json::Value::kStructValue) return corrupt(absl::StrCat("tensor \"", name, "\" is not an object"));
+    if (entry.kind_case() != json::Value::kStructValue)
+      return corrupt(absl::StrCat("tensor \"", name, "\" is not an object"));
     TensorView t;
     t.name = name;
     ASSIGN_OR_RETURN(std::string dtype, json::GetString(entry, "dtype", what));
     auto parsed = ParseStDType(dtype);
-    if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", parsed.status().message()));
+    if (!parsed.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": ", parsed.status().message()));
     t.dtype = *parsed;
     const json::Value* shape = json::Find(entry, "shape");
     const json::Value* offsets = json::Find(entry, "data_offsets");
     if (shape == nullptr || shape->kind_case() != json::Value::kListValue ||
         offsets == nullptr || offsets->kind_case() != json::Value::kListValue ||
-        offsets->list_value().values_size() != 2 || shape->list_value().values_size() > 8) {
-      return corrupt(absl::StrCat("tensor \"", name, "\" needs a shape list and two data_offsets"));
+        offsets->list_value().values_size() != 2 ||
+        shape->list_value().values_size() > 8) {
+      return corrupt(absl::StrCat(
+          "tensor \"", name, "\" needs a shape list and two data_offsets"));
     }
     int64_t numel = 1;
     for (const auto& d : shape->list_value().values()) {
       ASSIGN_OR_RETURN(int64_t dim, json::AsInt(d, what, 0, int64_t{1} << 40));
       t.shape.push_back(dim);
-      if (dim != 0 && numel > (int64_t{1} << 50) / dim) return corrupt(absl::StrCat("tensor \"", name, "\" is too large"));
+      if (dim != 0 && numel > (int64_t{1} << 50) / dim)
+        return corrupt(absl::StrCat("tensor \"", name, "\" is too large"));
       numel *= dim;
     }
-    ASSIGN_OR_RETURN(int64_t begin, json::AsInt(offsets->list_value().values(0), what, 0));
-    ASSIGN_OR_RETURN(int64_t end, json::AsInt(offsets->list_value().values(1), what, 0));
+    ASSIGN_OR_RETURN(int64_t begin,
+                     json::AsInt(offsets->list_value().values(0), what, 0));
+    ASSIGN_OR_RETURN(int64_t end,
+                     json::AsInt(offsets->list_value().values(1), what, 0));
     if (begin > end || static_cast<uint64_t>(end) > buffer_len) {
-      return corrupt(absl::StrCat("tensor \"", name, "\" data_offsets [", begin, ", ", end,
-                                  "] lie outside the ", buffer_len, "-byte data buffer (truncated file?)"));
+      return corrupt(absl::StrCat("tensor \"", name, "\" data_offsets [", begin,
+                                  ", ", end, "] lie outside the ", buffer_len,
+                                  "-byte data buffer (truncated file?)"));
     }
     t.nbytes = static_cast<size_t>(end - begin);
     if (static_cast<uint64_t>(numel) * DTypeBytes(t.dtype) != t.nbytes) {
-      return corrupt(absl::StrCat("tensor \"", name, "\" has ", t.nbytes, " bytes but shape needs ",
+      return corrupt(absl::StrCat("tensor \"", name, "\" has ", t.nbytes,
+                                  " bytes but shape needs ",
                                   numel * DTypeBytes(t.dtype)));
     }
     t.data = buffer + begin;
@@ -136,10 +158,12 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
   return file;
 }
 
-absl::StatusOr<const TensorView*> SafetensorsFile::Find(const std::string& name) const {
+absl::StatusOr<const TensorView*> SafetensorsFile::Find(
+    const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat(path_, ": missing tensor \"", name, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(path_, ": missing tensor \"", name, "\""));
   }
   return &it->second;
 }
@@ -165,7 +189,8 @@ void TensorToFloat(const TensorView& t, std::vector<float>* out) {
   }
 }
 
-absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors) {
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<TensorToWrite>& tensors) {
   std::string header = "{\"__metadata__\":{\"format\":\"pt\"}";
   uint64_t offset = 0;
   for (const auto& t : tensors) {
@@ -176,17 +201,20 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
       absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
     }
     const uint64_t bytes = n * DTypeBytes(t.dtype);
-    absl::StrAppend(&header, ",", json::Quote(t.name), ":{\"dtype\":\"", StDTypeName(t.dtype),
-                    "\",\"shape\":[", shape, "],\"data_offsets\":[", offset, ",",
-                    offset + bytes, "]}");
+    absl::StrAppend(&header, ",", json::Quote(t.name), ":{\"dtype\":\"",
+                    StDTypeName(t.dtype), "\",\"shape\":[", shape,
+                    "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
     offset += bytes;
   }
   header += "}";
-  while ((header.size() + 8) % 8 != 0) header += ' ';  // keep the data 8-byte aligned
+  while ((header.size() + 8) % 8 != 0)
+    header += ' ';  // keep the data 8-byte aligned
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write"));
+  if (!out)
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write"));
   uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(header.size() >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<uint8_t>(header.size() >> (8 * i));
   out.write(reinterpret_cast<const char*>(len), 8);
   out.write(header.data(), header.size());
   std::vector<uint8_t> buf;
@@ -198,7 +226,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
       if (t.dtype == DType::kF32) {
         std::memcpy(&buf[4 * i], &t.values[i], 4);
       } else {
-        const uint16_t h = t.dtype == DType::kF16 ? FloatToF16(t.values[i]) : FloatToBf16(t.values[i]);
+        const uint16_t h = t.dtype == DType::kF16 ? FloatToF16(t.values[i])
+                                                  : FloatToBf16(t.values[i]);
         std::memcpy(&buf[2 * i], &h, 2);
       }
     }

@@ -29,7 +29,8 @@ struct TensorView {
 
 class SafetensorsFile {
  public:
-  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(
+      const std::string& path);
   // Parses an in-memory image (used by Open and by the fuzzer/tests).
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBuffer(
       const uint8_t* data, size_t size, const std::string& path);

@@ -27,7 +27,9 @@ class SafetensorsTest : public ::testing::Test {
 TEST_F(SafetensorsTest, RoundTripsEveryStorageDtype) {
   const std::vector<float> v = {1.0f, -2.5f, 0.333333f, 65504.0f, 1e-3f, 0.0f};
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-    ASSERT_TRUE(WriteSafetensors(Path("a.safetensors"), {{"w", t, {2, 3}, v.data()}}).ok());
+    ASSERT_TRUE(
+        WriteSafetensors(Path("a.safetensors"), {{"w", t, {2, 3}, v.data()}})
+            .ok());
     auto f = SafetensorsFile::Open(Path("a.safetensors"));
     ASSERT_TRUE(f.ok()) << f.status();
     auto tv = (*f)->Find("w");
@@ -36,13 +38,16 @@ TEST_F(SafetensorsTest, RoundTripsEveryStorageDtype) {
     std::vector<float> back;
     TensorToFloat(**tv, &back);
     const float tol = t == DType::kF32 ? 0 : t == DType::kF16 ? 1e-3f : 1e-2f;
-    for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(back[i], v[i], tol * std::fabs(v[i]) + 1e-6);
+    for (size_t i = 0; i < v.size(); ++i)
+      EXPECT_NEAR(back[i], v[i], tol * std::fabs(v[i]) + 1e-6);
   }
 }
 
 TEST_F(SafetensorsTest, TruncatedAndCorruptFilesAreErrorsNamingTheFile) {
   const std::vector<float> v(64, 1.0f);
-  ASSERT_TRUE(WriteSafetensors(Path("good.safetensors"), {{"w", DType::kF32, {64}, v.data()}}).ok());
+  ASSERT_TRUE(WriteSafetensors(Path("good.safetensors"),
+                               {{"w", DType::kF32, {64}, v.data()}})
+                  .ok());
   const std::string good = ReadAll(Path("good.safetensors"));
   struct Case {
     std::string name, bytes, expect;
@@ -68,10 +73,13 @@ TEST_F(SafetensorsTest, TruncatedAndCorruptFilesAreErrorsNamingTheFile) {
     WriteAll(Path(c.name), c.bytes);
     auto f = SafetensorsFile::Open(Path(c.name));
     ASSERT_FALSE(f.ok()) << c.name;
-    EXPECT_NE(f.status().message().find(Path(c.name)), std::string::npos) << f.status();
-    EXPECT_NE(f.status().message().find(c.expect), std::string::npos) << f.status();
+    EXPECT_NE(f.status().message().find(Path(c.name)), std::string::npos)
+        << f.status();
+    EXPECT_NE(f.status().message().find(c.expect), std::string::npos)
+        << f.status();
   }
-  EXPECT_EQ(SafetensorsFile::Open(Path("nope")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(SafetensorsFile::Open(Path("nope")).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(SafetensorsTest, ModelLoadNamesMissingTensorsAndWrongShapes) {
@@ -101,9 +109,12 @@ TEST_F(SafetensorsTest, ModelLoadNamesMissingTensorsAndWrongShapes) {
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", tensors).ok());
   auto w = ModelWeights::Load(dir);
   ASSERT_FALSE(w.ok());
-  EXPECT_NE(w.status().message().find("model.norm.weight"), std::string::npos) << w.status();
-  EXPECT_NE(w.status().message().find("expected [64]"), std::string::npos) << w.status();
-  EXPECT_EQ(ModelWeights::Load(dir + "/missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(w.status().message().find("model.norm.weight"), std::string::npos)
+      << w.status();
+  EXPECT_NE(w.status().message().find("expected [64]"), std::string::npos)
+      << w.status();
+  EXPECT_EQ(ModelWeights::Load(dir + "/missing").status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(SafetensorsTest, ShardedCheckpointsLoadThroughTheIndex) {
@@ -129,12 +140,17 @@ TEST_F(SafetensorsTest, ShardedCheckpointsLoadThroughTheIndex) {
   for (const auto& [name, t] : (*f)->tensors()) {
     const int s = n % 2;
     shard[s].push_back({name, DType::kBF16, t.shape, vals[n].data()});
-    index += (n ? ", \"" : "\"") + name + "\": \"model-0000" + std::to_string(s + 1) + "-of-00002.safetensors\"";
+    index += (n ? ", \"" : "\"") + name + "\": \"model-0000" +
+             std::to_string(s + 1) + "-of-00002.safetensors\"";
     ++n;
   }
   index += "}}";
-  ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", shard[0]).ok());
-  ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", shard[1]).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/model-00001-of-00002.safetensors", shard[0])
+          .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/model-00002-of-00002.safetensors", shard[1])
+          .ok());
   f->reset();
   std::filesystem::remove(dir + "/model.safetensors");
   std::ofstream(dir + "/model.safetensors.index.json") << index;

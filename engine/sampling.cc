@@ -8,28 +8,34 @@
 namespace pdserve::engine {
 
 absl::Status SamplingParams::Validate() const {
-  if (max_tokens == 0) return absl::InvalidArgumentError("max_tokens must be at least 1");
+  if (max_tokens == 0)
+    return absl::InvalidArgumentError("max_tokens must be at least 1");
   if (!(temperature >= 0.0f && temperature <= 100.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("temperature must be in [0, 100], got ", temperature));
   }
   if (!(top_p >= 0.0f && top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", top_p));
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_p must be in (0, 1], got ", top_p));
   }
   for (const auto& s : stop) {
-    if (s.empty()) return absl::InvalidArgumentError("stop strings must not be empty");
+    if (s.empty())
+      return absl::InvalidArgumentError("stop strings must not be empty");
   }
   return absl::OkStatus();
 }
 
-std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> ctr, std::array<uint32_t, 2> key) {
+std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> ctr,
+                                   std::array<uint32_t, 2> key) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = uint64_t{kM0} * ctr[0];
     const uint64_t p1 = uint64_t{kM1} * ctr[2];
-    ctr = {static_cast<uint32_t>(p1 >> 32) ^ ctr[1] ^ key[0], static_cast<uint32_t>(p1),
-           static_cast<uint32_t>(p0 >> 32) ^ ctr[3] ^ key[1], static_cast<uint32_t>(p0)};
+    ctr = {static_cast<uint32_t>(p1 >> 32) ^ ctr[1] ^ key[0],
+           static_cast<uint32_t>(p1),
+           static_cast<uint32_t>(p0 >> 32) ^ ctr[3] ^ key[1],
+           static_cast<uint32_t>(p0)};
     key[0] += kW0;
     key[1] += kW1;
   }
@@ -38,13 +44,15 @@ std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> ctr, std::array<uint3
 
 float UniformForPosition(uint64_t seed, int64_t position) {
   const uint64_t pos = static_cast<uint64_t>(position);
-  const auto r = Philox4x32({static_cast<uint32_t>(pos), static_cast<uint32_t>(pos >> 32), 0, 0},
-                            {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+  const auto r = Philox4x32(
+      {static_cast<uint32_t>(pos), static_cast<uint32_t>(pos >> 32), 0, 0},
+      {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
   return static_cast<float>(r[0] >> 8) * (1.0f / 16777216.0f);
 }
 
-int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
-                    int64_t position, std::vector<std::pair<float, int32_t>>* scratch) {
+int32_t SampleToken(const float* logits, int64_t vocab,
+                    const SamplingParams& params, int64_t position,
+                    std::vector<std::pair<float, int32_t>>* scratch) {
   int32_t best = 0;
   for (int64_t i = 1; i < vocab; ++i) {
     if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
@@ -59,7 +67,8 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
     if (!std::isnan(v)) cand.emplace_back(v, static_cast<int32_t>(i));
   }
   if (cand.empty()) return best;
-  auto order = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+  auto order = [](const std::pair<float, int32_t>& a,
+                  const std::pair<float, int32_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
   size_t keep = cand.size();
@@ -74,7 +83,8 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
   const double mx = cand[0].first;
   std::vector<double> probs(cand.size());
   double total = 0;
-  for (size_t i = 0; i < cand.size(); ++i) total += probs[i] = std::exp(cand[i].first - mx);
+  for (size_t i = 0; i < cand.size(); ++i)
+    total += probs[i] = std::exp(cand[i].first - mx);
   const double top_p = params.top_p <= 0.0f ? 1.0 : params.top_p;
   if (top_p < 1.0) {
     double mass = 0;
@@ -88,7 +98,8 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
     total = 0;
     for (double p : probs) total += p;
   }
-  const double u = static_cast<double>(UniformForPosition(params.seed, position)) * total;
+  const double u =
+      static_cast<double>(UniformForPosition(params.seed, position)) * total;
   double cdf = 0;
   for (size_t i = 0; i < cand.size(); ++i) {
     cdf += probs[i];

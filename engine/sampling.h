@@ -39,7 +39,8 @@ float UniformForPosition(uint64_t seed, int64_t position);
 // lower id), softmax, keep the smallest prefix in (prob desc, id asc) order
 // whose mass reaches top_p, and invert the CDF at UniformForPosition.
 // `scratch` avoids allocation per call.
-int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
-                    int64_t position, std::vector<std::pair<float, int32_t>>* scratch);
+int32_t SampleToken(const float* logits, int64_t vocab,
+                    const SamplingParams& params, int64_t position,
+                    std::vector<std::pair<float, int32_t>>* scratch);
 
 }  // namespace pdserve::engine

@@ -10,8 +10,10 @@ namespace {
 
 class SamplingTest : public ::testing::Test {
  protected:
-  int32_t Sample(const std::vector<float>& logits, const SamplingParams& p, int64_t pos) {
-    return SampleToken(logits.data(), static_cast<int64_t>(logits.size()), p, pos, &scratch_);
+  int32_t Sample(const std::vector<float>& logits, const SamplingParams& p,
+                 int64_t pos) {
+    return SampleToken(logits.data(), static_cast<int64_t>(logits.size()), p,
+                       pos, &scratch_);
   }
   std::vector<std::pair<float, int32_t>> scratch_;
 };
@@ -19,11 +21,16 @@ class SamplingTest : public ::testing::Test {
 TEST_F(SamplingTest, PhiloxMatchesPublishedKnownAnswers) {
   // Random123 kat_vectors for philox4x32_10.
   EXPECT_EQ(Philox4x32({0, 0, 0, 0}, {0, 0}),
-            (std::array<uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
-  EXPECT_EQ(Philox4x32({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),
-            (std::array<uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
-  EXPECT_EQ(Philox4x32({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
-            (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+            (std::array<uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c,
+                                     0x9b00dbd8}));
+  EXPECT_EQ(Philox4x32({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff},
+                       {0xffffffff, 0xffffffff}),
+            (std::array<uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6,
+                                     0x6d5451fd}));
+  EXPECT_EQ(Philox4x32({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+                       {0xa4093822, 0x299f31d0}),
+            (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420,
+                                     0x24126ea1}));
 }
 
 TEST_F(SamplingTest, GreedyAndDegenerateFiltersTakeTheArgmax) {
@@ -38,7 +45,8 @@ TEST_F(SamplingTest, GreedyAndDegenerateFiltersTakeTheArgmax) {
   EXPECT_EQ(Sample(logits, p, 5), 1);
 }
 
-TEST_F(SamplingTest, SameSeedAndPositionGiveTheSameTokenAndFollowTheDistribution) {
+TEST_F(SamplingTest,
+       SameSeedAndPositionGiveTheSameTokenAndFollowTheDistribution) {
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, 3.0f};
   SamplingParams p;
   p.temperature = 1.0f;
@@ -61,7 +69,8 @@ TEST_F(SamplingTest, SameSeedAndPositionGiveTheSameTokenAndFollowTheDistribution
   int differ = 0;
   SamplingParams q = p;
   q.seed = 42;
-  for (int64_t pos = 0; pos < 200; ++pos) differ += Sample(logits, p, pos) != Sample(logits, q, pos);
+  for (int64_t pos = 0; pos < 200; ++pos)
+    differ += Sample(logits, p, pos) != Sample(logits, q, pos);
   EXPECT_GT(differ, 20);
 }
 

@@ -20,7 +20,8 @@ inline std::string TempDir(const std::string& name) {
   return dir.string();
 }
 
-inline std::shared_ptr<const ModelWeights> TinyWeights(const std::string& preset = "tiny") {
+inline std::shared_ptr<const ModelWeights> TinyWeights(
+    const std::string& preset = "tiny") {
   static std::shared_ptr<const ModelWeights> tiny, small;
   auto& slot = preset == "tiny" ? tiny : small;
   if (!slot) {

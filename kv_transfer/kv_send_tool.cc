@@ -14,7 +14,9 @@
 int main(int argc, char** argv) {
   using namespace pdserve;
   if (argc != 9) {
-    std::fprintf(stderr, "usage: kv_send_tool DEST RESERVATION REQUEST DTYPE NUM_BLOCKS SKIP MODE SEED\n");
+    std::fprintf(stderr,
+                 "usage: kv_send_tool DEST RESERVATION REQUEST DTYPE "
+                 "NUM_BLOCKS SKIP MODE SEED\n");
     return 2;
   }
   const std::string mode = argv[7];
@@ -30,7 +32,8 @@ int main(int argc, char** argv) {
   plan.layout = kv_transfer::KvLayout::FromSpec(spec, "test-model");
   if (mode == "mismatch") plan.layout.block_size = 32;
   for (int i = skip; i < num_blocks; ++i) {
-    const int32_t physical = 2 * i + 1;  // any mapping: the receiver never sees it
+    const int32_t physical =
+        2 * i + 1;  // any mapping: the receiver never sees it
     kv_transfer::testing::FillBlock(pool.get(), seed, i, physical);
     plan.blocks.emplace_back(i, physical);
   }
@@ -39,7 +42,8 @@ int main(int argc, char** argv) {
   if (!session.ok()) return 3;
   absl::Status s;
   if (mode == "layerwise") {
-    for (int l = 0; l < spec.num_layers && s.ok(); ++l) s = (*session)->SendLayers(l, l + 1);
+    for (int l = 0; l < spec.num_layers && s.ok(); ++l)
+      s = (*session)->SendLayers(l, l + 1);
   } else if (mode == "stall") {
     s = (*session)->SendLayers(0, 1);
     // Push what we have, then hang until killed.

@@ -1,10 +1,9 @@
+#include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include <cstring>
 #include <memory>
@@ -29,11 +28,13 @@ class KvTransferTest : public ::testing::Test {
     pool_ = std::move(*engine::KvPool::Create(spec_, 16));
     blocks_ = std::make_unique<engine::BlockManager>(16);
     metrics_ = std::make_unique<TransferMetrics>(registry_);
-    receiver_ = std::make_unique<KvReceiver>(pool_.get(), KvLayout::FromSpec(spec_, "test-model"),
-                                             metrics_->ForReceiver());
+    receiver_ = std::make_unique<KvReceiver>(
+        pool_.get(), KvLayout::FromSpec(spec_, "test-model"),
+        metrics_->ForReceiver());
     service_ = std::make_unique<KvTransferService>(receiver_.get());
     grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port_);
     builder.RegisterService(service_.get());
     builder.SetMaxReceiveMessageSize(64 << 20);
     server_ = builder.BuildAndStart();
@@ -43,8 +44,8 @@ class KvTransferTest : public ::testing::Test {
     if (server_) server_->Shutdown(std::chrono::system_clock::now());
   }
   // Starts kv_send_tool; returns its pid.
-  pid_t Spawn(uint64_t reservation, const std::string& request, int num_blocks, int skip,
-              const std::string& mode, int* stdout_fd = nullptr) {
+  pid_t Spawn(uint64_t reservation, const std::string& request, int num_blocks,
+              int skip, const std::string& mode, int* stdout_fd = nullptr) {
     int fds[2];
     EXPECT_EQ(pipe(fds), 0);
     const pid_t pid = fork();
@@ -52,10 +53,12 @@ class KvTransferTest : public ::testing::Test {
       dup2(fds[1], 1);
       close(fds[0]);
       const std::string dest = "127.0.0.1:" + std::to_string(port_);
-      const std::string res = std::to_string(reservation), nb = std::to_string(num_blocks),
+      const std::string res = std::to_string(reservation),
+                        nb = std::to_string(num_blocks),
                         sk = std::to_string(skip);
-      execl(KV_SEND_TOOL, KV_SEND_TOOL, dest.c_str(), res.c_str(), request.c_str(), DTypeName(spec_.dtype),
-            nb.c_str(), sk.c_str(), mode.c_str(), "42", static_cast<char*>(nullptr));
+      execl(KV_SEND_TOOL, KV_SEND_TOOL, dest.c_str(), res.c_str(),
+            request.c_str(), DTypeName(spec_.dtype), nb.c_str(), sk.c_str(),
+            mode.c_str(), "42", static_cast<char*>(nullptr));
       _exit(127);
     }
     close(fds[1]);
@@ -73,9 +76,11 @@ class KvTransferTest : public ::testing::Test {
   }
   double Failures(const std::string& reason) {
     const std::string text = registry_.Render();
-    const std::string key = "pdserve_kv_transfer_failures_total{reason=\"" + reason + "\"} ";
+    const std::string key =
+        "pdserve_kv_transfer_failures_total{reason=\"" + reason + "\"} ";
     const size_t at = text.find(key);
-    return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+    return at == std::string::npos ? -1
+                                   : std::stod(text.substr(at + key.size()));
   }
 
   engine::KvCacheSpec spec_;
@@ -89,33 +94,47 @@ class KvTransferTest : public ::testing::Test {
   int port_ = 0;
 };
 
-TEST_F(KvTransferTest, EveryDtypeArrivesByteIdenticalWithAndWithoutLayerwiseStreaming) {
+TEST_F(KvTransferTest,
+       EveryDtypeArrivesByteIdenticalWithAndWithoutLayerwiseStreaming) {
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8}) {
     for (const char* mode : {"all", "layerwise"}) {
       StartReceiver(dtype);
-      const int num_blocks = 5, skip = 2;  // two leading blocks are already cached here
+      const int num_blocks = 5,
+                skip = 2;  // two leading blocks are already cached here
       std::vector<int32_t> reserved;
       ASSERT_TRUE(blocks_->Allocate(num_blocks, &reserved));
-      std::reverse(reserved.begin(), reserved.end());  // physical order differs from the sender's
+      std::reverse(reserved.begin(),
+                   reserved.end());  // physical order differs from the sender's
       // Mark the skipped blocks so we can check they are untouched.
-      for (int i = 0; i < skip; ++i) std::memset(pool_->LayerBlockData(0, reserved[i]), 0x5A, spec_.LayerBlockBytes());
+      for (int i = 0; i < skip; ++i)
+        std::memset(pool_->LayerBlockData(0, reserved[i]), 0x5A,
+                    spec_.LayerBlockBytes());
       const uint64_t id = receiver_->Expect("req-1", reserved, skip);
       const pid_t child = Spawn(id, "req-1", num_blocks, skip, mode);
-      ASSERT_TRUE(receiver_->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30)).ok())
+      ASSERT_TRUE(
+          receiver_
+              ->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30))
+              .ok())
           << DTypeName(dtype) << " " << mode;
       EXPECT_EQ(ExitCode(child), 0);
       for (int i = skip; i < num_blocks; ++i) {
         for (int l = 0; l < spec_.num_layers; ++l) {
-          auto want = testing::ExpectedSpan(spec_, 42, l, i, spec_.LayerBlockBytes());
-          ASSERT_EQ(0, std::memcmp(pool_->LayerBlockData(l, reserved[i]), want.data(), want.size()))
-              << DTypeName(dtype) << " " << mode << " layer " << l << " block " << i;
+          auto want =
+              testing::ExpectedSpan(spec_, 42, l, i, spec_.LayerBlockBytes());
+          ASSERT_EQ(0, std::memcmp(pool_->LayerBlockData(l, reserved[i]),
+                                   want.data(), want.size()))
+              << DTypeName(dtype) << " " << mode << " layer " << l << " block "
+              << i;
           if (testing::ScaleBytes(spec_)) {
-            auto scales = testing::ExpectedSpan(spec_, 43, l, i, testing::ScaleBytes(spec_));
-            ASSERT_EQ(0, std::memcmp(pool_->LayerBlockScales(l, reserved[i]), scales.data(), scales.size()));
+            auto scales = testing::ExpectedSpan(spec_, 43, l, i,
+                                                testing::ScaleBytes(spec_));
+            ASSERT_EQ(0, std::memcmp(pool_->LayerBlockScales(l, reserved[i]),
+                                     scales.data(), scales.size()));
           }
         }
       }
-      for (int i = 0; i < skip; ++i) EXPECT_EQ(pool_->LayerBlockData(0, reserved[i])[0], 0x5A);
+      for (int i = 0; i < skip; ++i)
+        EXPECT_EQ(pool_->LayerBlockData(0, reserved[i])[0], 0x5A);
       EXPECT_EQ(receiver_->num_reservations(), 0);
       server_->Shutdown(std::chrono::system_clock::now());
       server_.reset();
@@ -129,9 +148,12 @@ TEST_F(KvTransferTest, MismatchedHandshakeIsRefusedWithBothValues) {
   ASSERT_TRUE(blocks_->Allocate(3, &reserved));
   const uint64_t id = receiver_->Expect("req-2", reserved, 0);
   const pid_t child = Spawn(id, "req-2", 3, 0, "mismatch");
-  const absl::Status s = receiver_->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30));
-  EXPECT_THAT(std::string(s.message()), HasSubstr("block_size: sender 32 vs receiver 4"));
-  EXPECT_EQ(ExitCode(child), 10 + static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  const absl::Status s =
+      receiver_->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("block_size: sender 32 vs receiver 4"));
+  EXPECT_EQ(ExitCode(child),
+            10 + static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_EQ(Failures("handshake"), 1);
 }
 
@@ -142,18 +164,25 @@ TEST_F(KvTransferTest, ChunksOutsideTheReservationAreRejectedAndCounted) {
   const uint64_t id = receiver_->Expect("req-3", reserved, 1);
   ASSERT_TRUE(receiver_->Begin(id, "req-3", receiver_->layout()).ok());
   const std::string good(spec_.LayerBlockBytes(), '\1');
-  EXPECT_EQ(receiver_->Write(id, 0, 2, good, "").code(), absl::StatusCode::kInvalidArgument);   // past the end
+  EXPECT_EQ(receiver_->Write(id, 0, 2, good, "").code(),
+            absl::StatusCode::kInvalidArgument);  // past the end
   EXPECT_EQ(Failures("out_of_range"), 1);
-  EXPECT_EQ(receiver_->Write(id, 0, 0, good, "").code(), absl::StatusCode::kAborted);  // reservation failed
+  EXPECT_EQ(receiver_->Write(id, 0, 0, good, "").code(),
+            absl::StatusCode::kAborted);  // reservation failed
   const uint64_t id2 = receiver_->Expect("req-4", reserved, 1);
-  EXPECT_EQ(receiver_->Write(id2, 0, 0, good, "").code(), absl::StatusCode::kInvalidArgument);  // a skipped block
+  EXPECT_EQ(receiver_->Write(id2, 0, 0, good, "").code(),
+            absl::StatusCode::kInvalidArgument);  // a skipped block
   const uint64_t id3 = receiver_->Expect("req-5", reserved, 0);
-  EXPECT_EQ(receiver_->Write(id3, 3, 0, good, "").code(), absl::StatusCode::kInvalidArgument);  // no layer 3
+  EXPECT_EQ(receiver_->Write(id3, 3, 0, good, "").code(),
+            absl::StatusCode::kInvalidArgument);  // no layer 3
   const uint64_t id4 = receiver_->Expect("req-6", reserved, 0);
-  EXPECT_EQ(receiver_->Write(id4, 0, 0, good.substr(1), "").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(receiver_->Write(id4, 0, 0, good.substr(1), "").code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Failures("bad_length"), 1);
-  EXPECT_EQ(receiver_->Write(999, 0, 0, good, "").code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(receiver_->Begin(id4, "someone-else", receiver_->layout()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(receiver_->Write(999, 0, 0, good, "").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(receiver_->Begin(id4, "someone-else", receiver_->layout()).code(),
+            absl::StatusCode::kNotFound);
   for (uint64_t r : {id, id2, id3, id4}) {
     receiver_->Cancel(r);
     receiver_->Cancel(r);  // idempotent
@@ -174,7 +203,8 @@ TEST_F(KvTransferTest, KilledSenderFreesTheReservationWithinTheTimeout) {
   kill(child, SIGKILL);
   ExitCode(child);
   const absl::Time start = absl::Now();
-  const absl::Status s = receiver_->Wait(id, absl::Milliseconds(500), absl::Now() + absl::Seconds(30));
+  const absl::Status s = receiver_->Wait(id, absl::Milliseconds(500),
+                                         absl::Now() + absl::Seconds(30));
   EXPECT_FALSE(s.ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   blocks_->Release(reserved);  // what the decode service does on failure
@@ -191,8 +221,10 @@ TEST(KvLayoutTest, CheckNamesEveryDifference) {
   b.fingerprint = "fp-b";
   const absl::Status s = CheckLayouts(a, b);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("kv dtype: sender fp16 vs receiver int8"));
-  EXPECT_THAT(std::string(s.message()), HasSubstr("model fingerprint: sender fp-a vs receiver fp-b"));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("kv dtype: sender fp16 vs receiver int8"));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("model fingerprint: sender fp-a vs receiver fp-b"));
 }
 
 }  // namespace

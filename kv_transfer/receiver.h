@@ -27,7 +27,8 @@
 
 namespace pdserve::kv_transfer {
 
-// Failure reasons, also the `reason` label of pdserve_kv_transfer_failures_total.
+// Failure reasons, also the `reason` label of
+// pdserve_kv_transfer_failures_total.
 struct ReceiverCounters {
   std::function<void(const std::string& reason)> on_failure;  // may be null
   std::function<void(uint64_t bytes)> on_bytes;               // may be null
@@ -36,28 +37,33 @@ struct ReceiverCounters {
 
 class KvReceiver {
  public:
-  KvReceiver(engine::KvPool* pool, KvLayout layout, ReceiverCounters counters = {});
+  KvReceiver(engine::KvPool* pool, KvLayout layout,
+             ReceiverCounters counters = {});
 
   const KvLayout& layout() const { return layout_; }
 
   // Registers a reservation: `blocks` are the receiver's physical blocks by
   // logical index; indices below `skip_blocks` are already present. Returns
   // the reservation id the sender must quote.
-  uint64_t Expect(const std::string& request_id, std::vector<int32_t> blocks, int32_t skip_blocks);
+  uint64_t Expect(const std::string& request_id, std::vector<int32_t> blocks,
+                  int32_t skip_blocks);
 
   // Called by a transport when a stream opens: checks the reservation and
   // the layouts (FAILED_PRECONDITION with both values on mismatch).
-  absl::Status Begin(uint64_t reservation_id, const std::string& request_id, const KvLayout& sender);
+  absl::Status Begin(uint64_t reservation_id, const std::string& request_id,
+                     const KvLayout& sender);
   // Validates and writes one (layer, block) span.
-  absl::Status Write(uint64_t reservation_id, int32_t layer, int32_t block_index,
-                     std::string_view data, std::string_view scales);
+  absl::Status Write(uint64_t reservation_id, int32_t layer,
+                     int32_t block_index, std::string_view data,
+                     std::string_view scales);
   // The sender ended its stream (ok = it believes everything was sent).
   void End(uint64_t reservation_id, bool ok);
 
   // Blocks until every expected (layer, block) arrived, or the reservation
   // failed, or no progress for `stall_timeout`, or `deadline` passed. Always
   // ends the reservation.
-  absl::Status Wait(uint64_t reservation_id, absl::Duration stall_timeout, absl::Time deadline);
+  absl::Status Wait(uint64_t reservation_id, absl::Duration stall_timeout,
+                    absl::Time deadline);
   // Ends a reservation early. Idempotent; unknown ids are ignored.
   void Cancel(uint64_t reservation_id);
 

@@ -5,20 +5,23 @@
 
 namespace pdserve::kv_transfer {
 
-KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec, const std::string& fingerprint) {
-  return {fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
-          DTypeName(spec.dtype)};
+KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec,
+                            const std::string& fingerprint) {
+  return {fingerprint,   spec.num_layers, spec.num_kv_heads,
+          spec.head_dim, spec.block_size, DTypeName(spec.dtype)};
 }
 
 std::string KvLayout::DebugString() const {
-  return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers, " kv_heads=", kv_heads,
-                      " head_dim=", head_dim, " block_size=", block_size, " dtype=", dtype);
+  return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers,
+                      " kv_heads=", kv_heads, " head_dim=", head_dim,
+                      " block_size=", block_size, " dtype=", dtype);
 }
 
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {
   std::vector<std::string> diffs;
   auto cmp = [&](const char* name, const auto& a, const auto& b) {
-    if (a != b) diffs.push_back(absl::StrCat(name, ": sender ", a, " vs receiver ", b));
+    if (a != b)
+      diffs.push_back(absl::StrCat(name, ": sender ", a, " vs receiver ", b));
   };
   cmp("model fingerprint", sender.fingerprint, receiver.fingerprint);
   cmp("num_layers", sender.num_layers, receiver.num_layers);

@@ -31,7 +31,8 @@ struct KvLayout {
   int32_t block_size = 0;
   std::string dtype;
 
-  static KvLayout FromSpec(const engine::KvCacheSpec& spec, const std::string& fingerprint);
+  static KvLayout FromSpec(const engine::KvCacheSpec& spec,
+                           const std::string& fingerprint);
   std::string DebugString() const;
   bool operator==(const KvLayout&) const = default;
 };
@@ -74,8 +75,8 @@ class KvTransport {
   virtual ~KvTransport() = default;
   virtual const char* name() const = 0;
   // Opens a session; reads blocks from `pool` (never written by the session).
-  virtual absl::StatusOr<std::unique_ptr<KvSendSession>> Open(const SendPlan& plan,
-                                                               engine::KvPool* pool) = 0;
+  virtual absl::StatusOr<std::unique_ptr<KvSendSession>> Open(
+      const SendPlan& plan, engine::KvPool* pool) = 0;
 };
 
 }  // namespace pdserve::kv_transfer

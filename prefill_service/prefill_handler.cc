@@ -7,10 +7,13 @@
 
 namespace pdserve::prefill {
 
-grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context, const v1::PrefillRequest& request,
+grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
+                                     const v1::PrefillRequest& request,
                                      v1::PrefillResponse* response) {
   // Handshake before any compute (contract): the decode worker's layout.
-  if (absl::Status s = kv_transfer::CheckLayouts(layout_, kv_transfer::FromProto(request.layout())); !s.ok()) {
+  if (absl::Status s = kv_transfer::CheckLayouts(
+          layout_, kv_transfer::FromProto(request.layout()));
+      !s.ok()) {
     return ToGrpc(s);
   }
   engine::EngineRequest req;
@@ -31,7 +34,10 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context, const v1::Pre
       // Drain so that held blocks of a request that finished meanwhile return.
       for (auto& out : (*stream)->Pop(absl::Seconds(1))) {
         if (!out.held_blocks.empty()) {
-          loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(out.held_blocks); return 0; });
+          loop_->Call([&](engine::Engine& e) {
+            e.ReleaseBlocks(out.held_blocks);
+            return 0;
+          });
         }
       }
       return grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled");
@@ -42,7 +48,8 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context, const v1::Pre
     }
   }
   if (done.new_tokens.empty()) {
-    return grpc::Status(grpc::StatusCode::ABORTED, "prefill ended without a token");
+    return grpc::Status(grpc::StatusCode::ABORTED,
+                        "prefill ended without a token");
   }
   // Send the blocks the decode worker does not hold, then unpin ours.
   kv_transfer::SendPlan plan;
@@ -77,7 +84,8 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context, const v1::Pre
   });
   if (!sent.ok()) return ToGrpc(sent);
   response->set_first_token(static_cast<uint32_t>(done.new_tokens[0]));
-  response->set_cached_prompt_tokens(static_cast<uint32_t>(done.cached_prompt_tokens));
+  response->set_cached_prompt_tokens(
+      static_cast<uint32_t>(done.cached_prompt_tokens));
   response->set_bytes_sent(bytes);
   response->set_worker_id(worker_id_);
   return grpc::Status::OK;

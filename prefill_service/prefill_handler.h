@@ -20,9 +20,13 @@ class PrefillHandler {
  public:
   PrefillHandler(engine::EngineLoop* loop, kv_transfer::KvTransport* transport,
                  kv_transfer::KvLayout layout, std::string worker_id)
-      : loop_(loop), transport_(transport), layout_(std::move(layout)), worker_id_(std::move(worker_id)) {}
+      : loop_(loop),
+        transport_(transport),
+        layout_(std::move(layout)),
+        worker_id_(std::move(worker_id)) {}
 
-  grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest& request,
+  grpc::Status Prefill(grpc::ServerContext* context,
+                       const v1::PrefillRequest& request,
                        v1::PrefillResponse* response);
 
  private:

@@ -2,7 +2,8 @@
 
 namespace pdserve::router {
 
-void KvEventApplier::Snapshot(uint64_t seq, const std::vector<engine::BlockHash>& hashes) {
+void KvEventApplier::Snapshot(uint64_t seq,
+                              const std::vector<engine::BlockHash>& hashes) {
   index_->ClearWorker(worker_);
   index_->Stored(worker_, hashes);
   last_seq_ = seq;
@@ -16,9 +17,15 @@ bool KvEventApplier::Apply(const engine::KvEvent& event) {
   }
   last_seq_ = event.seq;
   switch (event.type) {
-    case engine::KvEvent::Type::kStored: index_->Stored(worker_, event.hashes); break;
-    case engine::KvEvent::Type::kRemoved: index_->Removed(worker_, event.hashes); break;
-    case engine::KvEvent::Type::kCleared: index_->ClearWorker(worker_); break;
+    case engine::KvEvent::Type::kStored:
+      index_->Stored(worker_, event.hashes);
+      break;
+    case engine::KvEvent::Type::kRemoved:
+      index_->Removed(worker_, event.hashes);
+      break;
+    case engine::KvEvent::Type::kCleared:
+      index_->ClearWorker(worker_);
+      break;
   }
   return true;
 }

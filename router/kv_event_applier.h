@@ -17,7 +17,8 @@ namespace pdserve::router {
 
 class KvEventApplier {
  public:
-  KvEventApplier(PrefixIndex* index, WorkerIndex worker) : index_(index), worker_(worker) {}
+  KvEventApplier(PrefixIndex* index, WorkerIndex worker)
+      : index_(index), worker_(worker) {}
 
   // A full snapshot: every hash the worker caches as of sequence `seq`.
   void Snapshot(uint64_t seq, const std::vector<engine::BlockHash>& hashes);

@@ -5,7 +5,8 @@
 namespace pdserve::router {
 namespace {
 
-engine::KvEvent Event(uint64_t seq, engine::KvEvent::Type type, std::vector<engine::BlockHash> h) {
+engine::KvEvent Event(uint64_t seq, engine::KvEvent::Type type,
+                      std::vector<engine::BlockHash> h) {
   return {seq, type, {}, std::move(h)};
 }
 
@@ -14,15 +15,20 @@ TEST(KvEventApplierTest, SnapshotThenConsecutiveEventsThenGapNeedsResync) {
   KvEventApplier applier(&index, 3);
   const std::vector<WorkerIndex> w = {3};
   const engine::BlockHash a{1, 1}, b{2, 2}, c{3, 3};
-  EXPECT_FALSE(applier.Apply(Event(1, engine::KvEvent::Type::kStored, {a})));  // no snapshot yet
+  EXPECT_FALSE(applier.Apply(
+      Event(1, engine::KvEvent::Type::kStored, {a})));  // no snapshot yet
   applier.Snapshot(5, {a});
   EXPECT_TRUE(applier.Apply(Event(6, engine::KvEvent::Type::kStored, {b})));
   const std::vector<engine::BlockHash> chain = {a, b, c};
   EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 2);
-  EXPECT_TRUE(applier.Apply(Event(7, engine::KvEvent::Type::kRemoved, {c, engine::BlockHash{9, 9}})));  // unknown ignored
-  EXPECT_FALSE(applier.Apply(Event(9, engine::KvEvent::Type::kStored, {c})));  // 8 was lost
+  EXPECT_TRUE(
+      applier.Apply(Event(7, engine::KvEvent::Type::kRemoved,
+                          {c, engine::BlockHash{9, 9}})));  // unknown ignored
+  EXPECT_FALSE(applier.Apply(
+      Event(9, engine::KvEvent::Type::kStored, {c})));  // 8 was lost
   EXPECT_FALSE(applier.synced());
-  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 2);  // nothing applied from the bad event
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0],
+            2);  // nothing applied from the bad event
   applier.Snapshot(9, {a, b, c});
   EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 3);
   EXPECT_TRUE(applier.Apply(Event(10, engine::KvEvent::Type::kCleared, {})));

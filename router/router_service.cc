@@ -9,27 +9,32 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "decode_service/decode_handler.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
+#include "decode_service/decode_handler.h"
 #include "prefill_service/sampling_convert.h"
 
 namespace pdserve::router {
 namespace {
 
 bool Retryable(grpc::StatusCode code) {
-  return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::ABORTED ||
-         code == grpc::StatusCode::INTERNAL || code == grpc::StatusCode::UNKNOWN ||
+  return code == grpc::StatusCode::UNAVAILABLE ||
+         code == grpc::StatusCode::ABORTED ||
+         code == grpc::StatusCode::INTERNAL ||
+         code == grpc::StatusCode::UNKNOWN ||
          code == grpc::StatusCode::CANCELLED;
 }
 
 }  // namespace
 
 absl::Status RouterConfig::Validate() const {
-  if (model_dir.empty()) return absl::InvalidArgumentError("--model is required (the router tokenizes)");
-  if (max_retries < 0) return absl::InvalidArgumentError("--max-retries must not be negative");
+  if (model_dir.empty())
+    return absl::InvalidArgumentError(
+        "--model is required (the router tokenizes)");
+  if (max_retries < 0)
+    return absl::InvalidArgumentError("--max-retries must not be negative");
   if (policy_config.w_prefill < 0 || policy_config.w_decode < 0) {
     return absl::InvalidArgumentError("routing weights must not be negative");
   }
@@ -38,23 +43,34 @@ absl::Status RouterConfig::Validate() const {
 
 struct RouterMetrics {
   explicit RouterMetrics(metrics::Registry& r)
-      : requests(metrics::Must(r.AddCounter("pdserve_requests_total", "Finished requests by finish reason",
-                                            {"finish_reason"}))),
-        ttft(metrics::HistogramChild(r, "pdserve_time_to_first_token_seconds",
-                                     "Time from request arrival to its first token",
-                                     metrics::DefaultLatencyBuckets())),
-        itl(metrics::HistogramChild(r, "pdserve_inter_token_latency_seconds", "Time between consecutive tokens",
-                                    metrics::ExponentialBuckets(0.001, 1.6, 20))),
-        duration(metrics::HistogramChild(r, "pdserve_request_duration_seconds", "End-to-end request time",
+      : requests(metrics::Must(r.AddCounter(
+            "pdserve_requests_total", "Finished requests by finish reason",
+            {"finish_reason"}))),
+        ttft(metrics::HistogramChild(
+            r, "pdserve_time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            metrics::DefaultLatencyBuckets())),
+        itl(metrics::HistogramChild(
+            r, "pdserve_inter_token_latency_seconds",
+            "Time between consecutive tokens",
+            metrics::ExponentialBuckets(0.001, 1.6, 20))),
+        duration(metrics::HistogramChild(r, "pdserve_request_duration_seconds",
+                                         "End-to-end request time",
                                          metrics::DefaultLatencyBuckets())),
-        prompt_tokens(metrics::CounterChild(r, "pdserve_prompt_tokens_total", "Prompt tokens received")),
-        generation_tokens(metrics::CounterChild(r, "pdserve_generation_tokens_total", "Tokens generated")),
-        decisions(metrics::Must(r.AddCounter("pdserve_prefill_decisions_total",
-                                             "Where prompts were prefilled: remote (prefill worker) or local",
-                                             {"mode"}))),
-        retries(metrics::CounterChild(r, "pdserve_request_retries_total",
-                                      "Requests re-sent to another worker (retry or migration)")),
-        workers(metrics::Must(r.AddGauge("pdserve_workers", "Known workers by role and state", {"role", "state"}))) {
+        prompt_tokens(metrics::CounterChild(r, "pdserve_prompt_tokens_total",
+                                            "Prompt tokens received")),
+        generation_tokens(metrics::CounterChild(
+            r, "pdserve_generation_tokens_total", "Tokens generated")),
+        decisions(metrics::Must(r.AddCounter(
+            "pdserve_prefill_decisions_total",
+            "Where prompts were prefilled: remote (prefill worker) or local",
+            {"mode"}))),
+        retries(metrics::CounterChild(
+            r, "pdserve_request_retries_total",
+            "Requests re-sent to another worker (retry or migration)")),
+        workers(metrics::Must(r.AddGauge("pdserve_workers",
+                                         "Known workers by role and state",
+                                         {"role", "state"}))) {
     for (const char* reason : {"length", "stop", "eos", "cancelled", "error"}) {
       metrics::Must(requests->WithLabels({reason}));
     }
@@ -74,7 +90,8 @@ struct RouterMetrics {
   metrics::GaugeFamily* workers;
 };
 
-struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterControl::Service {
+struct RouterServer::Impl final : public v1::Router::Service,
+                                  public v1::RouterControl::Service {
   RouterConfig config;
   std::unique_ptr<engine::Tokenizer> tokenizer;
   PrefixIndex index;
@@ -85,9 +102,12 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
   std::unique_ptr<grpc::Server> server;
   std::atomic<uint64_t> next_id{1};
 
-  grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest* req,
+  grpc::Status RegisterWorker(grpc::ServerContext*,
+                              const v1::RegisterWorkerRequest* req,
                               v1::RegisterWorkerResponse*) override {
-    if (req->address().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "address is empty");
+    if (req->address().empty())
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "address is empty");
     registry->Register(req->address(), req->role());
     return grpc::Status::OK;
   }
@@ -113,40 +133,55 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
     m->duration->Observe(absl::ToDoubleSeconds(absl::Now() - start));
   }
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+      grpc::ServerWriter<v1::GenerateResponse>* writer) override {
     const absl::Time start = absl::Now();
     grpc::Status st = GenerateImpl(ctx, *req, writer, start);
-    if (!st.ok()) Finish(st.error_code() == grpc::StatusCode::CANCELLED ? "cancelled" : "error", start);
+    if (!st.ok())
+      Finish(st.error_code() == grpc::StatusCode::CANCELLED ? "cancelled"
+                                                            : "error",
+             start);
     return st;
   }
 
-  grpc::Status GenerateImpl(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
-                            grpc::ServerWriter<v1::GenerateResponse>* writer, absl::Time start) {
+  grpc::Status GenerateImpl(grpc::ServerContext* ctx,
+                            const v1::GenerateRequest& req,
+                            grpc::ServerWriter<v1::GenerateResponse>* writer,
+                            absl::Time start) {
     // Validate and tokenize.
     std::vector<int32_t> prompt;
     if (req.input_case() == v1::GenerateRequest::kPrompt) {
-      if (req.prompt().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt is empty");
+      if (req.prompt().empty())
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "prompt is empty");
       prompt = tokenizer->Encode(req.prompt());
     } else if (req.input_case() == v1::GenerateRequest::kTokenIds) {
       for (uint32_t t : req.token_ids().ids()) {
         if (t >= static_cast<uint32_t>(tokenizer->vocab_size())) {
-          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              absl::StrCat("token id ", t, " is outside the vocabulary"));
+          return grpc::Status(
+              grpc::StatusCode::INVALID_ARGUMENT,
+              absl::StrCat("token id ", t, " is outside the vocabulary"));
         }
         prompt.push_back(static_cast<int32_t>(t));
       }
-      if (prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "token_ids is empty");
+      if (prompt.empty())
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "token_ids is empty");
     } else {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "set prompt or token_ids");
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "set prompt or token_ids");
     }
     engine::SamplingParams sampling = SamplingFromProto(req.sampling());
     if (absl::Status s = sampling.Validate(); !s.ok()) return ToGrpc(s);
-    const std::string id = req.request_id().empty() ? absl::StrCat("req-", next_id++) : req.request_id();
+    const std::string id = req.request_id().empty()
+                               ? absl::StrCat("req-", next_id++)
+                               : req.request_id();
     const absl::Time deadline =
         std::min(start + config.request_timeout,
-                 ctx->deadline() == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
-                                                                                  : absl::FromChrono(ctx->deadline()));
+                 ctx->deadline() == std::chrono::system_clock::time_point::max()
+                     ? absl::InfiniteFuture()
+                     : absl::FromChrono(ctx->deadline()));
     m->prompt_tokens->Increment(static_cast<double>(prompt.size()));
 
     engine::TextStream text(tokenizer.get(), sampling.stop);
@@ -157,7 +192,8 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
     bool cached_known = false;
     absl::Time last_token = start;
     int attempts = 0;
-    grpc::Status last_error(grpc::StatusCode::UNAVAILABLE, "no worker could serve the request");
+    grpc::Status last_error(grpc::StatusCode::UNAVAILABLE,
+                            "no worker could serve the request");
 
     while (finish.empty()) {
       if (attempts > config.max_retries) return last_error;
@@ -165,20 +201,26 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       ++attempts;
       std::vector<WorkerView> workers = registry->UpWorkers();
       // A draining worker finishes what it has but takes nothing new.
-      std::erase_if(workers, [](const WorkerView& w) { return w.status.draining(); });
+      std::erase_if(workers,
+                    [](const WorkerView& w) { return w.status.draining(); });
       uint32_t max_len = 0;
       for (const auto& w : workers) {
-        if (w.role != "prefill") max_len = max_len ? std::min(max_len, w.status.max_model_len()) : w.status.max_model_len();
+        if (w.role != "prefill")
+          max_len = max_len ? std::min(max_len, w.status.max_model_len())
+                            : w.status.max_model_len();
       }
       if (max_len > 0 && prompt.size() + sampling.max_tokens > max_len) {
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("prompt (", prompt.size(), " tokens) + max_tokens (", sampling.max_tokens,
-                                         ") exceeds max_model_len ", max_len));
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("prompt (", prompt.size(), " tokens) + max_tokens (",
+                         sampling.max_tokens, ") exceeds max_model_len ",
+                         max_len));
       }
       // The sequence so far: prompt, plus tokens already streamed (migration).
       std::vector<int32_t> tokens = prompt;
       tokens.insert(tokens.end(), generated.begin(), generated.end());
-      RouteRequest route{static_cast<int64_t>(tokens.size()), req.cache_salt(), &tokens, exclude};
+      RouteRequest route{static_cast<int64_t>(tokens.size()), req.cache_salt(),
+                         &tokens, exclude};
       auto decision = policy->Choose(route, workers);
       if (!decision.ok()) {
         if (attempts == 1 || exclude.empty()) return ToGrpc(decision.status());
@@ -187,7 +229,8 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       const WorkerView* dec = decision->decode;
       const WorkerView* pre = decision->prefill;
       (pre ? m->remote : m->local)->Increment();
-      const int64_t uncached = route.num_tokens - decision->prefill_cached_tokens;
+      const int64_t uncached =
+          route.num_tokens - decision->prefill_cached_tokens;
       const WorkerIndex prefill_at = pre ? pre->index : dec->index;
       registry->AddLoad(prefill_at, uncached, 0);
       registry->AddLoad(dec->index, 0, 1);
@@ -208,24 +251,31 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
         }
       } decode_done{registry.get(), dec->index, prefill_done};
       if (pre) {
-        index.Speculate(pre->index, Policy::HashesFor(*pre, req.cache_salt(), tokens), config.speculative_ttl);
+        index.Speculate(pre->index,
+                        Policy::HashesFor(*pre, req.cache_salt(), tokens),
+                        config.speculative_ttl);
       }
-      index.Speculate(dec->index, Policy::HashesFor(*dec, req.cache_salt(), tokens), config.speculative_ttl);
+      index.Speculate(dec->index,
+                      Policy::HashesFor(*dec, req.cache_salt(), tokens),
+                      config.speculative_ttl);
 
       v1::WorkerGenerateRequest wreq;
       wreq.set_request_id(id);
       for (int32_t t : tokens) wreq.add_token_ids(static_cast<uint32_t>(t));
       *wreq.mutable_sampling() = req.sampling();
-      wreq.mutable_sampling()->set_max_tokens(sampling.max_tokens - static_cast<uint32_t>(generated.size()));
+      wreq.mutable_sampling()->set_max_tokens(
+          sampling.max_tokens - static_cast<uint32_t>(generated.size()));
       wreq.mutable_sampling()->clear_stop();
       wreq.set_cache_salt(req.cache_salt());
       if (pre) wreq.set_prefill_address(pre->address);
       wreq.set_original_prompt_len(static_cast<uint32_t>(prompt.size()));
 
       // Propagates the client's cancellation to the worker call.
-      std::unique_ptr<grpc::ClientContext> wctx_owner = grpc::ClientContext::FromServerContext(*ctx);
+      std::unique_ptr<grpc::ClientContext> wctx_owner =
+          grpc::ClientContext::FromServerContext(*ctx);
       grpc::ClientContext& wctx = *wctx_owner;
-      if (deadline != absl::InfiniteFuture()) wctx.set_deadline(absl::ToChronoTime(deadline));
+      if (deadline != absl::InfiniteFuture())
+        wctx.set_deadline(absl::ToChronoTime(deadline));
       auto reader = dec->stub->Generate(&wctx, wreq);
       v1::WorkerGenerateResponse resp;
       v1::GenerateResponse out;
@@ -255,7 +305,8 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
           out.add_token_ids(t);
         }
         m->generation_tokens->Increment(resp.token_ids_size());
-        auto delta = text.Push({out.token_ids().begin(), out.token_ids().end()});
+        auto delta =
+            text.Push({out.token_ids().begin(), out.token_ids().end()});
         std::string piece = delta.text;
         if (delta.stopped) {
           finish = "stop";
@@ -294,14 +345,20 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
       }
       const grpc::Status wst = reader->Finish();
       if (wst.ok()) {
-        last_error = grpc::Status(grpc::StatusCode::INTERNAL, "decode worker ended the stream without a finish reason");
+        last_error = grpc::Status(
+            grpc::StatusCode::INTERNAL,
+            "decode worker ended the stream without a finish reason");
       } else {
         last_error = wst;
       }
       if (!Retryable(last_error.error_code())) return last_error;
-      PDSERVE_LOG(WARNING) << "request " << id << " on " << dec->address << " failed after " << generated.size()
-                           << " tokens: " << last_error.error_message() << "; retrying elsewhere";
-      const bool prefill_failed = pre && absl::StartsWith(last_error.error_message(), decode::kPrefillFailedPrefix);
+      PDSERVE_LOG(WARNING) << "request " << id << " on " << dec->address
+                           << " failed after " << generated.size()
+                           << " tokens: " << last_error.error_message()
+                           << "; retrying elsewhere";
+      const bool prefill_failed =
+          pre && absl::StartsWith(last_error.error_message(),
+                                  decode::kPrefillFailedPrefix);
       const WorkerIndex failed = prefill_failed ? pre->index : dec->index;
       exclude.push_back(failed);
       registry->ReportFailure(failed);
@@ -310,21 +367,25 @@ struct RouterServer::Impl final : public v1::Router::Service, public v1::RouterC
   }
 };
 
-RouterServer::RouterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RouterServer::RouterServer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
 RouterServer::~RouterServer() {
   Shutdown();
   impl_->registry->Stop();
 }
 WorkerRegistry& RouterServer::workers() { return *impl_->registry; }
 
-absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterConfig& config,
-                                                                   metrics::Registry* registry) {
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
+    const RouterConfig& config, metrics::Registry* registry) {
   RETURN_IF_ERROR(config.Validate());
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   ASSIGN_OR_RETURN(impl->tokenizer, engine::Tokenizer::Load(config.model_dir));
-  impl->registry = std::make_unique<WorkerRegistry>(config.workers, &impl->index);
-  ASSIGN_OR_RETURN(impl->policy, Policy::Create(config.policy, config.policy_config, &impl->index));
+  impl->registry =
+      std::make_unique<WorkerRegistry>(config.workers, &impl->index);
+  ASSIGN_OR_RETURN(
+      impl->policy,
+      Policy::Create(config.policy, config.policy_config, &impl->index));
   impl->m = std::make_unique<RouterMetrics>(*registry);
   Impl* raw = impl.get();
   impl->collector = registry->AddCollector([raw] {
@@ -332,7 +393,8 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterC
     for (const char* role : {"prefill", "decode", "both"}) {
       for (const char* state : {"up", "down"}) counts[{role, state}] = 0;
     }
-    for (const WorkerView& w : raw->registry->AllWorkers()) ++counts[{w.role, w.up ? "up" : "down"}];
+    for (const WorkerView& w : raw->registry->AllWorkers())
+      ++counts[{w.role, w.up ? "up" : "down"}];
     for (const auto& [key, n] : counts) {
       auto child = raw->m->workers->WithLabels({key.first, key.second});
       if (child.ok()) (*child)->Set(n);
@@ -347,16 +409,22 @@ absl::StatusOr<int> RouterServer::Serve(const std::string& host, int port) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(), &bound);
+  builder.AddListeningPort(absl::StrCat(host, ":", port),
+                           grpc::InsecureServerCredentials(), &bound);
   builder.RegisterService(static_cast<v1::Router::Service*>(impl_.get()));
-  builder.RegisterService(static_cast<v1::RouterControl::Service*>(impl_.get()));
+  builder.RegisterService(
+      static_cast<v1::RouterControl::Service*>(impl_.get()));
   impl_->server = builder.BuildAndStart();
-  if (!impl_->server || bound == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", port));
+  if (!impl_->server || bound == 0)
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", host, ":", port));
   return bound;
 }
 
 void RouterServer::Shutdown() {
-  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  if (impl_->server)
+    impl_->server->Shutdown(std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(500));
 }
 
 void RouterServer::Wait() {

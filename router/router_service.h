@@ -28,15 +28,16 @@ struct RouterConfig {
   PolicyConfig policy_config;
   int32_t max_retries = 3;
   absl::Duration speculative_ttl = absl::Seconds(2);
-  absl::Duration request_timeout = absl::Minutes(10);  // server-side ceiling per request
+  absl::Duration request_timeout =
+      absl::Minutes(10);  // server-side ceiling per request
   absl::Status Validate() const;
 };
 
 class RouterServer {
  public:
   // Builds the service and starts the registry; `Serve` binds the port.
-  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(const RouterConfig& config,
-                                                              metrics::Registry* registry);
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(
+      const RouterConfig& config, metrics::Registry* registry);
   ~RouterServer();
   // Starts gRPC on host:port (port 0: any); returns the bound port.
   absl::StatusOr<int> Serve(const std::string& host, int port);

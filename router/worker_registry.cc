@@ -1,10 +1,9 @@
 #include "router/worker_registry.h"
 
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netdb.h>
 #include <sys/socket.h>
-#include <arpa/inet.h>
-
-#include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 
@@ -31,7 +30,9 @@ engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
   engine::ModelFingerprint fp{0, 0};
   if (hex.size() != 32) return fp;
   uint64_t hi = 0, lo = 0;
-  if (!absl::SimpleHexAtoi(hex.substr(0, 16), &hi) || !absl::SimpleHexAtoi(hex.substr(16), &lo)) return fp;
+  if (!absl::SimpleHexAtoi(hex.substr(0, 16), &hi) ||
+      !absl::SimpleHexAtoi(hex.substr(16), &lo))
+    return fp;
   return {hi, lo};
 }
 
@@ -49,14 +50,18 @@ struct WorkerRegistry::Entry {
 WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
     : config_(std::move(config)), index_(index) {
   absl::MutexLock l(&mu_);
-  for (const auto& a : config_.prefill) if (a.rfind("dns:", 0) != 0) Add(a, "prefill");
-  for (const auto& a : config_.decode) if (a.rfind("dns:", 0) != 0) Add(a, "decode");
-  for (const auto& a : config_.both) if (a.rfind("dns:", 0) != 0) Add(a, "both");
+  for (const auto& a : config_.prefill)
+    if (a.rfind("dns:", 0) != 0) Add(a, "prefill");
+  for (const auto& a : config_.decode)
+    if (a.rfind("dns:", 0) != 0) Add(a, "decode");
+  for (const auto& a : config_.both)
+    if (a.rfind("dns:", 0) != 0) Add(a, "both");
 }
 
 WorkerRegistry::~WorkerRegistry() { Stop(); }
 
-WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address, const std::string& role) {
+WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
+                                           const std::string& role) {
   for (auto& e : entries_) {
     if (e->view.address == address) return e.get();
   }
@@ -65,12 +70,14 @@ WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address, const std
   e->view.address = address;
   e->view.role = role;
   e->view.stub = v1::Worker::NewStub(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), kv_transfer::InternalChannelArgs()));
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                kv_transfer::InternalChannelArgs()));
   entries_.push_back(std::move(e));
   return entries_.back().get();
 }
 
-void WorkerRegistry::Register(const std::string& address, const std::string& role) {
+void WorkerRegistry::Register(const std::string& address,
+                              const std::string& role) {
   absl::MutexLock l(&mu_);
   Add(address, role);
 }
@@ -109,7 +116,8 @@ void WorkerRegistry::ReportFailure(WorkerIndex index) {
   entries_[index]->view.up = false;
 }
 
-void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens, int64_t requests) {
+void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens,
+                             int64_t requests) {
   absl::MutexLock l(&mu_);
   if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size())) return;
   entries_[index]->view.routed_prefill_tokens += prefill_tokens;
@@ -134,25 +142,31 @@ void WorkerRegistry::ResolveDns() {
     const std::string rest = entry.substr(4);
     const size_t colon = rest.rfind(':');
     if (colon == std::string::npos) return;
-    const std::string host = rest.substr(0, colon), port = rest.substr(colon + 1);
+    const std::string host = rest.substr(0, colon),
+                      port = rest.substr(colon + 1);
     addrinfo hints{};
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
     if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
-      all_resolved = false;  // keep what we have rather than retire on a DNS hiccup
+      all_resolved =
+          false;  // keep what we have rather than retire on a DNS hiccup
       return;
     }
     for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
       char ip[INET_ADDRSTRLEN];
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, ip, sizeof(ip));
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr,
+                ip, sizeof(ip));
       found.emplace_back(absl::StrCat(ip, ":", port), role);
     }
     freeaddrinfo(res);
   };
-  for (const auto& a : config_.prefill) if (a.rfind("dns:", 0) == 0) resolve(a, "prefill");
-  for (const auto& a : config_.decode) if (a.rfind("dns:", 0) == 0) resolve(a, "decode");
-  for (const auto& a : config_.both) if (a.rfind("dns:", 0) == 0) resolve(a, "both");
+  for (const auto& a : config_.prefill)
+    if (a.rfind("dns:", 0) == 0) resolve(a, "prefill");
+  for (const auto& a : config_.decode)
+    if (a.rfind("dns:", 0) == 0) resolve(a, "decode");
+  for (const auto& a : config_.both)
+    if (a.rfind("dns:", 0) == 0) resolve(a, "both");
   if (!any_dns) return;
   absl::MutexLock l(&mu_);
   for (const auto& [address, role] : found) {
@@ -163,12 +177,15 @@ void WorkerRegistry::ResolveDns() {
   if (!all_resolved) return;
   for (auto& e : entries_) {
     if (!e->from_dns || e->retired) continue;
-    const bool listed = std::any_of(found.begin(), found.end(), [&](const auto& f) { return f.first == e->view.address; });
+    const bool listed =
+        std::any_of(found.begin(), found.end(),
+                    [&](const auto& f) { return f.first == e->view.address; });
     if (!listed) {
       e->retired = true;
       e->view.up = false;
       index_->ClearWorker(e->view.index);
-      PDSERVE_LOG(INFO) << "worker " << e->view.address << " left DNS; forgotten";
+      PDSERVE_LOG(INFO) << "worker " << e->view.address
+                        << " left DNS; forgotten";
     }
   }
 }
@@ -186,9 +203,11 @@ void WorkerRegistry::PollLoop() {
     }
     for (auto& [entry, stub] : targets) {
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(1));
       v1::WorkerStatus status;
-      const grpc::Status st = stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
+      const grpc::Status st =
+          stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
       bool start_events = false;
       {
         absl::MutexLock l(&mu_);
@@ -206,7 +225,8 @@ void WorkerRegistry::PollLoop() {
           }
           if (!was_up) PDSERVE_LOG(INFO) << "worker up: " << v.id;
         } else if (was_up) {
-          PDSERVE_LOG(WARNING) << "worker down: " << v.address << ": " << st.error_message();
+          PDSERVE_LOG(WARNING)
+              << "worker down: " << v.address << ": " << st.error_message();
         }
       }
       if (!st.ok()) index_->ClearWorker(entry->view.index);
@@ -241,10 +261,13 @@ void WorkerRegistry::EventLoop(Entry* entry) {
       for (const auto& e : batch.events()) {
         engine::KvEvent event;
         event.seq = e.seq();
-        event.type = e.type() == v1::KvEventProto::STORED    ? engine::KvEvent::Type::kStored
-                     : e.type() == v1::KvEventProto::REMOVED ? engine::KvEvent::Type::kRemoved
-                                                             : engine::KvEvent::Type::kCleared;
-        for (const auto& h : e.hashes()) event.hashes.push_back(HashFromBytes(h));
+        event.type = e.type() == v1::KvEventProto::STORED
+                         ? engine::KvEvent::Type::kStored
+                     : e.type() == v1::KvEventProto::REMOVED
+                         ? engine::KvEvent::Type::kRemoved
+                         : engine::KvEvent::Type::kCleared;
+        for (const auto& h : e.hashes())
+          event.hashes.push_back(HashFromBytes(h));
         if (batch.snapshot()) {
           applier.Snapshot(event.seq, event.hashes);
         } else if (!applier.Apply(event)) {
@@ -257,7 +280,8 @@ void WorkerRegistry::EventLoop(Entry* entry) {
     ctx.TryCancel();
     reader->Finish();
     // Back off; the poll loop marks the worker down if it is gone.
-    for (int i = 0; i < 5 && !stop_; ++i) absl::SleepFor(absl::Milliseconds(100));
+    for (int i = 0; i < 5 && !stop_; ++i)
+      absl::SleepFor(absl::Milliseconds(100));
   }
 }
 

@@ -64,7 +64,8 @@ class WorkerRegistry {
   void PollLoop();
   void EventLoop(Entry* entry);
   void ResolveDns();
-  Entry* Add(const std::string& address, const std::string& role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Entry* Add(const std::string& address, const std::string& role)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   RegistryConfig config_;
   PrefixIndex* index_;

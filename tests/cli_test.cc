@@ -1,8 +1,7 @@
 // Runs the real `pdserve` binary the way users do and checks what they see.
-#include <sys/wait.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
@@ -25,18 +24,23 @@ class CliTest : public ::testing::Test {
     dir_ = new std::string(std::filesystem::temp_directory_path() /
                            ("pdserve_cli_" + std::to_string(::getpid())));
     std::filesystem::create_directories(*dir_);
-    ASSERT_EQ(Run("model init --preset tiny --out " + Model() + " --seed 5").exit_code, 0);
+    ASSERT_EQ(Run("model init --preset tiny --out " + Model() + " --seed 5")
+                  .exit_code,
+              0);
   }
   static std::string Model() { return *dir_ + "/tiny"; }
   static Result Run(const std::string& args) {
     Result r;
-    const std::string cmd = std::string(PDSERVE_BIN) + " " + args + " 2>" + *dir_ + "/stderr";
+    const std::string cmd =
+        std::string(PDSERVE_BIN) + " " + args + " 2>" + *dir_ + "/stderr";
     FILE* p = popen(cmd.c_str(), "r");
     std::array<char, 4096> buf;
     size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0)
+      r.out.append(buf.data(), n);
     const int status = pclose(p);
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    r.exit_code =
+        WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     return r;
   }
   static std::string Stderr() {
@@ -51,7 +55,9 @@ TEST_F(CliTest, KvBudgetReproducesTheReferenceFigures) {
   auto r = Run("kv-budget --layers 2 --kv-heads 4 --head-dim 8 --dtype fp16");
   ASSERT_EQ(r.exit_code, 0);
   EXPECT_THAT(r.out, HasSubstr("\"bytes_per_token\": 256"));
-  r = Run("kv-budget --layers 32 --kv-heads 8 --head-dim 128 --dtype fp16 --tokens 8192 --memory 1GiB");
+  r =
+      Run("kv-budget --layers 32 --kv-heads 8 --head-dim 128 --dtype fp16 "
+          "--tokens 8192 --memory 1GiB");
   ASSERT_EQ(r.exit_code, 0);
   EXPECT_THAT(r.out, HasSubstr("\"bytes_per_token\": 131072"));
   EXPECT_THAT(r.out, HasSubstr("\"bytes\": 1073741824"));
@@ -61,12 +67,16 @@ TEST_F(CliTest, KvBudgetReproducesTheReferenceFigures) {
 }
 
 TEST_F(CliTest, GenerateStreamsOnlyTheTextAndIsDeterministic) {
-  auto a = Run("generate --model " + Model() + " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7");
-  auto b = Run("generate --model " + Model() + " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7");
+  auto a = Run("generate --model " + Model() +
+               " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7");
+  auto b = Run("generate --model " + Model() +
+               " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7");
   ASSERT_EQ(a.exit_code, 0) << Stderr();
   EXPECT_FALSE(a.out.empty());
   EXPECT_EQ(a.out, b.out);
-  auto j = Run("generate --model " + Model() + " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7 --json");
+  auto j =
+      Run("generate --model " + Model() +
+          " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7 --json");
   ASSERT_EQ(j.exit_code, 0);
   EXPECT_THAT(j.out, HasSubstr("\"finish_reason\": \"length\""));
   EXPECT_THAT(j.out, HasSubstr("\"completion_tokens\": 12"));
@@ -74,23 +84,29 @@ TEST_F(CliTest, GenerateStreamsOnlyTheTextAndIsDeterministic) {
   // Batch-invariant kernels: a bf16 KV cache or tiny step budget must not
   // matter for the fp32 path, so chunked prefill gives the same text.
   auto c = Run("generate --model " + Model() +
-               " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7 --max-num-batched-tokens 2");
+               " --prompt hello --max-tokens 12 --temperature 0.9 --seed 7 "
+               "--max-num-batched-tokens 2");
   EXPECT_EQ(c.out, a.out);
 }
 
 TEST_F(CliTest, StopStringsEndTheTextBeforeTheMatch) {
-  auto full = Run("generate --model " + Model() + " --prompt abc --max-tokens 40 --ignore-eos --json");
+  auto full = Run("generate --model " + Model() +
+                  " --prompt abc --max-tokens 40 --ignore-eos --json");
   ASSERT_EQ(full.exit_code, 0);
-  auto plain = Run("generate --model " + Model() + " --prompt abc --max-tokens 40 --ignore-eos");
+  auto plain = Run("generate --model " + Model() +
+                   " --prompt abc --max-tokens 40 --ignore-eos");
   ASSERT_GE(plain.out.size(), 6u);
   // Use a stop string taken from the middle of the real output.
   const std::string stop = plain.out.substr(3, 2);
   if (stop.find('\'') != std::string::npos) GTEST_SKIP() << "quote in sample";
-  auto s = Run("generate --model " + Model() + " --prompt abc --max-tokens 40 --ignore-eos --stop '" + stop +
+  auto s = Run("generate --model " + Model() +
+               " --prompt abc --max-tokens 40 --ignore-eos --stop '" + stop +
                "' --stop 'zzzz' --json");
   ASSERT_EQ(s.exit_code, 0) << Stderr();
   EXPECT_THAT(s.out, HasSubstr("\"finish_reason\": \"stop\""));
-  auto t = Run("generate --model " + Model() + " --prompt abc --max-tokens 40 --ignore-eos --stop '" + stop + "'");
+  auto t =
+      Run("generate --model " + Model() +
+          " --prompt abc --max-tokens 40 --ignore-eos --stop '" + stop + "'");
   EXPECT_EQ(t.out, plain.out.substr(0, plain.out.find(stop)));
 }
 
@@ -113,10 +129,12 @@ TEST_F(CliTest, BadInputGivesClearErrorsNotCrashes) {
   std::filesystem::create_directories(broken);
   std::filesystem::copy_file(Model() + "/config.json", broken + "/config.json",
                              std::filesystem::copy_options::overwrite_existing);
-  std::filesystem::copy_file(Model() + "/model.safetensors", broken + "/model.safetensors",
+  std::filesystem::copy_file(Model() + "/model.safetensors",
+                             broken + "/model.safetensors",
                              std::filesystem::copy_options::overwrite_existing);
-  std::filesystem::resize_file(broken + "/model.safetensors",
-                               std::filesystem::file_size(broken + "/model.safetensors") / 2);
+  std::filesystem::resize_file(
+      broken + "/model.safetensors",
+      std::filesystem::file_size(broken + "/model.safetensors") / 2);
   r = Run("model logits --model " + broken + " --tokens 1,2");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(Stderr(), HasSubstr("model.safetensors"));
@@ -126,7 +144,8 @@ TEST_F(CliTest, BadInputGivesClearErrorsNotCrashes) {
 }
 
 TEST_F(CliTest, EveryCommandHasHelp) {
-  for (const char* cmd : {"model init", "model logits", "generate", "kv-budget", "bench engine"}) {
+  for (const char* cmd : {"model init", "model logits", "generate", "kv-budget",
+                          "bench engine"}) {
     auto r = Run(std::string(cmd) + " --help");
     EXPECT_EQ(r.exit_code, 0) << cmd;
     EXPECT_THAT(r.out, HasSubstr(std::string("usage: pdserve ") + cmd));

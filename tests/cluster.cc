@@ -28,7 +28,8 @@ std::string Scrape(int port) {
 
 double MetricValue(const std::string& text, const std::string& series) {
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (line.size() > series.size() && line.substr(0, series.size()) == series && line[series.size()] == ' ') {
+    if (line.size() > series.size() &&
+        line.substr(0, series.size()) == series && line[series.size()] == ' ') {
       return std::stod(std::string(line.substr(series.size() + 1)));
     }
   }

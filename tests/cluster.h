@@ -3,11 +3,10 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
@@ -32,7 +31,8 @@ struct Proc {
 };
 
 // Starts `pdserve ARGS` and waits for its "listening on" line.
-inline Proc StartProcess(const std::string& role, const std::vector<std::string>& args) {
+inline Proc StartProcess(const std::string& role,
+                         const std::vector<std::string>& args) {
   int fds[2];
   EXPECT_EQ(pipe(fds), 0);
   const pid_t pid = fork();
@@ -56,7 +56,8 @@ inline Proc StartProcess(const std::string& role, const std::vector<std::string>
     std::string s(line);
     const size_t at = s.find("listening on ");
     if (at == std::string::npos) continue;
-    std::vector<std::string> parts = absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
+    std::vector<std::string> parts =
+        absl::StrSplit(s.substr(at + 13), ' ', absl::SkipWhitespace());
     p.address = parts[0];
     p.metrics_port = std::atoi(parts[2].c_str());
     break;
@@ -95,8 +96,10 @@ struct Cluster {
     Cluster c;
     for (int i = 0; i < n_prefill + n_decode; ++i) {
       const bool is_prefill = i < n_prefill;
-      const std::string role = is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
-      std::vector<std::string> args = {"worker", "--role=" + role, "--model=" + model, "--port=0",
+      const std::string role =
+          is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
+      std::vector<std::string> args = {"worker",           "--role=" + role,
+                                       "--model=" + model, "--port=0",
                                        "--metrics-port=0", "--threads=1"};
       args.insert(args.end(), worker_flags.begin(), worker_flags.end());
       (is_prefill ? c.prefill : c.decode).push_back(StartProcess(role, args));
@@ -104,7 +107,8 @@ struct Cluster {
     std::vector<std::string> paddr, daddr;
     for (auto& p : c.prefill) paddr.push_back(p.address);
     for (auto& p : c.decode) daddr.push_back(p.address);
-    std::vector<std::string> args = {"router", "--model=" + model, "--port=0", "--metrics-port=0"};
+    std::vector<std::string> args = {"router", "--model=" + model, "--port=0",
+                                     "--metrics-port=0"};
     if (n_prefill > 0) {
       args.push_back("--prefill-workers=" + absl::StrJoin(paddr, ","));
       args.push_back("--decode-workers=" + absl::StrJoin(daddr, ","));
@@ -113,7 +117,8 @@ struct Cluster {
     }
     args.insert(args.end(), router_flags.begin(), router_flags.end());
     c.router = StartProcess("router", args);
-    c.stub = v1::Router::NewStub(grpc::CreateChannel(c.router.address, grpc::InsecureChannelCredentials()));
+    c.stub = v1::Router::NewStub(grpc::CreateChannel(
+        c.router.address, grpc::InsecureChannelCredentials()));
     c.WaitForWorkers(n_prefill + n_decode);
     return c;
   }
@@ -159,17 +164,20 @@ struct Result {
 };
 
 // Streams one request; `on_message` (optional) runs after each message.
-inline Result Generate(v1::Router::Stub* stub, const v1::GenerateRequest& req,
-                       std::function<void(const v1::GenerateResponse&)> on_message = nullptr,
-                       int timeout_ms = 120000) {
+inline Result Generate(
+    v1::Router::Stub* stub, const v1::GenerateRequest& req,
+    std::function<void(const v1::GenerateResponse&)> on_message = nullptr,
+    int timeout_ms = 120000) {
   Result r;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(timeout_ms));
   auto reader = stub->Generate(&ctx, req);
   v1::GenerateResponse resp;
   while (reader->Read(&resp)) {
     ++r.messages;
-    r.tokens.insert(r.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+    r.tokens.insert(r.tokens.end(), resp.token_ids().begin(),
+                    resp.token_ids().end());
     r.text += resp.text();
     r.last = resp;
     if (on_message) on_message(resp);
@@ -178,8 +186,10 @@ inline Result Generate(v1::Router::Stub* stub, const v1::GenerateRequest& req,
   return r;
 }
 
-inline v1::GenerateRequest Request(const std::string& prompt, uint32_t max_tokens, float temperature = 0,
-                                   uint64_t seed = 0, const std::string& salt = "") {
+inline v1::GenerateRequest Request(const std::string& prompt,
+                                   uint32_t max_tokens, float temperature = 0,
+                                   uint64_t seed = 0,
+                                   const std::string& salt = "") {
   v1::GenerateRequest req;
   req.set_prompt(prompt);
   req.mutable_sampling()->set_max_tokens(max_tokens);

@@ -17,10 +17,12 @@ using ::testing::HasSubstr;
 
 std::string RunCli(const std::string& args) {
   std::string out;
-  FILE* p = popen((std::string(PDSERVE_BIN) + " " + args + " 2>/dev/null").c_str(), "r");
+  FILE* p = popen(
+      (std::string(PDSERVE_BIN) + " " + args + " 2>/dev/null").c_str(), "r");
   std::array<char, 4096> buf;
   size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0)
+    out.append(buf.data(), n);
   pclose(p);
   return out;
 }
@@ -28,15 +30,18 @@ std::string RunCli(const std::string& args) {
 std::vector<uint32_t> IdsFromJson(const std::string& json) {
   std::smatch m;
   std::vector<uint32_t> ids;
-  if (!std::regex_search(json, m, std::regex("\"token_ids\": \\[([0-9,]*)\\]"))) return ids;
-  for (absl::string_view s : absl::StrSplit(m[1].str(), ',', absl::SkipEmpty())) ids.push_back(std::stoul(std::string(s)));
+  if (!std::regex_search(json, m, std::regex("\"token_ids\": \\[([0-9,]*)\\]")))
+    return ids;
+  for (absl::string_view s : absl::StrSplit(m[1].str(), ',', absl::SkipEmpty()))
+    ids.push_back(std::stoul(std::string(s)));
   return ids;
 }
 
 // A long shared "system prompt" per family, so prompts span many blocks.
 std::string Family(int f) {
   std::string s = absl::StrCat("System prompt ", f, ": ");
-  for (int i = 0; i < 12; ++i) absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
+  for (int i = 0; i < 12; ++i)
+    absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
   return s;
 }
 
@@ -53,7 +58,8 @@ class ServingTest : public ::testing::Test {
 std::string* ServingTest::model_ = nullptr;
 
 TEST_F(ServingTest, OutputsAreIdenticalAcrossDisaggregatedColocatedAndLocal) {
-  Cluster disagg = Cluster::Start(*model_, 2, 2, {"--local-prefill-threshold=-1"});
+  Cluster disagg =
+      Cluster::Start(*model_, 2, 2, {"--local-prefill-threshold=-1"});
   Cluster coloc = Cluster::Start(*model_, 0, 1);
   const std::string prompt = Family(1) + "Question: what is seven times six?";
   for (auto [temp, seed] : {std::pair{0.0f, 0ull}, {0.9f, 77ull}}) {
@@ -61,20 +67,26 @@ TEST_F(ServingTest, OutputsAreIdenticalAcrossDisaggregatedColocatedAndLocal) {
     auto b = Generate(coloc.stub.get(), Request(prompt, 24, temp, seed));
     ASSERT_TRUE(a.status.ok()) << a.status.error_message();
     ASSERT_TRUE(b.status.ok()) << b.status.error_message();
-    const std::string local = RunCli(absl::StrCat("generate --model ", *model_, " --json --ignore-eos --max-tokens 24",
-                                                  " --temperature ", temp, " --seed ", seed, " --prompt '", prompt, "'"));
+    const std::string local = RunCli(absl::StrCat(
+        "generate --model ", *model_, " --json --ignore-eos --max-tokens 24",
+        " --temperature ", temp, " --seed ", seed, " --prompt '", prompt, "'"));
     EXPECT_EQ(a.tokens.size(), 24u);
     EXPECT_EQ(a.tokens, b.tokens) << "temperature " << temp;
     EXPECT_EQ(a.tokens, IdsFromJson(local)) << "temperature " << temp;
     EXPECT_EQ(a.text, b.text);
-    EXPECT_THAT(a.last.prefill_worker(), HasSubstr("prefill@"));  // really disaggregated
+    EXPECT_THAT(a.last.prefill_worker(),
+                HasSubstr("prefill@"));  // really disaggregated
     EXPECT_THAT(a.last.decode_worker(), HasSubstr("decode@"));
     EXPECT_EQ(a.last.finish_reason(), "length");
     EXPECT_EQ(a.last.usage().completion_tokens(), 24u);
   }
-  EXPECT_GT(MetricValue(Scrape(disagg.router.metrics_port), "pdserve_prefill_decisions_total{mode=\"remote\"}"), 0);
+  EXPECT_GT(MetricValue(Scrape(disagg.router.metrics_port),
+                        "pdserve_prefill_decisions_total{mode=\"remote\"}"),
+            0);
   double sent = 0;
-  for (auto& p : disagg.prefill) sent += MetricValue(Scrape(p.metrics_port), "pdserve_kv_transfer_bytes_total{direction=\"sent\"}");
+  for (auto& p : disagg.prefill)
+    sent += MetricValue(Scrape(p.metrics_port),
+                        "pdserve_kv_transfer_bytes_total{direction=\"sent\"}");
   EXPECT_GT(sent, 0);
 }
 
@@ -83,11 +95,16 @@ TEST_F(ServingTest, PrefixReuseIsReportedAndSaltsIsolateTenants) {
   const std::string shared = Family(2);
   auto first = Generate(c.stub.get(), Request(shared + "first question?", 4));
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
-  auto second = Generate(c.stub.get(), Request(shared + "a different second question?", 4));
+  auto second = Generate(c.stub.get(),
+                         Request(shared + "a different second question?", 4));
   ASSERT_TRUE(second.status.ok());
-  const uint32_t shared_tokens = static_cast<uint32_t>(shared.size() + 1);  // + BOS
-  EXPECT_GE(second.last.usage().cached_prompt_tokens(), shared_tokens / 16 * 16);
-  auto salted = Generate(c.stub.get(), Request(shared + "a different second question?", 4, 0, 0, "tenant-b"));
+  const uint32_t shared_tokens =
+      static_cast<uint32_t>(shared.size() + 1);  // + BOS
+  EXPECT_GE(second.last.usage().cached_prompt_tokens(),
+            shared_tokens / 16 * 16);
+  auto salted = Generate(
+      c.stub.get(),
+      Request(shared + "a different second question?", 4, 0, 0, "tenant-b"));
   ASSERT_TRUE(salted.status.ok());
   EXPECT_EQ(salted.last.usage().cached_prompt_tokens(), 0u);
 }
@@ -98,7 +115,9 @@ double FamilyStickiness(Cluster& c, int families, int rounds) {
   for (int r = 0; r < rounds; ++r) {
     for (int i = 0; i < families; ++i) {
       const int f = (i + r) % families;  // vary the arrival order per round
-      auto res = Generate(c.stub.get(), Request(Family(10 + f) + absl::StrCat(" user ", r, " asks."), 2));
+      auto res = Generate(
+          c.stub.get(),
+          Request(Family(10 + f) + absl::StrCat(" user ", r, " asks."), 2));
       EXPECT_TRUE(res.status.ok()) << res.status.error_message();
       if (r == 0) {
         home[f] = res.last.prefill_worker();
@@ -112,11 +131,14 @@ double FamilyStickiness(Cluster& c, int families, int rounds) {
 }
 
 TEST_F(ServingTest, CacheAwareRoutingKeepsPromptFamiliesOnTheirWorker) {
-  Cluster aware = Cluster::Start(*model_, 2, 1, {"--local-prefill-threshold=0"});
+  Cluster aware =
+      Cluster::Start(*model_, 2, 1, {"--local-prefill-threshold=0"});
   const double aware_rate = FamilyStickiness(aware, 4, 4);
-  Cluster rr = Cluster::Start(*model_, 2, 1, {"--local-prefill-threshold=0", "--policy=round_robin"});
+  Cluster rr = Cluster::Start(
+      *model_, 2, 1, {"--local-prefill-threshold=0", "--policy=round_robin"});
   const double rr_rate = FamilyStickiness(rr, 4, 4);
-  std::printf("family stickiness: cache_aware %.2f, round_robin %.2f\n", aware_rate, rr_rate);
+  std::printf("family stickiness: cache_aware %.2f, round_robin %.2f\n",
+              aware_rate, rr_rate);
   EXPECT_GE(aware_rate, 0.9);
   EXPECT_LT(rr_rate, 0.9);
 }
@@ -125,33 +147,41 @@ TEST_F(ServingTest, KilledDecodeWorkerMidStreamMigratesWithoutLosingTokens) {
   Cluster c = Cluster::Start(*model_, 1, 2, {"--local-prefill-threshold=0"});
   const std::string prompt = Family(3) + "Tell a long story.";
   const uint32_t n = 600;
-  const std::string local = RunCli(absl::StrCat("generate --model ", *model_, " --json --ignore-eos --max-tokens ", n,
-                                                " --prompt '", prompt, "'"));
+  const std::string local = RunCli(absl::StrCat(
+      "generate --model ", *model_, " --json --ignore-eos --max-tokens ", n,
+      " --prompt '", prompt, "'"));
   const auto expected = IdsFromJson(local);
   ASSERT_EQ(expected.size(), n);
   bool killed = false;
-  auto res = Generate(c.stub.get(), Request(prompt, n), [&](const v1::GenerateResponse&) {
-    if (killed) return;
-    // Find the decode worker running our request and kill it hard.
-    for (auto& d : c.decode) {
-      if (MetricValue(Scrape(d.metrics_port), "pdserve_num_requests_running") > 0) {
-        Kill(&d);
-        killed = true;
-        return;
-      }
-    }
-  });
+  auto res = Generate(c.stub.get(), Request(prompt, n),
+                      [&](const v1::GenerateResponse&) {
+                        if (killed) return;
+                        // Find the decode worker running our request and kill
+                        // it hard.
+                        for (auto& d : c.decode) {
+                          if (MetricValue(Scrape(d.metrics_port),
+                                          "pdserve_num_requests_running") > 0) {
+                            Kill(&d);
+                            killed = true;
+                            return;
+                          }
+                        }
+                      });
   ASSERT_TRUE(killed) << "the request finished before a worker could be killed";
   ASSERT_TRUE(res.status.ok()) << res.status.error_message();
   EXPECT_EQ(res.tokens, expected);  // no duplicate, no missing token
-  EXPECT_GE(MetricValue(Scrape(c.router.metrics_port), "pdserve_request_retries_total"), 1);
+  EXPECT_GE(MetricValue(Scrape(c.router.metrics_port),
+                        "pdserve_request_retries_total"),
+            1);
   // Every surviving worker holds no active blocks afterwards.
   for (Proc* p : c.All()) {
     if (!p->alive() || p->role == "router") continue;
     double active = -1;
     for (int i = 0; i < 50 && active != 0; ++i) {
-      active = MetricValue(Scrape(p->metrics_port), "pdserve_kv_cache_blocks{state=\"active\"}");
-      if (active != 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      active = MetricValue(Scrape(p->metrics_port),
+                           "pdserve_kv_cache_blocks{state=\"active\"}");
+      if (active != 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     EXPECT_EQ(active, 0) << p->role << " " << p->address;
   }
@@ -170,12 +200,15 @@ TEST_F(ServingTest, KilledPrefillWorkerIsRetriedOnAnother) {
   auto res = Generate(c.stub.get(), Request(prompt, 8));
   ASSERT_TRUE(res.status.ok()) << res.status.error_message();
   EXPECT_EQ(res.tokens.size(), 8u);
-  const std::string local = RunCli(absl::StrCat("generate --model ", *model_, " --json --ignore-eos --max-tokens 8",
-                                                " --prompt '", prompt, "'"));
+  const std::string local = RunCli(absl::StrCat(
+      "generate --model ", *model_, " --json --ignore-eos --max-tokens 8",
+      " --prompt '", prompt, "'"));
   EXPECT_EQ(res.tokens, IdsFromJson(local));
   for (Proc* p : c.All()) {
     if (!p->alive() || p->role == "router") continue;
-    EXPECT_EQ(MetricValue(Scrape(p->metrics_port), "pdserve_kv_cache_blocks{state=\"active\"}"), 0);
+    EXPECT_EQ(MetricValue(Scrape(p->metrics_port),
+                          "pdserve_kv_cache_blocks{state=\"active\"}"),
+              0);
   }
 }
 
@@ -186,7 +219,8 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
   };
   EXPECT_EQ(code(Request("", 4)), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(code(Request("hi", 0)), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(code(Request("hi", 4000)), grpc::StatusCode::INVALID_ARGUMENT);  // over max_model_len 2048
+  EXPECT_EQ(code(Request("hi", 4000)),
+            grpc::StatusCode::INVALID_ARGUMENT);  // over max_model_len 2048
   EXPECT_EQ(code(Request("hi", 4, -1)), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(code(Request("hi", 4, 101)), grpc::StatusCode::INVALID_ARGUMENT);
   auto bad_top_p = Request("hi", 4, 1);
@@ -195,7 +229,8 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
   v1::GenerateRequest no_input;
   no_input.mutable_sampling()->set_max_tokens(3);
   EXPECT_EQ(code(no_input), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(code(Request("a long answer please", 2000), 300), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(code(Request("a long answer please", 2000), 300),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
   // Stop strings end the stream with "stop".
   auto plain = Generate(c.stub.get(), Request("stop test", 40));
   ASSERT_TRUE(plain.status.ok());
@@ -204,7 +239,8 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
   stop_req.mutable_sampling()->add_stop(plain.text.substr(4, 2));
   auto stopped = Generate(c.stub.get(), stop_req);
   EXPECT_EQ(stopped.last.finish_reason(), "stop");
-  EXPECT_EQ(stopped.text, plain.text.substr(0, plain.text.find(plain.text.substr(4, 2))));
+  EXPECT_EQ(stopped.text,
+            plain.text.substr(0, plain.text.find(plain.text.substr(4, 2))));
   // A cancelled client frees every block on every worker.
   {
     grpc::ClientContext ctx;
@@ -220,8 +256,10 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
     if (p->role == "router") continue;
     double active = -1;
     for (int i = 0; i < 50 && active != 0; ++i) {
-      active = MetricValue(Scrape(p->metrics_port), "pdserve_kv_cache_blocks{state=\"active\"}");
-      if (active != 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      active = MetricValue(Scrape(p->metrics_port),
+                           "pdserve_kv_cache_blocks{state=\"active\"}");
+      if (active != 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     EXPECT_EQ(active, 0) << p->address;
   }
@@ -236,21 +274,26 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
 TEST_F(ServingTest, FullKvCacheEverywhereIsResourceExhaustedAfterABoundedWait) {
   // tiny model, fp32 KV: 8 KiB per 16-token block, so 64 KiB = 8 blocks per
   // worker; a 61-token prompt + 60 tokens needs all 8 of the decode worker's.
-  Cluster c = Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=-1"},
-                             {"--kv-cache-memory=64KiB", "--admission-timeout-ms=500"});
+  Cluster c =
+      Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=-1"},
+                     {"--kv-cache-memory=64KiB", "--admission-timeout-ms=500"});
   std::atomic<bool> first_started{false};
   std::thread long_request([&] {
-    auto r = Generate(c.stub.get(), Request(Family(6).substr(0, 60), 60),
-                      [&](const v1::GenerateResponse&) { first_started = true; });
+    auto r =
+        Generate(c.stub.get(), Request(Family(6).substr(0, 60), 60),
+                 [&](const v1::GenerateResponse&) { first_started = true; });
     EXPECT_TRUE(r.status.ok()) << r.status.error_message();
     first_started = true;
   });
-  for (int i = 0; i < 1000 && !first_started; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 1000 && !first_started; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   auto res = Generate(c.stub.get(), Request(Family(7).substr(0, 60), 60));
   long_request.join();
-  // Either it waited and then ran (the first finished in time) or it was refused.
+  // Either it waited and then ran (the first finished in time) or it was
+  // refused.
   if (!res.status.ok()) {
-    EXPECT_EQ(res.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << res.status.error_message();
+    EXPECT_EQ(res.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << res.status.error_message();
   }
   // A request that can never fit is refused at once.
   auto huge = Generate(c.stub.get(), Request(Family(8), 200));
@@ -260,28 +303,39 @@ TEST_F(ServingTest, FullKvCacheEverywhereIsResourceExhaustedAfterABoundedWait) {
 TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
   Cluster c = Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=0"});
   ASSERT_TRUE(Generate(c.stub.get(), Request(Family(9), 5)).status.ok());
-  const std::string file = std::filesystem::temp_directory_path() / ("pdserve_metrics_" + std::to_string(::getpid()));
+  const std::string file = std::filesystem::temp_directory_path() /
+                           ("pdserve_metrics_" + std::to_string(::getpid()));
   for (Proc* p : c.All()) {
     const std::string text = Scrape(p->metrics_port);
     ASSERT_FALSE(text.empty()) << p->role;
     std::ofstream(file) << text;
     for (const char* name : {"pdserve_"}) EXPECT_THAT(text, HasSubstr(name));
-    const int rc = std::system((std::string(PDSERVE_PROMTOOL) + " check metrics < " + file + " > " + file + ".out 2>&1").c_str());
+    const int rc =
+        std::system((std::string(PDSERVE_PROMTOOL) + " check metrics < " +
+                     file + " > " + file + ".out 2>&1")
+                        .c_str());
     std::ifstream out(file + ".out");
-    EXPECT_EQ(rc, 0) << p->role << ": " << std::string(std::istreambuf_iterator<char>(out), {});
+    EXPECT_EQ(rc, 0) << p->role << ": "
+                     << std::string(std::istreambuf_iterator<char>(out), {});
   }
   const std::string router = Scrape(c.router.metrics_port);
-  for (const char* m : {"pdserve_requests_total", "pdserve_time_to_first_token_seconds_bucket",
-                        "pdserve_inter_token_latency_seconds_bucket", "pdserve_request_duration_seconds_bucket",
-                        "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
-                        "pdserve_prefill_decisions_total", "pdserve_request_retries_total", "pdserve_workers"}) {
+  for (const char* m :
+       {"pdserve_requests_total", "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_inter_token_latency_seconds_bucket",
+        "pdserve_request_duration_seconds_bucket",
+        "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
+        "pdserve_prefill_decisions_total", "pdserve_request_retries_total",
+        "pdserve_workers"}) {
     EXPECT_THAT(router, HasSubstr(m));
   }
   const std::string worker = Scrape(c.decode[0].metrics_port);
-  for (const char* m : {"pdserve_num_requests_running", "pdserve_num_requests_waiting", "pdserve_kv_cache_blocks",
-                        "pdserve_prefix_cache_queried_tokens_total", "pdserve_prefix_cache_hit_tokens_total",
-                        "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_duration_seconds",
-                        "pdserve_kv_transfer_failures_total"}) {
+  for (const char* m :
+       {"pdserve_num_requests_running", "pdserve_num_requests_waiting",
+        "pdserve_kv_cache_blocks", "pdserve_prefix_cache_queried_tokens_total",
+        "pdserve_prefix_cache_hit_tokens_total",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_duration_seconds",
+        "pdserve_kv_transfer_failures_total"}) {
     EXPECT_THAT(worker, HasSubstr(m));
   }
 }
@@ -301,20 +355,23 @@ TEST_F(ServingTest, SigtermDrainsADecodeWorkerWithoutClientErrors) {
   for (int i = 0; i < kClients; ++i) {
     clients.emplace_back([&, i] {
       bool counted = false;
-      results[i] = Generate(c.stub.get(), Request(Family(20 + i), 150), [&](const v1::GenerateResponse&) {
-        if (!counted) ++streaming;
-        counted = true;
-      });
+      results[i] = Generate(c.stub.get(), Request(Family(20 + i), 150),
+                            [&](const v1::GenerateResponse&) {
+                              if (!counted) ++streaming;
+                              counted = true;
+                            });
     });
   }
-  while (streaming < kClients / 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  while (streaming < kClients / 2)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   Kill(&c.decode[0], SIGTERM);  // waits for the process: drain then exit
   // New work keeps flowing to the remaining worker meanwhile.
   auto after = Generate(c.stub.get(), Request(Family(30), 10));
   for (auto& t : clients) t.join();
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   for (int i = 0; i < kClients; ++i) {
-    EXPECT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_TRUE(results[i].status.ok())
+        << i << ": " << results[i].status.error_message();
     EXPECT_EQ(results[i].tokens.size(), 150u) << i;
   }
 }

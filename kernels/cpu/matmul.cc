@@ -15,8 +15,8 @@ constexpr int kLanes = 8;
 // Fixed lane reduction: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), then the k tail
 // in order. Both the AVX2 and the portable kernel end through this function,
 // so they agree bit for bit.
-inline float FinishDot(const float lanes[kLanes], const float* a, const float* b,
-                       int64_t k8, int64_t k) {
+inline float FinishDot(const float lanes[kLanes], const float* a,
+                       const float* b, int64_t k8, int64_t k) {
   const float s04 = lanes[0] + lanes[4], s26 = lanes[2] + lanes[6];
   const float s15 = lanes[1] + lanes[5], s37 = lanes[3] + lanes[7];
   float s = (s04 + s26) + (s15 + s37);
@@ -28,7 +28,8 @@ float DotPortable(const float* a, const float* b, int64_t k) {
   float lanes[kLanes] = {0};
   const int64_t k8 = k & ~int64_t{kLanes - 1};
   for (int64_t i = 0; i < k8; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
+    for (int l = 0; l < kLanes; ++l)
+      lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
   }
   return FinishDot(lanes, a, b, k8, k);
 }
@@ -38,7 +39,8 @@ float DotPortable(const float* a, const float* b, int64_t k) {
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t ldx,
                                                   const float* w, int64_t ldw,
-                                                  int64_t k, float* y, int64_t ldy) {
+                                                  int64_t k, float* y,
+                                                  int64_t ldy) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -48,7 +50,8 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t ldx,
     for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   alignas(32) float lanes[kLanes];
@@ -60,15 +63,16 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t ldx,
   }
 }
 
-__attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b,
-                                                  int64_t k) {
+__attribute__((target("avx2,fma"))) float DotAvx2(const float* a,
+                                                  const float* b, int64_t k) {
   float y;
   TileAvx2<1, 1>(a, k, b, k, k, &y, 1);
   return y;
 }
 
 bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
 
@@ -79,7 +83,8 @@ void DeterministicPanel(const float* x, int64_t m, int64_t k, const float* w,
   constexpr int64_t kRowBlock = 64;
   if (!HasAvx2()) {
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = n0; j < n1; ++j) y[i * n + j] = DotPortable(x + i * k, w + j * k, k);
+      for (int64_t j = n0; j < n1; ++j)
+        y[i * n + j] = DotPortable(x + i * k, w + j * k, k);
     return;
   }
   for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
@@ -87,13 +92,17 @@ void DeterministicPanel(const float* x, int64_t m, int64_t k, const float* w,
     int64_t j = n0;
     for (; j + 3 <= n1; j += 3) {
       int64_t i = i0;
-      for (; i + 4 <= i1; i += 4) TileAvx2<4, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-      for (; i < i1; ++i) TileAvx2<1, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i + 4 <= i1; i += 4)
+        TileAvx2<4, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i < i1; ++i)
+        TileAvx2<1, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
     }
     for (; j < n1; ++j) {
       int64_t i = i0;
-      for (; i + 4 <= i1; i += 4) TileAvx2<4, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-      for (; i < i1; ++i) TileAvx2<1, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i + 4 <= i1; i += 4)
+        TileAvx2<4, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
+      for (; i < i1; ++i)
+        TileAvx2<1, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
     }
   }
 }
@@ -132,10 +141,11 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
   if (m <= 0 || n <= 0) return;
   if (mode == MatMulMode::kBlas) {
     if (m == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x, 1, 0.0f, y, 1);
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x, 1, 0.0f, y,
+                  1);
     } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k,
-                  0.0f, y, n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k,
+                  w, k, 0.0f, y, n);
     }
     return;
   }
@@ -143,8 +153,10 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
   // threads while each panel's weights stay cache-resident across row blocks.
   constexpr int64_t kPanel = 48;
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), panels));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * n * k > (1 << 16))
+  const int threads =
+      static_cast<int>(std::min<int64_t>(KernelThreads(), panels));
+#pragma omp parallel for schedule(static) \
+    num_threads(threads) if (threads > 1 && m * n * k > (1 << 16))
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kPanel;
     DeterministicPanel(x, m, k, w, n0, std::min(n, n0 + kPanel), y, n);

@@ -16,8 +16,8 @@
 #pragma once
 
 #include <cstdint>
-#include <string_view>
 #include <optional>
+#include <string_view>
 
 namespace pdserve::kernels {
 

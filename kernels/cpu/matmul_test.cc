@@ -30,8 +30,10 @@ TEST_F(MatMulTest, MatchesDoublePrecisionReference) {
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < n; ++j) {
         double ref = 0;
-        for (int64_t p = 0; p < k; ++p) ref += double(x[i * k + p]) * w[j * k + p];
-        EXPECT_NEAR(y[i * n + j], ref, 1e-4 * (1 + std::fabs(ref))) << "k=" << k;
+        for (int64_t p = 0; p < k; ++p)
+          ref += double(x[i * k + p]) * w[j * k + p];
+        EXPECT_NEAR(y[i * n + j], ref, 1e-4 * (1 + std::fabs(ref)))
+            << "k=" << k;
       }
     }
   }
@@ -46,7 +48,8 @@ TEST_F(MatMulTest, DeterministicRowsDoNotDependOnBatchSize) {
     for (int64_t off : {int64_t{0}, max_m - m}) {
       std::vector<float> y(m * n);
       MatMulNT(x.data() + off * k, m, k, w.data(), n, y.data());
-      EXPECT_EQ(0, std::memcmp(y.data(), full.data() + off * n, y.size() * sizeof(float)))
+      EXPECT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
+                               y.size() * sizeof(float)))
           << "m=" << m << " off=" << off;
     }
   }

@@ -10,7 +10,8 @@ namespace pdserve::kernels {
 
 void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
              int64_t dim, float eps, float* out) {
-#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
+#pragma omp parallel for schedule(static) \
+    num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * dim;
     if (residual != nullptr) {
@@ -19,7 +20,8 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
       in = res;
     }
     double sum_sq = 0;
-    for (int64_t i = 0; i < dim; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
+    for (int64_t i = 0; i < dim; ++i)
+      sum_sq += static_cast<double>(in[i]) * in[i];
     const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
     float* o = out + r * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = in[i] * inv * weight[i];
@@ -29,9 +31,11 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
 void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                const int32_t* positions, const float* inv_freq) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
+#pragma omp parallel for schedule(static) \
+    num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
-    float cos_t[512], sin_t[512];  // head_dim <= 1024 is validated by the model config
+    float cos_t[512],
+        sin_t[512];  // head_dim <= 1024 is validated by the model config
     const float pos = static_cast<float>(positions[r]);
     for (int64_t i = 0; i < half; ++i) {
       const float angle = pos * inv_freq[i];
@@ -50,12 +54,14 @@ void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
 }
 
 void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
-#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (rows > 16)
+#pragma omp parallel for schedule(static) \
+    num_threads(KernelThreads()) if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * inter;
     const float* u = g + inter;
     float* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < inter; ++i)
+      o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
 }
 
@@ -80,7 +86,8 @@ std::vector<float> RopeInvFreq(int64_t head_dim, double theta,
   if (scaling.factor > 0) {
     // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
     // the band between is interpolated smoothly.
-    const double orig = static_cast<double>(scaling.original_max_position_embeddings);
+    const double orig =
+        static_cast<double>(scaling.original_max_position_embeddings);
     const double low_wavelen = orig / scaling.low_freq_factor;
     const double high_wavelen = orig / scaling.high_freq_factor;
     for (auto& f : inv) {
@@ -88,8 +95,9 @@ std::vector<float> RopeInvFreq(int64_t head_dim, double theta,
       if (wavelen > low_wavelen) {
         f = static_cast<float>(f / scaling.factor);
       } else if (wavelen >= high_wavelen) {
-        const double smooth = (orig / wavelen - scaling.low_freq_factor) /
-                              (scaling.high_freq_factor - scaling.low_freq_factor);
+        const double smooth =
+            (orig / wavelen - scaling.low_freq_factor) /
+            (scaling.high_freq_factor - scaling.low_freq_factor);
         f = static_cast<float>((1 - smooth) * f / scaling.factor + smooth * f);
       }
     }

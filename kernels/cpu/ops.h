@@ -20,7 +20,8 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
 void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                const int32_t* positions, const float* inv_freq);
 
-// gate_up: [rows, 2 * inter] (gate then up); out: [rows, inter] = silu(gate) * up.
+// gate_up: [rows, 2 * inter] (gate then up); out: [rows, inter] = silu(gate) *
+// up.
 void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out);
 
 // In-place numerically stable softmax over n values.

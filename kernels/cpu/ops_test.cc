@@ -50,25 +50,31 @@ TEST_F(OpsTest, RopeRotatesHalvesByPositionAndKeepsNorm) {
   const int32_t pos[] = {0, 5};
   auto inv = RopeInvFreq(hd, 10000.0, {});
   ApplyRope(x.data(), 2, heads, hd, pos, inv.data());
-  for (int64_t i = 0; i < heads * hd; ++i) EXPECT_FLOAT_EQ(x[i], orig[i]);  // position 0
+  for (int64_t i = 0; i < heads * hd; ++i)
+    EXPECT_FLOAT_EQ(x[i], orig[i]);  // position 0
   for (int64_t h = 0; h < heads; ++h) {
     const float* a = orig.data() + (heads + h) * hd;
     const float* b = x.data() + (heads + h) * hd;
     for (int64_t i = 0; i < hd / 2; ++i) {
       const double ang = 5.0 * std::pow(10000.0, -2.0 * i / hd);
-      EXPECT_NEAR(b[i], a[i] * std::cos(ang) - a[i + hd / 2] * std::sin(ang), 1e-5);
-      EXPECT_NEAR(b[i + hd / 2], a[i + hd / 2] * std::cos(ang) + a[i] * std::sin(ang), 1e-5);
+      EXPECT_NEAR(b[i], a[i] * std::cos(ang) - a[i + hd / 2] * std::sin(ang),
+                  1e-5);
+      EXPECT_NEAR(b[i + hd / 2],
+                  a[i + hd / 2] * std::cos(ang) + a[i] * std::sin(ang), 1e-5);
     }
   }
 }
 
 TEST_F(OpsTest, Llama3RopeScalingSlowsOnlyLowFrequencies) {
-  RopeScaling s{.factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+  RopeScaling s{.factor = 8,
+                .low_freq_factor = 1,
+                .high_freq_factor = 4,
                 .original_max_position_embeddings = 8192};
   auto plain = RopeInvFreq(128, 500000.0, {});
   auto scaled = RopeInvFreq(128, 500000.0, s);
-  EXPECT_FLOAT_EQ(scaled[0], plain[0]);                  // highest frequency kept
-  EXPECT_FLOAT_EQ(scaled.back(), plain.back() / 8.0f);  // lowest slowed by factor
+  EXPECT_FLOAT_EQ(scaled[0], plain[0]);  // highest frequency kept
+  EXPECT_FLOAT_EQ(scaled.back(),
+                  plain.back() / 8.0f);  // lowest slowed by factor
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_LE(scaled[i], plain[i] * 1.000001f);
     EXPECT_GE(scaled[i], plain[i] / 8.0f * 0.999999f);

@@ -14,22 +14,33 @@ constexpr int kQueryChunk = 32;  // queries per attention task
 
 inline float LoadElem(const void* base, DType t, int64_t idx) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(base)[idx];
-    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(base)[idx]);
-    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(base)[idx]);
-    case DType::kI8: return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
+    case DType::kF32:
+      return static_cast<const float*>(base)[idx];
+    case DType::kF16:
+      return F16ToFloat(static_cast<const uint16_t*>(base)[idx]);
+    case DType::kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(base)[idx]);
+    case DType::kI8:
+      return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
   }
   return 0;
 }
 
 inline void StoreElem(void* base, DType t, int64_t idx, float v) {
   switch (t) {
-    case DType::kF32: static_cast<float*>(base)[idx] = v; break;
-    case DType::kF16: static_cast<uint16_t*>(base)[idx] = FloatToF16(v); break;
-    case DType::kBF16: static_cast<uint16_t*>(base)[idx] = FloatToBf16(v); break;
+    case DType::kF32:
+      static_cast<float*>(base)[idx] = v;
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(base)[idx] = FloatToF16(v);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(base)[idx] = FloatToBf16(v);
+      break;
     case DType::kI8: {
       const float r = std::nearbyint(v);
-      static_cast<int8_t*>(base)[idx] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+      static_cast<int8_t*>(base)[idx] =
+          static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
       break;
     }
   }
@@ -40,7 +51,8 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
   const int64_t base = c.Offset(block, kv, head);
   const int64_t dst = base + int64_t{offset} * c.head_dim;
   if (c.dtype != DType::kI8) {
-    for (int d = 0; d < c.head_dim; ++d) StoreElem(c.data, c.dtype, dst + d, src[d]);
+    for (int d = 0; d < c.head_dim; ++d)
+      StoreElem(c.data, c.dtype, dst + d, src[d]);
     return;
   }
   float& scale = c.scales[(block * 2 + kv) * c.num_kv_heads + head];
@@ -54,13 +66,15 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
     if (scale > 0) {
       const float ratio = scale / needed;
       for (int64_t i = base; i < dst; ++i) {
-        q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(q[i] * ratio), -127.0f, 127.0f));
+        q[i] = static_cast<int8_t>(
+            std::clamp(std::nearbyint(q[i] * ratio), -127.0f, 127.0f));
       }
     }
     scale = needed;
   }
   const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-  for (int d = 0; d < c.head_dim; ++d) StoreElem(c.data, DType::kI8, dst + d, src[d] * inv);
+  for (int d = 0; d < c.head_dim; ++d)
+    StoreElem(c.data, DType::kI8, dst + d, src[d] * inv);
 }
 
 }  // namespace
@@ -69,19 +83,22 @@ void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache) {
   const int64_t stride = int64_t{cache.num_kv_heads} * cache.head_dim;
   // Parallel over heads: tokens of one (block, head) stay in order.
-#pragma omp parallel for schedule(static) num_threads(KernelThreads()) if (num_tokens * stride > 8192)
+#pragma omp parallel for schedule(static) \
+    num_threads(KernelThreads()) if (num_tokens * stride > 8192)
   for (int h = 0; h < cache.num_kv_heads; ++h) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t block = slots[t] / cache.block_size;
       const int offset = static_cast<int>(slots[t] % cache.block_size);
-      WriteOne(k + t * stride + int64_t{h} * cache.head_dim, block, offset, 0, h, cache);
-      WriteOne(v + t * stride + int64_t{h} * cache.head_dim, block, offset, 1, h, cache);
+      WriteOne(k + t * stride + int64_t{h} * cache.head_dim, block, offset, 0,
+               h, cache);
+      WriteOne(v + t * stride + int64_t{h} * cache.head_dim, block, offset, 1,
+               h, cache);
     }
   }
 }
 
-void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head, int count,
-                 float* out) {
+void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
+                 int count, float* out) {
   const int64_t base = cache.Offset(block, kv, head);
   const int64_t n = int64_t{count} * cache.head_dim;
   if (cache.dtype == DType::kF32) {
@@ -89,11 +106,15 @@ void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head, int 
     return;
   }
   const float scale =
-      cache.dtype == DType::kI8 ? cache.scales[(block * 2 + kv) * cache.num_kv_heads + head] : 1.0f;
-  for (int64_t i = 0; i < n; ++i) out[i] = LoadElem(cache.data, cache.dtype, base + i) * scale;
+      cache.dtype == DType::kI8
+          ? cache.scales[(block * 2 + kv) * cache.num_kv_heads + head]
+          : 1.0f;
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = LoadElem(cache.data, cache.dtype, base + i) * scale;
 }
 
-void PagedAttention(const float* q, int32_t num_heads, std::span<const AttentionSeq> seqs,
+void PagedAttention(const float* q, int32_t num_heads,
+                    std::span<const AttentionSeq> seqs,
                     const KvLayerView& cache, float scale, float* out) {
   const int kv_heads = cache.num_kv_heads;
   const int group = num_heads / kv_heads;
@@ -114,7 +135,8 @@ void PagedAttention(const float* q, int32_t num_heads, std::span<const Attention
     }
   }
   const int64_t row_stride = int64_t{num_heads} * d;
-#pragma omp parallel num_threads(std::min<int>(KernelThreads(), static_cast<int>(tasks.size())))
+#pragma omp parallel num_threads( \
+    std::min <int>(KernelThreads(), static_cast <int>(tasks.size())))
   {
     std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
     std::vector<float> acc, m, l;
@@ -148,7 +170,8 @@ void PagedAttention(const float* q, int32_t num_heads, std::span<const Attention
             float scores[256];  // block_size <= 256 is validated
             float block_max = -std::numeric_limits<float>::infinity();
             for (int t = 0; t < valid; ++t) {
-              scores[t] = DotFixedOrder(qv, kbuf.data() + int64_t{t} * d, d) * scale;
+              scores[t] =
+                  DotFixedOrder(qv, kbuf.data() + int64_t{t} * d, d) * scale;
               block_max = std::max(block_max, scores[t]);
             }
             const float new_m = std::max(m[st], block_max);

@@ -28,16 +28,17 @@ struct KvLayerView {
   }
   // Element offset of (block, kv, head, slot=0, dim=0).
   int64_t Offset(int64_t block, int kv, int head) const {
-    return ((block * 2 + kv) * num_kv_heads + head) * int64_t{block_size} * head_dim;
+    return ((block * 2 + kv) * num_kv_heads + head) * int64_t{block_size} *
+           head_dim;
   }
 };
 
-// Writes K and V of `num_tokens` tokens: k, v: [num_tokens, kv_heads, head_dim];
-// slots[t] = block * block_size + offset_in_block. For int8 the per-(block,
-// head) scale grows when a new value exceeds it and the block's earlier
-// entries are requantised, so a scale never clips. A token at offset 0 starts
-// a fresh scale (the block was just allocated to this sequence). Tokens are
-// written in order, so the result is the same whether they arrive one per
+// Writes K and V of `num_tokens` tokens: k, v: [num_tokens, kv_heads,
+// head_dim]; slots[t] = block * block_size + offset_in_block. For int8 the
+// per-(block, head) scale grows when a new value exceeds it and the block's
+// earlier entries are requantised, so a scale never clips. A token at offset 0
+// starts a fresh scale (the block was just allocated to this sequence). Tokens
+// are written in order, so the result is the same whether they arrive one per
 // decode step or all in one prefill chunk.
 void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache);
@@ -63,7 +64,8 @@ struct AttentionSeq {
 // (sequence, KV head, query chunk) and shared by the whole query group.
 // Online softmax in fp32 over blocks in order, so a query's result does not
 // depend on how many other queries share the call (prefill == decode).
-void PagedAttention(const float* q, int32_t num_heads, std::span<const AttentionSeq> seqs,
+void PagedAttention(const float* q, int32_t num_heads,
+                    std::span<const AttentionSeq> seqs,
                     const KvLayerView& cache, float scale, float* out);
 
 }  // namespace pdserve::kernels

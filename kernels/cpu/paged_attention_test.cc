@@ -24,14 +24,17 @@ struct PagedFixture {
 
 class PagedAttentionTest : public ::testing::Test {
  protected:
-  PagedFixture Build(DType dtype, int kv_heads, int hd, int bs, const std::vector<int>& lens) {
+  PagedFixture Build(DType dtype, int kv_heads, int hd, int bs,
+                     const std::vector<int>& lens) {
     PagedFixture f;
     int total_blocks = 0;
     for (int len : lens) total_blocks += (len + bs - 1) / bs;
     total_blocks += 3;  // unused blocks in between
     f.view = {nullptr, nullptr, dtype, kv_heads, hd, bs};
-    f.data.assign(total_blocks * f.view.ElementsPerBlock() * DTypeBytes(dtype), 0xAB);
-    f.scales.assign(total_blocks * 2 * kv_heads, 123.0f);  // stale garbage on purpose
+    f.data.assign(total_blocks * f.view.ElementsPerBlock() * DTypeBytes(dtype),
+                  0xAB);
+    f.scales.assign(total_blocks * 2 * kv_heads,
+                    123.0f);  // stale garbage on purpose
     f.view.data = f.data.data();
     f.view.scales = f.scales.data();
     std::vector<int32_t> perm(total_blocks);
@@ -41,12 +44,14 @@ class PagedAttentionTest : public ::testing::Test {
     std::normal_distribution<float> dist;
     for (int len : lens) {
       std::vector<int32_t> table;
-      for (int b = 0; b < (len + bs - 1) / bs; ++b) table.push_back(perm[next++]);
+      for (int b = 0; b < (len + bs - 1) / bs; ++b)
+        table.push_back(perm[next++]);
       std::vector<float> k(len * kv_heads * hd), v(len * kv_heads * hd);
       for (auto& x : k) x = dist(rng_);
       for (auto& x : v) x = dist(rng_);
       std::vector<int64_t> slots(len);
-      for (int t = 0; t < len; ++t) slots[t] = int64_t{table[t / bs]} * bs + t % bs;
+      for (int t = 0; t < len; ++t)
+        slots[t] = int64_t{table[t / bs]} * bs + t % bs;
       WriteKv(k.data(), v.data(), len, slots.data(), f.view);
       f.tables.push_back(table);
       f.k.push_back(k);
@@ -66,13 +71,16 @@ struct Case {
 TEST_F(PagedAttentionTest, MatchesDenseReferenceOverShapesAndDtypes) {
   // Tolerances: fp32 is exact up to summation order; fp16 (11-bit mantissa),
   // bf16 (8-bit) and int8 (per-block-per-head absmax scale) add storage error.
-  const Case cases[] = {{DType::kF32, 1e-5f}, {DType::kF16, 3e-3f},
-                        {DType::kBF16, 2e-2f}, {DType::kI8, 4e-2f}};
+  const Case cases[] = {{DType::kF32, 1e-5f},
+                        {DType::kF16, 3e-3f},
+                        {DType::kBF16, 2e-2f},
+                        {DType::kI8, 4e-2f}};
   for (const Case& c : cases) {
     for (int group : {1, 4, 8}) {
       for (int bs : {1, 16, 32}) {
         const int kv_heads = 2, hd = 32, heads = kv_heads * group;
-        const std::vector<int> lens = {1, 37, bs * 3};  // partial and exact last blocks
+        const std::vector<int> lens = {
+            1, 37, bs * 3};  // partial and exact last blocks
         PagedFixture f = Build(c.dtype, kv_heads, hd, bs, lens);
         // Each sequence queries its last 5 positions (a prefill chunk).
         std::vector<AttentionSeq> seqs;
@@ -98,14 +106,16 @@ TEST_F(PagedAttentionTest, MatchesDenseReferenceOverShapesAndDtypes) {
               double mx = -1e300, sum = 0;
               for (int t = 0; t <= pos; ++t) {
                 double dot = 0;
-                for (int i = 0; i < hd; ++i) dot += double(qv[i]) * f.k[s][(t * kv_heads + kvh) * hd + i];
+                for (int i = 0; i < hd; ++i)
+                  dot += double(qv[i]) * f.k[s][(t * kv_heads + kvh) * hd + i];
                 w[t] = dot * scale;
                 mx = std::max(mx, w[t]);
               }
               for (auto& x : w) sum += (x = std::exp(x - mx));
               for (int i = 0; i < hd; ++i) {
                 double ref = 0;
-                for (int t = 0; t <= pos; ++t) ref += w[t] / sum * f.v[s][(t * kv_heads + kvh) * hd + i];
+                for (int t = 0; t <= pos; ++t)
+                  ref += w[t] / sum * f.v[s][(t * kv_heads + kvh) * hd + i];
                 ASSERT_NEAR(out[(row * heads + h) * hd + i], ref, c.tol)
                     << DTypeName(c.dtype) << " group=" << group << " bs=" << bs
                     << " seq=" << s << " pos=" << pos;
@@ -123,14 +133,17 @@ TEST_F(PagedAttentionTest, ChunkedPrefillEqualsOneQueryAtATimeBitForBit) {
     const int kv_heads = 2, group = 4, heads = 8, hd = 64, bs = 16, len = 70;
     PagedFixture f = Build(dtype, kv_heads, hd, bs, {len});
     std::normal_distribution<float> dist;
-    std::vector<float> q(len * heads * hd), all(len * heads * hd), one(heads * hd);
+    std::vector<float> q(len * heads * hd), all(len * heads * hd),
+        one(heads * hd);
     for (auto& x : q) x = dist(rng_);
     AttentionSeq seq{0, len, 0, f.tables[0].data()};
     PagedAttention(q.data(), heads, {&seq, 1}, f.view, 0.125f, all.data());
     for (int pos = 0; pos < len; ++pos) {
       AttentionSeq single{0, 1, pos, f.tables[0].data()};
-      PagedAttention(q.data() + pos * heads * hd, heads, {&single, 1}, f.view, 0.125f, one.data());
-      ASSERT_EQ(0, std::memcmp(one.data(), all.data() + pos * heads * hd, one.size() * 4))
+      PagedAttention(q.data() + pos * heads * hd, heads, {&single, 1}, f.view,
+                     0.125f, one.data());
+      ASSERT_EQ(0, std::memcmp(one.data(), all.data() + pos * heads * hd,
+                               one.size() * 4))
           << DTypeName(dtype) << " pos=" << pos;
     }
     (void)group;
@@ -146,7 +159,8 @@ TEST_F(PagedAttentionTest, Int8TokenByTokenWritesEqualOneChunkWrite) {
   std::vector<int64_t> slots(len);
   for (int t = 0; t < len; ++t) slots[t] = int64_t{f.tables[0][0]} * bs + t;
   for (int t = 0; t < len; ++t) {
-    WriteKv(f.k[0].data() + t * hd, f.v[0].data() + t * hd, 1, &slots[t], f.view);
+    WriteKv(f.k[0].data() + t * hd, f.v[0].data() + t * hd, 1, &slots[t],
+            f.view);
   }
   EXPECT_EQ(chunk_data, f.data);
   EXPECT_EQ(chunk_scales, f.scales);

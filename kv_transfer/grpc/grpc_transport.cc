@@ -17,8 +17,12 @@ v1::KvLayout ToProto(const KvLayout& l) {
 }
 
 KvLayout FromProto(const v1::KvLayout& p) {
-  return {p.fingerprint(), static_cast<int32_t>(p.num_layers()), static_cast<int32_t>(p.kv_heads()),
-          static_cast<int32_t>(p.head_dim()), static_cast<int32_t>(p.block_size()), p.dtype()};
+  return {p.fingerprint(),
+          static_cast<int32_t>(p.num_layers()),
+          static_cast<int32_t>(p.kv_heads()),
+          static_cast<int32_t>(p.head_dim()),
+          static_cast<int32_t>(p.block_size()),
+          p.dtype()};
 }
 
 grpc::ChannelArguments InternalChannelArgs() {
@@ -32,9 +36,13 @@ namespace {
 
 class GrpcSendSession : public KvSendSession {
  public:
-  GrpcSendSession(const SendPlan& plan, engine::KvPool* pool, std::shared_ptr<grpc::Channel> channel,
+  GrpcSendSession(const SendPlan& plan, engine::KvPool* pool,
+                  std::shared_ptr<grpc::Channel> channel,
                   TransferMetrics* metrics, absl::Duration timeout)
-      : plan_(plan), pool_(pool), stub_(v1::KvTransfer::NewStub(channel)), metrics_(metrics) {
+      : plan_(plan),
+        pool_(pool),
+        stub_(v1::KvTransfer::NewStub(channel)),
+        metrics_(metrics) {
     context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     writer_ = stub_->Push(&context_, &ack_);
     auto* header = message_.mutable_header();
@@ -50,20 +58,24 @@ class GrpcSendSession : public KvSendSession {
   }
 
   absl::Status SendLayers(int32_t first, int32_t last) override {
-    if (done_) return absl::FailedPreconditionError("transfer already finished");
+    if (done_)
+      return absl::FailedPreconditionError("transfer already finished");
     const engine::KvCacheSpec& spec = pool_->spec();
     if (first < 0 || last > spec.num_layers || first > last) {
-      return absl::InvalidArgumentError(absl::StrCat("layer range [", first, ", ", last, ") is invalid"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer range [", first, ", ", last, ") is invalid"));
     }
     const size_t bytes = static_cast<size_t>(spec.LayerBlockBytes());
-    const size_t scale_bytes = spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+    const size_t scale_bytes =
+        spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
     for (int32_t layer = first; layer < last; ++layer) {
       for (const auto& [index, block] : plan_.blocks) {
         v1::KvBlockSpan* span = message_.add_spans();
         span->set_layer(layer);
         span->set_block_index(index);
         span->set_data(pool_->LayerBlockData(layer, block), bytes);
-        if (scale_bytes) span->set_scales(pool_->LayerBlockScales(layer, block), scale_bytes);
+        if (scale_bytes)
+          span->set_scales(pool_->LayerBlockScales(layer, block), scale_bytes);
         pending_bytes_ += bytes + scale_bytes;
         stats_.bytes += bytes + scale_bytes;
         ++stats_.spans;
@@ -77,7 +89,8 @@ class GrpcSendSession : public KvSendSession {
   }
 
   absl::StatusOr<SendStats> Finish() override {
-    if (done_) return absl::FailedPreconditionError("transfer already finished");
+    if (done_)
+      return absl::FailedPreconditionError("transfer already finished");
     const auto start = absl::Now();
     absl::Status flushed = Flush(/*force=*/true);
     writer_->WritesDone();
@@ -102,12 +115,15 @@ class GrpcSendSession : public KvSendSession {
  private:
   absl::Status Flush(bool force = false) {
     if (!force && message_.spans_size() == 0) return absl::OkStatus();
-    if (message_.spans_size() == 0 && !message_.has_header()) return absl::OkStatus();
+    if (message_.spans_size() == 0 && !message_.has_header())
+      return absl::OkStatus();
     if (!writer_->Write(message_)) {
       if (metrics_) metrics_->Failure("send_error");
-      return absl::UnavailableError(absl::StrCat("KV stream to ", plan_.destination, " broke"));
+      return absl::UnavailableError(
+          absl::StrCat("KV stream to ", plan_.destination, " broke"));
     }
-    if (metrics_) metrics_->bytes_sent->Increment(static_cast<double>(pending_bytes_));
+    if (metrics_)
+      metrics_->bytes_sent->Increment(static_cast<double>(pending_bytes_));
     message_.Clear();
     pending_bytes_ = 0;
     return absl::OkStatus();
@@ -128,42 +144,51 @@ class GrpcSendSession : public KvSendSession {
 
 }  // namespace
 
-GrpcKvTransport::GrpcKvTransport(TransferMetrics* metrics, absl::Duration timeout)
+GrpcKvTransport::GrpcKvTransport(TransferMetrics* metrics,
+                                 absl::Duration timeout)
     : metrics_(metrics), timeout_(timeout) {}
 
-std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(const std::string& destination) {
+std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(
+    const std::string& destination) {
   absl::MutexLock l(&mu_);
   auto& ch = channels_[destination];
   if (!ch) {
-    ch = grpc::CreateCustomChannel(destination, grpc::InsecureChannelCredentials(), InternalChannelArgs());
+    ch = grpc::CreateCustomChannel(
+        destination, grpc::InsecureChannelCredentials(), InternalChannelArgs());
   }
   return ch;
 }
 
-absl::StatusOr<std::unique_ptr<KvSendSession>> GrpcKvTransport::Open(const SendPlan& plan,
-                                                                      engine::KvPool* pool) {
-  if (plan.destination.empty()) return absl::InvalidArgumentError("KV destination is empty");
-  return std::unique_ptr<KvSendSession>(
-      new GrpcSendSession(plan, pool, ChannelFor(plan.destination), metrics_, timeout_));
+absl::StatusOr<std::unique_ptr<KvSendSession>> GrpcKvTransport::Open(
+    const SendPlan& plan, engine::KvPool* pool) {
+  if (plan.destination.empty())
+    return absl::InvalidArgumentError("KV destination is empty");
+  return std::unique_ptr<KvSendSession>(new GrpcSendSession(
+      plan, pool, ChannelFor(plan.destination), metrics_, timeout_));
 }
 
-grpc::Status KvTransferService::Push(grpc::ServerContext* context, grpc::ServerReader<v1::KvChunk>* reader,
+grpc::Status KvTransferService::Push(grpc::ServerContext* context,
+                                     grpc::ServerReader<v1::KvChunk>* reader,
                                      v1::KvTransferAck* ack) {
   v1::KvChunk chunk;
-  if (!reader->Read(&chunk)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty KV stream");
+  if (!reader->Read(&chunk))
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty KV stream");
   if (!chunk.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first KV chunk must carry the header");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first KV chunk must carry the header");
   }
   const uint64_t id = chunk.header().reservation_id();
-  if (absl::Status s = receiver_->Begin(id, chunk.header().request_id(), FromProto(chunk.header().layout()));
+  if (absl::Status s = receiver_->Begin(id, chunk.header().request_id(),
+                                        FromProto(chunk.header().layout()));
       !s.ok()) {
     return ToGrpc(s);
   }
   uint64_t chunks = 0, bytes = 0;
   do {
     for (const v1::KvBlockSpan& span : chunk.spans()) {
-      absl::Status s = receiver_->Write(id, static_cast<int32_t>(span.layer()),
-                                        static_cast<int32_t>(span.block_index()), span.data(), span.scales());
+      absl::Status s = receiver_->Write(
+          id, static_cast<int32_t>(span.layer()),
+          static_cast<int32_t>(span.block_index()), span.data(), span.scales());
       if (!s.ok()) return ToGrpc(s);
       ++chunks;
       bytes += span.data().size() + span.scales().size();

@@ -25,10 +25,11 @@ class GrpcKvTransport : public KvTransport {
  public:
   static constexpr size_t kMessageBytes = 1 << 20;
   // `metrics` may be null.
-  explicit GrpcKvTransport(TransferMetrics* metrics, absl::Duration timeout = absl::Seconds(60));
+  explicit GrpcKvTransport(TransferMetrics* metrics,
+                           absl::Duration timeout = absl::Seconds(60));
   const char* name() const override { return "grpc"; }
-  absl::StatusOr<std::unique_ptr<KvSendSession>> Open(const SendPlan& plan,
-                                                       engine::KvPool* pool) override;
+  absl::StatusOr<std::unique_ptr<KvSendSession>> Open(
+      const SendPlan& plan, engine::KvPool* pool) override;
 
  private:
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& destination);
@@ -36,13 +37,15 @@ class GrpcKvTransport : public KvTransport {
   TransferMetrics* metrics_;
   absl::Duration timeout_;
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
+      ABSL_GUARDED_BY(mu_);
 };
 
 class KvTransferService final : public v1::KvTransfer::Service {
  public:
   explicit KvTransferService(KvReceiver* receiver) : receiver_(receiver) {}
-  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<v1::KvChunk>* reader,
+  grpc::Status Push(grpc::ServerContext* context,
+                    grpc::ServerReader<v1::KvChunk>* reader,
                     v1::KvTransferAck* ack) override;
 
  private:
