@@ -34,5 +34,7 @@ int RunDecodeWorker(const std::vector<std::string>& args);
 int RunWorker(const std::vector<std::string>& args);
 int RunUp(const std::vector<std::string>& args);
 int RunGenerateRemote();
+int RunTokenize(const std::vector<std::string>& args);
+int RunDetokenize(const std::vector<std::string>& args);
 
 }  // namespace pdserve::cli

@@ -327,7 +327,7 @@ FinishReason Engine::CheckFinish(const Sequence& seq) const {
   const int32_t token = seq.tokens.back();
   const int32_t completion =
       static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
-  if (!seq.req.sampling.ignore_eos && token == model_.config().eos_token_id)
+  if (!seq.req.sampling.ignore_eos && model_.config().IsEos(token))
     return FinishReason::kEos;
   if (completion >= static_cast<int32_t>(seq.req.sampling.max_tokens) ||
       static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {

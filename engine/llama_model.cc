@@ -9,7 +9,8 @@
 
 namespace pdserve::engine {
 
-LlamaModel::LlamaModel(std::shared_ptr<const ModelWeights> weights, kernels::MatMulMode mode)
+LlamaModel::LlamaModel(std::shared_ptr<const ModelWeights> weights,
+                       kernels::MatMulMode mode)
     : weights_(std::move(weights)), mode_(mode) {
   const ModelConfig& c = weights_->config;
   inv_freq_ = kernels::RopeInvFreq(c.head_dim, c.rope_theta, c.rope_scaling);
@@ -21,10 +22,11 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   const KvCacheSpec& spec = pool->spec();
   if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
       spec.head_dim != c.head_dim) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("kv pool (", spec.DebugString(), ") does not match the model"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kv pool (", spec.DebugString(), ") does not match the model"));
   }
-  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t hidden = c.hidden_size, hd = c.head_dim,
+                inter = c.intermediate_size;
   const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
   const int64_t qkv_dim = q_dim + 2 * kv_dim;
   const int bs = spec.block_size;
@@ -35,16 +37,18 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
     const int64_t end = s.start_pos + static_cast<int64_t>(s.tokens.size());
     if (s.tokens.empty() || s.start_pos < 0 ||
         static_cast<int64_t>(s.block_table.size()) * bs < end) {
-      return absl::InvalidArgumentError("forward: sequence without tokens or blocks");
+      return absl::InvalidArgumentError(
+          "forward: sequence without tokens or blocks");
     }
     for (int32_t t : s.tokens) {
       if (t < 0 || t >= c.vocab_size) {
         return absl::InvalidArgumentError(
-            absl::StrCat("token id ", t, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+            absl::StrCat("token id ", t, " is outside the vocabulary [0, ",
+                         c.vocab_size, ")"));
       }
     }
-    attn_seqs.push_back({total, static_cast<int32_t>(s.tokens.size()), s.start_pos,
-                         s.block_table.data()});
+    attn_seqs.push_back({total, static_cast<int32_t>(s.tokens.size()),
+                         s.start_pos, s.block_table.data()});
     total += static_cast<int64_t>(s.tokens.size());
   }
   if (total == 0) return absl::OkStatus();
@@ -65,7 +69,8 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   int64_t row = 0;
   for (const SeqInput& s : seqs) {
     for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
-      std::memcpy(&residual_[row * hidden], &weights_->embed[s.tokens[i] * hidden],
+      std::memcpy(&residual_[row * hidden],
+                  &weights_->embed[s.tokens[i] * hidden],
                   hidden * sizeof(float));
       const int32_t pos = s.start_pos + static_cast<int32_t>(i);
       positions_[row] = pos;
@@ -78,13 +83,14 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_->layers[l];
     if (l == 0) {
-      kernels::RmsNorm(residual_.data(), nullptr, w.input_norm.data(), total, hidden, eps,
-                       normed_.data());
+      kernels::RmsNorm(residual_.data(), nullptr, w.input_norm.data(), total,
+                       hidden, eps, normed_.data());
     } else {
-      kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(), total, hidden, eps,
-                       normed_.data());
+      kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
+                       total, hidden, eps, normed_.data());
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv.data(), qkv_dim, qkv_.data(), mode_);
+    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv.data(), qkv_dim,
+                      qkv_.data(), mode_);
     for (int64_t r = 0; r < total; ++r) {
       float* src = &qkv_[r * qkv_dim];
       if (!w.qkv_bias.empty()) {
@@ -92,24 +98,35 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
       }
       std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
       std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
-      std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim, kv_dim * sizeof(float));
+      std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim,
+                  kv_dim * sizeof(float));
     }
-    kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(), inv_freq_.data());
-    kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(), inv_freq_.data());
+    if (!w.q_norm.empty()) {  // Qwen3: RMSNorm of every head, before RoPE
+      kernels::RmsNorm(q_.data(), nullptr, w.q_norm.data(), total * c.num_heads,
+                       hd, eps, q_.data());
+      kernels::RmsNorm(k_.data(), nullptr, w.k_norm.data(),
+                       total * c.num_kv_heads, hd, eps, k_.data());
+    }
+    kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
+                       inv_freq_.data());
+    kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
+                       inv_freq_.data());
     const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
     kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
-    kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads), attn_seqs, layer, scale,
-                            attn_.data());
-    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj.data(), hidden, proj_.data(), mode_);
-    kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total, hidden, eps,
-                     normed_.data());
-    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up.data(), 2 * inter,
-                      gate_up_.data(), mode_);
+    kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
+                            attn_seqs, layer, scale, attn_.data());
+    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj.data(), hidden,
+                      proj_.data(), mode_);
+    kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
+                     hidden, eps, normed_.data());
+    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up.data(),
+                      2 * inter, gate_up_.data(), mode_);
     kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
-    kernels::MatMulNT(act_.data(), total, inter, w.down.data(), hidden, proj_.data(), mode_);
+    kernels::MatMulNT(act_.data(), total, inter, w.down.data(), hidden,
+                      proj_.data(), mode_);
   }
-  kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total, hidden, eps,
-                   normed_.data());
+  kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total,
+                   hidden, eps, normed_.data());
 
   // Gather the rows that need logits, then one product with the output matrix.
   rows_.clear();
@@ -117,7 +134,8 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   for (const SeqInput& s : seqs) {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     if (s.logits == Logits::kAll) {
-      rows_.insert(rows_.end(), normed_.begin() + row * hidden, normed_.begin() + (row + n) * hidden);
+      rows_.insert(rows_.end(), normed_.begin() + row * hidden,
+                   normed_.begin() + (row + n) * hidden);
     } else if (s.logits == Logits::kLast) {
       rows_.insert(rows_.end(), normed_.begin() + (row + n - 1) * hidden,
                    normed_.begin() + (row + n) * hidden);
@@ -127,8 +145,9 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   const int64_t out_rows = static_cast<int64_t>(rows_.size()) / hidden;
   const size_t base = logits->size();
   logits->resize(base + out_rows * c.vocab_size);
-  kernels::MatMulNT(rows_.data(), out_rows, hidden, weights_->output_matrix().data(),
-                    c.vocab_size, logits->data() + base, mode_);
+  kernels::MatMulNT(rows_.data(), out_rows, hidden,
+                    weights_->output_matrix().data(), c.vocab_size,
+                    logits->data() + base, mode_);
   return absl::OkStatus();
 }
 

@@ -1,9 +1,11 @@
-// Llama-family model configuration read from a Hugging Face config.json.
+// Llama-family model configuration read from a Hugging Face config.json:
+// Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 // Plain value type; thread-compatible.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/cpu/ops.h"
@@ -24,15 +26,28 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   kernels::RopeScaling rope_scaling;  // factor 0: none
   bool attention_bias = false;        // q/k/v bias (Qwen2)
+  // RMSNorm over each head of q and k (weights [head_dim]) after the
+  // projection, before RoPE (Qwen3).
+  bool qk_norm = false;
   bool tie_word_embeddings = false;
   int64_t bos_token_id = -1;  // -1: none
-  int64_t eos_token_id = -1;
+  int64_t eos_token_id = -1;  // the first of eos_token_ids
+  // Every id that ends generation (config.json's list, plus
+  // generation_config.json's when the weights are loaded).
+  std::vector<int64_t> eos_token_ids;
+
+  bool IsEos(int64_t token) const;
 
   // Checks internal consistency (heads divide evenly, sizes positive, ...).
   absl::Status Validate() const;
   // Parses config.json text; `path` names the file in errors.
   static absl::StatusOr<ModelConfig> FromJson(const std::string& text,
                                               const std::string& path);
+  // Adds generation_config.json's EOS ids (Llama-3 Instruct stops on
+  // <|eot_id|> as well as <|end_of_text|>) and its BOS when config.json has
+  // none.
+  absl::Status AddGenerationConfig(const std::string& text,
+                                   const std::string& path);
   std::string ToJson() const;
 };
 

@@ -6,13 +6,15 @@
 #include "absl/strings/str_cat.h"
 #include "common/json.h"
 #include "common/status_macros.h"
+#include "engine/bpe_tokenizer.h"
 
 namespace pdserve::engine {
 
-std::vector<int32_t> ByteTokenizer::Encode(const std::string& text) const {
+std::vector<int32_t> ByteTokenizer::Encode(const std::string& text,
+                                           bool add_special_tokens) const {
   std::vector<int32_t> ids;
   ids.reserve(text.size() + 1);
-  ids.push_back(kBos);
+  if (add_special_tokens) ids.push_back(kBos);
   for (unsigned char c : text) ids.push_back(c);
   return ids;
 }
@@ -20,6 +22,26 @@ std::vector<int32_t> ByteTokenizer::Encode(const std::string& text) const {
 std::string ByteTokenizer::TokenBytes(int32_t id) const {
   if (id >= 0 && id < 256) return std::string(1, static_cast<char>(id));
   return "";
+}
+
+std::string ByteTokenizer::SpecialTokenText(int32_t id) const {
+  if (id == kBos) return "<s>";
+  if (id == kEos) return "</s>";
+  return "";
+}
+
+std::string Tokenizer::Decode(const std::vector<int32_t>& ids,
+                              bool skip_special_tokens) const {
+  std::string bytes;
+  for (int32_t id : ids) {
+    if (IsSpecial(id)) {
+      if (!skip_special_tokens) bytes += SpecialTokenText(id);
+    } else {
+      bytes += TokenBytes(id);
+    }
+  }
+  Utf8Stream utf8;
+  return utf8.Push(bytes) + utf8.Finish();
 }
 
 std::string ByteTokenizer::TokenizerJson() {
@@ -39,7 +61,8 @@ std::string ByteTokenizer::TokenizerConfigJson() {
 )";
 }
 
-absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(
+    const std::string& model_dir) {
   const std::string path = model_dir + "/tokenizer.json";
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
@@ -52,9 +75,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& mo
     ASSIGN_OR_RETURN(type, json::GetString(*model, "type", path, ""));
   }
   if (type == "pdserve-bytes") return std::make_unique<ByteTokenizer>();
-  return absl::UnimplementedError(absl::StrCat(
-      path, ": tokenizer model type \"", type,
-      "\" is not supported yet (supported: pdserve-bytes)"));
+  if (type == "BPE") {
+    ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> bpe,
+                     BpeTokenizer::Load(model_dir));
+    return std::unique_ptr<Tokenizer>(std::move(bpe));
+  }
+  return absl::UnimplementedError(
+      absl::StrCat(path, ": tokenizer model type \"", type,
+                   "\" is not supported (supported: BPE, pdserve-bytes)"));
 }
 
 namespace {
@@ -126,7 +154,8 @@ std::string Utf8Stream::Finish() {
   return out;
 }
 
-TextStream::TextStream(const Tokenizer* tokenizer, std::vector<std::string> stop)
+TextStream::TextStream(const Tokenizer* tokenizer,
+                       std::vector<std::string> stop)
     : tokenizer_(tokenizer), stop_(std::move(stop)) {}
 
 TextStream::Delta TextStream::Push(const std::vector<int32_t>& token_ids) {
@@ -159,7 +188,8 @@ TextStream::Delta TextStream::Emit(bool final) {
   }
   size_t hold = 0;
   if (!final) {
-    // Longest suffix of the unemitted text that is a proper prefix of a stop string.
+    // Longest suffix of the unemitted text that is a proper prefix of a stop
+    // string.
     const size_t avail = text_.size() - emitted_;
     for (const auto& s : stop_) {
       for (size_t n = std::min(avail, s.size() - 1); n > hold; --n) {

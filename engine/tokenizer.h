@@ -1,8 +1,9 @@
 // Tokenizers and UTF-8-safe streaming detokenization.
 //
-// `Tokenizer` is an interface because real alternatives exist (pdserve's byte
-// tokenizer today; Hugging Face BPE for real checkpoints). Implementations are
-// immutable after construction and thread-safe.
+// `Tokenizer` is an interface because real alternatives exist: pdserve's byte
+// tokenizer for random-weight models, and Hugging Face BPE for real
+// checkpoints (engine/bpe_tokenizer.h). Implementations are immutable after
+// construction and thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,13 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   // Token ids of `text`, with the model's BOS first when it has one.
-  virtual std::vector<int32_t> Encode(const std::string& text) const = 0;
+  std::vector<int32_t> Encode(const std::string& text) const {
+    return Encode(text, true);
+  }
+  // With add_special_tokens false, only the text's own tokens (no BOS/EOS);
+  // for prompts that already spell them out, such as a chat template's.
+  virtual std::vector<int32_t> Encode(const std::string& text,
+                                      bool add_special_tokens) const = 0;
   // Raw bytes of one token (empty for special tokens such as BOS/EOS). The
   // bytes of consecutive tokens concatenate to the text, which may split a
   // UTF-8 character across tokens.
@@ -26,9 +33,24 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;  // -1: none
   virtual int32_t eos_id() const = 0;  // -1: none
+  // Special tokens (BOS, EOS, chat markers) have no text of their own.
+  virtual bool IsSpecial(int32_t id) const {
+    return id == bos_id() || id == eos_id();
+  }
+  // The text of `ids` as valid UTF-8 (ill-formed bytes become U+FFFD). Special
+  // tokens are dropped, or written as their content when !skip_special_tokens.
+  virtual std::string Decode(const std::vector<int32_t>& ids,
+                             bool skip_special_tokens) const;
 
-  // Loads the tokenizer of a model directory (tokenizer.json).
-  static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& model_dir);
+  // Loads the tokenizer of a model directory: tokenizer.json of pdserve's
+  // byte model or a Hugging Face BPE model, with tokenizer_config.json and
+  // generation_config.json when present.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(
+      const std::string& model_dir);
+
+ protected:
+  // What Decode writes for a special token when !skip_special_tokens.
+  virtual std::string SpecialTokenText(int32_t) const { return ""; }
 };
 
 // 256 byte tokens (id = byte value), then BOS (256) and EOS (257).
@@ -38,7 +60,9 @@ class ByteTokenizer : public Tokenizer {
   static constexpr int32_t kEos = 257;
   static constexpr int64_t kVocab = 258;
 
-  std::vector<int32_t> Encode(const std::string& text) const override;
+  using Tokenizer::Encode;
+  std::vector<int32_t> Encode(const std::string& text,
+                              bool add_special_tokens) const override;
   std::string TokenBytes(int32_t id) const override;
   int64_t vocab_size() const override { return kVocab; }
   int32_t bos_id() const override { return kBos; }
@@ -47,6 +71,9 @@ class ByteTokenizer : public Tokenizer {
   // tokenizer.json / tokenizer_config.json contents for `model init`.
   static std::string TokenizerJson();
   static std::string TokenizerConfigJson();
+
+ protected:
+  std::string SpecialTokenText(int32_t id) const override;
 };
 
 // Turns a byte stream into valid UTF-8 text incrementally. A character split

@@ -36,13 +36,14 @@ class TensorSource {
       ASSIGN_OR_RETURN(json::Value index, json::Parse(text, index_path));
       const json::Value* map = json::Find(index, "weight_map");
       if (map == nullptr || map->kind_case() != json::Value::kStructValue) {
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing \"weight_map\" object"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": missing \"weight_map\" object"));
       }
       for (const auto& [name, file] : map->struct_value().fields()) {
         if (file.kind_case() != json::Value::kStringValue ||
             file.string_value().find('/') != std::string::npos) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(index_path, ": bad file name for tensor \"", name, "\""));
+          return absl::InvalidArgumentError(absl::StrCat(
+              index_path, ": bad file name for tensor \"", name, "\""));
         }
         const std::string path = dir + "/" + file.string_value();
         if (!src.files_.count(path)) {
@@ -63,22 +64,25 @@ class TensorSource {
   bool Has(const std::string& name) const { return where_.count(name) > 0; }
 
   // Loads `name` as fp32, checking the shape; appends to `out`.
-  absl::Status Append(const std::string& name, const std::vector<int64_t>& shape,
+  absl::Status Append(const std::string& name,
+                      const std::vector<int64_t>& shape,
                       std::vector<float>* out) {
     auto it = where_.find(name);
     if (it == where_.end()) {
-      return absl::NotFoundError(absl::StrCat("model is missing tensor \"", name, "\""));
+      return absl::NotFoundError(
+          absl::StrCat("model is missing tensor \"", name, "\""));
     }
     ASSIGN_OR_RETURN(const TensorView* t, it->second->Find(name));
     if (t->shape != shape) {
       auto fmt = [](const std::vector<int64_t>& s) {
         std::string r = "[";
-        for (size_t i = 0; i < s.size(); ++i) absl::StrAppend(&r, i ? ", " : "", s[i]);
+        for (size_t i = 0; i < s.size(); ++i)
+          absl::StrAppend(&r, i ? ", " : "", s[i]);
         return r + "]";
       };
-      return absl::InvalidArgumentError(absl::StrCat(it->second->path(), ": tensor \"", name,
-                                                     "\" has shape ", fmt(t->shape),
-                                                     ", expected ", fmt(shape)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(it->second->path(), ": tensor \"", name, "\" has shape ",
+                       fmt(t->shape), ", expected ", fmt(shape)));
     }
     std::vector<float> tmp;
     TensorToFloat(*t, &tmp);
@@ -88,7 +92,8 @@ class TensorSource {
     // with different seeds get different fingerprints.
     XXH3_128bits_update(&hash_, name.data(), name.size());
     XXH3_128bits_update(&hash_, &t->dtype, 1);
-    XXH3_128bits_update(&hash_, t->shape.data(), t->shape.size() * sizeof(int64_t));
+    XXH3_128bits_update(&hash_, t->shape.data(),
+                        t->shape.size() * sizeof(int64_t));
     const size_t sample = std::min<size_t>(4096, t->nbytes);
     XXH3_128bits_update(&hash_, t->data, sample);
     XXH3_128bits_update(&hash_, t->data + (t->nbytes - sample) / 2, sample);
@@ -109,7 +114,8 @@ class TensorSource {
 int64_t ModelWeights::ParameterBytes() const {
   int64_t n = static_cast<int64_t>(norm.size() + output_matrix().size());
   for (const auto& l : layers) {
-    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o_proj.size() +
+    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() +
+         l.q_norm.size() + l.k_norm.size() + l.o_proj.size() +
          l.post_norm.size() + l.gate_up.size() + l.down.size();
   }
   return n * static_cast<int64_t>(sizeof(float));
@@ -120,35 +126,61 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir) {
   const std::string config_path = dir + "/config.json";
   ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   ASSIGN_OR_RETURN(w.config, ModelConfig::FromJson(config_text, config_path));
+  const std::string generation_path = dir + "/generation_config.json";
+  if (std::filesystem::exists(generation_path)) {
+    ASSIGN_OR_RETURN(std::string generation_text, ReadFile(generation_path));
+    RETURN_IF_ERROR(
+        w.config.AddGenerationConfig(generation_text, generation_path));
+  }
   ASSIGN_OR_RETURN(TensorSource src, TensorSource::Open(dir));
   XXH3_128bits_reset(src.hash());
   XXH3_128bits_update(src.hash(), config_text.data(), config_text.size());
   const ModelConfig& c = w.config;
   const int64_t h = c.hidden_size, hd = c.head_dim;
   const int64_t q_rows = c.num_heads * hd, kv_rows = c.num_kv_heads * hd;
-  RETURN_IF_ERROR(src.Append("model.embed_tokens.weight", {c.vocab_size, h}, &w.embed));
+  RETURN_IF_ERROR(
+      src.Append("model.embed_tokens.weight", {c.vocab_size, h}, &w.embed));
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     LayerWeights l;
-    RETURN_IF_ERROR(src.Append(p + "input_layernorm.weight", {h}, &l.input_norm));
-    RETURN_IF_ERROR(src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &l.qkv));
-    RETURN_IF_ERROR(src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &l.qkv));
-    RETURN_IF_ERROR(src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &l.qkv));
+    RETURN_IF_ERROR(
+        src.Append(p + "input_layernorm.weight", {h}, &l.input_norm));
+    RETURN_IF_ERROR(
+        src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &l.qkv));
+    RETURN_IF_ERROR(
+        src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &l.qkv));
+    RETURN_IF_ERROR(
+        src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &l.qkv));
     if (c.attention_bias) {
-      RETURN_IF_ERROR(src.Append(p + "self_attn.q_proj.bias", {q_rows}, &l.qkv_bias));
-      RETURN_IF_ERROR(src.Append(p + "self_attn.k_proj.bias", {kv_rows}, &l.qkv_bias));
-      RETURN_IF_ERROR(src.Append(p + "self_attn.v_proj.bias", {kv_rows}, &l.qkv_bias));
+      RETURN_IF_ERROR(
+          src.Append(p + "self_attn.q_proj.bias", {q_rows}, &l.qkv_bias));
+      RETURN_IF_ERROR(
+          src.Append(p + "self_attn.k_proj.bias", {kv_rows}, &l.qkv_bias));
+      RETURN_IF_ERROR(
+          src.Append(p + "self_attn.v_proj.bias", {kv_rows}, &l.qkv_bias));
     }
-    RETURN_IF_ERROR(src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &l.o_proj));
-    RETURN_IF_ERROR(src.Append(p + "post_attention_layernorm.weight", {h}, &l.post_norm));
-    RETURN_IF_ERROR(src.Append(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, &l.gate_up));
-    RETURN_IF_ERROR(src.Append(p + "mlp.up_proj.weight", {c.intermediate_size, h}, &l.gate_up));
-    RETURN_IF_ERROR(src.Append(p + "mlp.down_proj.weight", {h, c.intermediate_size}, &l.down));
+    if (c.qk_norm) {
+      RETURN_IF_ERROR(
+          src.Append(p + "self_attn.q_norm.weight", {hd}, &l.q_norm));
+      RETURN_IF_ERROR(
+          src.Append(p + "self_attn.k_norm.weight", {hd}, &l.k_norm));
+    }
+    RETURN_IF_ERROR(
+        src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &l.o_proj));
+    RETURN_IF_ERROR(
+        src.Append(p + "post_attention_layernorm.weight", {h}, &l.post_norm));
+    RETURN_IF_ERROR(src.Append(p + "mlp.gate_proj.weight",
+                               {c.intermediate_size, h}, &l.gate_up));
+    RETURN_IF_ERROR(src.Append(p + "mlp.up_proj.weight",
+                               {c.intermediate_size, h}, &l.gate_up));
+    RETURN_IF_ERROR(src.Append(p + "mlp.down_proj.weight",
+                               {h, c.intermediate_size}, &l.down));
     w.layers.push_back(std::move(l));
   }
   RETURN_IF_ERROR(src.Append("model.norm.weight", {h}, &w.norm));
   if (!c.tie_word_embeddings) {
-    RETURN_IF_ERROR(src.Append("lm_head.weight", {c.vocab_size, h}, &w.lm_head));
+    RETURN_IF_ERROR(
+        src.Append("lm_head.weight", {c.vocab_size, h}, &w.lm_head));
   }
   const XXH128_hash_t digest = XXH3_128bits_digest(src.hash());
   w.fingerprint = {digest.high64, digest.low64};

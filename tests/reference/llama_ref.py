@@ -12,7 +12,8 @@ and prints the logits as JSON, in the same shape as `pdserve model logits`:
         -> {"logits": [[...], [...], [...]]}               (one list per position)
 
 Covered: Llama / Llama-3.x (incl. "llama3" rope_scaling), Mistral-style GQA,
-Qwen2 (q/k/v bias), tied embeddings, explicit head_dim; weights stored as
+Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE), tied
+embeddings, explicit head_dim; weights stored as
 F32 / F16 / BF16 (F64 also accepted). All arithmetic is done in float64.
 No dependency on `safetensors` or `transformers`: the file format is parsed here.
 
@@ -186,6 +187,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool      # q/k/v projections have a bias
     o_bias: bool        # o_proj has a bias (Llama attention_bias=true)
+    qk_norm: bool       # RMSNorm of each q/k head before RoPE (Qwen3)
     max_position_embeddings: Optional[int]
 
 
@@ -224,6 +226,7 @@ def load_config(model_dir: str) -> LlamaConfig:
 
     archs = c.get("architectures") or []
     is_qwen2 = "Qwen2ForCausalLM" in archs or c.get("model_type") == "qwen2"
+    is_qwen3 = "Qwen3ForCausalLM" in archs or c.get("model_type") == "qwen3"
     attention_bias = bool(c.get("attention_bias", False))
 
     return LlamaConfig(
@@ -240,7 +243,8 @@ def load_config(model_dir: str) -> LlamaConfig:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or is_qwen2,
         # HF LlamaAttention: o_proj uses bias=config.attention_bias; Qwen2's o_proj never has one.
-        o_bias=attention_bias and not is_qwen2,
+        o_bias=attention_bias and not is_qwen2 and not is_qwen3,
+        qk_norm=is_qwen3,
         max_position_embeddings=c.get("max_position_embeddings"),
     )
 
@@ -304,6 +308,9 @@ def attention(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor,
         return y.view(T, n_heads, D).transpose(0, 1)  # [heads, T, D]
 
     q, k, v = proj("q_proj", H), proj("k_proj", KV), proj("v_proj", KV)
+    if cfg.qk_norm:  # Qwen3: normalise each head over head_dim, before RoPE
+        q = rms_norm(q, ckpt.get(p + "q_norm.weight", [D]), cfg.rms_norm_eps)
+        k = rms_norm(k, ckpt.get(p + "k_norm.weight", [D]), cfg.rms_norm_eps)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     group = H // KV  # query head h uses kv head h // group

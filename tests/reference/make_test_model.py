@@ -10,7 +10,9 @@ llama_ref.py and the pdserve C++ engine on tiny models, e.g.
         --dtype BF16 --kv-heads 2 --rope-llama3 --sharded 2
 
 Options: --dtype F32|F16|BF16, --sharded [N], --qkv-bias (written as a
-Qwen2ForCausalLM config), --tied (tie_word_embeddings, no lm_head.weight),
+Qwen2ForCausalLM config), --qk-norm (per-head q/k RMSNorm weights, written as
+a Qwen3ForCausalLM config), --mistral (a MistralForCausalLM config with a
+sliding window), --tied (tie_word_embeddings, no lm_head.weight),
 --rope-llama3 (llama3 rope_scaling chosen so all three frequency bands occur),
 --kv-heads, plus the sizes (--hidden, --heads, --head-dim, --layers, ...).
 
@@ -70,7 +72,8 @@ def write_safetensors(path: str, tensors: dict, metadata: dict = None):
 
 def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_heads=None,
                head_dim=None, vocab=64, dtype="F32", shards=1, qkv_bias=False, tied=False,
-               rope_llama3=False, rope_theta=10000.0, eps=1e-5, seed=0):
+               rope_llama3=False, rope_theta=10000.0, eps=1e-5, seed=0, qk_norm=False,
+               mistral=False):
     """Write a random model to out_dir; return (config dict, {name: float64 array as stored})."""
     kv_heads = kv_heads or heads
     d = head_dim or hidden // heads
@@ -93,6 +96,9 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
             w[p + "self_attn.q_proj.bias"] = 0.5 * rng.standard_normal(heads * d)
             w[p + "self_attn.k_proj.bias"] = 0.5 * rng.standard_normal(kv_heads * d)
             w[p + "self_attn.v_proj.bias"] = 0.5 * rng.standard_normal(kv_heads * d)
+        if qk_norm:
+            w[p + "self_attn.q_norm.weight"] = 1.0 + 0.3 * rng.standard_normal(d)
+            w[p + "self_attn.k_norm.weight"] = 1.0 + 0.3 * rng.standard_normal(d)
         w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * d)
         w[p + "post_attention_layernorm.weight"] = norm_weight()
         w[p + "mlp.gate_proj.weight"] = linear(intermediate, hidden)
@@ -102,9 +108,18 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
     if not tied:
         w["lm_head.weight"] = linear(vocab, hidden)
 
+    if qk_norm and qkv_bias:
+        raise ValueError("--qk-norm (Qwen3) and --qkv-bias (Qwen2) are different families")
+    arch, model_type = "LlamaForCausalLM", "llama"
+    if qkv_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    elif qk_norm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif mistral:
+        arch, model_type = "MistralForCausalLM", "mistral"
     config = {
-        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qkv_bias else "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,
@@ -121,6 +136,12 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
     }
     if head_dim is not None:
         config["head_dim"] = head_dim
+    if qk_norm:
+        config["attention_bias"] = False
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+    if mistral:
+        config["sliding_window"] = 4096
     if rope_llama3:
         # With head_dim 8..16 and theta 1e4 the wavelengths span ~6..2e4, so an
         # original context of 64 with factors 1/4 puts frequencies in all three bands.
@@ -161,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sharded", type=int, nargs="?", const=2, default=1, metavar="N",
                     help="write N shards + index (default N=2 when given)")
     ap.add_argument("--qkv-bias", action="store_true", help="q/k/v bias (Qwen2ForCausalLM)")
+    ap.add_argument("--qk-norm", action="store_true", help="q/k RMSNorm per head (Qwen3ForCausalLM)")
+    ap.add_argument("--mistral", action="store_true", help="MistralForCausalLM config (sliding window)")
     ap.add_argument("--tied", action="store_true", help="tie_word_embeddings, no lm_head.weight")
     ap.add_argument("--rope-llama3", action="store_true", help="llama3 rope_scaling")
     ap.add_argument("--kv-heads", type=int, default=None)
@@ -177,7 +200,8 @@ def main(argv=None) -> int:
     make_model(a.out_dir, hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
                heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, vocab=a.vocab,
                dtype=a.dtype, shards=a.sharded, qkv_bias=a.qkv_bias, tied=a.tied,
-               rope_llama3=a.rope_llama3, rope_theta=a.rope_theta, eps=a.eps, seed=a.seed)
+               rope_llama3=a.rope_llama3, rope_theta=a.rope_theta, eps=a.eps, seed=a.seed,
+               qk_norm=a.qk_norm, mistral=a.mistral)
     print(f"wrote test model to {a.out_dir}")
     return 0
 

@@ -67,6 +67,7 @@ def naive_forward(cfg, W, tokens):
     eps = cfg["rms_norm_eps"]
     L = cfg["num_hidden_layers"]
     bias = "Qwen2ForCausalLM" in cfg.get("architectures", [])
+    qk_norm = "Qwen3ForCausalLM" in cfg.get("architectures", [])
     inv_freq = naive_inv_freq(cfg)
 
     def rmsnorm(x, w):
@@ -102,7 +103,11 @@ def naive_forward(cfg, W, tokens):
                 k = k + W[p + "self_attn.k_proj.bias"]
                 v = v + W[p + "self_attn.v_proj.bias"]
             q = q.reshape(H, D)
-            k = np.stack([rope(k.reshape(KV, D)[g], pos) for g in range(KV)])
+            k = k.reshape(KV, D)
+            if qk_norm:  # each head normalised on its own, before RoPE
+                q = np.stack([rmsnorm(q[hh], W[p + "self_attn.q_norm.weight"]) for hh in range(H)])
+                k = np.stack([rmsnorm(k[g], W[p + "self_attn.k_norm.weight"]) for g in range(KV)])
+            k = np.stack([rope(k[g], pos) for g in range(KV)])
             k_cache[l].append(k)
             v_cache[l].append(v.reshape(KV, D))
             attn = np.zeros(H * D)
@@ -142,6 +147,8 @@ CASES = {
     "tied_bf16": dict(tied=True, dtype="BF16"),
     "llama3_rope_gqa4_sharded": dict(heads=8, kv_heads=2, hidden=64, rope_llama3=True, shards=2),
     "explicit_head_dim": dict(heads=4, kv_heads=2, head_dim=12, rope_theta=500000.0),
+    "qwen3_qk_norm_gqa2": dict(heads=4, kv_heads=2, head_dim=12, qk_norm=True),
+    "mistral_gqa4": dict(heads=8, kv_heads=2, hidden=64, mistral=True),
     "all_options": dict(heads=4, kv_heads=2, dtype="BF16", shards=2, qkv_bias=True, tied=True,
                         rope_llama3=True, layers=3),
 }

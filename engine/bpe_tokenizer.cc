@@ -1,0 +1,1187 @@
+#include "engine/bpe_tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <unicode/casemap.h>
+#include <unicode/normalizer2.h>
+#include <unicode/uchar.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "common/status_macros.h"
+
+namespace pdserve::engine {
+namespace {
+
+using json::Value;
+
+constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581 "▁"
+
+absl::string_view AbslView(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
+
+absl::StatusOr<std::string> ReadOptionalFile(const std::string& path) {
+  if (!std::filesystem::exists(path)) return std::string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Length of the UTF-8 character starting with byte `c` (1 for stray bytes;
+// the text is valid UTF-8 by the time this is used).
+inline int Utf8Length(unsigned char c) {
+  if (c < 0xC0) return 1;
+  if (c < 0xE0) return 2;
+  if (c < 0xF0) return 3;
+  return 4;
+}
+
+inline char32_t DecodeUtf8(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) {
+    return static_cast<unsigned char>(s[i + k]) & 0x3F;
+  };
+  const unsigned char c = static_cast<unsigned char>(s[i]);
+  switch (Utf8Length(c)) {
+    case 1:
+      return c;
+    case 2:
+      return (char32_t{c & 0x1Fu} << 6) | b(1);
+    case 3:
+      return (char32_t{c & 0x0Fu} << 12) | (b(1) << 6) | b(2);
+    default:
+      return (char32_t{c & 0x07u} << 18) | (b(1) << 12) | (b(2) << 6) | b(3);
+  }
+}
+
+void AppendUtf8(char32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+// GPT-2's byte alphabet: byte b is written as the character ByteChar(b), so
+// that every byte has a printable, non-space character.
+std::array<char32_t, 256> ByteAlphabet() {
+  std::array<char32_t, 256> chars{};
+  std::array<bool, 256> direct{};
+  for (int b = 0; b < 256; ++b) {
+    direct[b] = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) ||
+                (b >= 0xAE && b <= 0xFF);
+  }
+  char32_t next = 256;
+  for (int b = 0; b < 256; ++b)
+    chars[b] = direct[b] ? static_cast<char32_t>(b) : next++;
+  return chars;
+}
+
+bool IsValidUtf8(std::string_view s) {
+  Utf8Stream probe;
+  std::string out = probe.Push(std::string(s));
+  out += probe.Finish();
+  return out == s;
+}
+
+// A compiled PCRE2 pattern with Unicode properties (\p{L}, \s, ... as in the
+// Oniguruma patterns of tokenizer.json). Immutable; matching takes a
+// per-call MatchState.
+class Regex {
+ public:
+  static absl::StatusOr<std::unique_ptr<Regex>> Compile(
+      const std::string& pattern, bool literal, const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    const uint32_t options =
+        PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
+    pcre2_code* code =
+        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()),
+                      pattern.size(), options, &err, &offset, nullptr);
+    if (code == nullptr) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof(msg));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": cannot compile regex \"", pattern, "\" at offset ", offset,
+          ": ", reinterpret_cast<const char*>(msg)));
+    }
+    auto re = std::unique_ptr<Regex>(new Regex(code));
+    re->jit_ = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
+    return re;
+  }
+  ~Regex() { pcre2_code_free(code_); }
+
+  struct MatchState {
+    MatchState() {
+      data = pcre2_match_data_create(1, nullptr);
+      stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
+      context = pcre2_match_context_create(nullptr);
+      pcre2_jit_stack_assign(context, nullptr, stack);
+    }
+    ~MatchState() {
+      pcre2_match_context_free(context);
+      pcre2_jit_stack_free(stack);
+      pcre2_match_data_free(data);
+    }
+    MatchState(const MatchState&) = delete;
+    MatchState& operator=(const MatchState&) = delete;
+    pcre2_match_data* data;
+    pcre2_jit_stack* stack;
+    pcre2_match_context* context;
+  };
+
+  // Calls fn(begin, end) for each non-empty match in `s`, left to right.
+  template <typename Fn>
+  void ForEachMatch(std::string_view s, MatchState* state, Fn fn) const {
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+    size_t offset = 0;
+    while (offset <= s.size()) {
+      const int rc =
+          jit_ ? pcre2_jit_match(code_, subject, s.size(), offset, 0,
+                                 state->data, state->context)
+               : pcre2_match(code_, subject, s.size(), offset,
+                             PCRE2_NO_UTF_CHECK, state->data, state->context);
+      if (rc < 0)
+        return;  // no match (or a resource limit: the rest stays one piece)
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state->data);
+      const size_t begin = ov[0], end = ov[1];
+      if (end > begin) {
+        fn(begin, end);
+        offset = end;
+      } else {
+        if (begin >= s.size()) return;
+        offset = begin + Utf8Length(static_cast<unsigned char>(s[begin]));
+      }
+    }
+  }
+
+  // Replaces every match of the pattern in `s` with `content`.
+  std::string ReplaceAll(std::string_view s, std::string_view content,
+                         MatchState* state) const {
+    std::string out;
+    size_t prev = 0;
+    ForEachMatch(s, state, [&](size_t b, size_t e) {
+      out.append(s.substr(prev, b - prev));
+      out.append(content);
+      prev = e;
+    });
+    out.append(s.substr(prev));
+    return out;
+  }
+
+ private:
+  explicit Regex(pcre2_code* code) : code_(code) {}
+  pcre2_code* code_;
+  bool jit_ = false;
+};
+
+// What a Split pre-tokenizer does with the pattern's matches.
+enum class SplitBehavior {
+  kIsolated,
+  kRemoved,
+  kMergedWithPrevious,
+  kMergedWithNext,
+  kContiguous
+};
+
+struct SplitStep {
+  std::unique_ptr<Regex> regex;
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool invert = false;
+};
+
+struct NormalizerStep {
+  enum Kind { kUnicode, kPrepend, kReplace, kLowercase } kind;
+  const icu::Normalizer2* unicode = nullptr;  // kUnicode
+  std::string text;                // kPrepend: prefix; kReplace: content
+  std::unique_ptr<Regex> pattern;  // kReplace
+};
+
+// tokenizer.json field readers with the file named in errors.
+absl::StatusOr<std::string> PatternOf(const Value& v, bool* literal,
+                                      const std::string& where) {
+  const Value* p = json::Find(v, "pattern");
+  if (p == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(where, ": missing pattern"));
+  if (const Value* re = json::Find(*p, "Regex");
+      re && re->kind_case() == Value::kStringValue) {
+    *literal = false;
+    return re->string_value();
+  }
+  if (const Value* str = json::Find(*p, "String");
+      str && str->kind_case() == Value::kStringValue) {
+    *literal = true;
+    return str->string_value();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": pattern needs \"Regex\" or \"String\""));
+}
+
+std::string TypeOf(const Value& v) {
+  const Value* t = json::Find(v, "type");
+  return t != nullptr && t->kind_case() == Value::kStringValue
+             ? t->string_value()
+             : "";
+}
+
+// The steps of a "Sequence" (under `list_key`) or the object itself.
+std::vector<const Value*> Flatten(const Value& v, const char* list_key) {
+  std::vector<const Value*> out;
+  if (TypeOf(v) == "Sequence") {
+    if (const Value* list = json::Find(v, list_key);
+        list && list->kind_case() == Value::kListValue) {
+      for (const Value& item : list->list_value().values()) {
+        for (const Value* inner : Flatten(item, list_key)) out.push_back(inner);
+      }
+    }
+    return out;
+  }
+  out.push_back(&v);
+  return out;
+}
+
+// The text of a token entry in tokenizer_config.json: a string, or an
+// AddedToken object with "content".
+std::string TokenName(const Value* v) {
+  if (v == nullptr) return "";
+  if (v->kind_case() == Value::kStringValue) return v->string_value();
+  if (const Value* c = json::Find(*v, "content");
+      c && c->kind_case() == Value::kStringValue) {
+    return c->string_value();
+  }
+  return "";
+}
+
+int64_t FirstId(const Value* v) {
+  if (v == nullptr) return -1;
+  if (v->kind_case() == Value::kListValue &&
+      v->list_value().values_size() > 0) {
+    v = &v->list_value().values(0);
+  }
+  if (v->kind_case() != Value::kNumberValue) return -1;
+  return static_cast<int64_t>(v->number_value());
+}
+
+// Leftmost-longest matching of the added tokens' contents (a byte trie).
+class AddedTokenMatcher {
+ public:
+  void Add(const std::string& content, int32_t index) {
+    if (content.empty()) return;
+    int32_t node = 0;
+    for (unsigned char c : content) {
+      auto it = nodes_[node].next.find(c);
+      if (it == nodes_[node].next.end()) {
+        nodes_.push_back({});
+        it = nodes_[node]
+                 .next.emplace(c, static_cast<int32_t>(nodes_.size() - 1))
+                 .first;
+      }
+      node = it->second;
+    }
+    nodes_[node].token = index;
+    first_byte_[static_cast<unsigned char>(content[0])] = true;
+  }
+
+  // The longest token starting at s[i]: sets *len and returns its index, or -1.
+  int32_t Match(std::string_view s, size_t i, size_t* len) const {
+    if (!first_byte_[static_cast<unsigned char>(s[i])]) return -1;
+    int32_t node = 0, best = -1;
+    for (size_t j = i; j < s.size(); ++j) {
+      auto it = nodes_[node].next.find(static_cast<unsigned char>(s[j]));
+      if (it == nodes_[node].next.end()) break;
+      node = it->second;
+      if (nodes_[node].token >= 0) {
+        best = nodes_[node].token;
+        *len = j + 1 - i;
+      }
+    }
+    return best;
+  }
+
+ private:
+  struct Node {
+    absl::flat_hash_map<unsigned char, int32_t> next;
+    int32_t token = -1;
+  };
+  std::vector<Node> nodes_ = {Node{}};
+  bool first_byte_[256] = {};
+};
+
+struct AddedToken {
+  std::string content;
+  int32_t id;
+  bool special, lstrip, rstrip;
+};
+
+bool IsWhiteSpaceAt(std::string_view s, size_t i) {
+  return u_isUWhiteSpace(DecodeUtf8(s, i));
+}
+
+std::string_view TrimEnd(std::string_view s) {
+  while (!s.empty()) {
+    size_t start = s.size() - 1;
+    while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80)
+      --start;
+    if (!IsWhiteSpaceAt(s, start)) break;
+    s = s.substr(0, start);
+  }
+  return s;
+}
+
+std::string_view TrimStart(std::string_view s) {
+  while (!s.empty() && IsWhiteSpaceAt(s, 0)) {
+    s = s.substr(Utf8Length(static_cast<unsigned char>(s[0])));
+  }
+  return s;
+}
+
+}  // namespace
+
+struct BpeTokenizer::Impl {
+  std::vector<AddedToken> added;
+  AddedTokenMatcher added_matcher;
+  std::vector<NormalizerStep> normalizers;
+  // The section transform: metaspace replacement of spaces, and the prefix
+  // added to a section ("first": only the text's first section).
+  enum class Prefix { kNever, kFirst, kAlways } prefix = Prefix::kNever;
+  std::string prefix_text;        // " " (ByteLevel add_prefix_space) or "▁"
+  bool replace_spaces = false;    // Metaspace: ' ' -> "▁"
+  std::vector<SplitStep> splits;  // applied in order to every piece
+};
+
+struct BpeTokenizer::Scratch {
+  struct Symbol {
+    int32_t id;     // -1: a character outside the vocabulary
+    int32_t prev;   // index, -1 at the start
+    int32_t next;   // index, -1 at the end
+    int32_t begin;  // byte range in the piece
+    int32_t len;    // 0 once merged into its left neighbour
+  };
+  struct Candidate {
+    int32_t rank;
+    int32_t pos;  // left symbol
+    int32_t merged;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
+  };
+  std::vector<Symbol> symbols;
+  std::vector<Candidate> heap;
+  std::vector<std::string_view> pieces, next_pieces;
+  Regex::MatchState match;
+};
+
+BpeTokenizer::BpeTokenizer() : impl_(std::make_unique<Impl>()) {
+  std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+  std::fill(std::begin(byte_fallback_ids_), std::end(byte_fallback_ids_), -1);
+}
+
+BpeTokenizer::~BpeTokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
+    const std::string& dir) {
+  const std::string path = dir + "/tokenizer.json";
+  ASSIGN_OR_RETURN(std::string text, ReadOptionalFile(path));
+  if (text.empty())
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  ASSIGN_OR_RETURN(Value root, json::Parse(text, path));
+  ASSIGN_OR_RETURN(std::string config,
+                   ReadOptionalFile(dir + "/tokenizer_config.json"));
+  ASSIGN_OR_RETURN(std::string generation,
+                   ReadOptionalFile(dir + "/generation_config.json"));
+  return FromJson(root, config, generation, path);
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
+    const Value& root, const std::string& tokenizer_config_json,
+    const std::string& generation_config_json, const std::string& where) {
+  auto bad = [&](const std::string& msg) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", msg));
+  };
+  auto unsupported = [&](const std::string& what, const std::string& type) {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": ", what, " \"", type, "\" is not supported"));
+  };
+  std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
+  Impl& impl = *t->impl_;
+
+  const Value* model = json::Find(root, "model");
+  if (model == nullptr || TypeOf(*model) != "BPE")
+    return bad("model.type must be \"BPE\"");
+  const Value* vocab = json::Find(*model, "vocab");
+  const Value* merges = json::Find(*model, "merges");
+  if (vocab == nullptr || vocab->kind_case() != Value::kStructValue) {
+    return bad("model.vocab must be an object");
+  }
+  if (merges == nullptr || merges->kind_case() != Value::kListValue) {
+    return bad("model.merges must be a list");
+  }
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    ASSIGN_OR_RETURN(std::string affix,
+                     json::GetString(*model, key, where, ""));
+    if (!affix.empty()) return unsupported(absl::StrCat("model.", key), affix);
+  }
+  ASSIGN_OR_RETURN(t->ignore_merges_,
+                   json::GetBool(*model, "ignore_merges", where, false));
+  ASSIGN_OR_RETURN(t->byte_fallback_,
+                   json::GetBool(*model, "byte_fallback", where, false));
+  ASSIGN_OR_RETURN(t->fuse_unk_,
+                   json::GetBool(*model, "fuse_unk", where, false));
+
+  // Vocabulary, then added tokens (which may reuse or extend its ids).
+  int64_t max_id = -1;
+  for (const auto& [token, id] : vocab->struct_value().fields()) {
+    ASSIGN_OR_RETURN(
+        int64_t i,
+        json::AsInt(id, absl::StrCat(where, ": vocab id of \"", token, "\""), 0,
+                    (int64_t{1} << 31) - 1));
+    max_id = std::max(max_id, i);
+  }
+  const Value* added = json::Find(root, "added_tokens");
+  if (added != nullptr) {
+    if (added->kind_case() != Value::kListValue)
+      return bad("added_tokens must be a list");
+    for (const Value& a : added->list_value().values()) {
+      AddedToken tok;
+      ASSIGN_OR_RETURN(int64_t id, json::GetInt(a, "id", where, std::nullopt, 0,
+                                                (int64_t{1} << 31) - 1));
+      tok.id = static_cast<int32_t>(id);
+      ASSIGN_OR_RETURN(tok.content, json::GetString(a, "content", where));
+      ASSIGN_OR_RETURN(tok.special, json::GetBool(a, "special", where, false));
+      ASSIGN_OR_RETURN(tok.lstrip, json::GetBool(a, "lstrip", where, false));
+      ASSIGN_OR_RETURN(tok.rstrip, json::GetBool(a, "rstrip", where, false));
+      max_id = std::max<int64_t>(max_id, id);
+      impl.added.push_back(std::move(tok));
+    }
+  }
+  if (max_id < 0) return bad("empty vocabulary");
+  const size_t entries = vocab->struct_value().fields().size() + impl.added.size();
+  if (static_cast<size_t>(max_id) > 2 * entries + 1024) {
+    return bad(absl::StrCat("token id ", max_id, " is far beyond the ", entries,
+                            " tokens: ids must be dense"));
+  }
+  t->tokens_.resize(max_id + 1);
+  t->token_bytes_.resize(max_id + 1);
+  t->special_.assign(max_id + 1, false);
+  t->token_ids_.reserve(vocab->struct_value().fields().size() +
+                        impl.added.size());
+  for (const auto& [token, id] : vocab->struct_value().fields()) {
+    const auto i = static_cast<int32_t>(id.number_value());
+    t->tokens_[i] = token;
+    t->token_ids_[token] = i;
+  }
+
+  // Pre-tokenizer: one optional section transform, then splits.
+  const Value* pre = json::Find(root, "pre_tokenizer");
+  std::vector<const Value*> pre_steps;
+  if (pre != nullptr) pre_steps = Flatten(*pre, "pretokenizers");
+  for (size_t i = 0; i < pre_steps.size(); ++i) {
+    const Value& step = *pre_steps[i];
+    const std::string type = TypeOf(step);
+    if (type == "ByteLevel") {
+      t->byte_level_ = true;
+      ASSIGN_OR_RETURN(bool prefix,
+                       json::GetBool(step, "add_prefix_space", where, true));
+      ASSIGN_OR_RETURN(bool use_regex,
+                       json::GetBool(step, "use_regex", where, true));
+      if (prefix) {
+        if (i != 0)
+          return bad(
+              "ByteLevel add_prefix_space is supported only as the first "
+              "pre-tokenizer");
+        impl.prefix = Impl::Prefix::kAlways;
+        impl.prefix_text = " ";
+      }
+      if (use_regex) {
+        SplitStep s;
+        ASSIGN_OR_RETURN(
+            s.regex,
+            Regex::Compile("'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| "
+                           "?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+                           false, where));
+        impl.splits.push_back(std::move(s));
+      }
+    } else if (type == "Split") {
+      SplitStep s;
+      bool literal = false;
+      ASSIGN_OR_RETURN(std::string pattern, PatternOf(step, &literal, where));
+      ASSIGN_OR_RETURN(s.regex, Regex::Compile(pattern, literal, where));
+      ASSIGN_OR_RETURN(std::string behavior,
+                       json::GetString(step, "behavior", where, "Isolated"));
+      ASSIGN_OR_RETURN(s.invert, json::GetBool(step, "invert", where, false));
+      if (behavior == "Isolated") {
+        s.behavior = SplitBehavior::kIsolated;
+      } else if (behavior == "Removed") {
+        s.behavior = SplitBehavior::kRemoved;
+      } else if (behavior == "MergedWithPrevious") {
+        s.behavior = SplitBehavior::kMergedWithPrevious;
+      } else if (behavior == "MergedWithNext") {
+        s.behavior = SplitBehavior::kMergedWithNext;
+      } else if (behavior == "Contiguous") {
+        s.behavior = SplitBehavior::kContiguous;
+      } else {
+        return unsupported("Split behavior", behavior);
+      }
+      impl.splits.push_back(std::move(s));
+    } else if (type == "Digits") {
+      SplitStep s;
+      ASSIGN_OR_RETURN(bool individual,
+                       json::GetBool(step, "individual_digits", where, false));
+      ASSIGN_OR_RETURN(
+          s.regex,
+          Regex::Compile(individual ? "\\p{Nd}" : "\\p{Nd}+", false, where));
+      impl.splits.push_back(std::move(s));
+    } else if (type == "Metaspace") {
+      if (i != 0)
+        return bad("Metaspace is supported only as the first pre-tokenizer");
+      ASSIGN_OR_RETURN(
+          std::string replacement,
+          json::GetString(step, "replacement", where, std::string(kMetaspace)));
+      if (replacement != kMetaspace)
+        return unsupported("Metaspace replacement", replacement);
+      impl.replace_spaces = true;
+      impl.prefix_text = std::string(kMetaspace);
+      ASSIGN_OR_RETURN(bool add_prefix,
+                       json::GetBool(step, "add_prefix_space", where, true));
+      ASSIGN_OR_RETURN(std::string scheme,
+                       json::GetString(step, "prepend_scheme", where,
+                                       add_prefix ? "always" : "never"));
+      if (scheme == "always") {
+        impl.prefix = Impl::Prefix::kAlways;
+      } else if (scheme == "first") {
+        impl.prefix = Impl::Prefix::kFirst;
+      } else if (scheme == "never") {
+        impl.prefix = Impl::Prefix::kNever;
+      } else {
+        return unsupported("Metaspace prepend_scheme", scheme);
+      }
+      ASSIGN_OR_RETURN(bool split, json::GetBool(step, "split", where, true));
+      if (split) {
+        SplitStep s;
+        ASSIGN_OR_RETURN(s.regex,
+                         Regex::Compile(std::string(kMetaspace), true, where));
+        s.behavior = SplitBehavior::kMergedWithNext;
+        impl.splits.push_back(std::move(s));
+      }
+    } else {
+      return unsupported("pre-tokenizer", type);
+    }
+  }
+
+  // Normalizers.
+  if (const Value* norm = json::Find(root, "normalizer")) {
+    for (const Value* step : Flatten(*norm, "normalizers")) {
+      const std::string type = TypeOf(*step);
+      NormalizerStep n;
+      UErrorCode status = U_ZERO_ERROR;
+      if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+        n.kind = NormalizerStep::kUnicode;
+        n.unicode = type == "NFC"   ? icu::Normalizer2::getNFCInstance(status)
+                    : type == "NFD" ? icu::Normalizer2::getNFDInstance(status)
+                    : type == "NFKC"
+                        ? icu::Normalizer2::getNFKCInstance(status)
+                        : icu::Normalizer2::getNFKDInstance(status);
+        if (U_FAILURE(status))
+          return bad(absl::StrCat("ICU ", type, ": ", u_errorName(status)));
+      } else if (type == "Prepend") {
+        n.kind = NormalizerStep::kPrepend;
+        ASSIGN_OR_RETURN(n.text, json::GetString(*step, "prepend", where));
+      } else if (type == "Replace") {
+        n.kind = NormalizerStep::kReplace;
+        bool literal = false;
+        ASSIGN_OR_RETURN(std::string pattern,
+                         PatternOf(*step, &literal, where));
+        ASSIGN_OR_RETURN(n.pattern, Regex::Compile(pattern, literal, where));
+        ASSIGN_OR_RETURN(n.text, json::GetString(*step, "content", where));
+      } else if (type == "Lowercase") {
+        n.kind = NormalizerStep::kLowercase;
+      } else {
+        return unsupported("normalizer", type);
+      }
+      impl.normalizers.push_back(std::move(n));
+    }
+  }
+
+  // Decoder: only what TokenBytes and Decode need to know.
+  bool decoder_byte_fallback = false;
+  if (const Value* dec = json::Find(root, "decoder")) {
+    for (const Value* step : Flatten(*dec, "decoders")) {
+      const std::string type = TypeOf(*step);
+      if (type == "ByteLevel") {
+        if (!t->byte_level_)
+          return bad("a ByteLevel decoder needs a ByteLevel pre-tokenizer");
+      } else if (type == "ByteFallback") {
+        decoder_byte_fallback = true;
+      } else if (type == "Strip") {
+        ASSIGN_OR_RETURN(std::string content,
+                         json::GetString(*step, "content", where, " "));
+        ASSIGN_OR_RETURN(int64_t start,
+                         json::GetInt(*step, "start", where, 0, 0, 16));
+        if (content == " ") t->strip_leading_spaces_ = static_cast<int>(start);
+      } else if (type == "Metaspace") {
+        ASSIGN_OR_RETURN(bool add_prefix,
+                         json::GetBool(*step, "add_prefix_space", where, true));
+        ASSIGN_OR_RETURN(std::string scheme,
+                         json::GetString(*step, "prepend_scheme", where,
+                                         add_prefix ? "always" : "never"));
+        if (scheme != "never") t->strip_leading_spaces_ = 1;
+      } else if (type != "Replace" && type != "Fuse") {
+        return unsupported("decoder", type);
+      }
+    }
+  }
+
+  // Model-space pieces and raw bytes of every vocabulary token.
+  const std::array<char32_t, 256> alphabet = ByteAlphabet();
+  absl::flat_hash_map<char32_t, unsigned char> alphabet_byte;
+  for (int b = 0; b < 256; ++b)
+    alphabet_byte[alphabet[b]] = static_cast<unsigned char>(b);
+  t->piece_ids_.reserve(t->token_ids_.size());
+  for (const auto& [token, id] : t->token_ids_) {
+    std::string bytes;
+    if (t->byte_level_) {
+      bool in_alphabet = true;
+      for (size_t i = 0; i < token.size();
+           i += Utf8Length(static_cast<unsigned char>(token[i]))) {
+        auto it = alphabet_byte.find(DecodeUtf8(token, i));
+        if (it == alphabet_byte.end()) {
+          in_alphabet = false;
+          break;
+        }
+        bytes.push_back(static_cast<char>(it->second));
+      }
+      if (!in_alphabet) bytes = token;
+    } else if ((t->byte_fallback_ || decoder_byte_fallback) &&
+               token.size() == 6 && token.compare(0, 3, "<0x") == 0 &&
+               token[5] == '>' &&
+               isxdigit(static_cast<unsigned char>(token[3])) &&
+               isxdigit(static_cast<unsigned char>(token[4]))) {
+      const int b = std::stoi(token.substr(3, 2), nullptr, 16);
+      bytes.push_back(static_cast<char>(b));
+      t->byte_fallback_ids_[b] = id;
+    } else {
+      bytes = absl::StrReplaceAll(token, {{AbslView(kMetaspace), " "}});
+    }
+    t->token_bytes_[id] = bytes;
+    t->piece_ids_[t->byte_level_ ? bytes : token] = id;
+  }
+  if (t->byte_level_) {
+    for (int b = 0; b < 256; ++b) {
+      std::string ch;
+      AppendUtf8(alphabet[b], &ch);
+      auto it = t->token_ids_.find(ch);
+      if (it == t->token_ids_.end()) {
+        return bad(
+            absl::StrCat("byte-level vocabulary lacks the token for byte ", b));
+      }
+      t->byte_ids_[b] = it->second;
+    }
+  }
+
+  // Merges: "left right" strings, or [left, right] pairs (tokenizers >= 0.20).
+  t->merges_.reserve(merges->list_value().values_size());
+  int32_t rank = 0;
+  for (const Value& m : merges->list_value().values()) {
+    std::string left, right;
+    if (m.kind_case() == Value::kStringValue) {
+      const std::string& s = m.string_value();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos)
+        return bad(absl::StrCat("merge \"", s, "\" has no space"));
+      left = s.substr(0, sp);
+      right = s.substr(sp + 1);
+    } else if (m.kind_case() == Value::kListValue &&
+               m.list_value().values_size() == 2 &&
+               m.list_value().values(0).kind_case() == Value::kStringValue &&
+               m.list_value().values(1).kind_case() == Value::kStringValue) {
+      left = m.list_value().values(0).string_value();
+      right = m.list_value().values(1).string_value();
+    } else {
+      return bad("merges must be strings or pairs of strings");
+    }
+    auto l = t->token_ids_.find(left), r = t->token_ids_.find(right),
+         merged = t->token_ids_.find(left + right);
+    if (l == t->token_ids_.end() || r == t->token_ids_.end() ||
+        merged == t->token_ids_.end()) {
+      return bad(absl::StrCat("merge \"", left, " ", right,
+                              "\" uses tokens outside the vocabulary"));
+    }
+    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) |
+                         static_cast<uint32_t>(r->second);
+    const uint64_t value = (static_cast<uint64_t>(rank) << 32) |
+                           static_cast<uint32_t>(merged->second);
+    t->merges_.emplace(key, value);  // the first (best-ranked) entry wins
+    ++rank;
+  }
+
+  // Added tokens override vocabulary entries with the same id.
+  for (size_t i = 0; i < impl.added.size(); ++i) {
+    const AddedToken& a = impl.added[i];
+    t->tokens_[a.id] = a.content;
+    t->token_ids_[a.content] = a.id;
+    t->special_[a.id] = a.special;
+    t->token_bytes_[a.id] = a.special ? "" : a.content;
+    impl.added_matcher.Add(a.content, static_cast<int32_t>(i));
+  }
+  if (const Value* unk = json::Find(*model, "unk_token");
+      unk && unk->kind_case() == Value::kStringValue) {
+    t->unk_id_ = t->TokenId(unk->string_value());
+  }
+
+  // BOS/EOS: tokenizer_config.json names them; generation_config.json has ids.
+  Value config, generation;
+  if (!tokenizer_config_json.empty()) {
+    ASSIGN_OR_RETURN(
+        config, json::Parse(tokenizer_config_json, "tokenizer_config.json"));
+  }
+  if (!generation_config_json.empty()) {
+    ASSIGN_OR_RETURN(generation, json::Parse(generation_config_json,
+                                             "generation_config.json"));
+  }
+  const std::string bos_name = TokenName(json::Find(config, "bos_token"));
+  const std::string eos_name = TokenName(json::Find(config, "eos_token"));
+  t->bos_id_ = bos_name.empty() ? -1 : t->TokenId(bos_name);
+  t->eos_id_ = eos_name.empty() ? -1 : t->TokenId(eos_name);
+  if (t->bos_id_ < 0)
+    t->bos_id_ =
+        static_cast<int32_t>(FirstId(json::Find(generation, "bos_token_id")));
+  if (t->eos_id_ < 0)
+    t->eos_id_ =
+        static_cast<int32_t>(FirstId(json::Find(generation, "eos_token_id")));
+  if (t->bos_id_ >= t->vocab_size()) t->bos_id_ = -1;
+  if (t->eos_id_ >= t->vocab_size()) t->eos_id_ = -1;
+
+  // What Encode adds. transformers rebuilds the post-processor of the Llama
+  // tokenizer classes from add_bos_token (default true) / add_eos_token;
+  // every other class uses tokenizer.json's post-processor as written.
+  ASSIGN_OR_RETURN(
+      std::string tokenizer_class,
+      json::GetString(config, "tokenizer_class", "tokenizer_config.json", ""));
+  if (tokenizer_class == "LlamaTokenizer" ||
+      tokenizer_class == "LlamaTokenizerFast" ||
+      tokenizer_class == "CodeLlamaTokenizer" ||
+      tokenizer_class == "CodeLlamaTokenizerFast") {
+    ASSIGN_OR_RETURN(
+        bool add_bos,
+        json::GetBool(config, "add_bos_token", "tokenizer_config.json", true));
+    ASSIGN_OR_RETURN(
+        bool add_eos,
+        json::GetBool(config, "add_eos_token", "tokenizer_config.json", false));
+    if (add_bos && t->bos_id_ >= 0) t->prefix_ids_.push_back(t->bos_id_);
+    if (add_eos && t->eos_id_ >= 0) t->suffix_ids_.push_back(t->eos_id_);
+  } else if (const Value* post = json::Find(root, "post_processor")) {
+    for (const Value* step : Flatten(*post, "processors")) {
+      const std::string type = TypeOf(*step);
+      if (type == "ByteLevel") continue;
+      if (type == "TemplateProcessing") {
+        const Value* single = json::Find(*step, "single");
+        const Value* specials = json::Find(*step, "special_tokens");
+        if (single == nullptr || single->kind_case() != Value::kListValue) {
+          return bad("TemplateProcessing needs a \"single\" list");
+        }
+        bool after = false;
+        for (const Value& piece : single->list_value().values()) {
+          if (json::Find(piece, "Sequence") != nullptr) {
+            after = true;
+            continue;
+          }
+          const Value* sp = json::Find(piece, "SpecialToken");
+          const std::string name = sp ? TokenName(json::Find(*sp, "id")) : "";
+          if (name.empty())
+            return bad(
+                "TemplateProcessing entries need Sequence or SpecialToken");
+          std::vector<int32_t> ids;
+          const Value* entry = specials ? json::Find(*specials, name) : nullptr;
+          if (const Value* list = entry ? json::Find(*entry, "ids") : nullptr;
+              list && list->kind_case() == Value::kListValue) {
+            for (const Value& id : list->list_value().values()) {
+              ASSIGN_OR_RETURN(int64_t i,
+                               json::AsInt(id, where, 0, t->vocab_size() - 1));
+              ids.push_back(static_cast<int32_t>(i));
+            }
+          } else if (int32_t id = t->TokenId(name); id >= 0) {
+            ids.push_back(id);
+          } else {
+            return bad(absl::StrCat("TemplateProcessing token \"", name,
+                                    "\" is not in the vocabulary"));
+          }
+          auto& target = after ? t->suffix_ids_ : t->prefix_ids_;
+          target.insert(target.end(), ids.begin(), ids.end());
+        }
+      } else if (type == "BertProcessing" || type == "RobertaProcessing") {
+        for (const char* key : {"cls", "sep"}) {
+          const Value* pair = json::Find(*step, key);
+          if (pair == nullptr || pair->kind_case() != Value::kListValue ||
+              pair->list_value().values_size() != 2) {
+            return bad(absl::StrCat(type, " needs \"", key, "\": [token, id]"));
+          }
+          ASSIGN_OR_RETURN(int64_t id,
+                           json::AsInt(pair->list_value().values(1), where, 0,
+                                       t->vocab_size() - 1));
+          (std::string(key) == "cls" ? t->prefix_ids_ : t->suffix_ids_)
+              .push_back(static_cast<int32_t>(id));
+        }
+      } else {
+        return unsupported("post-processor", type);
+      }
+    }
+  }
+  return t;
+}
+
+bool BpeTokenizer::IsSpecial(int32_t id) const {
+  return id >= 0 && id < vocab_size() && special_[id];
+}
+
+const std::string& BpeTokenizer::TokenText(int32_t id) const {
+  static const std::string kEmpty;
+  return id >= 0 && id < vocab_size() ? tokens_[id] : kEmpty;
+}
+
+int32_t BpeTokenizer::TokenId(std::string_view token) const {
+  auto it = token_ids_.find(AbslView(token));
+  return it == token_ids_.end() ? -1 : it->second;
+}
+
+std::string BpeTokenizer::TokenBytes(int32_t id) const {
+  return id >= 0 && id < vocab_size() ? token_bytes_[id] : std::string();
+}
+
+std::string BpeTokenizer::Decode(const std::vector<int32_t>& ids,
+                                 bool skip_special_tokens) const {
+  std::string bytes;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size()) continue;
+    if (special_[id]) {
+      if (!skip_special_tokens) bytes += tokens_[id];
+    } else {
+      bytes += token_bytes_[id];
+    }
+  }
+  size_t strip = 0;
+  while (strip < bytes.size() &&
+         static_cast<int>(strip) < strip_leading_spaces_ &&
+         bytes[strip] == ' ') {
+    ++strip;
+  }
+  Utf8Stream utf8;
+  return utf8.Push(bytes.substr(strip)) + utf8.Finish();
+}
+
+std::vector<int32_t> BpeTokenizer::Encode(const std::string& input,
+                                          bool add_special_tokens) const {
+  // The pipeline works on valid UTF-8; ill-formed input bytes become U+FFFD.
+  std::string repaired;
+  std::string_view text = input;
+  if (!IsValidUtf8(input)) {
+    Utf8Stream utf8;
+    repaired = utf8.Push(input) + utf8.Finish();
+    text = repaired;
+  }
+  Scratch scratch;
+  std::vector<int32_t> out;
+  out.reserve(text.size() / 3 + prefix_ids_.size() + suffix_ids_.size() + 4);
+  if (add_special_tokens)
+    out.insert(out.end(), prefix_ids_.begin(), prefix_ids_.end());
+
+  // Sections: runs of plain text between added tokens.
+  struct Section {
+    std::string_view text;
+    int32_t added;  // index into impl_->added, or -1
+  };
+  std::vector<Section> sections;
+  size_t start = 0;
+  for (size_t i = 0; i < text.size();) {
+    size_t len = 0;
+    const int32_t a = impl_->added_matcher.Match(text, i, &len);
+    if (a < 0) {
+      ++i;
+      continue;
+    }
+    if (i > start) sections.push_back({text.substr(start, i - start), -1});
+    sections.push_back({text.substr(i, len), a});
+    i += len;
+    start = i;
+  }
+  if (start < text.size()) sections.push_back({text.substr(start), -1});
+  for (size_t i = 0; i < sections.size(); ++i) {
+    if (sections[i].added < 0) continue;
+    const AddedToken& a = impl_->added[sections[i].added];
+    if (a.lstrip && i > 0 && sections[i - 1].added < 0)
+      sections[i - 1].text = TrimEnd(sections[i - 1].text);
+    if (a.rstrip && i + 1 < sections.size() && sections[i + 1].added < 0) {
+      sections[i + 1].text = TrimStart(sections[i + 1].text);
+    }
+  }
+  for (size_t i = 0; i < sections.size(); ++i) {
+    if (sections[i].added >= 0) {
+      out.push_back(impl_->added[sections[i].added].id);
+    } else if (!sections[i].text.empty()) {
+      EncodeSection(sections[i].text, i == 0, &scratch, &out);
+    }
+  }
+  if (add_special_tokens)
+    out.insert(out.end(), suffix_ids_.begin(), suffix_ids_.end());
+  return out;
+}
+
+void BpeTokenizer::EncodeSection(std::string_view section, bool first_section,
+                                 Scratch* scratch,
+                                 std::vector<int32_t>* out) const {
+  const Impl& impl = *impl_;
+  std::string normalized;
+  if (!impl.normalizers.empty()) {
+    normalized.assign(section);
+    for (const NormalizerStep& n : impl.normalizers) {
+      switch (n.kind) {
+        case NormalizerStep::kUnicode: {
+          UErrorCode status = U_ZERO_ERROR;
+          const icu::StringPiece in(normalized.data(),
+                                    static_cast<int32_t>(normalized.size()));
+          if (n.unicode->isNormalizedUTF8(in, status) || U_FAILURE(status))
+            break;
+          std::string result;
+          icu::StringByteSink<std::string> sink(&result);
+          status = U_ZERO_ERROR;
+          n.unicode->normalizeUTF8(0, in, sink, nullptr, status);
+          if (U_SUCCESS(status)) normalized = std::move(result);
+          break;
+        }
+        case NormalizerStep::kPrepend:
+          if (!normalized.empty()) normalized.insert(0, n.text);
+          break;
+        case NormalizerStep::kReplace:
+          normalized =
+              n.pattern->ReplaceAll(normalized, n.text, &scratch->match);
+          break;
+        case NormalizerStep::kLowercase: {
+          UErrorCode status = U_ZERO_ERROR;
+          std::string result;
+          icu::StringByteSink<std::string> sink(&result);
+          icu::CaseMap::utf8ToLower(
+              "", 0,
+              icu::StringPiece(normalized.data(),
+                               static_cast<int32_t>(normalized.size())),
+              sink, nullptr, status);
+          if (U_SUCCESS(status)) normalized = std::move(result);
+          break;
+        }
+      }
+    }
+    section = normalized;
+    if (section.empty()) return;
+  }
+
+  std::string transformed;
+  if (impl.replace_spaces || impl.prefix != Impl::Prefix::kNever) {
+    const bool prepend = impl.prefix == Impl::Prefix::kAlways ||
+                         (impl.prefix == Impl::Prefix::kFirst && first_section);
+    const std::string_view space_char =
+        impl.replace_spaces ? kMetaspace : std::string_view(" ");
+    if (prepend && section.substr(0, space_char.size()) != space_char &&
+        !(impl.replace_spaces && !section.empty() && section[0] == ' ')) {
+      transformed = impl.prefix_text;
+    }
+    if (impl.replace_spaces) {
+      transformed +=
+          absl::StrReplaceAll(AbslView(section), {{" ", AbslView(kMetaspace)}});
+    } else {
+      transformed.append(section);
+    }
+    section = transformed;
+  }
+
+  auto& pieces = scratch->pieces;
+  auto& next = scratch->next_pieces;
+  pieces.assign(1, section);
+  for (const SplitStep& step : impl.splits) {
+    next.clear();
+    for (std::string_view piece : pieces) {
+      // The piece alternates between text and matches; `delimiter` marks the
+      // segments the behaviour acts on (the matches, or the text when
+      // inverted). Same folding as Hugging Face tokenizers' split().
+      const size_t first = next.size();
+      bool prev_delimiter = false;
+      auto extend_last = [&](size_t e) {
+        next.back() = std::string_view(next.back().data(),
+                                       piece.data() + e - next.back().data());
+      };
+      auto emit = [&](size_t b, size_t e, bool delimiter) {
+        if (e <= b) return;
+        const bool have_last = next.size() > first;
+        switch (step.behavior) {
+          case SplitBehavior::kIsolated:
+            next.push_back(piece.substr(b, e - b));
+            break;
+          case SplitBehavior::kRemoved:
+            if (!delimiter) next.push_back(piece.substr(b, e - b));
+            break;
+          case SplitBehavior::kMergedWithPrevious:
+            if (delimiter && !prev_delimiter && have_last) {
+              extend_last(e);
+            } else {
+              next.push_back(piece.substr(b, e - b));
+            }
+            break;
+          case SplitBehavior::kMergedWithNext:
+            if ((delimiter && !prev_delimiter) || !have_last) {
+              next.push_back(piece.substr(b, e - b));
+            } else {
+              extend_last(e);
+            }
+            break;
+          case SplitBehavior::kContiguous:
+            if (delimiter && prev_delimiter && have_last) {
+              extend_last(e);
+            } else {
+              next.push_back(piece.substr(b, e - b));
+            }
+            break;
+        }
+        prev_delimiter = delimiter;
+      };
+      size_t prev = 0;
+      step.regex->ForEachMatch(piece, &scratch->match, [&](size_t b, size_t e) {
+        emit(prev, b, step.invert);
+        emit(b, e, !step.invert);
+        prev = e;
+      });
+      emit(prev, piece.size(), step.invert);
+    }
+    pieces.swap(next);
+  }
+  for (std::string_view piece : pieces) EncodePiece(piece, scratch, out);
+}
+
+void BpeTokenizer::EncodePiece(std::string_view piece, Scratch* scratch,
+                               std::vector<int32_t>* out) const {
+  if (piece.empty()) return;
+  if (ignore_merges_) {
+    auto it = piece_ids_.find(AbslView(piece));
+    if (it != piece_ids_.end()) {
+      out->push_back(it->second);
+      return;
+    }
+  }
+  using Symbol = Scratch::Symbol;
+  using Candidate = Scratch::Candidate;
+  auto& symbols = scratch->symbols;
+  symbols.clear();
+  if (byte_level_) {
+    for (size_t i = 0; i < piece.size(); ++i) {
+      const int32_t n = static_cast<int32_t>(symbols.size());
+      symbols.push_back({byte_ids_[static_cast<unsigned char>(piece[i])], n - 1,
+                         n + 1, static_cast<int32_t>(i), 1});
+    }
+  } else {
+    for (size_t i = 0; i < piece.size();) {
+      const int len =
+          std::min<int>(Utf8Length(static_cast<unsigned char>(piece[i])),
+                        static_cast<int>(piece.size() - i));
+      auto it = piece_ids_.find(AbslView(piece.substr(i, len)));
+      const int32_t n = static_cast<int32_t>(symbols.size());
+      symbols.push_back({it == piece_ids_.end() ? -1 : it->second, n - 1, n + 1,
+                         static_cast<int32_t>(i), len});
+      i += len;
+    }
+  }
+  symbols.back().next = -1;
+
+  // Merge the best-ranked adjacent pair first (leftmost on ties) until none
+  // applies, as Hugging Face tokenizers does.
+  auto& heap = scratch->heap;
+  heap.clear();
+  auto lookup = [&](int32_t left, int32_t right, Candidate* c) {
+    if (left < 0 || right < 0) return false;
+    auto it = merges_.find((static_cast<uint64_t>(left) << 32) |
+                           static_cast<uint32_t>(right));
+    if (it == merges_.end()) return false;
+    c->rank = static_cast<int32_t>(it->second >> 32);
+    c->merged = static_cast<int32_t>(it->second & 0xFFFFFFFFu);
+    return true;
+  };
+  const auto cmp = std::greater<Candidate>();
+  for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+    Candidate c;
+    if (lookup(symbols[i].id, symbols[i + 1].id, &c)) {
+      c.pos = static_cast<int32_t>(i);
+      heap.push_back(c);
+    }
+  }
+  std::make_heap(heap.begin(), heap.end(), cmp);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), cmp);
+    const Candidate top = heap.back();
+    heap.pop_back();
+    Symbol& left = symbols[top.pos];
+    if (left.len == 0 || left.next < 0) continue;
+    Symbol& right = symbols[left.next];
+    Candidate check;
+    if (!lookup(left.id, right.id, &check) || check.merged != top.merged)
+      continue;
+    left.id = top.merged;
+    left.len += right.len;
+    left.next = right.next;
+    right.len = 0;
+    if (left.next >= 0) symbols[left.next].prev = top.pos;
+    Candidate c;
+    if (left.prev >= 0 && lookup(symbols[left.prev].id, left.id, &c)) {
+      c.pos = left.prev;
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), cmp);
+    }
+    if (left.next >= 0 && lookup(left.id, symbols[left.next].id, &c)) {
+      c.pos = top.pos;
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), cmp);
+    }
+  }
+
+  bool last_unk = false;
+  for (int32_t i = 0; i >= 0; i = symbols[i].next) {
+    const Symbol& s = symbols[i];
+    if (s.id >= 0) {
+      out->push_back(s.id);
+      last_unk = false;
+      continue;
+    }
+    bool bytes_ok = byte_fallback_;
+    for (int32_t k = 0; bytes_ok && k < s.len; ++k) {
+      bytes_ok =
+          byte_fallback_ids_[static_cast<unsigned char>(piece[s.begin + k])] >=
+          0;
+    }
+    if (bytes_ok) {
+      for (int32_t k = 0; k < s.len; ++k) {
+        out->push_back(
+            byte_fallback_ids_[static_cast<unsigned char>(piece[s.begin + k])]);
+      }
+      last_unk = false;
+    } else if (unk_id_ >= 0 && !(fuse_unk_ && last_unk)) {
+      out->push_back(unk_id_);
+      last_unk = true;
+    }
+  }
+}
+
+}  // namespace pdserve::engine
