@@ -271,20 +271,30 @@ const std::vector<Command>& AllCommands() {
        "the STREAM-triad bandwidth measured in the same run.\n\n" +
            std::string(kEngineFlags),
        RunBenchEngine},
-      {"tokenize", "token ids of a text (or a chat) with a model's tokenizer, as JSON",
+      {"tokenize",
+       "token ids of a text (or a chat) with a model's tokenizer, as JSON",
        "tokenize --tokenizer PATH (--text STR | --file F | --messages JSON)\n"
-       "         [--add-special-tokens=false] [--add-generation-prompt=false]\n\n"
-       "PATH is a model or tokenizer directory (tokenizer.json, tokenizer_config.json) or\n"
-       "its tokenizer.json. Prints {\"ids\": [...], \"count\": N, \"tokens\": [...]}; BOS/EOS\n"
-       "are added as the tokenizer config says unless --add-special-tokens=false.\n"
-       "--messages takes a JSON list of {\"role\", \"content\"} and renders it with the\n"
-       "model's chat template (Llama-3, ChatML/Qwen, Mistral) first; the output then\n"
+       "         [--add-special-tokens=false] "
+       "[--add-generation-prompt=false]\n\n"
+       "PATH is a model or tokenizer directory (tokenizer.json, "
+       "tokenizer_config.json) or\n"
+       "its tokenizer.json. Prints {\"ids\": [...], \"count\": N, \"tokens\": "
+       "[...]}; BOS/EOS\n"
+       "are added as the tokenizer config says unless "
+       "--add-special-tokens=false.\n"
+       "--messages takes a JSON list of {\"role\", \"content\"} and renders it "
+       "with the\n"
+       "model's chat template (Llama-3, ChatML/Qwen, Mistral) first; the "
+       "output then\n"
        "also has \"chat_template\" and \"prompt\".\n",
        RunTokenize},
       {"detokenize", "the text of token ids with a model's tokenizer, as JSON",
-       "detokenize --tokenizer PATH --ids 1,2,3 [--skip-special-tokens=false]\n\n"
-       "Prints {\"text\": ..., \"tokens\": [...]}. Special tokens (BOS, EOS, chat markers)\n"
-       "are left out of the text unless --skip-special-tokens=false. Bytes that do not\n"
+       "detokenize --tokenizer PATH --ids 1,2,3 "
+       "[--skip-special-tokens=false]\n\n"
+       "Prints {\"text\": ..., \"tokens\": [...]}. Special tokens (BOS, EOS, "
+       "chat markers)\n"
+       "are left out of the text unless --skip-special-tokens=false. Bytes "
+       "that do not\n"
        "form valid UTF-8 become U+FFFD.\n",
        RunDetokenize},
       {"bench serve",

@@ -475,7 +475,8 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
     }
   }
   if (max_id < 0) return bad("empty vocabulary");
-  const size_t entries = vocab->struct_value().fields().size() + impl.added.size();
+  const size_t entries =
+      vocab->struct_value().fields().size() + impl.added.size();
   if (static_cast<size_t>(max_id) > 2 * entries + 1024) {
     return bad(absl::StrCat("token id ", max_id, " is far beyond the ", entries,
                             " tokens: ids must be dense"));

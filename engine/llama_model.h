@@ -27,24 +27,28 @@ class LlamaModel {
   struct SeqInput {
     std::span<const int32_t> tokens;  // new tokens of this step
     int32_t start_pos = 0;            // position of tokens[0]
-    std::span<const int32_t> block_table;  // covers positions < start_pos + tokens.size()
+    std::span<const int32_t>
+        block_table;  // covers positions < start_pos + tokens.size()
     Logits logits = Logits::kLast;
   };
 
-  LlamaModel(std::shared_ptr<const ModelWeights> weights, kernels::MatMulMode mode);
+  LlamaModel(std::shared_ptr<const ModelWeights> weights,
+             kernels::MatMulMode mode);
 
   const ModelConfig& config() const { return weights_->config; }
   const ModelWeights& weights() const { return *weights_; }
   // Runs the batch and appends logits rows [rows, vocab] in sequence order
   // (one row per kLast sequence, one per token for kAll).
-  absl::Status Forward(std::span<const SeqInput> seqs, KvPool* pool, std::vector<float>* logits);
+  absl::Status Forward(std::span<const SeqInput> seqs, KvPool* pool,
+                       std::vector<float>* logits);
 
  private:
   std::shared_ptr<const ModelWeights> weights_;
   kernels::MatMulMode mode_;
   std::vector<float> inv_freq_;
   // Scratch, grown as needed.
-  std::vector<float> residual_, normed_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_, rows_;
+  std::vector<float> residual_, normed_, qkv_, q_, k_, v_, attn_, proj_,
+      gate_up_, act_, rows_;
   std::vector<int32_t> positions_;
   std::vector<int64_t> slots_;
 };

@@ -32,11 +32,15 @@ TEST_F(TokenizerTest, Utf8StreamWaitsForSplitCharactersAndReplacesBadBytes) {
   EXPECT_EQ(s.Push(euro.substr(1, 1)), "");
   EXPECT_EQ(s.Push(euro.substr(2) + "a"), euro + "a");
   EXPECT_EQ(s.Push("\xFF"), "\xEF\xBF\xBD");
-  EXPECT_EQ(s.Push("\xE2\x82" "b"), "\xEF\xBF\xBD" "b");  // truncated sequence: one U+FFFD
+  EXPECT_EQ(s.Push("\xE2\x82"
+                   "b"),
+            "\xEF\xBF\xBD"
+            "b");  // truncated sequence: one U+FFFD
   EXPECT_EQ(s.Push("\xF0\x9F"), "");
   EXPECT_EQ(s.Finish(), "\xEF\xBF\xBD");
   // Splitting never changes the result.
-  const std::string mixed = "x\xF0\x9F\x98\x80\xC3\x28\xED\xA0\x80y\xE4\xB8\xAD";
+  const std::string mixed =
+      "x\xF0\x9F\x98\x80\xC3\x28\xED\xA0\x80y\xE4\xB8\xAD";
   Utf8Stream whole;
   const std::string expect = whole.Push(mixed) + whole.Finish();
   for (size_t cut = 0; cut <= mixed.size(); ++cut) {
@@ -48,7 +52,8 @@ TEST_F(TokenizerTest, Utf8StreamWaitsForSplitCharactersAndReplacesBadBytes) {
   }
 }
 
-TEST_F(TokenizerTest, TextStreamHoldsBackPossibleStopPrefixesAndStopsBeforeTheMatch) {
+TEST_F(TokenizerTest,
+       TextStreamHoldsBackPossibleStopPrefixesAndStopsBeforeTheMatch) {
   TextStream ts(&tok_, {"END", "!!"});
   auto d = ts.Push(Bytes("hello E"));
   EXPECT_EQ(d.text, "hello ");
