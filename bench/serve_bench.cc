@@ -228,6 +228,10 @@ absl::StatusOr<ServeReport> RunServeBench(const ServeBenchConfig& config) {
       ServeBenchConfig probe = config;
       probe.concurrency = 0;
       probe.workload.rate = rate;
+      // Fresh prompts per probe: reusing them would turn later probes into
+      // prefix-cache hits and inflate goodput.
+      probe.workload.seed =
+          config.workload.seed + 7919 * static_cast<uint64_t>(it + 1);
       ASSIGN_OR_RETURN(auto probe_specs, MakeWorkload(probe.workload));
       double d = 0;
       auto res = Execute(probe, probe_specs, &d);

@@ -36,7 +36,7 @@ stop_all() { for p in "${PIDS[@]:-}"; do kill "$p" 2>/dev/null || true; done; wa
 wait_ready() { sleep 1.5; }
 bench() { local name=$1; shift; echo "[experiments] $name" >&2; "$B" bench serve "$@" --json > "$OUT/serving-$name.json"; }
 ENGINE=(--model "$MODEL" --port 0 --metrics-port 0 --kv-cache-memory 512MiB)
-MIXED=(--workload mixed --num-requests 24 --input-len 64 --output-len 32 --slo-ttft 3 --slo-itl 0.15 --seed 7)
+MIXED=(--workload mixed --num-requests 24 --input-len 64 --output-len 32 --slo-ttft 2 --slo-itl 0.1 --seed 7)
 
 # 1. disaggregated (pinned) vs colocated, mixed workload.
 P=$(start prefill 0 prefill "${ENGINE[@]}" --threads 1)
