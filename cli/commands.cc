@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/engine_bench.h"
+#include "bench/router_sim.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
 #include "cli/command.h"
@@ -43,7 +44,19 @@ ABSL_FLAG(std::string, transfer_tokens, "1024,4096,16384",
           "bench transfer: sequence lengths in tokens");
 ABSL_FLAG(int32_t, repetitions, 3,
           "bench transfer: timed repetitions per size");
+ABSL_FLAG(std::string, prefill_sweep, "",
+          "sim route: prefill worker counts to sweep, e.g. 4,16,64,256");
+ABSL_FLAG(int64_t, cache_tokens, 900000,
+          "sim route: prefix cache per prefill worker, in tokens");
+ABSL_FLAG(double, time_scale, 1.0,
+          "sim route: arrival time multiplier (< 1 raises the load)");
+ABSL_FLAG(int64_t, max_requests, 0,
+          "sim route: first N trace requests (0 = all)");
+ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(int32_t, prefill);
+ABSL_DECLARE_FLAG(int32_t, decode);
+ABSL_DECLARE_FLAG(std::string, policy);
 ABSL_DECLARE_FLAG(std::string, router);
 
 namespace pdserve::cli {
@@ -166,6 +179,42 @@ int RunBenchTransfer(const std::vector<std::string>&) {
   std::printf("%s", absl::GetFlag(FLAGS_json)
                         ? (result->ToJson() + "\n").c_str()
                         : result->ToTable().c_str());
+  return 0;
+}
+
+int RunSimRoute(const std::vector<std::string>&) {
+  bench::SimConfig c;
+  c.trace_path = absl::GetFlag(FLAGS_trace);
+  if (c.trace_path.empty())
+    return ReportError(absl::InvalidArgumentError("--trace FILE is required"));
+  if (!absl::GetFlag(FLAGS_prefill_sweep).empty()) {
+    auto sweep =
+        ParseIntList(absl::GetFlag(FLAGS_prefill_sweep), "--prefill-sweep");
+    if (!sweep.ok()) return ReportError(sweep.status());
+    c.prefill_workers = *sweep;
+  } else {
+    c.prefill_workers = {absl::GetFlag(FLAGS_prefill)};
+  }
+  c.decode_workers = absl::GetFlag(FLAGS_decode);
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  if (policy != "all")
+    c.policies = absl::StrSplit(policy, ',', absl::SkipWhitespace());
+  c.prefill_cache_tokens = absl::GetFlag(FLAGS_cache_tokens);
+  c.block_size = absl::GetFlag(FLAGS_block_size);
+  c.time_scale = absl::GetFlag(FLAGS_time_scale);
+  c.max_requests = absl::GetFlag(FLAGS_max_requests);
+  c.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
+  auto report = bench::RunRouterSim(c, [](const bench::SimRun& r) {
+    std::fprintf(stderr, "[sim] %s done\n", r.policy.c_str());
+  });
+  if (!report.ok()) return ReportError(report.status());
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    if (auto s = report->WriteFiles(absl::GetFlag(FLAGS_out)); !s.ok())
+      return ReportError(s);
+  }
+  std::printf("%s", absl::GetFlag(FLAGS_json)
+                        ? (report->ToJson() + "\n").c_str()
+                        : report->ToTable().c_str());
   return 0;
 }
 
@@ -297,6 +346,21 @@ const std::vector<Command>& AllCommands() {
        "that do not\n"
        "form valid UTF-8 become U+FFFD.\n",
        RunDetokenize},
+      {"sim route",
+       "replay a Mooncake trace through the real router index and policies",
+       "sim route --trace FILE [--prefill 16 | --prefill-sweep 4,16,64,256] "
+       "[--decode 8]\n"
+       "          [--policy "
+       "all|cache_aware,cache_threshold,least_loaded,round_robin,oracle]\n"
+       "          [--cache-tokens 900000] [--time-scale 1] [--max-requests N] "
+       "[--out sim.json] [--json]\n\n"
+       "A discrete-event simulation of a cluster driving pdserve's own "
+       "PrefixIndex, KV event\n"
+       "handling and Policy objects. Reports hit ratio, prefill imbalance, "
+       "estimated TTFT,\n"
+       "decision latency and index memory per policy and worker count; --out "
+       "also writes an SVG.\n",
+       RunSimRoute},
       {"bench serve",
        "load generator against a router: latency percentiles, throughput, "
        "goodput",

@@ -1,93 +1,221 @@
 #include "router/policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <span>
 
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace pdserve::router {
 namespace {
 
 bool Excluded(const RouteRequest& r, const WorkerView& w) {
-  return std::find(r.exclude.begin(), r.exclude.end(), w.index) != r.exclude.end();
+  return std::find(r.exclude.begin(), r.exclude.end(), w.index) !=
+         r.exclude.end();
 }
 
-bool CanDecode(const WorkerView& w) { return w.role == "decode" || w.role == "both"; }
+bool CanDecode(const WorkerView& w) {
+  return w.role == "decode" || w.role == "both";
+}
 bool CanPrefill(const WorkerView& w) { return w.role == "prefill"; }
 
 double DecodeLoad(const WorkerView& w) {
-  return static_cast<double>(w.status.num_running() + w.status.num_waiting() + w.routed_requests);
+  return static_cast<double>(w.status.num_running() + w.status.num_waiting() +
+                             w.routed_requests);
 }
 
-// Block hashes per cache fingerprint (workers with another KV dtype or block
-// size hash differently), computed once per request.
-class HashCache {
+// Cached leading tokens per worker for one request, from one batched index
+// walk per cache fingerprint (workers with another KV dtype or block size hash
+// differently). Blocks are hashed lazily, a chunk at a time, only as far as
+// some worker still matches: hashing a long prompt costs more than the walk.
+class PrefixMatches {
  public:
-  explicit HashCache(const RouteRequest& r) : r_(r) {}
-  const std::vector<engine::BlockHash>& For(const engine::ModelFingerprint& fp, int32_t block_size) {
-    auto key = std::make_pair(fp[0], fp[1]);
-    auto it = cache_.find(key);
-    if (it != cache_.end()) return it->second;
-    std::vector<engine::BlockHash> hashes;
-    if (block_size > 0) engine::ExtendBlockHashes(fp, r_.cache_salt, *r_.tokens, block_size, &hashes);
-    return cache_.emplace(key, std::move(hashes)).first->second;
+  PrefixMatches(const RouteRequest& r, const PrefixIndex* index)
+      : r_(r), index_(index) {}
+
+  int64_t CachedTokens(const WorkerView& w) {
+    const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
+    if (bs <= 0 || r_.tokens == nullptr || w.index < 0) return 0;
+    const std::vector<int32_t>& counts = CountsFor(w.fingerprint, bs);
+    const int32_t blocks =
+        static_cast<size_t>(w.index) < counts.size() ? counts[w.index] : 0;
+    return std::min<int64_t>(r_.num_tokens, int64_t{blocks} * bs);
   }
 
  private:
+  static constexpr size_t kChunkBlocks = 32;
+
+  const std::vector<int32_t>& CountsFor(const engine::ModelFingerprint& fp,
+                                        int32_t bs) {
+    // The fingerprint covers the block size, so it is a sufficient key.
+    for (const Group& g : groups_) {
+      if (g.fingerprint == fp) return g.counts;
+    }
+    Group& g = groups_.emplace_back();
+    g.fingerprint = fp;
+    const std::span<const int32_t> tokens(*r_.tokens);
+    const size_t full = tokens.size() / bs;
+    for (size_t first = 0; first < full;) {
+      const size_t end = std::min(full, first + kChunkBlocks);
+      engine::ExtendBlockHashes(fp, r_.cache_salt, tokens.first(end * bs), bs,
+                                &g.hashes);
+      if (!index_->ExtendLeadingBlocks(g.hashes, first, &g.counts)) break;
+      first = end;
+    }
+    return g.counts;
+  }
+
+  struct Group {
+    engine::ModelFingerprint fingerprint{};
+    std::vector<engine::BlockHash> hashes;
+    std::vector<int32_t> counts;  // by WorkerIndex
+  };
   const RouteRequest& r_;
-  // The fingerprint covers the block size, so it is a sufficient key.
-  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, std::vector<engine::BlockHash>> cache_;
+  const PrefixIndex* index_;
+  absl::InlinedVector<Group, 1> groups_;
 };
+
+// The eligible workers of one role, in an order rotated by `start` so that a
+// strict "<" scan breaks ties round-robin instead of always favouring the
+// first worker (which would pile new prompts onto it whenever loads tie).
+std::vector<const WorkerView*> Candidates(
+    const RouteRequest& r, const std::vector<WorkerView>& workers,
+    bool (*role)(const WorkerView&), uint64_t start) {
+  std::vector<const WorkerView*> out;
+  for (const WorkerView& w : workers) {
+    if (role(w) && !Excluded(r, w)) out.push_back(&w);
+  }
+  if (!out.empty())
+    std::rotate(out.begin(), out.begin() + start % out.size(), out.end());
+  return out;
+}
+
+// Prefill tokens waiting at `w`. The heartbeat's figure covers every
+// router's requests but lags; routed_prefill_tokens is this router's exact
+// in-flight share, which the heartbeat already counts until they finish, so
+// the two overlap and are not added.
+double QueuedPrefill(const WorkerView& w) {
+  return static_cast<double>(
+      std::max<int64_t>(static_cast<int64_t>(w.status.queued_prefill_tokens()),
+                        w.routed_prefill_tokens));
+}
+
+double FreeFraction(const WorkerView& w) {
+  return w.status.total_blocks()
+             ? double(w.status.free_blocks()) / w.status.total_blocks()
+             : 0;
+}
+
+// Fewest sequences, then the most free blocks.
+const WorkerView* LeastLoadedDecode(
+    const std::vector<const WorkerView*>& decoders) {
+  const WorkerView* best = nullptr;
+  for (const WorkerView* w : decoders) {
+    if (best == nullptr || DecodeLoad(*w) < DecodeLoad(*best) ||
+        (DecodeLoad(*w) == DecodeLoad(*best) &&
+         FreeFraction(*w) > FreeFraction(*best))) {
+      best = w;
+    }
+  }
+  return best;
+}
+
+// Fewest queued prefill tokens, then the fewest sequences.
+const WorkerView* LeastLoadedPrefill(
+    const std::vector<const WorkerView*>& prefillers) {
+  const WorkerView* best = nullptr;
+  for (const WorkerView* w : prefillers) {
+    if (best == nullptr || QueuedPrefill(*w) < QueuedPrefill(*best) ||
+        (QueuedPrefill(*w) == QueuedPrefill(*best) &&
+         DecodeLoad(*w) < DecodeLoad(*best))) {
+      best = w;
+    }
+  }
+  return best;
+}
+
+// Shared by the cache-blind policies: local prefill only for short prompts.
+void SetPrefill(const RouteRequest& request, const WorkerView* prefill,
+                const PolicyConfig& config, RouteDecision* d) {
+  if (prefill == nullptr) {
+    d->reason = d->decode->role == "both" ? "colocated" : "local:no_prefill";
+  } else if (request.num_tokens <= config.local_prefill_threshold) {
+    d->reason = "local:short";
+  } else {
+    d->prefill = prefill;
+    d->reason = "remote";
+  }
+}
 
 class CacheAwarePolicy : public Policy {
  public:
-  CacheAwarePolicy(PolicyConfig config, PrefixIndex* index) : config_(config), index_(index) {}
+  CacheAwarePolicy(PolicyConfig config, PrefixIndex* index)
+      : config_(config), index_(index) {}
   const char* name() const override { return "cache_aware"; }
 
-  absl::StatusOr<RouteDecision> Choose(const RouteRequest& request,
-                                       const std::vector<WorkerView>& workers) override {
-    HashCache hashes(request);
-    auto cached_tokens = [&](const WorkerView& w) -> int64_t {
-      const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
-      const auto& h = hashes.For(w.fingerprint, bs);
-      const WorkerIndex idx = w.index;
-      const int32_t blocks = index_->LeadingBlocks(h, {&idx, 1})[0];
-      return std::min<int64_t>(request.num_tokens, int64_t{blocks} * bs);
-    };
+  absl::StatusOr<RouteDecision> Choose(
+      const RouteRequest& request,
+      const std::vector<WorkerView>& workers) override {
+    PrefixMatches matches(request, index_);
+    const uint64_t start = next_++;
     RouteDecision d;
     double best_decode = std::numeric_limits<double>::infinity();
-    for (const WorkerView& w : workers) {
-      if (!CanDecode(w) || Excluded(request, w)) continue;
-      const int64_t cached = cached_tokens(w);
-      const double free = w.status.total_blocks() ? double(w.status.free_blocks()) / w.status.total_blocks() : 0;
+    for (const WorkerView* w : Candidates(request, workers, CanDecode, start)) {
+      const int64_t cached = matches.CachedTokens(*w);
       // Fewer running sequences, more free blocks, more of the prompt cached.
-      const double cost = config_.w_decode * DecodeLoad(w) - config_.w_decode * free -
+      const double cost = config_.w_decode * DecodeLoad(*w) -
+                          config_.w_decode * FreeFraction(*w) -
                           config_.w_prefill * static_cast<double>(cached);
       if (cost < best_decode) {
         best_decode = cost;
-        d.decode = &w;
+        d.decode = w;
         d.decode_cached_tokens = cached;
       }
     }
-    if (d.decode == nullptr) return absl::UnavailableError("no decode worker is up");
-    const int64_t uncached_at_decode = request.num_tokens - d.decode_cached_tokens;
+    if (d.decode == nullptr)
+      return absl::UnavailableError("no decode worker is up");
+    const int64_t uncached_at_decode =
+        request.num_tokens - d.decode_cached_tokens;
+    struct Option {
+      const WorkerView* w;
+      int64_t cached;
+      double cost;
+    };
+    std::vector<Option> options;
     double best_prefill = std::numeric_limits<double>::infinity();
-    const WorkerView* prefill = nullptr;
-    int64_t prefill_cached = 0;
-    for (const WorkerView& w : workers) {
-      if (!CanPrefill(w) || Excluded(request, w)) continue;
-      const int64_t cached = cached_tokens(w);
-      const double queued = static_cast<double>(w.status.queued_prefill_tokens() + w.routed_prefill_tokens);
-      const double cost = config_.w_prefill * (static_cast<double>(request.num_tokens - cached) + queued) +
-                          config_.w_decode * DecodeLoad(w);
-      if (cost < best_prefill) {
-        best_prefill = cost;
-        prefill = &w;
-        prefill_cached = cached;
+    for (const WorkerView* w :
+         Candidates(request, workers, CanPrefill, start)) {
+      const int64_t cached = matches.CachedTokens(*w);
+      const double cost =
+          config_.w_prefill *
+              (static_cast<double>(request.num_tokens - cached) +
+               QueuedPrefill(*w)) +
+          config_.w_decode * DecodeLoad(*w);
+      options.push_back({w, cached, cost});
+      best_prefill = std::min(best_prefill, cost);
+    }
+    // Costs within the slack of the cheapest count as equal, and the worker
+    // with the least work routed so far wins. Otherwise a prefix every prompt
+    // shares (a system prompt) makes the few workers that already hold it
+    // cheaper for every new conversation, and at light load they take them
+    // all: the rest of the tier's cache sits unused and its work piles up.
+    const double slack = config_.w_prefill * config_.balance_slack *
+                         static_cast<double>(request.num_tokens);
+    absl::MutexLock l(&mu_);
+    const Option* pick = nullptr;
+    double pick_work = 0;
+    for (const Option& o : options) {
+      if (o.cost > best_prefill + slack) continue;
+      const double work = RoutedWork(o.w->index);
+      if (pick == nullptr || work < pick_work) {
+        pick = &o;
+        pick_work = work;
       }
     }
-    if (prefill == nullptr) {
+    if (pick == nullptr) {
       d.reason = d.decode->role == "both" ? "colocated" : "local:no_prefill";
       d.prefill_cached_tokens = d.decode_cached_tokens;
     } else if (uncached_at_decode <= config_.local_prefill_threshold) {
@@ -95,30 +223,128 @@ class CacheAwarePolicy : public Policy {
       d.prefill_cached_tokens = d.decode_cached_tokens;
     } else {
       d.reason = "remote";
-      d.prefill = prefill;
-      d.prefill_cached_tokens = prefill_cached;
+      d.prefill = pick->w;
+      d.prefill_cached_tokens = pick->cached;
+      // RoutedWork() above sized the vector for every candidate.
+      if (pick->w->index >= 0) {
+        routed_work_[pick->w->index] +=
+            static_cast<double>(request.num_tokens - pick->cached);
+      }
     }
+    return d;
+  }
+
+ private:
+  // Uncached prefill tokens routed to `w` so far. A worker seen for the first
+  // time starts level with the least-loaded one, so that a new or restarted
+  // worker takes its share of new prompts, not all of them.
+  double RoutedWork(WorkerIndex w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (w < 0) return 0;
+    if (static_cast<size_t>(w) >= routed_work_.size()) {
+      routed_work_.resize(w + 1, std::numeric_limits<double>::quiet_NaN());
+    }
+    if (std::isnan(routed_work_[w])) {
+      double least = std::numeric_limits<double>::infinity();
+      for (double x : routed_work_) {
+        if (!std::isnan(x)) least = std::min(least, x);
+      }
+      routed_work_[w] = std::isinf(least) ? 0 : least;
+    }
+    return routed_work_[w];
+  }
+
+  PolicyConfig config_;
+  PrefixIndex* index_;
+  std::atomic<uint64_t> next_{0};
+  absl::Mutex mu_;
+  std::vector<double> routed_work_ ABSL_GUARDED_BY(mu_);  // by WorkerIndex
+};
+
+class LeastLoadedPolicy : public Policy {
+ public:
+  explicit LeastLoadedPolicy(PolicyConfig config) : config_(config) {}
+  const char* name() const override { return "least_loaded"; }
+  absl::StatusOr<RouteDecision> Choose(
+      const RouteRequest& request,
+      const std::vector<WorkerView>& workers) override {
+    const uint64_t start = next_++;
+    RouteDecision d;
+    d.decode =
+        LeastLoadedDecode(Candidates(request, workers, CanDecode, start));
+    if (d.decode == nullptr)
+      return absl::UnavailableError("no decode worker is up");
+    SetPrefill(
+        request,
+        LeastLoadedPrefill(Candidates(request, workers, CanPrefill, start)),
+        config_, &d);
+    return d;
+  }
+
+ private:
+  PolicyConfig config_;
+  std::atomic<uint64_t> next_{0};
+};
+
+class CacheThresholdPolicy : public Policy {
+ public:
+  CacheThresholdPolicy(PolicyConfig config, PrefixIndex* index)
+      : config_(config), index_(index) {}
+  const char* name() const override { return "cache_threshold"; }
+  absl::StatusOr<RouteDecision> Choose(
+      const RouteRequest& request,
+      const std::vector<WorkerView>& workers) override {
+    const uint64_t start = next_++;
+    RouteDecision d;
+    d.decode =
+        LeastLoadedDecode(Candidates(request, workers, CanDecode, start));
+    if (d.decode == nullptr)
+      return absl::UnavailableError("no decode worker is up");
+    const std::vector<const WorkerView*> prefillers =
+        Candidates(request, workers, CanPrefill, start);
+    PrefixMatches matches(request, index_);
+    const WorkerView* best = nullptr;
+    int64_t best_cached = 0;
+    for (const WorkerView* w : prefillers) {
+      const int64_t cached = matches.CachedTokens(*w);
+      if (best == nullptr || cached > best_cached ||
+          (cached == best_cached && QueuedPrefill(*w) < QueuedPrefill(*best))) {
+        best = w;
+        best_cached = cached;
+      }
+    }
+    const double rate =
+        request.num_tokens > 0
+            ? static_cast<double>(best_cached) / request.num_tokens
+            : 0;
+    const WorkerView* prefill =
+        rate > config_.cache_threshold ? best : LeastLoadedPrefill(prefillers);
+    SetPrefill(request, prefill, config_, &d);
+    if (d.prefill != nullptr)
+      d.prefill_cached_tokens = matches.CachedTokens(*d.prefill);
     return d;
   }
 
  private:
   PolicyConfig config_;
   PrefixIndex* index_;
+  std::atomic<uint64_t> next_{0};
 };
 
 class RoundRobinPolicy : public Policy {
  public:
   explicit RoundRobinPolicy(PolicyConfig config) : config_(config) {}
   const char* name() const override { return "round_robin"; }
-  absl::StatusOr<RouteDecision> Choose(const RouteRequest& request,
-                                       const std::vector<WorkerView>& workers) override {
+  absl::StatusOr<RouteDecision> Choose(
+      const RouteRequest& request,
+      const std::vector<WorkerView>& workers) override {
     std::vector<const WorkerView*> decoders, prefillers;
     for (const WorkerView& w : workers) {
       if (Excluded(request, w)) continue;
       if (CanDecode(w)) decoders.push_back(&w);
       if (CanPrefill(w)) prefillers.push_back(&w);
     }
-    if (decoders.empty()) return absl::UnavailableError("no decode worker is up");
+    if (decoders.empty())
+      return absl::UnavailableError("no decode worker is up");
     const uint64_t n = next_++;
     RouteDecision d;
     d.decode = decoders[n % decoders.size()];
@@ -140,20 +366,30 @@ class RoundRobinPolicy : public Policy {
 
 }  // namespace
 
-std::vector<engine::BlockHash> Policy::HashesFor(const WorkerView& w, const std::string& salt,
-                                                 const std::vector<int32_t>& tokens) {
+std::vector<engine::BlockHash> Policy::HashesFor(
+    const WorkerView& w, const std::string& salt,
+    const std::vector<int32_t>& tokens) {
   std::vector<engine::BlockHash> hashes;
   const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
-  if (bs > 0) engine::ExtendBlockHashes(w.fingerprint, salt, tokens, bs, &hashes);
+  if (bs > 0)
+    engine::ExtendBlockHashes(w.fingerprint, salt, tokens, bs, &hashes);
   return hashes;
 }
 
-absl::StatusOr<std::unique_ptr<Policy>> Policy::Create(const std::string& name, PolicyConfig config,
+absl::StatusOr<std::unique_ptr<Policy>> Policy::Create(const std::string& name,
+                                                       PolicyConfig config,
                                                        PrefixIndex* index) {
-  if (name == "cache_aware") return std::unique_ptr<Policy>(new CacheAwarePolicy(config, index));
-  if (name == "round_robin") return std::unique_ptr<Policy>(new RoundRobinPolicy(config));
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown routing policy \"", name, "\" (cache_aware or round_robin)"));
+  if (name == "cache_aware")
+    return std::unique_ptr<Policy>(new CacheAwarePolicy(config, index));
+  if (name == "round_robin")
+    return std::unique_ptr<Policy>(new RoundRobinPolicy(config));
+  if (name == "least_loaded")
+    return std::unique_ptr<Policy>(new LeastLoadedPolicy(config));
+  if (name == "cache_threshold")
+    return std::unique_ptr<Policy>(new CacheThresholdPolicy(config, index));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown routing policy \"", name,
+      "\" (cache_aware, round_robin, least_loaded or cache_threshold)"));
 }
 
 }  // namespace pdserve::router

@@ -23,17 +23,28 @@ struct RouteRequest {
 };
 
 struct RouteDecision {
-  const WorkerView* prefill = nullptr;  // null: the decode worker prefills locally
+  // Null: the decode worker prefills locally.
+  const WorkerView* prefill = nullptr;
   const WorkerView* decode = nullptr;
-  int64_t prefill_cached_tokens = 0;    // expected hit at the chosen prefill (or decode) worker
+  // Expected hit at the chosen prefill (or decode) worker.
+  int64_t prefill_cached_tokens = 0;
   int64_t decode_cached_tokens = 0;
-  std::string reason;                   // "remote", "local:short", "local:no_prefill", "colocated"
+  // "remote", "local:short", "local:no_prefill", "colocated".
+  std::string reason;
 };
 
 struct PolicyConfig {
-  double w_prefill = 1.0;             // per uncached + queued prefill token
-  double w_decode = 64.0;             // per running/waiting sequence on the decode side
-  int64_t local_prefill_threshold = 32;  // uncached tokens at or below this prefill on the decode worker
+  double w_prefill = 1.0;  // per uncached + queued prefill token
+  double w_decode = 64.0;  // per running/waiting sequence on the decode side
+  // Uncached tokens at or below this prefill on the decode worker.
+  int64_t local_prefill_threshold = 32;
+  // cache_threshold: follow the best prefix match when it covers more than
+  // this fraction of the prompt, else the least-loaded prefill worker.
+  double cache_threshold = 0.5;
+  // cache_aware: prefill costs within this fraction of the prompt's tokens
+  // (x w_prefill) of the cheapest count as equal; among them the worker with
+  // the least uncached work routed to it so far wins. 0: cheapest only.
+  double balance_slack = 0.1;
 };
 
 class Policy {
@@ -41,15 +52,26 @@ class Policy {
   virtual ~Policy() = default;
   virtual const char* name() const = 0;
   // UNAVAILABLE when no worker can decode.
-  virtual absl::StatusOr<RouteDecision> Choose(const RouteRequest& request,
-                                               const std::vector<WorkerView>& workers) = 0;
+  virtual absl::StatusOr<RouteDecision> Choose(
+      const RouteRequest& request, const std::vector<WorkerView>& workers) = 0;
 
-  // "cache_aware" (default) or "round_robin".
-  static absl::StatusOr<std::unique_ptr<Policy>> Create(const std::string& name, PolicyConfig config,
+  // "cache_aware" (default): lowest w_prefill x (uncached + queued prefill
+  //   tokens) + w_decode x load; near-ties (balance_slack) go to the worker
+  //   with the least work routed so far, exact ties rotate;
+  // "round_robin";
+  // "least_loaded": fewest queued prefill tokens (the larger of the heartbeat's
+  //   figure and the router's own in-flight count), cache-blind;
+  // "cache_threshold" (SGLang router style): the best prefix match if its
+  //   match rate exceeds cache_threshold, else least_loaded's choice.
+  // Decode: cache_aware weighs load, free blocks and cached tokens; the
+  // others pick the fewest running + waiting + routed sequences.
+  static absl::StatusOr<std::unique_ptr<Policy>> Create(const std::string& name,
+                                                        PolicyConfig config,
                                                         PrefixIndex* index);
   // Block hashes of `tokens` for a worker (its fingerprint and block size).
-  static std::vector<engine::BlockHash> HashesFor(const WorkerView& w, const std::string& salt,
-                                                  const std::vector<int32_t>& tokens);
+  static std::vector<engine::BlockHash> HashesFor(
+      const WorkerView& w, const std::string& salt,
+      const std::vector<int32_t>& tokens);
 };
 
 }  // namespace pdserve::router

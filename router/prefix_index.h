@@ -24,26 +24,50 @@ using WorkerIndex = int32_t;  // dense ids assigned by the registry
 class PrefixIndex {
  public:
   // Applies one worker's events. Unknown hashes in `removed` are ignored.
-  void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
-  void Removed(WorkerIndex worker, std::span<const engine::BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
+  void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Removed(WorkerIndex worker, std::span<const engine::BlockHash> hashes)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets everything about a worker (cleared, resync, or worker gone).
   void ClearWorker(WorkerIndex worker) ABSL_LOCKS_EXCLUDED(mu_);
   // Records that `worker` will hold these blocks soon; expires after `ttl`.
-  void Speculate(WorkerIndex worker, std::span<const engine::BlockHash> hashes, absl::Duration ttl)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void Speculate(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
+                 absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
   // For each worker in `workers`, how many leading blocks of `hashes` it holds.
   std::vector<int32_t> LeadingBlocks(std::span<const engine::BlockHash> hashes,
-                                     std::span<const WorkerIndex> workers) const ABSL_LOCKS_EXCLUDED(mu_);
+                                     std::span<const WorkerIndex> workers) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Batched LeadingBlocks for every worker at once, for callers that hash a
+  // prompt lazily. `counts` is indexed by WorkerIndex and grown as needed (a
+  // worker past its end holds nothing). Walks hashes[first..]: a worker whose
+  // count is b and that holds hashes[b] moves to b + 1. Start with first = 0
+  // and empty counts; while it returns true (some worker holds every hash so
+  // far), append more hashes and call again with first = the previous size.
+  // Cost is the number of holders of each block visited, not blocks x workers.
+  bool ExtendLeadingBlocks(std::span<const engine::BlockHash> hashes,
+                           size_t first, std::vector<int32_t>* counts) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   size_t num_hashes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct MemoryUsage {
+    size_t hashes = 0;   // distinct block hashes
+    size_t holders = 0;  // (hash, worker) entries
+    // Table slots and control bytes, plus holder lists on the heap.
+    size_t bytes = 0;
+  };
+  // O(hashes): for reports, not the routing path.
+  MemoryUsage Memory() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Holder {
     WorkerIndex worker;
     absl::Time expires;  // InfiniteFuture for confirmed entries
   };
-  using Holders = absl::InlinedVector<Holder, 2>;
+  static constexpr size_t kInlineHolders = 2;
+  using Holders = absl::InlinedVector<Holder, kInlineHolders>;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher> index_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher>
+      index_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::router

@@ -56,5 +56,42 @@ TEST(PrefixIndexTest, QueryOfThousandsOfBlocksTakesMicroseconds) {
   EXPECT_LT(us, 5000);  // generous bound for a shared 2-core CI machine
 }
 
+TEST(PrefixIndexTest, ExtendLeadingBlocksInChunksAgreesWithLeadingBlocks) {
+  PrefixIndex index;
+  auto h = Chain(100, 4);
+  index.Stored(0, std::span(h).first(70));
+  index.Stored(2, std::span(h).first(10));
+  index.Stored(2, std::span(h).subspan(11, 50));  // a hole at block 10
+  index.Speculate(5, std::span(h).first(90), absl::Hours(1));
+  index.Speculate(6, h, absl::Milliseconds(-1));  // already expired
+  std::vector<int32_t> counts;
+  size_t first = 0;
+  for (size_t end = 32;; end = std::min<size_t>(end + 32, h.size())) {
+    const bool more = index.ExtendLeadingBlocks(std::span(h).first(end), first, &counts);
+    first = end;
+    if (!more || end == h.size()) break;
+  }
+  counts.resize(8, 0);
+  const std::vector<WorkerIndex> workers = {0, 1, 2, 3, 4, 5, 6, 7};
+  EXPECT_EQ(counts, index.LeadingBlocks(h, workers));
+  EXPECT_EQ(counts, (std::vector<int32_t>{70, 0, 10, 0, 0, 90, 0, 0}));
+  // Nobody holds block 90, so the walk stops there; someone holds all of 40.
+  counts.clear();
+  EXPECT_FALSE(index.ExtendLeadingBlocks(h, 0, &counts));
+  counts.clear();
+  EXPECT_TRUE(index.ExtendLeadingBlocks(std::span(h).first(40), 0, &counts));
+}
+
+TEST(PrefixIndexTest, MemoryCountsHashesAndHolders) {
+  PrefixIndex index;
+  auto h = Chain(10, 5);
+  for (WorkerIndex w = 0; w < 4; ++w) index.Stored(w, std::span(h).first(5));
+  index.Stored(0, h);
+  const PrefixIndex::MemoryUsage m = index.Memory();
+  EXPECT_EQ(m.hashes, 10u);
+  EXPECT_EQ(m.holders, 25u);
+  EXPECT_GE(m.bytes, 10 * (sizeof(engine::BlockHash) + 1));
+}
+
 }  // namespace
 }  // namespace pdserve::router
