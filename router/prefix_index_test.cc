@@ -10,7 +10,8 @@ namespace {
 
 std::vector<engine::BlockHash> Chain(int n, uint64_t salt) {
   std::vector<engine::BlockHash> h;
-  for (int i = 0; i < n; ++i) h.push_back({salt, static_cast<uint64_t>(i) * 7919 + salt});
+  for (int i = 0; i < n; ++i)
+    h.push_back({salt, static_cast<uint64_t>(i) * 7919 + salt});
   return h;
 }
 
@@ -45,13 +46,18 @@ TEST(PrefixIndexTest, SpeculativeEntriesExpireUnlessConfirmed) {
 TEST(PrefixIndexTest, QueryOfThousandsOfBlocksTakesMicroseconds) {
   PrefixIndex index;
   auto h = Chain(4000, 3);
-  for (WorkerIndex w = 0; w < 16; ++w) index.Stored(w, std::span(h).first(250 * w));
+  for (WorkerIndex w = 0; w < 16; ++w)
+    index.Stored(w, std::span(h).first(250 * w));
   std::vector<WorkerIndex> workers;
   for (WorkerIndex w = 0; w < 16; ++w) workers.push_back(w);
   const auto t0 = std::chrono::steady_clock::now();
   constexpr int kReps = 20;
-  for (int i = 0; i < kReps; ++i) ASSERT_EQ(index.LeadingBlocks(h, workers)[15], 3750);
-  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / kReps;
+  for (int i = 0; i < kReps; ++i)
+    ASSERT_EQ(index.LeadingBlocks(h, workers)[15], 3750);
+  const double us = std::chrono::duration<double, std::micro>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count() /
+                    kReps;
   std::printf("LeadingBlocks over 4000 blocks x 16 workers: %.1f us\n", us);
   EXPECT_LT(us, 5000);  // generous bound for a shared 2-core CI machine
 }
@@ -67,7 +73,8 @@ TEST(PrefixIndexTest, ExtendLeadingBlocksInChunksAgreesWithLeadingBlocks) {
   std::vector<int32_t> counts;
   size_t first = 0;
   for (size_t end = 32;; end = std::min<size_t>(end + 32, h.size())) {
-    const bool more = index.ExtendLeadingBlocks(std::span(h).first(end), first, &counts);
+    const bool more =
+        index.ExtendLeadingBlocks(std::span(h).first(end), first, &counts);
     first = end;
     if (!more || end == h.size()) break;
   }
