@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 
 namespace pdserve::engine {
@@ -27,15 +28,6 @@ constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581 "▁"
 
 absl::string_view AbslView(std::string_view s) {
   return absl::string_view(s.data(), s.size());
-}
-
-absl::StatusOr<std::string> ReadOptionalFile(const std::string& path) {
-  if (!std::filesystem::exists(path)) return std::string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // Length of the UTF-8 character starting with byte `c` (1 for stray bytes;
@@ -401,14 +393,14 @@ BpeTokenizer::~BpeTokenizer() = default;
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
     const std::string& dir) {
   const std::string path = dir + "/tokenizer.json";
-  ASSIGN_OR_RETURN(std::string text, ReadOptionalFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFileIfExists(path));
   if (text.empty())
     return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   ASSIGN_OR_RETURN(Value root, json::Parse(text, path));
   ASSIGN_OR_RETURN(std::string config,
-                   ReadOptionalFile(dir + "/tokenizer_config.json"));
+                   ReadFileIfExists(dir + "/tokenizer_config.json"));
   ASSIGN_OR_RETURN(std::string generation,
-                   ReadOptionalFile(dir + "/generation_config.json"));
+                   ReadFileIfExists(dir + "/generation_config.json"));
   return FromJson(root, config, generation, path);
 }
 

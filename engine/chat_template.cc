@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/json.h"
 #include "common/status_macros.h"
 
@@ -15,15 +16,6 @@ namespace pdserve::engine {
 namespace {
 
 using Family = ChatTemplate::Family;
-
-absl::StatusOr<std::string> ReadIfExists(const std::string& path) {
-  if (!std::filesystem::exists(path)) return std::string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // The code point at s[i] and its length in bytes (s is valid UTF-8).
 char32_t CodePointAt(const std::string& s, size_t i, int* len) {
@@ -293,7 +285,7 @@ absl::StatusOr<ChatTemplate> ChatTemplateFromJinja(const std::string& jinja) {
 
 absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
   const std::string config_path = dir + "/tokenizer_config.json";
-  ASSIGN_OR_RETURN(std::string config_text, ReadIfExists(config_path));
+  ASSIGN_OR_RETURN(std::string config_text, ReadFileIfExists(config_path));
   json::Value config;
   if (!config_text.empty()) {
     ASSIGN_OR_RETURN(config, json::Parse(config_text, config_path));
@@ -324,7 +316,8 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
   } else {
     // No template text: the architecture's family, when it has only one.
     const std::string model_config_path = dir + "/config.json";
-    ASSIGN_OR_RETURN(std::string model_text, ReadIfExists(model_config_path));
+    ASSIGN_OR_RETURN(std::string model_text,
+                     ReadFileIfExists(model_config_path));
     std::string arch;
     if (!model_text.empty()) {
       ASSIGN_OR_RETURN(json::Value model,
