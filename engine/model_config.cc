@@ -167,11 +167,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(const std::string& text,
     ASSIGN_OR_RETURN(
         c.rope_scaling.original_max_position_embeddings,
         json::GetInt(*rs, "original_max_position_embeddings", path, 8192));
-    if (factor <= 0 || low <= 0 || high <= low) {
+    // The factors are stored as float: larger values would become infinite.
+    const double kMaxFactor = 1e30;
+    if (factor <= 0 || low <= 0 || high <= low || factor > kMaxFactor ||
+        high > kMaxFactor) {
       return absl::InvalidArgumentError(
           absl::StrCat(path,
                        ": rope_scaling needs factor > 0 and high_freq_factor > "
-                       "low_freq_factor > 0"));
+                       "low_freq_factor > 0, all at most 1e30"));
     }
     c.rope_scaling.factor = static_cast<float>(factor);
     c.rope_scaling.low_freq_factor = static_cast<float>(low);
@@ -219,7 +222,8 @@ std::string ModelConfig::ToJson() const {
                            : architecture == "Qwen3ForCausalLM"   ? "qwen3"
                            : architecture == "MistralForCausalLM" ? "mistral"
                                                                   : "llama";
-  std::string eos = absl::StrCat(eos_token_id);
+  // No EOS is written as null: -1 would read back as an out-of-vocabulary id.
+  std::string eos = eos_token_id < 0 ? "null" : absl::StrCat(eos_token_id);
   if (eos_token_ids.size() > 1)
     eos = absl::StrCat("[", absl::StrJoin(eos_token_ids, ", "), "]");
   return absl::StrCat(

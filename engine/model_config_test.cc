@@ -80,5 +80,28 @@ TEST_F(ModelConfigTest, EveryEosIdEndsGeneration) {
       c->AddGenerationConfig(R"({"eos_token_id": 100})", "g.json").ok());
 }
 
+// Found by tests/fuzz/model_config_fuzz: a config without EOS was written
+// back as "eos_token_id": -1, which then failed to load.
+TEST_F(ModelConfigTest, ConfigWithoutEosRoundTrips) {
+  auto c = ModelConfig::FromJson(Config("LlamaForCausalLM"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_id, -1);
+  auto again = ModelConfig::FromJson(c->ToJson(), "round trip");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->eos_token_id, -1);
+  EXPECT_TRUE(again->eos_token_ids.empty());
+}
+
+// Found by tests/fuzz/model_config_fuzz: a rope_scaling factor beyond float
+// range was accepted and became infinite (NaN logits).
+TEST_F(ModelConfigTest, RopeScalingFactorBeyondFloatIsRejected) {
+  auto c = ModelConfig::FromJson(
+      Config("LlamaForCausalLM",
+             R"(, "rope_scaling": {"rope_type": "llama3", "factor": 1e300})"),
+      "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("rope_scaling"));
+}
+
 }  // namespace
 }  // namespace pdserve::engine

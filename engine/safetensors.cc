@@ -171,6 +171,8 @@ absl::StatusOr<const TensorView*> SafetensorsFile::Find(
 void TensorToFloat(const TensorView& t, std::vector<float>* out) {
   const int64_t n = t.NumElements();
   out->resize(n);
+  // An empty tensor has no data pointer to copy from (memcpy with null is UB).
+  if (n == 0) return;
   switch (t.dtype) {
     case DType::kF32:
       std::memcpy(out->data(), t.data, n * 4);

@@ -43,6 +43,24 @@ TEST_F(SafetensorsTest, RoundTripsEveryStorageDtype) {
   }
 }
 
+// Found by tests/fuzz/safetensors_fuzz (UBSan): converting an empty tensor
+// passed a null pointer to memcpy.
+TEST_F(SafetensorsTest, EmptyTensorConvertsToNoValues) {
+  const std::string header =
+      R"({"e": {"dtype": "F32", "shape": [0, 4], "data_offsets": [0, 0]}})";
+  std::string image(8, '\0');
+  image[0] = static_cast<char>(header.size());
+  image += header;
+  auto f = SafetensorsFile::FromBuffer(
+      reinterpret_cast<const uint8_t*>(image.data()), image.size(), "e");
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto tv = (*f)->Find("e");
+  ASSERT_TRUE(tv.ok());
+  std::vector<float> back = {1.0f};
+  TensorToFloat(**tv, &back);
+  EXPECT_TRUE(back.empty());
+}
+
 TEST_F(SafetensorsTest, TruncatedAndCorruptFilesAreErrorsNamingTheFile) {
   const std::vector<float> v(64, 1.0f);
   ASSERT_TRUE(WriteSafetensors(Path("good.safetensors"),
