@@ -41,7 +41,17 @@ ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
 ABSL_FLAG(std::string, router, "",
           "router address (workers register there; generate sends there)");
 ABSL_FLAG(std::string, kv_transport, "grpc",
-          "KV transfer backend: grpc (nccl on GPU builds)");
+          "KV transfer backend: grpc, or nccl (needs a CUDA+NCCL build and "
+          "a GPU per worker)");
+ABSL_FLAG(int32_t, kv_cuda_device, 0,
+          "--kv-transport nccl: the CUDA device this worker's NCCL "
+          "communicators use");
+ABSL_FLAG(bool, kv_layerwise, true,
+          "prefill workers: send each layer's KV as soon as the forward pass "
+          "wrote it, overlapping transfer with compute");
+ABSL_FLAG(int64_t, kv_stream_queue_bytes, int64_t{64} << 20,
+          "prefill workers: per request, KV bytes queued for sending at most "
+          "(beyond it the rest goes after the prefill)");
 ABSL_FLAG(std::string, prefill_workers, "",
           "router: prefill worker addresses (host:port or dns:name:port), "
           "comma-separated");
@@ -115,6 +125,9 @@ int RunWorkerWithRole(const std::string& role) {
   config.port = std::max(0, absl::GetFlag(FLAGS_port));
   config.advertise_host = absl::GetFlag(FLAGS_advertise);
   config.kv_transport = absl::GetFlag(FLAGS_kv_transport);
+  config.kv_cuda_device = absl::GetFlag(FLAGS_kv_cuda_device);
+  config.kv_layerwise = absl::GetFlag(FLAGS_kv_layerwise);
+  config.kv_stream_queue_bytes = absl::GetFlag(FLAGS_kv_stream_queue_bytes);
   config.admission_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
   auto server =
@@ -301,6 +314,9 @@ int RunUp(const std::vector<std::string>&) {
                                     std::max(1, n_prefill + n_decode))),
       std::string("--enable-prefix-caching=") +
           (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
+      "--kv-transport=" + absl::GetFlag(FLAGS_kv_transport),
+      std::string("--kv-layerwise=") +
+          (absl::GetFlag(FLAGS_kv_layerwise) ? "true" : "false"),
   };
   std::vector<Child> children;
   auto stop_all = [&] {

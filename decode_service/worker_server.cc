@@ -15,6 +15,10 @@
 #include "engine/kv_event_log.h"
 #include "engine/weights.h"
 #include "kv_transfer/grpc/grpc_transport.h"
+#include "kv_transfer/nccl/grpc_control_channel.h"
+#include "kv_transfer/nccl/nccl_receiver.h"
+#include "kv_transfer/nccl/nccl_runtime.h"
+#include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/transfer_metrics.h"
 #include "prefill_service/prefill_handler.h"
 
@@ -53,10 +57,12 @@ absl::Status WorkerConfig::Validate() const {
     return absl::InvalidArgumentError("--model is required");
   if (port < 0 || port > 65535)
     return absl::InvalidArgumentError("--port must be in [0, 65535]");
-  if (kv_transport != "grpc") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-transport ", kv_transport,
-                     " is not available in this CPU build (available: grpc)"));
+  if (kv_transport != "grpc" && kv_transport != "nccl") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-transport must be grpc or nccl, got \"", kv_transport, "\""));
+  }
+  if (kv_stream_queue_bytes < 0) {
+    return absl::InvalidArgumentError("--kv-stream-queue-bytes must be >= 0");
   }
   return engine.Validate();
 }
@@ -69,8 +75,13 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   kv_transfer::KvLayout layout;
   std::string cache_fingerprint;
   std::unique_ptr<kv_transfer::TransferMetrics> transfer_metrics;
+  // --kv-transport nccl: communicators and control plane. Declared before
+  // what uses them, so they are destroyed after it.
+  std::unique_ptr<kv_transfer::nccl::CommunicatorFactory> nccl_comms;
+  std::unique_ptr<kv_transfer::nccl::GrpcControlChannelFactory> nccl_control;
   std::unique_ptr<kv_transfer::KvReceiver> receiver;
-  std::unique_ptr<kv_transfer::GrpcKvTransport> transport;
+  std::unique_ptr<kv_transfer::nccl::NcclKvReceiveEndpoint> nccl_endpoint;
+  std::unique_ptr<kv_transfer::KvTransport> transport;
   std::unique_ptr<kv_transfer::KvTransferService> kv_service;
   std::unique_ptr<prefill::PrefillHandler> prefill;
   std::unique_ptr<DecodeHandler> decode;
@@ -263,10 +274,34 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
       &impl->loop->pool_for_transfer(), impl->layout,
       impl->transfer_metrics->ForReceiver());
-  impl->transport = std::make_unique<kv_transfer::GrpcKvTransport>(
-      impl->transfer_metrics.get());
-  impl->kv_service =
-      std::make_unique<kv_transfer::KvTransferService>(impl->receiver.get());
+  if (config.kv_transport == "nccl") {
+    kv_transfer::nccl::CommunicatorFactory* comms = config.kv_communicators;
+    if (comms == nullptr) {
+      ASSIGN_OR_RETURN(
+          impl->nccl_comms,
+          kv_transfer::nccl::OpenNcclCommunicators(config.kv_cuda_device));
+      comms = impl->nccl_comms.get();
+    }
+    kv_transfer::nccl::NcclReceiverConfig receive;
+    receive.timeout = config.kv_stall_timeout;
+    impl->nccl_endpoint =
+        std::make_unique<kv_transfer::nccl::NcclKvReceiveEndpoint>(
+            impl->receiver.get(), comms, receive);
+    impl->kv_service =
+        std::make_unique<kv_transfer::nccl::NcclKvTransferService>(
+            impl->receiver.get(), impl->nccl_endpoint.get());
+    impl->nccl_control =
+        std::make_unique<kv_transfer::nccl::GrpcControlChannelFactory>();
+    kv_transfer::nccl::NcclTransportConfig send;
+    send.timeout = config.kv_stall_timeout;
+    impl->transport = std::make_unique<kv_transfer::nccl::NcclKvTransport>(
+        impl->nccl_control.get(), comms, impl->transfer_metrics.get(), send);
+  } else {
+    impl->transport = std::make_unique<kv_transfer::GrpcKvTransport>(
+        impl->transfer_metrics.get());
+    impl->kv_service =
+        std::make_unique<kv_transfer::KvTransferService>(impl->receiver.get());
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -289,8 +324,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->address = absl::StrCat(host, ":", port);
   impl->id = config.id.empty() ? absl::StrCat(config.role, "@", impl->address)
                                : config.id;
+  prefill::PrefillOptions prefill_options;
+  prefill_options.layerwise = config.kv_layerwise;
+  prefill_options.max_queued_bytes = config.kv_stream_queue_bytes;
+  prefill_options.metrics = impl->transfer_metrics.get();
   impl->prefill = std::make_unique<prefill::PrefillHandler>(
-      impl->loop.get(), impl->transport.get(), impl->layout, impl->id);
+      impl->loop.get(), impl->transport.get(), impl->layout, impl->id,
+      prefill_options);
   impl->decode = std::make_unique<DecodeHandler>(
       impl->loop.get(), impl->receiver.get(),
       DecodeOptions{impl->id, impl->address, config.admission_timeout,

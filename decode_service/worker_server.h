@@ -14,6 +14,10 @@
 #include "common/metrics.h"
 #include "engine/engine.h"
 
+namespace pdserve::kv_transfer::nccl {
+class CommunicatorFactory;
+}
+
 namespace pdserve::decode {
 
 struct WorkerConfig {
@@ -26,7 +30,21 @@ struct WorkerConfig {
   std::string id;              // default role@host:port
   absl::Duration admission_timeout = absl::Seconds(10);
   absl::Duration kv_stall_timeout = absl::Seconds(10);
+  // grpc | nccl. nccl needs a CUDA+NCCL build and a visible GPU
+  // (FAILED_PRECONDITION at Start otherwise); its control plane is the
+  // KvTransfer.Control stream of this worker's gRPC server.
   std::string kv_transport = "grpc";
+  int kv_cuda_device =
+      0;  // nccl: the GPU whose communicators this worker joins
+  // Tests only: replaces NCCL (e.g. the in-process fake). Must outlive the
+  // worker; the same factory must serve both ends of a pair.
+  kv_transfer::nccl::CommunicatorFactory* kv_communicators = nullptr;
+  // Prefill: send layer l of a request's KV as soon as the forward pass wrote
+  // it, overlapping transfer with the rest of the prefill.
+  bool kv_layerwise = true;
+  // Bound on layer spans queued for sending per request (bytes); beyond it
+  // the rest is sent when the prefill ends.
+  int64_t kv_stream_queue_bytes = int64_t{64} << 20;
 
   absl::Status Validate() const;
 };

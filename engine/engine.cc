@@ -279,8 +279,23 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
          s.seq->num_computed, s.seq->blocks,
          completes ? LlamaModel::Logits::kLast : LlamaModel::Logits::kNone});
   }
+  LlamaModel::LayerWrittenFn on_layer_written;
+  if (std::any_of(batch.begin(), batch.end(), [](const Scheduled& s) {
+        return s.seq->req.on_layer_written != nullptr;
+      })) {
+    on_layer_written = [&](int32_t layer) {
+      for (const Scheduled& s : batch) {
+        if (!s.seq->req.on_layer_written) continue;
+        s.seq->req.on_layer_written(
+            {layer, s.seq->num_computed + s.num_tokens, s.seq->num_prompt,
+             s.seq->blocks},
+            blocks_);
+      }
+    };
+  }
   logits_.clear();
-  RETURN_IF_ERROR(model_.Forward(inputs, pool_.get(), &logits_));
+  RETURN_IF_ERROR(
+      model_.Forward(inputs, pool_.get(), &logits_, on_layer_written));
 
   const ModelConfig& mc = model_.config();
   int64_t logit_row = 0;

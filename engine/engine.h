@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -47,6 +48,16 @@ enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled };
 const char* FinishReasonName(
     FinishReason r);  // "", "length", "stop", "eos", "cancelled"
 
+// What one forward pass has just written for one request: its K/V at
+// `layer` for every token before `num_computed` (this step's chunk included)
+// now lie in `blocks`, the request's block table.
+struct LayerWritten {
+  int32_t layer = 0;
+  int32_t num_computed = 0;  // tokens
+  int32_t num_prompt = 0;    // tokens
+  std::span<const int32_t> blocks;
+};
+
 struct EngineRequest {
   std::string id;
   std::vector<int32_t> prompt;
@@ -56,6 +67,11 @@ struct EngineRequest {
   // and hand them to the caller (StepOutput::held_blocks) so their KV can be
   // sent; the caller returns them with ReleaseBlocks().
   bool hold_blocks_on_finish = false;
+  // Layer-wise KV streaming: called on the engine thread during Step, layer
+  // by layer, right after the forward pass wrote this request's K/V of that
+  // layer. It may take references (BlockManager::Acquire) on blocks it reads
+  // later from another thread. Must not block.
+  std::function<void(const LayerWritten&, BlockManager&)> on_layer_written;
 };
 
 struct StepOutput {

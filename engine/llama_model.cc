@@ -17,7 +17,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const ModelWeights> weights,
 }
 
 absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
-                                 std::vector<float>* logits) {
+                                 std::vector<float>* logits,
+                                 const LayerWrittenFn& on_layer_written) {
   const ModelConfig& c = weights_->config;
   const KvCacheSpec& spec = pool->spec();
   if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
@@ -113,6 +114,7 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
                        inv_freq_.data());
     const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
     kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
+    if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
     kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
                             attn_seqs, layer, scale, attn_.data());
     kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj.data(), hidden,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -37,10 +38,14 @@ class LlamaModel {
 
   const ModelConfig& config() const { return weights_->config; }
   const ModelWeights& weights() const { return *weights_; }
+  // Called once per layer, in order, as soon as that layer's K/V of every
+  // sequence in the batch is in the pool (before the layer's attention).
+  using LayerWrittenFn = std::function<void(int32_t layer)>;
   // Runs the batch and appends logits rows [rows, vocab] in sequence order
   // (one row per kLast sequence, one per token for kAll).
   absl::Status Forward(std::span<const SeqInput> seqs, KvPool* pool,
-                       std::vector<float>* logits);
+                       std::vector<float>* logits,
+                       const LayerWrittenFn& on_layer_written = nullptr);
 
  private:
   std::shared_ptr<const ModelWeights> weights_;

@@ -16,6 +16,9 @@ TransferMetrics::TransferMetrics(metrics::Registry& r)
       in_flight(
           metrics::GaugeChild(r, "pdserve_kv_transfers_in_flight",
                               "KV transfers currently sending or receiving")),
+      overlapped_bytes(metrics::CounterChild(
+          r, "pdserve_kv_transfer_overlapped_bytes_total",
+          "KV bytes sent while the prefill forward pass was still running")),
       failures_(metrics::Must(
           r.AddCounter("pdserve_kv_transfer_failures_total",
                        "KV transfers or chunks rejected or failed, by reason",

@@ -16,6 +16,9 @@ class TransferMetrics {
   metrics::Counter* bytes_received;
   metrics::Histogram* duration;
   metrics::Gauge* in_flight;
+  // Layer-wise streaming: bytes a prefill worker sent while the request's
+  // forward pass was still running (transfer overlapping compute).
+  metrics::Counter* overlapped_bytes;
   void Failure(const std::string& reason);
   // Counters for a KvReceiver feeding these metrics.
   ReceiverCounters ForReceiver();

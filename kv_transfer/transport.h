@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,14 +42,17 @@ struct KvLayout {
 // with both values ("block_size: sender 16 vs receiver 32").
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver);
 
+// (logical block index in the request, physical block in the sender's pool)
+using BlockRef = std::pair<int32_t, int32_t>;
+
 struct SendPlan {
   std::string destination;  // host:port of the receiver
   std::string request_id;
   uint64_t reservation_id = 0;
   std::string sender_id;
   KvLayout layout;
-  // (logical block index in the request, physical block in the sender's pool)
-  std::vector<std::pair<int32_t, int32_t>> blocks;
+  // What SendLayers sends; may be empty when the sender uses SendBlocks.
+  std::vector<BlockRef> blocks;
 };
 
 struct SendStats {
@@ -64,6 +68,12 @@ class KvSendSession {
   // Sends layers [first, last) of every planned block. May be called several
   // times with consecutive ranges as prefill produces layers.
   virtual absl::Status SendLayers(int32_t first, int32_t last) = 0;
+  // Sends layers [first, last) of `blocks` ((logical index, physical block in
+  // the sender's pool); need not be in the plan), so a sender can stream
+  // blocks as a chunked prefill completes them. Each (layer, logical block)
+  // must be sent once per transfer.
+  virtual absl::Status SendBlocks(int32_t first, int32_t last,
+                                  std::span<const BlockRef> blocks) = 0;
   // Completes the transfer and waits for the receiver's acknowledgement.
   virtual absl::StatusOr<SendStats> Finish() = 0;
   // Abandons the transfer; the receiver frees its reservation. Idempotent.

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "kv_transfer/grpc/grpc_transport.h"
+#include "prefill_service/layer_streamer.h"
 #include "prefill_service/sampling_convert.h"
 
 namespace pdserve::prefill {
@@ -16,6 +17,20 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
       !s.ok()) {
     return ToGrpc(s);
   }
+  // Open the transfer before computing too: a transport that talks to the
+  // receiver at Open (nccl) refuses a bad reservation without a prefill.
+  kv_transfer::SendPlan plan;
+  plan.destination = request.kv_destination();
+  plan.request_id = request.request_id();
+  plan.reservation_id = request.reservation_id();
+  plan.sender_id = worker_id_;
+  plan.layout = layout_;
+  absl::StatusOr<std::unique_ptr<kv_transfer::KvSendSession>> opened =
+      transport_->Open(plan, &loop_->pool_for_transfer());
+  if (!opened.ok()) return ToGrpc(opened.status());
+  kv_transfer::KvSendSession& session = **opened;
+  const int32_t skip = static_cast<int32_t>(request.skip_blocks());
+
   engine::EngineRequest req;
   req.id = absl::StrCat("prefill:", request.request_id());
   req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
@@ -24,64 +39,100 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   req.sampling.stop.clear();
   req.cache_salt = request.cache_salt();
   req.hold_blocks_on_finish = true;
+  const engine::KvCacheSpec& spec = loop_->kv_spec();
+  const int64_t span_bytes =
+      spec.LayerBlockBytes() +
+      (spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0);
+  std::shared_ptr<LayerStreamer> streamer;
+  if (options_.layerwise) {
+    streamer =
+        std::make_shared<LayerStreamer>(spec.num_layers, spec.block_size, skip,
+                                        span_bytes, options_.max_queued_bytes);
+    req.on_layer_written = [streamer](const engine::LayerWritten& w,
+                                      engine::BlockManager& blocks) {
+      streamer->OnLayerWritten(w, blocks);
+    };
+  }
   auto stream = loop_->Submit(req);
-  if (!stream.ok()) return ToGrpc(stream.status());
+  if (!stream.ok()) {
+    session.Cancel();
+    return ToGrpc(stream.status());
+  }
+  // Ends this request's hold on the engine: no more layer reports, and the
+  // pinned and held blocks go back. Only once the session no longer reads.
+  auto release = [&](const std::vector<int32_t>& held) {
+    loop_->Call([&](engine::Engine& e) {
+      if (streamer) e.ReleaseBlocks(streamer->Close());
+      e.ReleaseBlocks(held);
+      return 0;
+    });
+  };
+  auto abandon = [&](grpc::Status why) {
+    session.Cancel();
+    loop_->Abort(req.id);
+    // Drain so that held blocks of a request that finished meanwhile return.
+    std::vector<int32_t> held;
+    for (auto& out : (*stream)->Pop(absl::Seconds(1))) {
+      held.insert(held.end(), out.held_blocks.begin(), out.held_blocks.end());
+    }
+    release(held);
+    return why;
+  };
 
   engine::StepOutput done;
   while (done.finish == engine::FinishReason::kNone) {
     if (context->IsCancelled()) {
-      loop_->Abort(req.id);
-      // Drain so that held blocks of a request that finished meanwhile return.
-      for (auto& out : (*stream)->Pop(absl::Seconds(1))) {
-        if (!out.held_blocks.empty()) {
-          loop_->Call([&](engine::Engine& e) {
-            e.ReleaseBlocks(out.held_blocks);
-            return 0;
-          });
-        }
-      }
-      return grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled");
+      return abandon(
+          grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled"));
     }
-    if (absl::Status s = (*stream)->error(); !s.ok()) return ToGrpc(s);
-    for (auto& out : (*stream)->Pop(absl::Milliseconds(50))) {
+    if (absl::Status s = (*stream)->error(); !s.ok()) {
+      release({});
+      session.Cancel();
+      return ToGrpc(s);
+    }
+    absl::Duration wait = absl::Milliseconds(50);
+    if (streamer && !streamer->forward_done()) {
+      // Send what the forward pass has written so far; wakes for new layers.
+      if (absl::Status s = streamer->SendQueued(&session, wait); !s.ok()) {
+        return abandon(ToGrpc(s));
+      }
+      wait = absl::ZeroDuration();
+    }
+    for (auto& out : (*stream)->Pop(wait)) {
       if (out.finish != engine::FinishReason::kNone) done = std::move(out);
     }
   }
   if (done.new_tokens.empty()) {
+    session.Cancel();
+    release(done.held_blocks);
     return grpc::Status(grpc::StatusCode::ABORTED,
                         "prefill ended without a token");
   }
-  // Send the blocks the decode worker does not hold, then unpin ours.
-  kv_transfer::SendPlan plan;
-  plan.destination = request.kv_destination();
-  plan.request_id = request.request_id();
-  plan.reservation_id = request.reservation_id();
-  plan.sender_id = worker_id_;
-  plan.layout = layout_;
-  for (size_t i = request.skip_blocks(); i < done.held_blocks.size(); ++i) {
-    plan.blocks.emplace_back(static_cast<int32_t>(i), done.held_blocks[i]);
-  }
-  absl::Status sent = absl::OkStatus();
-  uint64_t bytes = 0;
-  {
-    auto session = transport_->Open(plan, &loop_->pool_for_transfer());
-    if (!session.ok()) {
-      sent = session.status();
-    } else {
-      sent = (*session)->SendLayers(0, layout_.num_layers);
-      if (sent.ok()) {
-        auto stats = (*session)->Finish();
-        sent = stats.status();
-        if (stats.ok()) bytes = stats->bytes;
-      } else {
-        (*session)->Cancel();
-      }
+  // Send the blocks the decode worker does not hold and that were not
+  // streamed yet, then unpin ours.
+  absl::Status sent;
+  if (streamer) {
+    sent = streamer->SendRest(&session, done.held_blocks);
+  } else {
+    std::vector<kv_transfer::BlockRef> refs;
+    for (size_t i = skip; i < done.held_blocks.size(); ++i) {
+      refs.emplace_back(static_cast<int32_t>(i), done.held_blocks[i]);
     }
+    sent = session.SendBlocks(0, layout_.num_layers, refs);
   }
-  loop_->Call([&](engine::Engine& e) {
-    e.ReleaseBlocks(done.held_blocks);
-    return 0;
-  });
+  uint64_t bytes = 0;
+  if (sent.ok()) {
+    absl::StatusOr<kv_transfer::SendStats> stats = session.Finish();
+    sent = stats.status();
+    if (stats.ok()) bytes = stats->bytes;
+  } else {
+    session.Cancel();
+  }
+  if (streamer && options_.metrics) {
+    options_.metrics->overlapped_bytes->Increment(static_cast<double>(
+        streamer->stats().spans_before_forward_end * span_bytes));
+  }
+  release(done.held_blocks);
   if (!sent.ok()) return ToGrpc(sent);
   response->set_first_token(static_cast<uint32_t>(done.new_tokens[0]));
   response->set_cached_prompt_tokens(

@@ -11,19 +11,32 @@
 #include <string>
 
 #include "engine/engine_loop.h"
+#include "kv_transfer/transfer_metrics.h"
 #include "kv_transfer/transport.h"
 #include "pdserve/v1/internal.pb.h"
 
 namespace pdserve::prefill {
 
+struct PrefillOptions {
+  // Send layer l of the KV as soon as the forward pass wrote it (see
+  // layer_streamer.h); otherwise everything is sent after the prefill.
+  bool layerwise = true;
+  // Per request: bytes queued for sending but not yet sent, at most.
+  int64_t max_queued_bytes = int64_t{64} << 20;
+  // Counts the bytes sent while the forward pass still ran; may be null.
+  kv_transfer::TransferMetrics* metrics = nullptr;
+};
+
 class PrefillHandler {
  public:
   PrefillHandler(engine::EngineLoop* loop, kv_transfer::KvTransport* transport,
-                 kv_transfer::KvLayout layout, std::string worker_id)
+                 kv_transfer::KvLayout layout, std::string worker_id,
+                 PrefillOptions options = {})
       : loop_(loop),
         transport_(transport),
         layout_(std::move(layout)),
-        worker_id_(std::move(worker_id)) {}
+        worker_id_(std::move(worker_id)),
+        options_(options) {}
 
   grpc::Status Prefill(grpc::ServerContext* context,
                        const v1::PrefillRequest& request,
@@ -34,6 +47,7 @@ class PrefillHandler {
   kv_transfer::KvTransport* transport_;
   const kv_transfer::KvLayout layout_;
   const std::string worker_id_;
+  const PrefillOptions options_;
 };
 
 }  // namespace pdserve::prefill

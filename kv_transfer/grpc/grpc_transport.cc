@@ -58,6 +58,11 @@ class GrpcSendSession : public KvSendSession {
   }
 
   absl::Status SendLayers(int32_t first, int32_t last) override {
+    return SendBlocks(first, last, plan_.blocks);
+  }
+
+  absl::Status SendBlocks(int32_t first, int32_t last,
+                          std::span<const BlockRef> blocks) override {
     if (done_)
       return absl::FailedPreconditionError("transfer already finished");
     const engine::KvCacheSpec& spec = pool_->spec();
@@ -69,7 +74,12 @@ class GrpcSendSession : public KvSendSession {
     const size_t scale_bytes =
         spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
     for (int32_t layer = first; layer < last; ++layer) {
-      for (const auto& [index, block] : plan_.blocks) {
+      for (const auto& [index, block] : blocks) {
+        if (block < 0 || block >= pool_->num_blocks()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("block ", index, " is physical block ", block,
+                           ", outside the pool of ", pool_->num_blocks()));
+        }
         v1::KvBlockSpan* span = message_.add_spans();
         span->set_layer(layer);
         span->set_block_index(index);
@@ -198,6 +208,14 @@ grpc::Status KvTransferService::Push(grpc::ServerContext* context,
   ack->set_chunks(chunks);
   ack->set_bytes(bytes);
   return grpc::Status::OK;
+}
+
+grpc::Status KvTransferService::Control(
+    grpc::ServerContext*,
+    grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>*) {
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "this worker does not serve the nccl KV transport "
+                      "(start it with --kv-transport nccl)");
 }
 
 }  // namespace pdserve::kv_transfer

@@ -41,12 +41,19 @@ class GrpcKvTransport : public KvTransport {
       ABSL_GUARDED_BY(mu_);
 };
 
-class KvTransferService final : public v1::KvTransfer::Service {
+// Serves Push into a KvReceiver. Control (the `nccl` transport's control
+// plane) answers FAILED_PRECONDITION here; nccl::NcclKvTransferService
+// serves it on workers started with --kv-transport nccl.
+class KvTransferService : public v1::KvTransfer::Service {
  public:
   explicit KvTransferService(KvReceiver* receiver) : receiver_(receiver) {}
   grpc::Status Push(grpc::ServerContext* context,
                     grpc::ServerReader<v1::KvChunk>* reader,
                     v1::KvTransferAck* ack) override;
+  grpc::Status Control(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>* stream)
+      override;
 
  private:
   KvReceiver* receiver_;

@@ -180,6 +180,11 @@ class NcclSendSession : public KvSendSession {
   }
 
   absl::Status SendLayers(int32_t first, int32_t last) override {
+    return SendBlocks(first, last, plan_.blocks);
+  }
+
+  absl::Status SendBlocks(int32_t first, int32_t last,
+                          std::span<const BlockRef> blocks) override {
     if (done_) {
       return absl::FailedPreconditionError("transfer already finished");
     }
@@ -189,10 +194,15 @@ class NcclSendSession : public KvSendSession {
           absl::StrCat("layer range [", first, ", ", last, ") is invalid"));
     }
     std::vector<PlannedSpan> batch;
-    batch.reserve(std::min(spans_per_batch_, static_cast<size_t>(last - first) *
-                                                 plan_.blocks.size()));
+    batch.reserve(std::min(spans_per_batch_,
+                           static_cast<size_t>(last - first) * blocks.size()));
     for (int32_t layer = first; layer < last; ++layer) {
-      for (const auto& [index, physical] : plan_.blocks) {
+      for (const auto& [index, physical] : blocks) {
+        if (physical < 0 || physical >= pool_->num_blocks()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("block ", index, " is physical block ", physical,
+                           ", outside the pool of ", pool_->num_blocks()));
+        }
         batch.push_back({{layer, index}, physical});
         if (batch.size() == spans_per_batch_) {
           RETURN_IF_ERROR(SendBatch(batch));

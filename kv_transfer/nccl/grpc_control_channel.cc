@@ -1,0 +1,225 @@
+#include "kv_transfer/nccl/grpc_control_channel.h"
+
+#include <deque>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pdserve::kv_transfer::nccl {
+namespace {
+
+using Frame = v1::KvControlFrame;
+
+// Messages read from a stream, waiting for Receive. `peer_done` once the
+// stream's reads ended (peer closed, cancelled or broken); `closed` once
+// this end was closed.
+class Inbox {
+ public:
+  void Push(std::string message) {
+    absl::MutexLock l(&mu_);
+    queue_.push_back(std::move(message));
+  }
+  void PeerDone() {
+    absl::MutexLock l(&mu_);
+    peer_done_ = true;
+  }
+  // Returns false if this end was already closed.
+  bool MarkClosed() {
+    absl::MutexLock l(&mu_);
+    if (closed_) return false;
+    closed_ = true;
+    return true;
+  }
+  bool closed() const {
+    absl::MutexLock l(&mu_);
+    return closed_;
+  }
+  absl::StatusOr<std::string> Receive(absl::Time deadline,
+                                      const std::string& peer) {
+    absl::MutexLock l(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](Inbox* in) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                return in->closed_ || in->peer_done_ ||
+                                       !in->queue_.empty();
+                              },
+                              this),
+                          deadline);
+    if (closed_) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control channel to ", peer, " is closed"));
+    }
+    if (!queue_.empty()) {
+      std::string out = std::move(queue_.front());
+      queue_.pop_front();
+      return out;
+    }
+    if (peer_done_) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control channel: ", peer, " closed the stream"));
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("no KV control message from ", peer, " in time"));
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  bool peer_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The prefill worker's end: a client stream, read by its own thread because
+// a blocking gRPC Read has no deadline.
+class ClientControlChannel : public ControlChannel {
+ public:
+  ClientControlChannel(std::shared_ptr<grpc::Channel> channel,
+                       std::string destination)
+      : destination_(std::move(destination)),
+        stub_(v1::KvTransfer::NewStub(std::move(channel))) {
+    stream_ = stub_->Control(&context_);
+    reader_ = std::thread([this] {
+      Frame frame;
+      while (stream_->Read(&frame))
+        inbox_.Push(std::move(*frame.mutable_payload()));
+      inbox_.PeerDone();
+    });
+  }
+  ~ClientControlChannel() override {
+    Close();
+    reader_.join();
+    absl::MutexLock w(&write_mu_);
+    stream_->Finish();  // after the cancel: reaps the call, status unused
+  }
+
+  absl::Status Send(std::string message) override {
+    absl::MutexLock w(&write_mu_);
+    if (inbox_.closed()) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control channel to ", destination_, " is closed"));
+    }
+    Frame frame;
+    frame.set_payload(std::move(message));
+    if (!stream_->Write(frame)) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control stream to ", destination_,
+                       " broke (is it up, and "
+                       "started with --kv-transport nccl?)"));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Receive(absl::Time deadline) override {
+    return inbox_.Receive(deadline, destination_);
+  }
+  void Close() override {
+    // Cancelling ends the call for both sides and wakes the reader thread.
+    if (inbox_.MarkClosed()) context_.TryCancel();
+  }
+
+ private:
+  const std::string destination_;
+  std::unique_ptr<v1::KvTransfer::Stub> stub_;
+  grpc::ClientContext context_;
+  absl::Mutex write_mu_;  // one Write at a time, never after Finish
+  std::unique_ptr<grpc::ClientReaderWriter<Frame, Frame>> stream_;
+  Inbox inbox_;
+  std::thread reader_;
+};
+
+// The decode worker's end of one Control call. The call's handler thread
+// reads frames into the inbox; the endpoint's link thread writes replies.
+// Shared by the handler and the channel object (owned by the endpoint), so
+// either may go first.
+struct ServerCall {
+  ServerCall(grpc::ServerContext* context,
+             grpc::ServerReaderWriter<Frame, Frame>* stream)
+      : context(context), stream(stream) {}
+
+  // The handler is returning: after this no Write may start, and Close no
+  // longer touches the context.
+  void HandlerDone() {
+    absl::MutexLock w(&write_mu);
+    absl::MutexLock l(&mu);
+    handler_done = true;
+  }
+  void Cancel() {
+    absl::MutexLock l(&mu);
+    if (!handler_done) context->TryCancel();
+  }
+
+  grpc::ServerContext* const context;
+  grpc::ServerReaderWriter<Frame, Frame>* const stream;
+  Inbox inbox;
+  absl::Mutex write_mu;  // acquired before mu
+  absl::Mutex mu;
+  bool handler_done ABSL_GUARDED_BY(mu) = false;
+};
+
+class ServerControlChannel : public ControlChannel {
+ public:
+  explicit ServerControlChannel(std::shared_ptr<ServerCall> call)
+      : call_(std::move(call)), peer_(call_->context->peer()) {}
+  ~ServerControlChannel() override { Close(); }
+
+  absl::Status Send(std::string message) override {
+    absl::MutexLock w(&call_->write_mu);
+    bool done;
+    {
+      absl::MutexLock l(&call_->mu);
+      done = call_->handler_done;
+    }
+    if (done || call_->inbox.closed()) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control channel to ", peer_, " is closed"));
+    }
+    Frame frame;
+    frame.set_payload(std::move(message));
+    if (!call_->stream->Write(frame)) {
+      return absl::UnavailableError(
+          absl::StrCat("KV control stream to ", peer_, " broke"));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Receive(absl::Time deadline) override {
+    return call_->inbox.Receive(deadline, peer_);
+  }
+  void Close() override {
+    if (call_->inbox.MarkClosed()) call_->Cancel();
+  }
+
+ private:
+  std::shared_ptr<ServerCall> call_;
+  const std::string peer_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ControlChannel>>
+GrpcControlChannelFactory::Connect(const std::string& destination) {
+  if (destination.empty()) {
+    return absl::InvalidArgumentError("KV destination is empty");
+  }
+  // A fresh channel per link: links are few and long-lived, and a restarted
+  // decode worker then gets a new connection.
+  return std::unique_ptr<ControlChannel>(new ClientControlChannel(
+      grpc::CreateCustomChannel(destination, grpc::InsecureChannelCredentials(),
+                                InternalChannelArgs()),
+      destination));
+}
+
+grpc::Status NcclKvTransferService::Control(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<Frame, Frame>* stream) {
+  auto call = std::make_shared<ServerCall>(context, stream);
+  endpoint_->Serve(std::make_unique<ServerControlChannel>(call));
+  Frame frame;
+  while (stream->Read(&frame)) {
+    call->inbox.Push(std::move(*frame.mutable_payload()));
+  }
+  call->inbox.PeerDone();
+  call->HandlerDone();
+  return grpc::Status::OK;
+}
+
+}  // namespace pdserve::kv_transfer::nccl
