@@ -1,0 +1,94 @@
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm.cuh"
+#include "kernels/cuda/ops.cuh"
+
+namespace pdserve::kernels::cuda {
+namespace {
+
+absl::Status CublasStatus(cublasStatus_t s, const char* expr, const char* file,
+                          int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  const absl::StatusCode code =
+      s == CUBLAS_STATUS_ALLOC_FAILED    ? absl::StatusCode::kResourceExhausted
+      : s == CUBLAS_STATUS_INVALID_VALUE ? absl::StatusCode::kInvalidArgument
+      : s == CUBLAS_STATUS_NOT_INITIALIZED
+          ? absl::StatusCode::kFailedPrecondition
+          : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(file, ":", line, ": ", expr,
+                                         " failed: ", cublasGetStatusName(s),
+                                         " (", cublasGetStatusString(s), ")"));
+}
+
+#define PDSERVE_CUBLAS_RETURN_IF_ERROR(expr)                         \
+  do {                                                               \
+    ::absl::Status pdserve_cublas_status_ =                          \
+        CublasStatus((expr), #expr, __FILE__, __LINE__);             \
+    if (!pdserve_cublas_status_.ok()) return pdserve_cublas_status_; \
+  } while (0)
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(
+    cudaStream_t stream) {
+  cublasHandle_t handle = nullptr;
+  PDSERVE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
+  if (absl::Status s = CublasStatus(cublasSetStream(handle, stream),
+                                    "cublasSetStream", __FILE__, __LINE__);
+      !s.ok()) {
+    cublasDestroy(handle);
+    return s;
+  }
+  return std::unique_ptr<GemmRunner>(new GemmRunner(handle, stream));
+}
+
+GemmRunner::~GemmRunner() {
+  if (scratch_ != nullptr) cudaFree(scratch_);
+  cublasDestroy(static_cast<cublasHandle_t>(handle_));
+}
+
+absl::Status GemmRunner::MatMulNT(const float* x, int64_t m, int64_t k,
+                                  const void* w, int64_t n, GemmDtype dtype,
+                                  float* y) {
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  if (m < 0 || k <= 0 || n <= 0 || m > kMax || k > kMax || n > kMax) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gemm: m=", m, " k=", k, " n=", n));
+  }
+  if (m == 0) return absl::OkStatus();
+  auto handle = static_cast<cublasHandle_t>(handle_);
+  const float alpha = 1.0f, beta = 0.0f;
+  // Row-major y[m,n] = x[m,k] w[n,k]^T is column-major y^T[n,m] =
+  // op_T(W)[n,k] x^T[k,m], where W is w read column-major as [k,n].
+  const void* b = x;
+  cudaDataType_t type = CUDA_R_32F;
+  if (dtype == GemmDtype::kBf16) {
+    if (scratch_elems_ < m * k) {
+      if (scratch_ != nullptr) cudaFree(scratch_);
+      scratch_ = nullptr;
+      scratch_elems_ = 0;
+      PDSERVE_CUDA_RETURN_IF_ERROR(
+          cudaMalloc(&scratch_, m * k * sizeof(uint16_t)));
+      scratch_elems_ = m * k;
+    }
+    if (absl::Status s = InvokeFloatToBf16(x, m * k, scratch_, stream_);
+        !s.ok()) {
+      return s;
+    }
+    b = scratch_;
+    type = CUDA_R_16BF;
+  }
+  PDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+      static_cast<int>(m), static_cast<int>(k), &alpha, w, type,
+      static_cast<int>(k), b, type, static_cast<int>(k), &beta, y, CUDA_R_32F,
+      static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::kernels::cuda
