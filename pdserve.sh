@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pdserve developer entry point: deps | build | test | serve.
+# pdserve developer entry point: deps | build | test | serve | fuzz | soak.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -14,6 +14,9 @@ DEB_PACKAGES=(
   libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
   prometheus python3-torch python3-numpy
 )
+# Only for the fuzz targets (tests/fuzz): clang and its libFuzzer runtime.
+FUZZ_DEB_PACKAGES=(clang libclang-rt-14-dev)
+FUZZ_BUILD_DIR=$ROOT/build-fuzz
 
 usage() {
   cat <<USAGE
@@ -21,22 +24,31 @@ usage: ./pdserve.sh COMMAND [ARGS...]
 
   deps          install the Debian packages pdserve needs (idempotent; needs root)
   build         configure and build Release into build/ (build/bin/pdserve)
-  test          deps + build + the CPU test suite (ctest -L cpu); non-zero on any failure
+  test          deps + build + the CPU test suite (ctest -L cpu, including a 2-minute
+                fault soak), then every fuzz target for a few seconds; non-zero on any failure
   serve [ARGS]  deps + build + run the embedded default (passes ARGS through)
+  fuzz [SECONDS]
+                build the fuzz preset (clang, ASan/UBSan, build-fuzz/) and run every
+                libFuzzer target for SECONDS each (default 30); non-zero on any crash
+  soak [MINUTES] [FLAGS]
+                build, then random load against router + 2 prefill + 2 decode while
+                workers are killed, stalled and restarted (default 2 minutes)
   help          this text
 
 Environment: PDSERVE_BUILD_DIR (default build/), PDSERVE_JOBS (default nproc),
-PDSERVE_CUDA=AUTO|ON|OFF (default AUTO: CUDA code builds when nvcc is found).
+PDSERVE_CUDA=AUTO|ON|OFF (default AUTO: CUDA code builds when nvcc is found),
+PDSERVE_TEST_FUZZ=0 (test skips the fuzz targets), PDSERVE_FUZZ_CI_SECONDS (default 5).
 USAGE
 }
 
 deps() {
   local missing=()
-  for p in "${DEB_PACKAGES[@]}"; do
+  local packages=("${DEB_PACKAGES[@]}" "$@")
+  for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -eq 0 ]; then
-    echo "[deps] all ${#DEB_PACKAGES[@]} Debian packages present"
+    echo "[deps] all ${#packages[@]} Debian packages present"
     return 0
   fi
   echo "[deps] installing: ${missing[*]}"
@@ -54,6 +66,20 @@ build() {
   cmake --build "$BUILD_DIR" -j "$JOBS"
 }
 
+# Configures and builds the `fuzz` CMake preset (only tests/fuzz and the
+# parsers it reaches), then runs each target for $1 seconds over its corpus.
+fuzz() {
+  local seconds=${1:-30}
+  cmake --preset fuzz >/dev/null
+  cmake --build "$FUZZ_BUILD_DIR" -j "$JOBS"
+  local failed=0 t
+  for t in $(sed -n 's/^set(PDSERVE_FUZZ_TARGETS \(.*\))$/\1/p' "$ROOT/tests/fuzz/CMakeLists.txt"); do
+    "$ROOT/tests/fuzz/run_fuzz.sh" "$FUZZ_BUILD_DIR/bin/$t" "$ROOT/tests/fuzz/corpus/$t" \
+      "$FUZZ_BUILD_DIR/work/$t" "$seconds" || failed=1
+  done
+  return $failed
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -62,8 +88,22 @@ case "$cmd" in
   test)
     deps
     build
-    cd "$BUILD_DIR"
-    ctest -L cpu --output-on-failure -j "$JOBS" "$@"
+    (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@")
+    if [ "${PDSERVE_TEST_FUZZ:-1}" != 0 ]; then
+      deps "${FUZZ_DEB_PACKAGES[@]}"
+      fuzz "${PDSERVE_FUZZ_CI_SECONDS:-5}"
+    fi
+    ;;
+  fuzz)
+    deps "${FUZZ_DEB_PACKAGES[@]}"
+    fuzz "$@"
+    ;;
+  soak)
+    deps
+    build
+    minutes=${1:-2}
+    shift || true
+    exec "$BUILD_DIR/bin/pdserve_soak" --pdserve="$BUILD_DIR/bin/pdserve" --minutes="$minutes" "$@"
     ;;
   serve)
     deps

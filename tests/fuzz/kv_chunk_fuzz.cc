@@ -1,23 +1,31 @@
-// Fuzzes the receiving side of KV transfer: KvChunk messages decoded from
-// arbitrary bytes are fed, as KvTransferService::Push does, through the real
-// KvReceiver (handshake, per-span validation, completion) against a real
-// reservation in a real KvPool.
+// Fuzzes the receiving side of KV transfer: KvChunk messages are decoded
+// from arbitrary bytes by the real zero-copy decoder (DecodeChunk, fed the
+// message in slices) and fed, as KvTransferService::Push does, through the
+// real KvReceiver (handshake, per-span validation, completion) against a
+// real reservation in a real KvPool.
 //
 // Input: one byte choosing the KV dtype (low bits) and whether the sender
-// ends cleanly (high bit), then frames of [u16 little-endian length][a
-// serialized pdserve.v1.KvChunk]. The reservation is "r1" / id 1 for logical
-// blocks {6, 2, 4} with the first block already present, so only physical
-// blocks 2 and 4 may change. Beyond ASan/UBSan, the target checks the safety
-// contract itself: every other block (data and scales) keeps its sentinel
-// bytes, and the reservation is gone once Wait returns.
+// ends cleanly (high bit), then frames of [u16 little-endian length][u8
+// slice size: 0 = one slice, else 1..32 bytes][a serialized KvChunk]. The
+// reservation is "r1" / id 1 for logical blocks {6, 2, 4} with the first block
+// already present, so only physical blocks 2 and 4 may change. Beyond
+// ASan/UBSan, the target checks the safety contract itself: every other block
+// (data and scales) keeps its sentinel bytes, and the reservation is gone once
+// Wait returns.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "engine/kv_cache.h"
+#include "kv_transfer/grpc/chunk_codec.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/receiver.h"
 #include "pdserve/v1/internal.pb.h"
@@ -86,39 +94,51 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       "r1", std::vector<int32_t>(std::begin(kReserved), std::end(kReserved)),
       kSkipBlocks);
 
-  // The Push loop: the first message carries the header, then every span of
-  // every message is written until one is rejected.
+  // The receiving loop of KvTransferService::Push (PushReactor::Consume):
+  // each message is decoded from its slices by DecodeChunk; the first header
+  // opens the stream, later headers are ignored, every span is written until
+  // one is rejected.
   size_t at = 1;
   bool begun = false, rejected = false;
   uint64_t stream_id = 0;
-  while (at + 2 <= size && !rejected) {
+  while (at + 3 <= size && !rejected) {
     const size_t len = data[at] | (size_t{data[at + 1]} << 8);
-    at += 2;
+    const size_t slice_bytes = data[at + 2] == 0 ? len : data[at + 2] % 32 + 1;
+    at += 3;
     if (len > size - at) break;
-    pdserve::v1::KvChunk chunk;
-    const bool parsed = chunk.ParseFromArray(data + at, static_cast<int>(len));
+    // The message as the socket might deliver it: in slices of slice_bytes,
+    // so fields and spans straddle slice boundaries.
+    std::vector<grpc::Slice> slices;
+    for (size_t i = 0; i < len; i += slice_bytes)
+      slices.emplace_back(data + at + i, std::min(slice_bytes, len - i));
     at += len;
-    if (!parsed) break;  // gRPC would fail the stream: no more writes
-    if (!begun) {
-      if (!chunk.has_header()) break;
-      stream_id = chunk.header().reservation_id();
-      if (!receiver
-               .Begin(stream_id, chunk.header().request_id(),
-                      pdserve::kv_transfer::FromProto(chunk.header().layout()))
-               .ok())
-        break;
-      begun = true;
-    }
-    for (const auto& span : chunk.spans()) {
-      if (!receiver
-               .Write(stream_id, static_cast<int32_t>(span.layer()),
-                      static_cast<int32_t>(span.block_index()), span.data(),
-                      span.scales())
-               .ok()) {
-        rejected = true;
-        break;
-      }
-    }
+    bool first = !begun;
+    const absl::Status s = pdserve::kv_transfer::DecodeChunk(
+        slices,
+        [&](const pdserve::v1::KvTransferHeader& header) -> absl::Status {
+          if (!first) return absl::OkStatus();
+          first = false;
+          stream_id = header.reservation_id();
+          absl::Status b =
+              receiver.Begin(stream_id, header.request_id(),
+                             pdserve::kv_transfer::FromProto(header.layout()));
+          if (!b.ok()) return b;
+          begun = true;
+          return absl::OkStatus();
+        },
+        [&](const pdserve::kv_transfer::DecodedSpan& span) -> absl::Status {
+          if (!begun) return absl::InvalidArgumentError("no header");
+          size_t data_bytes = 0;
+          for (std::string_view p : span.data) data_bytes += p.size();
+          if (data_bytes > len) std::abort();  // views beyond the message
+          return receiver.Write(stream_id, static_cast<int32_t>(span.layer),
+                                static_cast<int32_t>(span.block_index),
+                                std::span<const std::string_view>(
+                                    span.data.data(), span.data.size()),
+                                std::span<const std::string_view>(
+                                    span.scales.data(), span.scales.size()));
+        });
+    if (!s.ok()) rejected = true;  // gRPC ends the stream with that status
   }
   if (begun && !rejected) receiver.End(stream_id, sender_ok);
   (void)receiver.Wait(id, absl::ZeroDuration(), absl::Now());

@@ -138,15 +138,17 @@ write("tokenizer_fuzz", "sentencepiece", json.dumps(sentencepiece).encode() + SE
 write("tokenizer_fuzz", "metaspace", json.dumps(dict(sentencepiece, normalizer=None, pre_tokenizer={
     "type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False})).encode())
 
-# --- KV chunks (kv_chunk_fuzz.cc: pool of 2 layers x 2 kv_heads x head_dim 4
+# --- KV chunks (kv_chunk_fuzz.cc: frames of [u16 length][u8 slice size][KvChunk];
+# pool of 2 layers x 2 kv_heads x head_dim 4
 # x block_size 4; reservation "r1"/1 for logical blocks 0..2, block 0 present)
 DTYPES = [("fp32", 4), ("bf16", 2), ("int8", 1)]
 
 
 def kv_stream(dtype_index, frames, sender_ok=True):
     out = bytes([dtype_index | (0 if sender_ok else 0x80)])
-    for f in frames:
-        out += struct.pack("<H", len(f)) + f
+    for k, f in enumerate(frames):
+        # Alternate one slice per message with small slices that split spans.
+        out += struct.pack("<HB", len(f), 0 if k % 2 == 0 else 7) + f
     return out
 
 
