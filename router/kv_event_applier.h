@@ -11,9 +11,14 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "pdserve/v1/internal.pb.h"
 #include "router/prefix_index.h"
 
 namespace pdserve::router {
+
+// Decodes one wire event; false when it is malformed (a hash or parent that
+// is not 16 bytes, an unknown type).
+bool DecodeKvEvent(const v1::KvEventProto& proto, engine::KvEvent* event);
 
 class KvEventApplier {
  public:
@@ -25,6 +30,13 @@ class KvEventApplier {
   // One incremental event. Returns false (and applies nothing) when it is
   // not the next in sequence or no snapshot was read yet: resync needed.
   bool Apply(const engine::KvEvent& event);
+  // Decodes and applies one batch of a worker's SubscribeKvEvents stream: a
+  // snapshot batch replaces the worker's entries (as Snapshot), any other is
+  // incremental events (as Apply). Returns false when the subscriber must
+  // resync: a gap, or an event that does not decode (a hash that is not 16
+  // bytes, an unknown type). A rejected event and those after it are not
+  // applied.
+  bool ApplyBatch(const v1::KvEventBatch& batch);
   bool synced() const { return synced_; }
   uint64_t last_seq() const { return last_seq_; }
 

@@ -35,5 +35,56 @@ TEST(KvEventApplierTest, SnapshotThenConsecutiveEventsThenGapNeedsResync) {
   EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 0);
 }
 
+std::string HashBytes(const engine::BlockHash& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+// The wire decoding: a hash that is not 16 bytes or an unknown event type
+// used to be applied as hash 0 / as `cleared`; now it asks for a resync and
+// changes nothing (found while fuzzing the decoder, tests/fuzz/kv_event_fuzz).
+TEST(KvEventApplierTest, MalformedWireEventsNeedResyncAndApplyNothing) {
+  PrefixIndex index;
+  KvEventApplier applier(&index, 0);
+  const std::vector<WorkerIndex> w = {0};
+  const engine::BlockHash a{1, 1}, b{2, 2};
+  const std::vector<engine::BlockHash> chain = {a, b};
+  v1::KvEventBatch snapshot;
+  snapshot.set_snapshot(true);
+  auto* e = snapshot.add_events();
+  e->set_seq(4);
+  e->add_hashes(HashBytes(a));
+  ASSERT_TRUE(applier.ApplyBatch(snapshot));
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 1);
+
+  v1::KvEventBatch short_hash;
+  e = short_hash.add_events();
+  e->set_seq(5);
+  e->add_hashes(HashBytes(b).substr(0, 15));
+  EXPECT_FALSE(applier.ApplyBatch(short_hash));
+  EXPECT_FALSE(applier.synced());
+
+  ASSERT_TRUE(applier.ApplyBatch(snapshot));
+  v1::KvEventBatch unknown_type;
+  e = unknown_type.add_events();
+  e->set_seq(5);
+  e->set_type(static_cast<v1::KvEventProto::Type>(7));
+  EXPECT_FALSE(applier.ApplyBatch(unknown_type));
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 1);  // not cleared
+
+  ASSERT_TRUE(applier.ApplyBatch(snapshot));
+  v1::KvEventBatch stored;
+  e = stored.add_events();
+  e->set_seq(5);
+  e->set_parent_hash(HashBytes(a));
+  e->add_hashes(HashBytes(b));
+  EXPECT_TRUE(applier.ApplyBatch(stored));
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 2);
+}
+
 }  // namespace
 }  // namespace pdserve::router

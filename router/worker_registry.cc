@@ -16,16 +16,6 @@
 namespace pdserve::router {
 namespace {
 
-engine::BlockHash HashFromBytes(const std::string& b) {
-  engine::BlockHash h;
-  if (b.size() != 16) return h;
-  for (int i = 0; i < 8; ++i) {
-    h.hi = (h.hi << 8) | static_cast<uint8_t>(b[i]);
-    h.lo = (h.lo << 8) | static_cast<uint8_t>(b[8 + i]);
-  }
-  return h;
-}
-
 engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
   engine::ModelFingerprint fp{0, 0};
   if (hex.size() != 32) return fp;
@@ -257,25 +247,8 @@ void WorkerRegistry::EventLoop(Entry* entry) {
     v1::KvEventBatch batch;
     KvEventApplier applier(index_, index);
     while (!stop_ && reader->Read(&batch)) {
-      bool resync = false;
-      for (const auto& e : batch.events()) {
-        engine::KvEvent event;
-        event.seq = e.seq();
-        event.type = e.type() == v1::KvEventProto::STORED
-                         ? engine::KvEvent::Type::kStored
-                     : e.type() == v1::KvEventProto::REMOVED
-                         ? engine::KvEvent::Type::kRemoved
-                         : engine::KvEvent::Type::kCleared;
-        for (const auto& h : e.hashes())
-          event.hashes.push_back(HashFromBytes(h));
-        if (batch.snapshot()) {
-          applier.Snapshot(event.seq, event.hashes);
-        } else if (!applier.Apply(event)) {
-          resync = true;  // lost events: resubscribe for a fresh snapshot
-          break;
-        }
-      }
-      if (resync || stop_) break;
+      // Lost or malformed events: resubscribe for a fresh snapshot.
+      if (!applier.ApplyBatch(batch) || stop_) break;
     }
     ctx.TryCancel();
     reader->Finish();
