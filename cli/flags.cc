@@ -8,6 +8,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "engine/backend.h"
+#if defined(PDSERVE_HAVE_CUDA_BACKEND)
+#include "engine/cuda_backend.h"
+#endif
 #include "kernels/cpu/matmul.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
@@ -27,6 +31,13 @@ ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default) or "
           "blas (OpenBLAS)");
 ABSL_FLAG(int32_t, threads, 0, "kernel threads (0: all cores)");
+ABSL_FLAG(
+    std::string, device, "cpu",
+    "where the forward pass runs: cpu, or cuda (one GPU; KV pool sized by "
+    "--gpu-memory-utilization; --role both and local generate only)");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "--device cuda: fraction of GPU memory for weights, activations and "
+          "the KV pool (which takes the rest)");
 ABSL_FLAG(bool, json, false, "print JSON instead of text");
 
 namespace pdserve::cli {
@@ -84,6 +95,17 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   }
   c.matmul = *mode;
   kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
+  auto device = engine::ParseDevice(absl::GetFlag(FLAGS_device));
+  if (!device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu or cuda, got \"",
+                     absl::GetFlag(FLAGS_device), "\""));
+  }
+  c.device = *device;
+  c.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
+#if defined(PDSERVE_HAVE_CUDA_BACKEND)
+  if (c.device == engine::Device::kCuda) engine::RegisterCudaBackend();
+#endif
   RETURN_IF_ERROR(c.Validate());
   return c;
 }

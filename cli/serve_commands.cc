@@ -120,6 +120,12 @@ int RunWorkerWithRole(const std::string& role) {
   config.model_dir = absl::GetFlag(FLAGS_model);
   auto engine = EngineConfigFromFlags();
   if (!engine.ok()) return ReportError(engine.status());
+  if (engine->device != engine::Device::kCpu && role != "both") {
+    // A GPU engine has no host KV pool for the transfer code to read/write.
+    return ReportError(absl::InvalidArgumentError(
+        "--device cuda supports --role both only (prefill/decode roles move "
+        "KV through a host pool)"));
+  }
   config.engine = *engine;
   config.listen_host = absl::GetFlag(FLAGS_host);
   config.port = std::max(0, absl::GetFlag(FLAGS_port));

@@ -52,24 +52,39 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                    static_cast<int32_t>(mc.num_kv_heads),
                    static_cast<int32_t>(mc.head_dim), config.block_size,
                    config.kv_dtype};
-  ASSIGN_OR_RETURN(
-      auto pool,
-      KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<Backend> device_backend;
+  if (config.device == Device::kCpu) {
+    ASSIGN_OR_RETURN(
+        pool,
+        KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
+  } else {
+    BackendConfig bc;
+    bc.device = config.device;
+    bc.kv = spec;
+    bc.gpu_memory_utilization = config.gpu_memory_utilization;
+    bc.max_num_batched_tokens = config.max_num_batched_tokens;
+    bc.gpu_reference_math = config.gpu_reference_math;
+    ASSIGN_OR_RETURN(device_backend, CreateBackend(weights, bc));
+  }
   EngineConfig c = config;
   if (c.max_model_len == 0 || c.max_model_len > mc.max_position_embeddings) {
     c.max_model_len = static_cast<int32_t>(
         std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
   }
   return std::unique_ptr<Engine>(
-      new Engine(std::move(weights), c, std::move(pool), std::move(events)));
+      new Engine(std::move(weights), c, std::move(pool),
+                 std::move(device_backend), std::move(events)));
 }
 
 Engine::Engine(std::shared_ptr<const ModelWeights> weights,
                const EngineConfig& config, std::unique_ptr<KvPool> pool,
-               KvEventSink events)
+               std::unique_ptr<Backend> device_backend, KvEventSink events)
     : config_(config),
       pool_(std::move(pool)),
-      blocks_(pool_->num_blocks(), std::move(events)),
+      device_backend_(std::move(device_backend)),
+      blocks_(pool_ ? pool_->num_blocks() : device_backend_->num_blocks(),
+              std::move(events)),
       model_(weights, config.matmul) {
   // The cache identity covers the weights, block size and KV dtype: blocks
   // made under any other of these must never be shared.
@@ -108,11 +123,11 @@ absl::Status Engine::Validate(const EngineRequest& request) const {
                      request.sampling.max_tokens, ") exceeds max_model_len ",
                      config_.max_model_len));
   }
-  if (BlocksFor(total) > pool_->num_blocks()) {
+  if (BlocksFor(total) > blocks_.num_blocks()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("request needs ", BlocksFor(total),
-                     " KV blocks but the whole cache has ", pool_->num_blocks(),
-                     "; it can never be scheduled"));
+                     " KV blocks but the whole cache has ",
+                     blocks_.num_blocks(), "; it can never be scheduled"));
   }
   if (seqs_.count(request.id)) {
     return absl::AlreadyExistsError(
@@ -294,8 +309,13 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     };
   }
   logits_.clear();
-  RETURN_IF_ERROR(
-      model_.Forward(inputs, pool_.get(), &logits_, on_layer_written));
+  if (device_backend_ != nullptr) {
+    // Layer-wise streaming hooks are CPU-only: GPU KV moves over NCCL.
+    RETURN_IF_ERROR(device_backend_->Forward(inputs, &logits_));
+  } else {
+    RETURN_IF_ERROR(
+        model_.Forward(inputs, pool_.get(), &logits_, on_layer_written));
+  }
 
   const ModelConfig& mc = model_.config();
   int64_t logit_row = 0;

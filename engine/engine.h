@@ -22,6 +22,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "engine/backend.h"
 #include "engine/block_manager.h"
 #include "engine/kv_cache.h"
 #include "engine/llama_model.h"
@@ -40,6 +41,11 @@ struct EngineConfig {
   int32_t max_model_len = 0;  // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
   kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;
+  // kCuda runs the forward pass on the GPU (engine/cuda_backend.h) with a KV
+  // pool sized from gpu_memory_utilization instead of kv_cache_bytes.
+  Device device = Device::kCpu;
+  double gpu_memory_utilization = 0.9;
+  bool gpu_reference_math = false;  // see BackendConfig (equivalence checks)
 
   absl::Status Validate() const;
 };
@@ -145,7 +151,9 @@ class Engine {
 
   EngineStats Stats() const;
   const EngineConfig& config() const { return config_; }
-  const KvCacheSpec& kv_spec() const { return pool_->spec(); }
+  const KvCacheSpec& kv_spec() const {
+    return device_backend_ ? device_backend_->kv_spec() : pool_->spec();
+  }
   int32_t max_model_len() const { return config_.max_model_len; }
   const LlamaModel& model() const { return model_; }
   // Identity of this engine's cached blocks: weights, block size, KV dtype.
@@ -153,6 +161,9 @@ class Engine {
   BlockManager& block_manager() { return blocks_; }
   // The KV storage, for transfer code running on (or synchronised with) the
   // engine thread.
+  // CPU only: with --device cuda the KV lives on the GPU (has_host_pool()
+  // is false) and host-side KV transfer is not available.
+  bool has_host_pool() const { return pool_ != nullptr; }
   KvPool& pool() { return *pool_; }
 
  private:
@@ -173,7 +184,7 @@ class Engine {
 
   Engine(std::shared_ptr<const ModelWeights> weights,
          const EngineConfig& config, std::unique_ptr<KvPool> pool,
-         KvEventSink events);
+         std::unique_ptr<Backend> device_backend, KvEventSink events);
   int64_t BlocksFor(int64_t tokens) const;
   bool TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens);
   void Preempt(Sequence* seq);
@@ -181,7 +192,10 @@ class Engine {
   void CommitFullBlocks(Sequence* seq);
 
   EngineConfig config_;
-  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<KvPool> pool_;  // CPU; null with a device backend
+  // The GPU backend (--device cuda), or null: the CPU path runs model_ over
+  // pool_ directly, exactly as before backends existed.
+  std::unique_ptr<Backend> device_backend_;
   BlockManager blocks_;
   LlamaModel model_;
   ModelFingerprint fingerprint_;

@@ -673,6 +673,10 @@ absl::Status InvokePagedDecodeAttention(
         "decode attention: negative query count or context length");
   }
   if (num_queries == 0) return absl::OkStatus();
+  if (num_queries > 65535) {  // grid y
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode attention: ", num_queries, " queries in one call (max 65535)"));
+  }
   const int32_t parts = NumPartitions(max_context_len);
   const int64_t need = PagedDecodeAttentionWorkspaceBytes(
       num_queries, num_heads, cache.head_dim, max_context_len);
@@ -740,6 +744,10 @@ absl::Status InvokePagedPrefillAttention(
         "prefill attention: negative sequence or query count");
   }
   if (num_seqs == 0 || max_num_q == 0) return absl::OkStatus();
+  if (num_seqs > 65535) {  // grid z
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill attention: ", num_seqs, " sequences in one call (max 65535)"));
+  }
   const PrefillArgs a{
       q,         cache,     seqs,  num_seqs, block_tables, max_blocks_per_seq,
       num_heads, max_num_q, scale, out};

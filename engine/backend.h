@@ -1,0 +1,79 @@
+// Where a worker's forward pass runs: the Backend interface (STYLE.md names
+// it as one of pdserve's real interfaces) with a CPU implementation
+// (LlamaModel over a host KvPool) and a CUDA one (engine/cuda_backend.h:
+// cuBLAS GEMMs and kernels/cuda/ over a paged pool in GPU memory).
+//
+// A backend owns the KV storage of one worker and runs LlamaModel::Forward's
+// contract over it: append K/V of each sequence's new tokens into its blocks,
+// attend causally over its block table, and append fp32 logits rows to the
+// host vector (one per kLast sequence, one per token for kAll). Block ids are
+// the BlockManager's; the backend never allocates blocks itself.
+//
+// Not thread-safe: one engine thread owns a backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/kv_cache.h"
+#include "engine/llama_model.h"
+#include "engine/weights.h"
+#include "kernels/cpu/matmul.h"
+
+namespace pdserve::engine {
+
+enum class Device { kCpu, kCuda };
+std::optional<Device> ParseDevice(std::string_view s);  // "cpu" | "cuda"
+const char* DeviceName(Device d);
+
+struct BackendConfig {
+  Device device = Device::kCpu;
+  KvCacheSpec kv;  // geometry from the model; block size and dtype from flags
+  // CPU: the KV pool's memory budget.
+  int64_t kv_cache_bytes = int64_t{256} << 20;
+  kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;
+  // CUDA: fraction of the GPU's total memory this worker may use (weights,
+  // activations and the KV pool, which takes what the others leave).
+  double gpu_memory_utilization = 0.9;
+  // CUDA: GEMMs in fp32 (no TF32) instead of bf16, and prefill attention
+  // through the fp32 decode kernel (one row per query) instead of the
+  // tensor-core kernel. Together they make the GPU follow the CPU reference
+  // to float rounding; slower, for equivalence checks.
+  bool gpu_reference_math = false;
+  // CUDA: activation buffers are sized for this many tokens per step.
+  int32_t max_num_batched_tokens = 512;
+
+  absl::Status Validate() const;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual const KvCacheSpec& kv_spec() const = 0;
+  virtual int64_t num_blocks() const = 0;
+  virtual absl::Status Forward(std::span<const LlamaModel::SeqInput> seqs,
+                               std::vector<float>* logits) = 0;
+  // The host-addressable pool (CPU), for KV transfer; nullptr when the KV
+  // lives in device memory.
+  virtual KvPool* host_pool() = 0;
+};
+
+// The CPU backend, or the CUDA one where pdserve was built with CUDA and a
+// CUDA backend factory is registered (RegisterCudaBackend in
+// engine/cuda_backend.h); FAILED_PRECONDITION otherwise.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    std::shared_ptr<const ModelWeights> weights, const BackendConfig& config);
+
+using BackendFactory = absl::StatusOr<std::unique_ptr<Backend>> (*)(
+    std::shared_ptr<const ModelWeights> weights, const BackendConfig& config);
+// Installs the factory CreateBackend uses for `device` (not kCpu). Call at
+// start-up, before any CreateBackend.
+void SetBackendFactory(Device device, BackendFactory factory);
+
+}  // namespace pdserve::engine
