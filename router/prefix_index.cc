@@ -147,6 +147,20 @@ PrefixIndex::MemoryUsage PrefixIndex::Memory() const {
   return m;
 }
 
+PrefixIndex::WorkerSummary PrefixIndex::Summary(WorkerIndex worker) const {
+  absl::ReaderMutexLock l(&mu_);
+  WorkerSummary s;
+  for (const auto& [hash, holders] : index_) {
+    for (const Holder& h : holders) {
+      if (h.worker != worker || h.expires != absl::InfiniteFuture()) continue;
+      ++s.blocks;
+      s.digest.hi ^= hash.hi;
+      s.digest.lo ^= hash.lo;
+    }
+  }
+  return s;
+}
+
 size_t PrefixIndex::num_hashes() const {
   absl::MutexLock l(&mu_);
   return index_.size();

@@ -49,6 +49,14 @@ class PrefixIndex {
       ABSL_LOCKS_EXCLUDED(mu_);
   size_t num_hashes() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // What the index holds for one worker, to compare with the worker's own
+  // cache: confirmed (non-speculative) hashes and the XOR of them. O(hashes).
+  struct WorkerSummary {
+    size_t blocks = 0;
+    engine::BlockHash digest;
+  };
+  WorkerSummary Summary(WorkerIndex worker) const ABSL_LOCKS_EXCLUDED(mu_);
+
   struct MemoryUsage {
     size_t hashes = 0;   // distinct block hashes
     size_t holders = 0;  // (hash, worker) entries

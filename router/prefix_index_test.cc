@@ -100,5 +100,22 @@ TEST(PrefixIndexTest, MemoryCountsHashesAndHolders) {
   EXPECT_GE(m.bytes, 10 * (sizeof(engine::BlockHash) + 1));
 }
 
+TEST(PrefixIndexTest, SummaryCountsConfirmedBlocksOfOneWorker) {
+  PrefixIndex index;
+  const engine::BlockHash a{1, 2}, b{4, 8}, c{16, 32};
+  const std::vector<engine::BlockHash> ab = {a, b}, bc = {b, c};
+  index.Stored(0, ab);
+  index.Stored(1, bc);
+  index.Speculate(0, bc, absl::Seconds(60));  // c is not confirmed for 0
+  const PrefixIndex::WorkerSummary s0 = index.Summary(0);
+  EXPECT_EQ(s0.blocks, 2u);
+  EXPECT_EQ(s0.digest, (engine::BlockHash{1 ^ 4, 2 ^ 8}));
+  const std::vector<engine::BlockHash> just_a = {a};
+  index.Removed(0, just_a);
+  EXPECT_EQ(index.Summary(0).blocks, 1u);
+  EXPECT_EQ(index.Summary(1).digest, (engine::BlockHash{4 ^ 16, 8 ^ 32}));
+  EXPECT_EQ(index.Summary(7).blocks, 0u);
+}
+
 }  // namespace
 }  // namespace pdserve::router

@@ -124,6 +124,9 @@ struct RouterServer::Impl final : public v1::Router::Service,
       info->set_num_waiting(w.status.num_waiting());
       info->set_free_blocks(w.status.free_blocks());
       info->set_total_blocks(w.status.total_blocks());
+      const PrefixIndex::WorkerSummary indexed = index.Summary(w.index);
+      info->set_indexed_blocks(static_cast<uint32_t>(indexed.blocks));
+      info->set_indexed_digest(indexed.digest.Hex());
     }
     return grpc::Status::OK;
   }
