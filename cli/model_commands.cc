@@ -16,7 +16,9 @@
 #include "engine/weights.h"
 #include "kernels/cpu/matmul.h"
 
-ABSL_FLAG(std::string, preset, "small", "model preset: tiny or small");
+ABSL_FLAG(std::string, preset, "small",
+          "model preset: tiny, small, or a family shape (llama2, llama3, "
+          "llama3.1, mistral, qwen2, qwen3)");
 ABSL_FLAG(std::string, out, "", "output directory");
 ABSL_FLAG(uint64_t, seed, 0,
           "random seed (weights for model init; sampling for generate)");

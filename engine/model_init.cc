@@ -70,9 +70,80 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.num_kv_heads = 2;
     c.head_dim = 64;
     c.max_position_embeddings = 4096;
+  } else if (preset == "llama2") {
+    // Llama 2 7B's shape, scaled down: multi-head attention (no GQA),
+    // rope_theta 1e4, untied embeddings.
+    c.hidden_size = 64;
+    c.intermediate_size = 172;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 4;
+    c.head_dim = 16;
+    c.max_position_embeddings = 4096;
+    c.rms_norm_eps = 1e-5;
+  } else if (preset == "llama3" || preset == "llama3.1") {
+    // Llama 3 8B's shape, scaled down: GQA 4:1, rope_theta 5e5; 3.1 adds the
+    // "llama3" RoPE frequency scaling (factor 8, original context 8192 scaled
+    // down to 256 so that every frequency band is exercised).
+    c.architecture = "LlamaForCausalLM";
+    c.hidden_size = 64;
+    c.intermediate_size = 224;
+    c.num_layers = 2;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.max_position_embeddings = 2048;
+    c.rope_theta = 500000.0;
+    if (preset == "llama3.1") {
+      c.rope_scaling.factor = 8.0;
+      c.rope_scaling.low_freq_factor = 1.0;
+      c.rope_scaling.high_freq_factor = 4.0;
+      c.rope_scaling.original_max_position_embeddings = 256;
+    }
+  } else if (preset == "mistral") {
+    // Mistral 7B's shape, scaled down: GQA 4:1, rope_theta 1e6.
+    c.architecture = "MistralForCausalLM";
+    c.hidden_size = 64;
+    c.intermediate_size = 224;
+    c.num_layers = 2;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.max_position_embeddings = 4096;
+    c.rope_theta = 1000000.0;
+  } else if (preset == "qwen2") {
+    // Qwen2.5 0.5B's shape, scaled down: q/k/v bias, GQA 7:1 → 4:1 here,
+    // rms eps 1e-6, tied embeddings.
+    c.architecture = "Qwen2ForCausalLM";
+    c.attention_bias = true;
+    c.tie_word_embeddings = true;
+    c.hidden_size = 64;
+    c.intermediate_size = 192;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 1;
+    c.head_dim = 16;
+    c.max_position_embeddings = 4096;
+    c.rope_theta = 1000000.0;
+    c.rms_norm_eps = 1e-6;
+  } else if (preset == "qwen3") {
+    // Qwen3 0.6B's shape, scaled down: RMSNorm on each q/k head, head_dim
+    // larger than hidden / heads, no bias, tied embeddings.
+    c.architecture = "Qwen3ForCausalLM";
+    c.qk_norm = true;
+    c.tie_word_embeddings = true;
+    c.hidden_size = 64;
+    c.intermediate_size = 192;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 32;
+    c.max_position_embeddings = 4096;
+    c.rope_theta = 1000000.0;
+    c.rms_norm_eps = 1e-6;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown preset \"", preset, "\" (choose tiny or small)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown preset \"", preset, "\" (choose one of: ", kPresetNames, ")"));
   }
   return c;
 }
@@ -108,6 +179,15 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
     add(p + "self_attn.q_proj.weight", {c.num_heads * hd, h}, in_h, 0.0f);
     add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
     add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
+    if (c.attention_bias) {
+      add(p + "self_attn.q_proj.bias", {c.num_heads * hd}, 0.1f, 0.0f);
+      add(p + "self_attn.k_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
+      add(p + "self_attn.v_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
+    }
+    if (c.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {hd}, 0.1f, 1.0f);
+      add(p + "self_attn.k_norm.weight", {hd}, 0.1f, 1.0f);
+    }
     add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
         1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
     add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
@@ -117,7 +197,8 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
         1.0f / std::sqrt(static_cast<float>(c.intermediate_size)), 0.0f);
   }
   add("model.norm.weight", {h}, 0.1f, 1.0f);
-  add("lm_head.weight", {c.vocab_size, h}, 2.0f * in_h, 0.0f);
+  if (!c.tie_word_embeddings)
+    add("lm_head.weight", {c.vocab_size, h}, 2.0f * in_h, 0.0f);
   for (size_t i = 0; i < tensors.size(); ++i)
     tensors[i].values = storage[i].data();
 

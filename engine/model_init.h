@@ -11,8 +11,15 @@
 
 namespace pdserve::engine {
 
-// "tiny" (tests: 2 layers, hidden 64) or "small" (demo: 8 layers, hidden 512,
-// 8 query heads, 2 KV heads, head_dim 64, intermediate 1408). Byte vocabulary.
+// Presets, all with the byte vocabulary:
+//  - "tiny" (tests: 2 layers, hidden 64) and "small" (demo: 8 layers, hidden
+//    512, 8 query heads, 2 KV heads, head_dim 64, intermediate 1408);
+//  - one per supported family, in that family's config shape at tiny size:
+//    "llama2" (MHA), "llama3" (GQA, rope_theta 5e5), "llama3.1" (plus llama3
+//    RoPE scaling), "mistral", "qwen2" (q/k/v bias, tied embeddings), "qwen3"
+//    (q/k RMSNorm, tied embeddings).
+inline constexpr const char* kPresetNames =
+    "tiny, small, llama2, llama3, llama3.1, mistral, qwen2, qwen3";
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset);
 
 struct ModelInitOptions {
