@@ -5,6 +5,9 @@
 #include <unicode/casemap.h>
 #include <unicode/normalizer2.h>
 #include <unicode/uchar.h>
+#include <unicode/uregex.h>
+#include <unicode/utext.h>
+#include <unicode/utf8.h>
 
 #include <algorithm>
 #include <array>
@@ -96,9 +99,33 @@ bool IsValidUtf8(std::string_view s) {
   return out == s;
 }
 
+// True when `s` holds a code point that ICU's Unicode tables assign but
+// PCRE2's do not: Debian 12's PCRE2 10.42 is at Unicode 14 and its ICU 72 at
+// Unicode 15, whose new emoji, letters and digits PCRE2 would class as
+// unassigned (\p{Cn}) and split differently from the reference tokenizers.
+bool HasCodePointNewerThanPcre2(std::string_view s) {
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  const int32_t n = static_cast<int32_t>(s.size());
+  for (int32_t i = 0; i < n;) {
+    if (p[i] < 0x80) {
+      ++i;
+      continue;
+    }
+    UChar32 c;
+    U8_NEXT(p, i, n, c);
+    if (c < 0) continue;
+    UVersionInfo age;
+    u_charAge(c, age);
+    if (age[0] >= 15) return true;
+  }
+  return false;
+}
+
 // A compiled PCRE2 pattern with Unicode properties (\p{L}, \s, ... as in the
-// Oniguruma patterns of tokenizer.json). Immutable; matching takes a
-// per-call MatchState.
+// Oniguruma patterns of tokenizer.json). Text holding characters newer than
+// PCRE2's Unicode version is matched with ICU's regex engine instead (same
+// pattern, newer tables); that is rare, so the JIT-compiled PCRE2 stays the
+// fast path. Immutable; matching takes a per-call MatchState.
 class Regex {
  public:
   static absl::StatusOr<std::unique_ptr<Regex>> Compile(
@@ -119,9 +146,29 @@ class Regex {
     }
     auto re = std::unique_ptr<Regex>(new Regex(code));
     re->jit_ = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
+    if (!literal) {
+      UErrorCode status = U_ZERO_ERROR;
+      UParseError parse_error;
+      // Kept alive with the Regex, in case ICU refers to the pattern text.
+      re->icu_pattern_ = pattern;
+      UText* text = utext_openUTF8(
+          nullptr, re->icu_pattern_.data(),
+          static_cast<int64_t>(re->icu_pattern_.size()), &status);
+      re->icu_ = uregex_openUText(text, 0, &parse_error, &status);
+      utext_close(text);
+      if (U_FAILURE(status)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": cannot compile regex \"", pattern,
+                         "\" with ICU at offset ", parse_error.offset, ": ",
+                         u_errorName(status)));
+      }
+    }
     return re;
   }
-  ~Regex() { pcre2_code_free(code_); }
+  ~Regex() {
+    pcre2_code_free(code_);
+    if (icu_ != nullptr) uregex_close(icu_);
+  }
 
   struct MatchState {
     MatchState() {
@@ -145,6 +192,10 @@ class Regex {
   // Calls fn(begin, end) for each non-empty match in `s`, left to right.
   template <typename Fn>
   void ForEachMatch(std::string_view s, MatchState* state, Fn fn) const {
+    if (icu_ != nullptr && HasCodePointNewerThanPcre2(s)) {
+      IcuForEachMatch(s, fn);
+      return;
+    }
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
     size_t offset = 0;
     while (offset <= s.size()) {
@@ -183,8 +234,31 @@ class Regex {
 
  private:
   explicit Regex(pcre2_code* code) : code_(code) {}
+
+  template <typename Fn>
+  void IcuForEachMatch(std::string_view s, Fn fn) const {
+    // A URegularExpression holds match state: clone the compiled pattern
+    // for this call (cheap next to the rare texts that come here).
+    UErrorCode status = U_ZERO_ERROR;
+    URegularExpression* re = uregex_clone(icu_, &status);
+    UText* text = utext_openUTF8(nullptr, s.data(),
+                                 static_cast<int64_t>(s.size()), &status);
+    uregex_setUText(re, text, &status);
+    // On a UTF-8 UText, native indices are byte offsets into `s`.
+    while (U_SUCCESS(status) && uregex_findNext(re, &status)) {
+      const int64_t begin = uregex_start64(re, 0, &status);
+      const int64_t end = uregex_end64(re, 0, &status);
+      if (U_SUCCESS(status) && end > begin)
+        fn(static_cast<size_t>(begin), static_cast<size_t>(end));
+    }
+    uregex_close(re);
+    utext_close(text);
+  }
+
   pcre2_code* code_;
   bool jit_ = false;
+  std::string icu_pattern_;
+  URegularExpression* icu_ = nullptr;  // null for literal patterns
 };
 
 // What a Split pre-tokenizer does with the pattern's matches.

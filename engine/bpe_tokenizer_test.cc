@@ -49,9 +49,18 @@ std::string ByteLevelJson() {
   for (int b = 0; b < 256; ++b)
     vocab.push_back(json::Quote(ByteChar(b)) + ": " + std::to_string(b));
   const std::vector<std::pair<std::string, std::string>> merges = {
-      {"t", "'"},           {"'", "s"},   {"h", "e"},
-      {"l", "l"},           {"he", "ll"}, {"hell", "o"},
-      {ByteChar(' '), "w"}, {"o", "r"},   {ByteChar(' ') + "w", "or"}};
+      {"t", "'"},
+      {"'", "s"},
+      {"h", "e"},
+      {"l", "l"},
+      {"he", "ll"},
+      {"hell", "o"},
+      {ByteChar(' '), "w"},
+      {"o", "r"},
+      {ByteChar(' ') + "w", "or"},
+      // Joins two 4-byte characters ending/starting in B3 / F0 when a piece
+      // holds both (UnicodeFifteenCharactersAreClassifiedByIcu).
+      {ByteChar(0xB3), ByteChar(0xF0)}};
   std::vector<std::string> merge_json;
   int id = 256;
   for (const auto& [a, b] : merges) {
@@ -170,6 +179,23 @@ TEST_F(BpeTokenizerTest, PreTokenizerRegexKeepsMergesInsidePieces) {
   // Case-insensitive contraction, digits in groups of three.
   EXPECT_THAT(t->Encode("IT'S 1234", false),
               ElementsAre('I', 'T', '\'', 'S', ' ', '1', '2', '3', '4'));
+}
+
+TEST_F(BpeTokenizerTest, UnicodeFifteenCharactersAreClassifiedByIcu) {
+  auto t = Make(ByteLevelJson());
+  ASSERT_NE(t, nullptr);
+  const int32_t kJoin = 265;  // the B3 + F0 merge
+  // Control: U+1F3B3 U+1F600 (symbols since Unicode 6) form one piece, so
+  // the merge joins them.
+  EXPECT_THAT(t->Encode("\U0001F3B3\U0001F600", false),
+              ::testing::Contains(kJoin));
+  // Nag Mundari digits U+1E4F1..U+1E4F4 are Nd since Unicode 15. PCRE2 10.42
+  // (Unicode 14) sees unassigned code points and would make one piece of
+  // the four (and merge across U+1E4F3 | U+1E4F4); as digits they split in
+  // groups of three, as in the reference tokenizers, and nothing merges.
+  const std::string digits = "\U0001E4F1\U0001E4F2\U0001E4F3\U0001E4F4";
+  EXPECT_EQ(t->Encode(digits, false), Bytes(digits));
+  EXPECT_EQ(t->Decode(t->Encode(digits, false), true), digits);
 }
 
 TEST_F(BpeTokenizerTest, AddedTokensMatchBeforeNormalizationLongestFirst) {
