@@ -317,11 +317,17 @@ class Simulation {
     const Prepared& prep = P(r);
     const std::vector<int32_t> tokens =
         SynthesizePrompt(*prep.trace, c_.seed, kVocabSize);
-    router::RouteRequest route{Input(r), "", &tokens, {}};
+    router::PromptHashes hashes(&tokens, "");
+    router::RouteRequest route{Input(r), "", &tokens, {}, &hashes};
+    const double hash0 = ThreadCpuMicros();
+    if (!oracle_) hashes.For(fingerprint_, bs_);  // as the service, at intake
     const auto wall0 = std::chrono::steady_clock::now();
     const double cpu0 = ThreadCpuMicros();
     absl::StatusOr<router::RouteDecision> d = policy_->Choose(route, views_);
-    decision_us_.push_back(ThreadCpuMicros() - cpu0);
+    const double cpu1 = ThreadCpuMicros();
+    decision_us_.push_back(cpu1 - cpu0);
+    hash_us_.push_back(cpu0 - hash0);
+    route_us_.push_back(cpu1 - hash0);
     decision_wall_us_.push_back(std::chrono::duration<double, std::micro>(
                                     std::chrono::steady_clock::now() - wall0)
                                     .count());
@@ -334,8 +340,8 @@ class Simulation {
     views_[q.prefill >= 0 ? q.prefill : q.decode].routed_prefill_tokens +=
         q.routed_uncached;
     views_[q.decode].routed_requests += 1;
-    // As the service does right after routing (Policy::HashesFor gives
-    // exactly prep.hashes: same fingerprint, salt and block size).
+    // As the service does right after routing (`hashes` holds exactly
+    // prep.hashes: same fingerprint, salt and block size).
     if (q.prefill >= 0 && !oracle_)
       index_.Speculate(q.prefill, prep.hashes, kSpeculativeTtl);
     index_.Speculate(q.decode, prep.hashes, kSpeculativeTtl);
@@ -592,11 +598,16 @@ class Simulation {
     run.tpot_p99_ms = Percentile(tpot_ms_, 0.99);
     if (oracle_) {
       run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us =
-          std::numeric_limits<double>::quiet_NaN();
+          run.hash_p50_us = run.hash_p99_us = run.route_p50_us =
+              run.route_p99_us = std::numeric_limits<double>::quiet_NaN();
     } else {
       run.decision_p50_us = Percentile(decision_us_, 0.5);
       run.decision_p99_us = Percentile(decision_us_, 0.99);
       run.decision_wall_p99_us = Percentile(decision_wall_us_, 0.99);
+      run.hash_p50_us = Percentile(hash_us_, 0.5);
+      run.hash_p99_us = Percentile(hash_us_, 0.99);
+      run.route_p50_us = Percentile(route_us_, 0.5);
+      run.route_p99_us = Percentile(route_us_, 0.99);
       const router::PrefixIndex::MemoryUsage m = index_.Memory();
       run.index_hashes = static_cast<int64_t>(m.hashes);
       run.index_entries = static_cast<int64_t>(m.holders);
@@ -640,7 +651,7 @@ class Simulation {
   int64_t input_tokens_ = 0, hit_tokens_ = 0;
   int64_t events_lost_ = 0, resyncs_ = 0;
   std::vector<double> ttft_ms_, prefill_queue_ms_, decode_admit_ms_, tpot_ms_,
-      decision_us_, decision_wall_us_;
+      decision_us_, decision_wall_us_, hash_us_, route_us_;
 };
 
 std::string JsonNumber(double v) { return json::Number(v); }
@@ -828,6 +839,10 @@ std::string SimReport::ToJson() const {
         ", \"decision_p50_us\": ", JsonNumber(r.decision_p50_us),
         ", \"decision_p99_us\": ", JsonNumber(r.decision_p99_us),
         ", \"decision_wall_p99_us\": ", JsonNumber(r.decision_wall_p99_us),
+        ", \"hash_p50_us\": ", JsonNumber(r.hash_p50_us),
+        ", \"hash_p99_us\": ", JsonNumber(r.hash_p99_us),
+        ", \"route_p50_us\": ", JsonNumber(r.route_p50_us),
+        ", \"route_p99_us\": ", JsonNumber(r.route_p99_us),
         ", \"index_hashes\": ", r.index_hashes,
         ", \"index_entries\": ", r.index_entries,
         ", \"index_bytes\": ", r.index_bytes,
@@ -845,24 +860,27 @@ std::string SimReport::ToTable() const {
                          : absl::StrFormat("%.*f", digits, v);
   };
   std::string out = absl::StrFormat(
-      "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s\n", "policy",
-      "P", "D", "hit", "/oracle", "imbal", "ttft_p50", "ttft_p99", "queue_p50",
-      "queue_p99", "tpot_p50", "dec_p50", "dec_p99", "B/block");
+      "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s\n",
+      "policy", "P", "D", "hit", "/oracle", "imbal", "ttft_p50", "ttft_p99",
+      "queue_p50", "queue_p99", "tpot_p50", "dec_p50", "dec_p99", "hash_p99",
+      "B/block");
   absl::StrAppend(
       &out,
       absl::StrFormat(
-          "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s\n", "", "",
-          "", "", "", "", "ms", "ms", "ms", "ms", "ms", "us", "us", ""));
+          "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s\n", "",
+          "", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "us", "us", "us",
+          ""));
   for (const SimRun& r : runs) {
     absl::StrAppend(
         &out,
         absl::StrFormat(
-            "%-16s %5d %4d %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s\n",
+            "%-16s %5d %4d %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s\n",
             r.policy, r.prefill_workers, r.decode_workers, num(r.hit_ratio, 3),
             num(HitVsOracle(r), 3), num(r.imbalance, 2), num(r.ttft_p50_ms, 0),
             num(r.ttft_p99_ms, 0), num(r.prefill_queue_p50_ms, 0),
             num(r.prefill_queue_p99_ms, 0), num(r.tpot_p50_ms, 1),
             num(r.decision_p50_us, 1), num(r.decision_p99_us, 1),
+            num(r.hash_p99_us, 1),
             r.policy == kOracle ? std::string("-")
                                 : num(r.index_bytes_per_block, 0)));
   }

@@ -117,10 +117,17 @@ struct SimRun {
   double decode_admit_p50_ms = 0,
          decode_admit_p99_ms = 0;  // waiting for decode KV
   double tpot_p50_ms = 0, tpot_p99_ms = 0;
-  // Policy::Choose (hashing the prompt included): thread CPU time, p50 and
-  // p99, and wall-clock p99 (which adds the host's preemptions). NaN for the
-  // oracle, which is not a router.
+  // The router's work per request, on the real code, as thread CPU time
+  // (p50, p99) plus wall-clock p99 (which adds the host's preemptions). NaN
+  // for the oracle, which is not a router.
+  //  - decision: Policy::Choose given the prompt's block hashes (index
+  //    query, scoring);
+  //  - hash: hashing the prompt's blocks at intake (PromptHashes, as the
+  //    service does once per request for the decision and speculation);
+  //  - route: the two together, per request.
   double decision_p50_us = 0, decision_p99_us = 0, decision_wall_p99_us = 0;
+  double hash_p50_us = 0, hash_p99_us = 0;
+  double route_p50_us = 0, route_p99_us = 0;
   // The router's index at the end of the run.
   int64_t index_hashes = 0, index_entries = 0, index_bytes = 0;
   double index_bytes_per_block = 0;  // per (block hash, worker) entry

@@ -151,6 +151,7 @@ TEST(RouterSimTest, HandBuiltFamiliesHitAsComputedByHand) {
   EXPECT_NEAR(aware.ttft_p50_ms, 5 + 512 * 0.1, 1e-9);
   EXPECT_NEAR(rr.ttft_p99_ms, 5 + 1024 * 0.1, 1e-9);
   EXPECT_GT(aware.decision_p99_us, 0);
+  EXPECT_GE(aware.route_p99_us, aware.decision_p99_us);
   EXPECT_TRUE(std::isnan(RunOf(*r, "oracle", 2).decision_p50_us));
   EXPECT_GT(aware.index_bytes_per_block, 0);
 }
@@ -238,6 +239,8 @@ TEST(RouterSimTest, SameSeedGivesIdenticalReport) {
   auto strip = [](SimReport r) {
     for (SimRun& run : r.runs) {  // measured, not simulated
       run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us = 0;
+      run.hash_p50_us = run.hash_p99_us = run.route_p50_us = run.route_p99_us =
+          0;
     }
     return r.ToJson();
   };

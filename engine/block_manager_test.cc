@@ -2,8 +2,10 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <numeric>
+#include <string>
 
 namespace pdserve::engine {
 namespace {
@@ -39,6 +41,37 @@ TEST_F(BlockManagerTest, HashesChainOverFullBlocksAndDependOnSaltAndModel) {
   std::vector<int32_t> toks2 = toks;
   toks2[0] = 99;
   EXPECT_NE(Hashes(toks2)[1], h[1]);
+}
+
+// The contract's byte layout, hashed independently of HashBlock's fast path:
+// XXH3-128 of parent.hi, parent.lo, fingerprint, salt, tokens.
+BlockHash ContractHash(const BlockHash& parent, const ModelFingerprint& fp,
+                       const std::string& salt,
+                       const std::vector<int32_t>& tokens) {
+  std::string bytes;
+  const uint64_t head[4] = {parent.hi, parent.lo, fp[0], fp[1]};
+  bytes.append(reinterpret_cast<const char*>(head), sizeof(head));
+  bytes.append(salt);
+  bytes.append(reinterpret_cast<const char*>(tokens.data()),
+               tokens.size() * sizeof(int32_t));
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return {h.high64, h.low64};
+}
+
+TEST_F(BlockManagerTest, HashFollowsTheContractLayoutForShortAndLongInputs) {
+  // Short inputs take a one-shot path, long ones (big salt or block) the
+  // streaming one; both must give the contract's hash.
+  const BlockHash parent{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+  for (int block_size : {1, 16, 64, 200}) {
+    for (size_t salt_len : {size_t{0}, size_t{7}, size_t{300}, size_t{2000}}) {
+      std::vector<int32_t> toks(block_size);
+      std::iota(toks.begin(), toks.end(), 1000);
+      const std::string salt(salt_len, 's');
+      EXPECT_EQ(HashBlock(parent, fp_, salt, toks.data(), block_size),
+                ContractHash(parent, fp_, salt, toks))
+          << "block_size " << block_size << ", salt " << salt_len;
+    }
+  }
 }
 
 TEST_F(BlockManagerTest, CachedBlocksSurviveReleaseAndAreFoundAgain) {

@@ -27,10 +27,10 @@ double DecodeLoad(const WorkerView& w) {
                              w.routed_requests);
 }
 
-// Cached leading tokens per worker for one request, from one batched index
-// walk per cache fingerprint (workers with another KV dtype or block size hash
-// differently). Blocks are hashed lazily, a chunk at a time, only as far as
-// some worker still matches: hashing a long prompt costs more than the walk.
+// Cached leading tokens per worker for one request, from one index query per
+// cache fingerprint (workers with another KV dtype or block size hash
+// differently). Blocks are hashed lazily, only as far as the query probes:
+// hashing a long prompt costs more than the query.
 class PrefixMatches {
  public:
   PrefixMatches(const RouteRequest& r, const PrefixIndex* index)
@@ -46,8 +46,6 @@ class PrefixMatches {
   }
 
  private:
-  static constexpr size_t kChunkBlocks = 32;
-
   const std::vector<int32_t>& CountsFor(const engine::ModelFingerprint& fp,
                                         int32_t bs) {
     // The fingerprint covers the block size, so it is a sufficient key.
@@ -57,14 +55,22 @@ class PrefixMatches {
     Group& g = groups_.emplace_back();
     g.fingerprint = fp;
     const std::span<const int32_t> tokens(*r_.tokens);
-    const size_t full = tokens.size() / bs;
-    for (size_t first = 0; first < full;) {
-      const size_t end = std::min(full, first + kChunkBlocks);
-      engine::ExtendBlockHashes(fp, r_.cache_salt, tokens.first(end * bs), bs,
-                                &g.hashes);
-      if (!index_->ExtendLeadingBlocks(g.hashes, first, &g.counts)) break;
-      first = end;
+    if (r_.hashes != nullptr) {
+      const std::vector<engine::BlockHash>& all = r_.hashes->For(fp, bs);
+      index_->LeadingBlocksOfPrompt(
+          all.size(), [&](size_t i) { return all[i]; }, &g.counts);
+      return g.counts;
     }
+    index_->LeadingBlocksOfPrompt(
+        tokens.size() / bs,
+        [&](size_t i) {
+          if (i >= g.hashes.size()) {
+            engine::ExtendBlockHashes(
+                fp, r_.cache_salt, tokens.first((i + 1) * bs), bs, &g.hashes);
+          }
+          return g.hashes[i];
+        },
+        &g.counts);
     return g.counts;
   }
 
@@ -366,14 +372,19 @@ class RoundRobinPolicy : public Policy {
 
 }  // namespace
 
-std::vector<engine::BlockHash> Policy::HashesFor(
-    const WorkerView& w, const std::string& salt,
-    const std::vector<int32_t>& tokens) {
-  std::vector<engine::BlockHash> hashes;
-  const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
-  if (bs > 0)
-    engine::ExtendBlockHashes(w.fingerprint, salt, tokens, bs, &hashes);
-  return hashes;
+const std::vector<engine::BlockHash>& PromptHashes::For(
+    const engine::ModelFingerprint& fingerprint, int32_t block_size) {
+  // The fingerprint covers the block size, so it is a sufficient key.
+  for (const Group& g : groups_) {
+    if (g.fingerprint == fingerprint) return g.hashes;
+  }
+  Group& g = groups_.emplace_back();
+  g.fingerprint = fingerprint;
+  if (block_size > 0 && tokens_ != nullptr) {
+    engine::ExtendBlockHashes(fingerprint, salt_, *tokens_, block_size,
+                              &g.hashes);
+  }
+  return g.hashes;
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> Policy::Create(const std::string& name,

@@ -9,17 +9,42 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "router/prefix_index.h"
 #include "router/worker_registry.h"
 
 namespace pdserve::router {
 
+// One request's block hashes per cache fingerprint (workers with another KV
+// dtype or block size hash differently), computed once at intake, like the
+// tokens, and shared by the routing decision and the speculative index
+// entries that follow it. Not thread-safe: one per request.
+class PromptHashes {
+ public:
+  PromptHashes(const std::vector<int32_t>* tokens, std::string cache_salt)
+      : tokens_(tokens), salt_(std::move(cache_salt)) {}
+  // The chain of the full blocks under this fingerprint and block size.
+  const std::vector<engine::BlockHash>& For(
+      const engine::ModelFingerprint& fingerprint, int32_t block_size);
+
+ private:
+  struct Group {
+    engine::ModelFingerprint fingerprint{};
+    std::vector<engine::BlockHash> hashes;
+  };
+  const std::vector<int32_t>* tokens_;
+  std::string salt_;
+  absl::InlinedVector<Group, 1> groups_;
+};
+
 struct RouteRequest {
   int64_t num_tokens = 0;
   std::string cache_salt;
   const std::vector<int32_t>* tokens = nullptr;
   std::vector<WorkerIndex> exclude;  // workers that failed this request
+  // The tokens' block hashes; when null, the policy hashes lazily itself.
+  PromptHashes* hashes = nullptr;
 };
 
 struct RouteDecision {
@@ -68,10 +93,6 @@ class Policy {
   static absl::StatusOr<std::unique_ptr<Policy>> Create(const std::string& name,
                                                         PolicyConfig config,
                                                         PrefixIndex* index);
-  // Block hashes of `tokens` for a worker (its fingerprint and block size).
-  static std::vector<engine::BlockHash> HashesFor(
-      const WorkerView& w, const std::string& salt,
-      const std::vector<int32_t>& tokens);
 };
 
 }  // namespace pdserve::router

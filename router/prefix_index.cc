@@ -99,37 +99,83 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
   return result;
 }
 
-bool PrefixIndex::ExtendLeadingBlocks(std::span<const engine::BlockHash> hashes,
-                                      size_t first,
-                                      std::vector<int32_t>* counts) const {
-  // Consecutive blocks' slots are scattered over a large table: prefetching
-  // a few blocks ahead overlaps their cache misses.
-  constexpr size_t kPrefetchAhead = 8;
+size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
+                                std::vector<WorkerIndex>* out) const {
+  if (out != nullptr) out->clear();
+  auto it = index_.find(h);
+  if (it == index_.end()) return 0;
+  size_t n = 0;
+  for (const Holder& x : it->second) {
+    if (x.expires <= now) continue;
+    ++n;
+    if (out != nullptr) out->push_back(x.worker);
+  }
+  return n;
+}
+
+void PrefixIndex::LeadingBlocksOfPrompt(
+    size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
+    std::vector<int32_t>* counts) const {
+  if (num_blocks == 0) return;
+  // A probe is a block position and how many live holders it has; a list
+  // of holders is fetched only where a count drops between neighbours.
+  struct Probe {
+    size_t pos;
+    size_t holders;
+  };
+  std::vector<WorkerIndex> here, next;
+  std::vector<uint8_t> in_next;  // by WorkerIndex
   const absl::Time now = absl::Now();
-  absl::MutexLock l(&mu_);
-  for (size_t b = first; b < std::min(hashes.size(), first + kPrefetchAhead);
-       ++b) {
-    index_.prefetch(hashes[b]);
-  }
-  for (size_t b = first; b < hashes.size(); ++b) {
-    if (b + kPrefetchAhead < hashes.size())
-      index_.prefetch(hashes[b + kPrefetchAhead]);
-    auto it = index_.find(hashes[b]);
-    if (it == index_.end()) return false;
-    bool any = false;
-    for (const Holder& x : it->second) {
-      if (x.expires <= now) continue;
-      if (static_cast<size_t>(x.worker) >= counts->size())
-        counts->resize(x.worker + 1, 0);
-      int32_t& c = (*counts)[x.worker];
-      if (c == static_cast<int32_t>(b)) {
-        c = static_cast<int32_t>(b + 1);
-        any = true;
-      }
+  absl::ReaderMutexLock l(&mu_);
+  // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
+  // there) hold exactly pos + 1 leading blocks.
+  auto credit = [&](size_t pos) {
+    LiveHolders(hash_at(pos), now, &here);
+    next.clear();
+    if (pos + 1 < num_blocks) LiveHolders(hash_at(pos + 1), now, &next);
+    for (WorkerIndex w : next) {
+      if (static_cast<size_t>(w) >= in_next.size()) in_next.resize(w + 1, 0);
+      in_next[w] = 1;
     }
-    if (!any) return false;
+    for (WorkerIndex w : here) {
+      if (static_cast<size_t>(w) < in_next.size() && in_next[w]) continue;
+      if (static_cast<size_t>(w) >= counts->size()) counts->resize(w + 1, 0);
+      (*counts)[w] = static_cast<int32_t>(pos + 1);
+    }
+    for (WorkerIndex w : next) in_next[w] = 0;
+  };
+  // Gallop: probes at 0, 1, 3, 7, ... until no worker holds the block (or
+  // the prompt ends), so hashing stops within twice the longest match.
+  std::vector<Probe> probes;
+  probes.push_back({0, LiveHolders(hash_at(0), now, nullptr)});
+  for (size_t step = 1; probes.back().holders > 0;) {
+    const size_t pos = std::min(num_blocks - 1, probes.back().pos + step);
+    if (pos == probes.back().pos) {  // the last block is held
+      credit(pos);
+      break;
+    }
+    step *= 2;
+    probes.push_back({pos, LiveHolders(hash_at(pos), now, nullptr)});
   }
-  return true;
+  // Bisect each gallop interval whose holder count drops. Prefix-closed
+  // sets: a later block's holders are a subset of an earlier one's, so equal
+  // counts mean nobody's match ends in between.
+  std::vector<std::pair<Probe, Probe>> work;
+  for (size_t i = 0; i + 1 < probes.size(); ++i)
+    work.emplace_back(probes[i], probes[i + 1]);
+  while (!work.empty()) {
+    const auto [lo, hi] = work.back();
+    work.pop_back();
+    if (lo.holders == hi.holders) continue;
+    if (hi.pos == lo.pos + 1) {
+      credit(lo.pos);
+      continue;
+    }
+    const size_t mid = lo.pos + (hi.pos - lo.pos) / 2;
+    const Probe m{mid, LiveHolders(hash_at(mid), now, nullptr)};
+    work.emplace_back(m, hi);
+    work.emplace_back(lo, m);
+  }
 }
 
 PrefixIndex::MemoryUsage PrefixIndex::Memory() const {

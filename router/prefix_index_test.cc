@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <random>
 #include <vector>
 
 namespace pdserve::router {
@@ -62,31 +64,85 @@ TEST(PrefixIndexTest, QueryOfThousandsOfBlocksTakesMicroseconds) {
   EXPECT_LT(us, 5000);  // generous bound for a shared 2-core CI machine
 }
 
-TEST(PrefixIndexTest, ExtendLeadingBlocksInChunksAgreesWithLeadingBlocks) {
-  PrefixIndex index;
-  auto h = Chain(100, 4);
-  index.Stored(0, std::span(h).first(70));
-  index.Stored(2, std::span(h).first(10));
-  index.Stored(2, std::span(h).subspan(11, 50));  // a hole at block 10
-  index.Speculate(5, std::span(h).first(90), absl::Hours(1));
-  index.Speculate(6, h, absl::Milliseconds(-1));  // already expired
-  std::vector<int32_t> counts;
-  size_t first = 0;
-  for (size_t end = 32;; end = std::min<size_t>(end + 32, h.size())) {
-    const bool more =
-        index.ExtendLeadingBlocks(std::span(h).first(end), first, &counts);
-    first = end;
-    if (!more || end == h.size()) break;
+TEST(PrefixIndexTest, PromptQueryAgreesWithTheExactWalkOnPrefixClosedSets) {
+  // Random prefix-closed sets (what workers' tail-first eviction keeps), some
+  // speculative and some expired: the bisecting query must equal the
+  // block-by-block walk for every worker.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    PrefixIndex index;
+    const int n = 1 + static_cast<int>(rng() % 300);
+    auto h = Chain(n, 10 + trial);
+    const int workers = 1 + static_cast<int>(rng() % 40);
+    std::vector<WorkerIndex> ids;
+    for (WorkerIndex w = 0; w < workers; ++w) {
+      ids.push_back(w);
+      const int len = static_cast<int>(rng() % (n + 1));
+      switch (rng() % 4) {
+        case 0:
+          index.Speculate(w, std::span(h).first(len), absl::Hours(1));
+          break;
+        case 1:
+          index.Speculate(w, std::span(h).first(len), absl::Milliseconds(-1));
+          break;
+        default:
+          index.Stored(w, std::span(h).first(len));
+      }
+    }
+    std::vector<int32_t> counts;
+    size_t hashed = 0;  // the query asks for hashes lazily
+    index.LeadingBlocksOfPrompt(
+        h.size(),
+        [&](size_t i) {
+          hashed = std::max(hashed, i + 1);
+          return h[i];
+        },
+        &counts);
+    counts.resize(workers, 0);
+    const std::vector<int32_t> exact = index.LeadingBlocks(h, ids);
+    ASSERT_EQ(counts, exact) << "trial " << trial;
+    const int32_t longest = *std::max_element(exact.begin(), exact.end());
+    EXPECT_LE(hashed, std::min<size_t>(n, 2 * longest + 1))
+        << "trial " << trial;
   }
-  counts.resize(8, 0);
-  const std::vector<WorkerIndex> workers = {0, 1, 2, 3, 4, 5, 6, 7};
-  EXPECT_EQ(counts, index.LeadingBlocks(h, workers));
-  EXPECT_EQ(counts, (std::vector<int32_t>{70, 0, 10, 0, 0, 90, 0, 0}));
-  // Nobody holds block 90, so the walk stops there; someone holds all of 40.
-  counts.clear();
-  EXPECT_FALSE(index.ExtendLeadingBlocks(h, 0, &counts));
-  counts.clear();
-  EXPECT_TRUE(index.ExtendLeadingBlocks(std::span(h).first(40), 0, &counts));
+}
+
+TEST(PrefixIndexTest, PromptQueryOfALongPromptAt256WorkersTakesMicroseconds) {
+  // Every worker holds a shared 32-block system prompt; one holds a 5,000
+  // block conversation, another half of it. The exact walk visits every
+  // block; the bisecting query a few dozen.
+  PrefixIndex index;
+  auto h = Chain(5000, 11);
+  for (WorkerIndex w = 0; w < 256; ++w) index.Stored(w, std::span(h).first(32));
+  index.Stored(7, h);
+  index.Stored(9, std::span(h).first(2500));
+  std::vector<int32_t> counts;
+  size_t probes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  constexpr int kReps = 50;
+  for (int i = 0; i < kReps; ++i) {
+    counts.clear();
+    index.LeadingBlocksOfPrompt(
+        h.size(),
+        [&](size_t b) {
+          ++probes;
+          return h[b];
+        },
+        &counts);
+  }
+  const double us = std::chrono::duration<double, std::micro>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count() /
+                    kReps;
+  ASSERT_EQ(counts.size(), 256u);
+  EXPECT_EQ(counts[7], 5000);
+  EXPECT_EQ(counts[9], 2500);
+  EXPECT_EQ(counts[0], 32);
+  EXPECT_EQ(counts[255], 32);
+  std::printf("prompt query, 5000 blocks x 256 workers: %.1f us, %zu probes\n",
+              us, probes / kReps);
+  EXPECT_LT(probes / kReps, 100u);
+  EXPECT_LT(us, 2000);  // generous bound for a shared 2-core CI machine
 }
 
 TEST(PrefixIndexTest, MemoryCountsHashesAndHolders) {

@@ -222,8 +222,10 @@ struct RouterServer::Impl final : public v1::Router::Service,
       // The sequence so far: prompt, plus tokens already streamed (migration).
       std::vector<int32_t> tokens = prompt;
       tokens.insert(tokens.end(), generated.begin(), generated.end());
+      // Hashed once here, for the decision and the speculative entries.
+      PromptHashes hashes(&tokens, req.cache_salt());
       RouteRequest route{static_cast<int64_t>(tokens.size()), req.cache_salt(),
-                         &tokens, exclude};
+                         &tokens, exclude, &hashes};
       auto decision = policy->Choose(route, workers);
       if (!decision.ok()) {
         if (attempts == 1 || exclude.empty()) return ToGrpc(decision.status());
@@ -253,14 +255,14 @@ struct RouterServer::Impl final : public v1::Router::Service,
           r->AddLoad(i, 0, -1);
         }
       } decode_done{registry.get(), dec->index, prefill_done};
+      auto hashes_for = [&](const WorkerView& w) {
+        return hashes.For(w.fingerprint,
+                          static_cast<int32_t>(w.status.layout().block_size()));
+      };
       if (pre) {
-        index.Speculate(pre->index,
-                        Policy::HashesFor(*pre, req.cache_salt(), tokens),
-                        config.speculative_ttl);
+        index.Speculate(pre->index, hashes_for(*pre), config.speculative_ttl);
       }
-      index.Speculate(dec->index,
-                      Policy::HashesFor(*dec, req.cache_salt(), tokens),
-                      config.speculative_ttl);
+      index.Speculate(dec->index, hashes_for(*dec), config.speculative_ttl);
 
       v1::WorkerGenerateRequest wreq;
       wreq.set_request_id(id);
