@@ -222,12 +222,20 @@ const std::vector<Command>& AllCommands() {
   static const std::vector<Command> commands = {
       {"model init",
        "write a deterministic random-weight model (Hugging Face layout)",
-       "model init --preset tiny|small --out DIR [--seed N] [--dtype "
+       "model init --preset NAME --out DIR [--seed N] [--dtype "
        "fp32|fp16|bf16]\n\n"
        "Writes config.json, model.safetensors and a byte-level tokenizer (256 "
        "byte\n"
        "tokens + BOS/EOS). The same preset and seed always give the same "
-       "files.\n",
+       "files.\n\n"
+       "Presets: tiny (tests), small (demo, the default), and one per "
+       "supported\n"
+       "family in that family's config shape at tiny size: llama2 (MHA), "
+       "llama3\n"
+       "(GQA, rope_theta 5e5), llama3.1 (+ llama3 RoPE scaling), mistral, "
+       "qwen2\n"
+       "(q/k/v bias, tied embeddings), qwen3 (q/k RMSNorm, tied "
+       "embeddings).\n",
        RunModelInit},
       {"model logits", "print the logits of a token sequence as JSON",
        "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads "
