@@ -186,7 +186,7 @@ class LoopbackReceiver {
                              &r->port_);
     builder.RegisterService(&r->service_);
     // As decode_service/worker_server.cc configures it.
-    builder.SetMaxReceiveMessageSize(64 << 20);
+    kv_transfer::ConfigureInternalServer(&builder);
     r->server_ = builder.BuildAndStart();
     if (!r->server_ || r->port_ == 0) {
       return absl::UnavailableError(

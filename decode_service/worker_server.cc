@@ -309,7 +309,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   int port = 0;
   builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port),
                            grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  kv_transfer::ConfigureInternalServer(&builder);
   builder.RegisterService(impl.get());
   builder.RegisterService(impl->kv_service.get());
   impl->server = builder.BuildAndStart();

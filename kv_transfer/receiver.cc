@@ -57,6 +57,18 @@ absl::Status KvReceiver::Begin(uint64_t reservation_id,
 absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
                                int32_t block_index, std::string_view data,
                                std::string_view scales) {
+  return Write(reservation_id, layer, block_index,
+               std::span<const std::string_view>(&data, 1),
+               std::span<const std::string_view>(&scales, 1));
+}
+
+absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
+                               int32_t block_index,
+                               std::span<const std::string_view> data_pieces,
+                               std::span<const std::string_view> scale_pieces) {
+  size_t data_size = 0, scale_size = 0;
+  for (std::string_view p : data_pieces) data_size += p.size();
+  for (std::string_view p : scale_pieces) scale_size += p.size();
   absl::MutexLock l(&mu_);
   auto it = pending_.find(reservation_id);
   if (it == pending_.end()) {
@@ -80,20 +92,27 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
   const engine::KvCacheSpec& spec = pool_->spec();
   const size_t want_scales =
       spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
-  if (data.size() != static_cast<size_t>(spec.LayerBlockBytes()) ||
-      scales.size() != want_scales) {
+  if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
+      scale_size != want_scales) {
     const std::string msg =
         absl::StrCat("chunk (layer ", layer, ", block ", block_index, ") has ",
-                     data.size(), "+", scales.size(), " bytes, expected ",
+                     data_size, "+", scale_size, " bytes, expected ",
                      spec.LayerBlockBytes(), "+", want_scales);
     Fail(&p, "bad_length", msg);
     return absl::InvalidArgumentError(msg);
   }
   const int32_t physical = p.blocks[block_index];
-  std::memcpy(pool_->LayerBlockData(layer, physical), data.data(), data.size());
-  if (want_scales)
-    std::memcpy(pool_->LayerBlockScales(layer, physical), scales.data(),
-                want_scales);
+  uint8_t* dst = pool_->LayerBlockData(layer, physical);
+  for (std::string_view p : data_pieces) {
+    std::memcpy(dst, p.data(), p.size());
+    dst += p.size();
+  }
+  dst = reinterpret_cast<uint8_t*>(pool_->LayerBlockScales(layer, physical));
+  for (std::string_view p : scale_pieces) {
+    if (p.empty()) continue;
+    std::memcpy(dst, p.data(), p.size());
+    dst += p.size();
+  }
   uint8_t& seen =
       p.received[static_cast<size_t>(layer) * nblocks + block_index];
   if (!seen) {
@@ -101,7 +120,7 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
     --p.remaining;
   }
   p.last_progress = absl::Now();
-  if (counters_.on_bytes) counters_.on_bytes(data.size() + scales.size());
+  if (counters_.on_bytes) counters_.on_bytes(data_size + scale_size);
   return absl::OkStatus();
 }
 

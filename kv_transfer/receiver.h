@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -56,6 +57,13 @@ class KvReceiver {
   absl::Status Write(uint64_t reservation_id, int32_t layer,
                      int32_t block_index, std::string_view data,
                      std::string_view scales);
+  // The same for a span whose bytes arrive in pieces (e.g. the slices a
+  // network read produced); the pieces' sizes add up to the span's. Copies
+  // each piece straight into the block.
+  absl::Status Write(uint64_t reservation_id, int32_t layer,
+                     int32_t block_index,
+                     std::span<const std::string_view> data,
+                     std::span<const std::string_view> scales);
   // The sender ended its stream (ok = it believes everything was sent).
   void End(uint64_t reservation_id, bool ok);
 

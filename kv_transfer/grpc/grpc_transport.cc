@@ -1,7 +1,12 @@
 #include "kv_transfer/grpc/grpc_transport.h"
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kv_transfer/grpc/chunk_codec.h"
 
 namespace pdserve::kv_transfer {
 
@@ -32,28 +37,59 @@ grpc::ChannelArguments InternalChannelArgs() {
   return args;
 }
 
+void ConfigureInternalServer(grpc::ServerBuilder* builder) {
+  builder->SetMaxReceiveMessageSize(64 << 20);
+  // Fewer, larger DATA frames and a stream window that need not first grow
+  // through BDP probing; reads of up to 4 MiB per syscall.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+  builder->AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder->AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
+}
+
 namespace {
 
+constexpr char kPushMethod[] = "/pdserve.v1.KvTransfer/Push";
+
+// One request's stream. Spans go out as KvChunk messages whose KV bytes are
+// slices over the sender's pool (chunk_codec.h): gRPC writes them to the
+// socket from there, so user space copies nothing on this side. The call is
+// driven one operation at a time on a private completion queue.
 class GrpcSendSession : public KvSendSession {
  public:
   GrpcSendSession(const SendPlan& plan, engine::KvPool* pool,
-                  std::shared_ptr<grpc::Channel> channel,
+                  const std::shared_ptr<grpc::Channel>& channel,
                   TransferMetrics* metrics, absl::Duration timeout)
       : plan_(plan),
         pool_(pool),
-        stub_(v1::KvTransfer::NewStub(channel)),
-        metrics_(metrics) {
-    context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    writer_ = stub_->Push(&context_, &ack_);
-    auto* header = message_.mutable_header();
-    header->set_request_id(plan.request_id);
-    header->set_reservation_id(plan.reservation_id);
-    header->set_sender_id(plan.sender_id);
-    *header->mutable_layout() = ToProto(plan.layout);
+        stub_(channel),
+        metrics_(metrics),
+        deadline_(absl::Now() + timeout),
+        tracker_(new SliceTracker) {
+    context_.set_deadline(absl::ToChronoTime(deadline_));
+    v1::KvTransferHeader header;
+    header.set_request_id(plan.request_id);
+    header.set_reservation_id(plan.reservation_id);
+    header.set_sender_id(plan.sender_id);
+    *header.mutable_layout() = ToProto(plan.layout);
+    encoder_.SetHeader(header);
     if (metrics_) metrics_->in_flight->Increment();
   }
   ~GrpcSendSession() override {
     Cancel();
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+    if (tracker_->AwaitReleased(absl::Now() + absl::Seconds(10))) {
+      delete tracker_;
+    } else {
+      // Never free a tracker a late slice release would still touch.
+      PDSERVE_LOG(ERROR) << "KV stream to " << plan_.destination
+                         << " still references " << tracker_->outstanding()
+                         << " KV slices";
+    }
     if (metrics_) metrics_->in_flight->Decrement();
   }
 
@@ -80,16 +116,16 @@ class GrpcSendSession : public KvSendSession {
               absl::StrCat("block ", index, " is physical block ", block,
                            ", outside the pool of ", pool_->num_blocks()));
         }
-        v1::KvBlockSpan* span = message_.add_spans();
-        span->set_layer(layer);
-        span->set_block_index(index);
-        span->set_data(pool_->LayerBlockData(layer, block), bytes);
-        if (scale_bytes)
-          span->set_scales(pool_->LayerBlockScales(layer, block), scale_bytes);
-        pending_bytes_ += bytes + scale_bytes;
+        encoder_.AddSpan(
+            static_cast<uint32_t>(layer), static_cast<uint32_t>(index),
+            pool_->LayerBlockData(layer, block), bytes,
+            scale_bytes ? reinterpret_cast<const uint8_t*>(
+                              pool_->LayerBlockScales(layer, block))
+                        : nullptr,
+            scale_bytes, tracker_);
         stats_.bytes += bytes + scale_bytes;
         ++stats_.spans;
-        if (pending_bytes_ >= GrpcKvTransport::kMessageBytes) {
+        if (encoder_.payload_bytes() >= GrpcKvTransport::kMessageBytes) {
           if (absl::Status s = Flush(); !s.ok()) return s;
         }
       }
@@ -101,55 +137,178 @@ class GrpcSendSession : public KvSendSession {
   absl::StatusOr<SendStats> Finish() override {
     if (done_)
       return absl::FailedPreconditionError("transfer already finished");
-    const auto start = absl::Now();
-    absl::Status flushed = Flush(/*force=*/true);
-    writer_->WritesDone();
+    const absl::Status flushed = Flush(/*force=*/true);
     done_ = true;
-    const grpc::Status st = writer_->Finish();
+    const grpc::Status st = EndCall(/*cancel=*/false);
     if (!st.ok()) {
       if (metrics_) metrics_->Failure("send_error");
       return FromGrpc(st);
     }
     if (!flushed.ok()) return flushed;
-    (void)start;
     return stats_;
   }
 
   void Cancel() override {
     if (done_) return;
     done_ = true;
-    context_.TryCancel();
-    writer_->Finish();
+    EndCall(/*cancel=*/true);
   }
 
  private:
+  // Runs one started operation to completion; false if it failed.
+  bool Await(void* tag) {
+    void* got = nullptr;
+    bool ok = false;
+    if (!cq_.Next(&got, &ok)) return false;
+    return ok && got == tag;
+  }
+
   absl::Status Flush(bool force = false) {
-    if (!force && message_.spans_size() == 0) return absl::OkStatus();
-    if (message_.spans_size() == 0 && !message_.has_header())
-      return absl::OkStatus();
-    if (!writer_->Write(message_)) {
+    if (!force && encoder_.payload_bytes() == 0) return absl::OkStatus();
+    if (!started_) {
+      started_ = true;
+      call_ = stub_.PrepareCall(&context_, kPushMethod, &cq_);
+      call_->StartCall(this);
+      broken_ = !Await(this);
+    }
+    const size_t payload = encoder_.payload_bytes();
+    grpc::ByteBuffer message = encoder_.Take();
+    if (!broken_) {
+      call_->Write(message, this);
+      broken_ = !Await(this);
+    }
+    if (broken_) {
       if (metrics_) metrics_->Failure("send_error");
       return absl::UnavailableError(
           absl::StrCat("KV stream to ", plan_.destination, " broke"));
     }
-    if (metrics_)
-      metrics_->bytes_sent->Increment(static_cast<double>(pending_bytes_));
-    message_.Clear();
-    pending_bytes_ = 0;
+    if (metrics_) metrics_->bytes_sent->Increment(static_cast<double>(payload));
     return absl::OkStatus();
+  }
+
+  // Half-closes (or cancels) the call, reads the receiver's ack and its
+  // status. Every operation has completed when it returns.
+  // Returns only once gRPC let go of every slice over the pool, so the
+  // caller may unpin the blocks.
+  grpc::Status EndCall(bool cancel) {
+    encoder_.Take();  // spans never handed to gRPC
+    if (!started_) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "never started");
+    }
+    if (cancel) context_.TryCancel();
+    if (!cancel && !broken_) {
+      call_->WritesDone(this);
+      if (Await(this)) {
+        grpc::ByteBuffer ack;
+        call_->Read(&ack, this);
+        Await(this);
+      }
+    }
+    grpc::Status status;
+    call_->Finish(&status, this);
+    Await(this);
+    // gRPC may drop its last references just after the call completes.
+    if (!tracker_->AwaitReleased(absl::Now() + absl::Seconds(10))) {
+      PDSERVE_LOG(ERROR) << "gRPC still holds KV slices of a finished stream";
+    }
+    return status;
   }
 
   SendPlan plan_;
   engine::KvPool* pool_;
-  std::unique_ptr<v1::KvTransfer::Stub> stub_;
+  grpc::GenericStub stub_;
   TransferMetrics* metrics_;
+  const absl::Time deadline_;
+  SliceTracker* const tracker_;  // heap: may outlive the session (see dtor)
+  grpc::CompletionQueue cq_;
   grpc::ClientContext context_;
-  v1::KvTransferAck ack_;
-  std::unique_ptr<grpc::ClientWriter<v1::KvChunk>> writer_;
-  v1::KvChunk message_;
-  size_t pending_bytes_ = 0;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  ChunkEncoder encoder_;
   SendStats stats_;
-  bool done_ = false;
+  bool started_ = false, broken_ = false, done_ = false;
+};
+
+// Receives one Push stream: parses each message from the slices gRPC read
+// it into (chunk_codec.h) and lets KvReceiver copy every span straight from
+// them into its reserved block, the only copy on this side.
+class PushReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  PushReactor(grpc::CallbackServerContext* context, grpc::ByteBuffer* response,
+              KvReceiver* receiver)
+      : context_(context), response_(response), receiver_(receiver) {
+    StartRead(&message_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the sender half-closed, or the call ended
+      if (!begun_) {
+        Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "empty KV stream"));
+        return;
+      }
+      receiver_->End(id_, !context_->IsCancelled());
+      v1::KvTransferAck ack;
+      ack.set_chunks(chunks_);
+      ack.set_bytes(bytes_);
+      grpc::Slice slice(ack.SerializeAsString());
+      *response_ = grpc::ByteBuffer(&slice, 1);
+      Finish(grpc::Status::OK);
+      return;
+    }
+    absl::Status s = Consume();
+    message_.Clear();
+    slices_.clear();
+    if (!s.ok()) {
+      Finish(ToGrpc(s));
+      return;
+    }
+    StartRead(&message_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Consume() {
+    if (!message_.Dump(&slices_).ok()) {
+      return absl::InvalidArgumentError("unreadable KV chunk");
+    }
+    bool first = !begun_;
+    return DecodeChunk(
+        slices_,
+        [&](const v1::KvTransferHeader& header) -> absl::Status {
+          if (!first) return absl::OkStatus();  // only the first one counts
+          first = false;
+          id_ = header.reservation_id();
+          RETURN_IF_ERROR(receiver_->Begin(id_, header.request_id(),
+                                           FromProto(header.layout())));
+          begun_ = true;
+          return absl::OkStatus();
+        },
+        [&](const DecodedSpan& span) -> absl::Status {
+          if (!begun_) {
+            return absl::InvalidArgumentError(
+                "the first KV chunk must carry the header");
+          }
+          RETURN_IF_ERROR(
+              receiver_->Write(id_, static_cast<int32_t>(span.layer),
+                               static_cast<int32_t>(span.block_index),
+                               std::span<const std::string_view>(
+                                   span.data.data(), span.data.size()),
+                               std::span<const std::string_view>(
+                                   span.scales.data(), span.scales.size())));
+          ++chunks_;
+          for (std::string_view p : span.data) bytes_ += p.size();
+          for (std::string_view p : span.scales) bytes_ += p.size();
+          return absl::OkStatus();
+        });
+  }
+
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer* const response_;
+  KvReceiver* const receiver_;
+  grpc::ByteBuffer message_;
+  std::vector<grpc::Slice> slices_;
+  bool begun_ = false;
+  uint64_t id_ = 0, chunks_ = 0, bytes_ = 0;
 };
 
 }  // namespace
@@ -177,37 +336,9 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> GrpcKvTransport::Open(
       plan, pool, ChannelFor(plan.destination), metrics_, timeout_));
 }
 
-grpc::Status KvTransferService::Push(grpc::ServerContext* context,
-                                     grpc::ServerReader<v1::KvChunk>* reader,
-                                     v1::KvTransferAck* ack) {
-  v1::KvChunk chunk;
-  if (!reader->Read(&chunk))
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty KV stream");
-  if (!chunk.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the first KV chunk must carry the header");
-  }
-  const uint64_t id = chunk.header().reservation_id();
-  if (absl::Status s = receiver_->Begin(id, chunk.header().request_id(),
-                                        FromProto(chunk.header().layout()));
-      !s.ok()) {
-    return ToGrpc(s);
-  }
-  uint64_t chunks = 0, bytes = 0;
-  do {
-    for (const v1::KvBlockSpan& span : chunk.spans()) {
-      absl::Status s = receiver_->Write(
-          id, static_cast<int32_t>(span.layer()),
-          static_cast<int32_t>(span.block_index()), span.data(), span.scales());
-      if (!s.ok()) return ToGrpc(s);
-      ++chunks;
-      bytes += span.data().size() + span.scales().size();
-    }
-  } while (reader->Read(&chunk));
-  receiver_->End(id, !context->IsCancelled());
-  ack->set_chunks(chunks);
-  ack->set_bytes(bytes);
-  return grpc::Status::OK;
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvTransferService::Push(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  return new PushReactor(context, response, receiver_);
 }
 
 grpc::Status KvTransferService::Control(

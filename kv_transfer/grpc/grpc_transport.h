@@ -1,7 +1,10 @@
 // The `grpc` KV transport: client-streaming Push over the internal KvTransfer
 // service. Works between any two hosts and on CPU pools. Spans are batched
-// into messages of about kMessageBytes so per-message overhead stays small;
-// each span's bytes are copied once, into the protobuf, which gRPC then sends.
+// into messages of about kMessageBytes so per-message overhead stays small.
+// No KV byte is copied in user space on the sending side: each message is a
+// KvChunk laid out as gRPC slices pointing into the pool (chunk_codec.h). The
+// receiving side parses messages from the slices gRPC read them into and
+// copies each span once, into its reserved block.
 //
 // GrpcKvTransport is thread-safe (channels are shared); sessions are not.
 // KvTransferService is a gRPC service feeding a KvReceiver; thread-safe.
@@ -44,12 +47,14 @@ class GrpcKvTransport : public KvTransport {
 // Serves Push into a KvReceiver. Control (the `nccl` transport's control
 // plane) answers FAILED_PRECONDITION here; nccl::NcclKvTransferService
 // serves it on workers started with --kv-transport nccl.
-class KvTransferService : public v1::KvTransfer::Service {
+class KvTransferService : public v1::KvTransfer::WithRawCallbackMethod_Push<
+                              v1::KvTransfer::Service> {
  public:
   explicit KvTransferService(KvReceiver* receiver) : receiver_(receiver) {}
-  grpc::Status Push(grpc::ServerContext* context,
-                    grpc::ServerReader<v1::KvChunk>* reader,
-                    v1::KvTransferAck* ack) override;
+  // Raw (ByteBuffer) so chunks are parsed without flattening (chunk_codec.h).
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Push(
+      grpc::CallbackServerContext* context,
+      grpc::ByteBuffer* response) override;
   grpc::Status Control(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>* stream)
@@ -64,5 +69,9 @@ KvLayout FromProto(const v1::KvLayout& layout);
 
 // Channel arguments for pdserve's internal channels (large messages).
 grpc::ChannelArguments InternalChannelArgs();
+// The same for a server receiving KV (workers, the transfer bench): large
+// messages, HTTP/2 frames and windows sized for bulk KV instead of RPCs, and
+// large socket reads.
+void ConfigureInternalServer(grpc::ServerBuilder* builder);
 
 }  // namespace pdserve::kv_transfer
