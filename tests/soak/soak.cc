@@ -1,0 +1,1187 @@
+// pdserve_soak: a fault-injected soak of a disaggregated cluster (router +
+// 2 prefill + 2 decode workers, real processes on loopback).
+//
+// While client threads send a random mix of every workload kind (shared
+// system prompts, multi-turn conversations, long documents, short synthetic
+// prompts, seeded sampling, stop strings, EOS, token-id input, cache salts,
+// client cancellation, tight deadlines, malformed requests), a chaos thread
+// SIGKILLs and SIGTERMs workers and restarts them, SIGSTOPs a prefill worker
+// mid-transfer (a stalled KV transfer, sometimes past the 10 s stall
+// timeout), and restarts the router (every KV event stream breaks and
+// resyncs). At the end it checks that:
+//  - every request either finished with exactly the tokens of the reference
+//    path (`pdserve generate --model`, same sampling parameters and seed) or
+//    ended with a clear gRPC status (not UNKNOWN/INTERNAL/DATA_LOSS, never a
+//    success with wrong output);
+//  - no process crashed on its own;
+//  - no worker has an active KV block left (pdserve_kv_cache_blocks
+//    {state="active"} on /metrics) once the load stops;
+//  - no process grew its resident memory without bound (VmRSS samples);
+//  - the router's prefix index agrees with each worker's cache (ListWorkers'
+//    indexed_blocks/indexed_digest vs the worker's KV event snapshot).
+// and prints a summary (also as JSON with --json). Exit status 0 = pass.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "pdserve/v1/internal.grpc.pb.h"
+#include "pdserve/v1/router.grpc.pb.h"
+
+ABSL_FLAG(std::string, pdserve, "", "the pdserve binary (build/bin/pdserve)");
+ABSL_FLAG(double, minutes, 2, "how long the load and the faults run");
+ABSL_FLAG(std::string, work_dir, "",
+          "model, process logs and summary (default /tmp/pdserve-soak-PID)");
+ABSL_FLAG(std::string, preset, "tiny", "model preset: tiny or small");
+ABSL_FLAG(int32_t, clients, 3, "concurrent client threads");
+ABSL_FLAG(double, fault_interval, 5,
+          "mean seconds between injected faults (0: no faults)");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the load and fault schedule");
+ABSL_FLAG(std::string, json, "", "also write the summary as JSON here");
+
+namespace pdserve::soak {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Now() {
+  static const Clock::time_point start = Clock::now();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void Log(const std::string& s) {
+  std::fprintf(stderr, "[soak %7.1fs] %s\n", Now(), s.c_str());
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Raw bytes to a TCP port; returns false if it could not connect.
+bool SendRaw(int port, const std::string& bytes, std::string* reply) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return false;
+  }
+  (void)!write(fd, bytes.data(), bytes.size());
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) {
+    if (reply) reply->append(buf, n);
+    if (reply && reply->size() > (1 << 20)) break;
+  }
+  close(fd);
+  return true;
+}
+
+std::string Scrape(int port) {
+  std::string reply;
+  if (!SendRaw(port,
+               "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: "
+               "close\r\n\r\n",
+               &reply))
+    return "";
+  return reply;
+}
+
+// Value of the exposition line starting with `series`, or -1.
+double Metric(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, series)) continue;
+    absl::string_view rest = line.substr(series.size());
+    if (rest.empty() || rest[0] != ' ') continue;
+    double v;
+    if (absl::SimpleAtod(absl::StripAsciiWhitespace(rest), &v)) return v;
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
+// Processes
+
+struct RssSample {
+  double t;
+  int64_t kb;
+};
+
+struct Proc {
+  std::string name;  // router | prefill-0 | decode-1 ...
+  std::string role;  // router | prefill | decode
+  int port = 0, metrics_port = 0;
+  std::vector<std::string> args;
+  pid_t pid = -1;
+  int incarnation = 0;
+  double started = 0;
+  bool expect_exit = false;  // set before the chaos thread signals it
+  bool stopped = false;      // SIGSTOPped
+  std::vector<std::vector<RssSample>> rss;  // per incarnation
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+};
+
+struct Cluster {
+  std::string bin, log_dir;
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<Proc>> procs ABSL_GUARDED_BY(mu);
+  std::map<std::string, int> crashes ABSL_GUARDED_BY(mu);  // unexpected exits
+
+  Proc* Add(const std::string& name, const std::string& role,
+            std::vector<std::string> args) {
+    auto p = std::make_unique<Proc>();
+    p->name = name;
+    p->role = role;
+    p->port = FreePort();
+    p->metrics_port = FreePort();
+    p->args = std::move(args);
+    p->args.push_back(absl::StrCat("--port=", p->port));
+    p->args.push_back(absl::StrCat("--metrics-port=", p->metrics_port));
+    absl::MutexLock l(&mu);
+    procs.push_back(std::move(p));
+    return procs.back().get();
+  }
+
+  // Starts (or restarts) `p` and waits until it prints its listening line.
+  bool Start(Proc* p) {
+    const std::string log = absl::StrCat(log_dir, "/", p->name, ".log");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      argv.push_back(const_cast<char*>(bin.c_str()));
+      for (auto& a : p->args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(bin.c_str(), argv.data());
+      _exit(127);
+    }
+    {
+      absl::MutexLock l(&mu);
+      p->pid = pid;
+      p->expect_exit = false;
+      p->stopped = false;
+      p->started = Now();
+      ++p->incarnation;
+      p->rss.emplace_back();
+    }
+    // Ready when its gRPC port accepts connections and /metrics answers.
+    for (int i = 0; i < 600; ++i) {
+      if (!Scrape(p->metrics_port).empty() && SendRaw(p->port, "", nullptr))
+        return true;
+      {
+        absl::MutexLock l(&mu);
+        if (p->pid != pid) return false;  // died while starting
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    Log(absl::StrCat(p->name, " did not become ready; see ", log));
+    return false;
+  }
+
+  // Reaps exited processes; unexpected exits are counted and restarted.
+  void Reap() {
+    std::vector<Proc*> restart;
+    {
+      absl::MutexLock l(&mu);
+      for (auto& p : procs) {
+        if (p->pid <= 0) continue;
+        int status = 0;
+        if (waitpid(p->pid, &status, WNOHANG) != p->pid) continue;
+        p->pid = -1;
+        if (!p->expect_exit) {
+          const std::string why =
+              WIFSIGNALED(status) ? absl::StrCat("signal ", WTERMSIG(status))
+                                  : absl::StrCat("exit ", WEXITSTATUS(status));
+          Log(absl::StrCat("UNEXPECTED EXIT of ", p->name, ": ", why));
+          ++crashes[absl::StrCat(p->name, " (", why, ")")];
+          restart.push_back(p.get());
+        }
+      }
+    }
+    for (Proc* p : restart) Start(p);
+  }
+
+  pid_t Pid(Proc* p) {
+    absl::MutexLock l(&mu);
+    return p->pid;
+  }
+
+  // Sends `sig`; with SIGKILL/SIGTERM the process is expected to exit and
+  // this waits (up to `wait_s`) until the reaper saw it go.
+  bool Signal(Proc* p, int sig, double wait_s = 30) {
+    {
+      absl::MutexLock l(&mu);
+      if (p->pid <= 0) return false;
+      if (sig == SIGKILL || sig == SIGTERM) p->expect_exit = true;
+      if (sig == SIGSTOP) p->stopped = true;
+      if (sig == SIGCONT) p->stopped = false;
+      kill(p->pid, sig);
+      if (sig == SIGTERM && p->stopped) kill(p->pid, SIGCONT);
+    }
+    if (sig != SIGKILL && sig != SIGTERM) return true;
+    const double until = Now() + wait_s;
+    while (Now() < until) {
+      Reap();
+      if (Pid(p) <= 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  void SampleRss() {
+    absl::MutexLock l(&mu);
+    for (auto& p : procs) {
+      if (p->pid <= 0) continue;
+      std::ifstream in(absl::StrCat("/proc/", p->pid, "/status"));
+      std::string line;
+      while (std::getline(in, line)) {
+        if (absl::StartsWith(line, "VmRSS:")) {
+          int64_t kb = 0;
+          std::vector<std::string> parts =
+              absl::StrSplit(line, ' ', absl::SkipEmpty());
+          if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kb))
+            p->rss.back().push_back({Now(), kb});
+        }
+      }
+    }
+  }
+
+  void StopAll() {
+    std::vector<Proc*> all;
+    {
+      absl::MutexLock l(&mu);
+      for (auto& p : procs) all.push_back(p.get());
+    }
+    for (Proc* p : all) {
+      if (p->stopped) Signal(p, SIGCONT);
+      Signal(p, SIGKILL, 5);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Workload
+
+struct Spec {
+  int id = 0;
+  std::string kind;
+  std::string prompt;
+  uint32_t max_tokens = 8;
+  float temperature = 0, top_p = 1;
+  uint32_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool ignore_eos = true;
+};
+
+std::string Words(std::mt19937_64& rng, int bytes) {
+  static const char* kWords[] = {
+      "the ",   "cache ",    "block ",  "prefill ", "decode ", "router ",
+      "token ", "stream ",   "worker ", "fault ",   "memory ", "index ",
+      "event ", "transfer ", "layer ",  "quiet ",   "river ",  "north ",
+      "stone ", "light ",    "Grüße ",  "naïve ",   "日本 ",   "🙂 "};
+  std::string out;
+  while (static_cast<int>(out.size()) < bytes) out += kWords[rng() % 24];
+  return out;
+}
+
+std::vector<Spec> MakeSpecs(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Spec> specs;
+  auto add = [&](Spec s) {
+    s.id = static_cast<int>(specs.size());
+    specs.push_back(std::move(s));
+  };
+  // chat: a few long shared system prompts, many users.
+  std::vector<std::string> systems;
+  for (int g = 0; g < 3; ++g) systems.push_back(Words(rng, 160 + 40 * g));
+  for (int i = 0; i < 9; ++i) {
+    Spec s;
+    s.kind = "chat";
+    s.prompt = systems[i % 3] + "User: " + Words(rng, 20 + rng() % 40);
+    s.max_tokens = 6 + rng() % 12;
+    add(s);
+  }
+  // multiturn: each turn extends the previous prompt.
+  for (int conv = 0; conv < 2; ++conv) {
+    std::string p = Words(rng, 60);
+    for (int turn = 0; turn < 4; ++turn) {
+      p += " Turn " + std::to_string(turn) + ": " + Words(rng, 40);
+      Spec s;
+      s.kind = "multiturn";
+      s.prompt = p;
+      s.max_tokens = 8;
+      add(s);
+    }
+  }
+  // longdoc: long prompt, short answer.
+  for (int i = 0; i < 3; ++i) {
+    Spec s;
+    s.kind = "longdoc";
+    s.prompt = Words(rng, 700 + 250 * i);
+    s.max_tokens = 4;
+    add(s);
+  }
+  // synthetic: short random prompts, below and above the local-prefill
+  // threshold.
+  for (int i = 0; i < 6; ++i) {
+    Spec s;
+    s.kind = "synthetic";
+    s.prompt = Words(rng, 8 + rng() % 120);
+    s.max_tokens = 4 + rng() % 20;
+    add(s);
+  }
+  // sampled: temperature/top-p/top-k with a seed.
+  for (int i = 0; i < 5; ++i) {
+    Spec s;
+    s.kind = "sampled";
+    s.prompt = systems[i % 3] + Words(rng, 30);
+    s.max_tokens = 12;
+    s.temperature = 0.6f + 0.1f * i;
+    s.top_p = i % 2 ? 0.9f : 1.0f;
+    s.top_k = i % 3 == 0 ? 40 : 0;
+    s.seed = 1000 + i;
+    add(s);
+  }
+  // stop strings and EOS.
+  for (int i = 0; i < 4; ++i) {
+    Spec s;
+    s.kind = "stop";
+    s.prompt = Words(rng, 50 + 30 * i);
+    s.max_tokens = 24;
+    s.stop = {std::string(1, "etao"[i]), "th"};
+    s.temperature = i % 2 ? 0.8f : 0;
+    s.seed = 7 + i;
+    add(s);
+  }
+  for (int i = 0; i < 3; ++i) {
+    Spec s;
+    s.kind = "eos";
+    s.prompt = Words(rng, 40 + 20 * i);
+    s.max_tokens = 48;
+    s.ignore_eos = false;
+    s.temperature = 1.0f;
+    s.seed = 99 + i;
+    add(s);
+  }
+  return specs;
+}
+
+struct Reference {
+  bool ok = false;
+  std::string error;
+  std::vector<uint32_t> tokens;
+  std::string finish_reason;
+};
+
+std::string Run(const std::vector<std::string>& args, int* status) {
+  int fds[2];
+  if (pipe(fds) != 0) return "";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    const int devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, 2);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fds[0], buf, sizeof(buf))) > 0) out.append(buf, n);
+  close(fds[0]);
+  waitpid(pid, status, 0);
+  return out;
+}
+
+// `pdserve generate --model --json` with the spec's parameters.
+Reference ComputeReference(const std::string& bin, const std::string& model,
+                           const Spec& s) {
+  std::vector<std::string> args = {
+      bin,
+      "generate",
+      "--model=" + model,
+      "--prompt=" + s.prompt,
+      absl::StrCat("--max-tokens=", s.max_tokens),
+      absl::StrCat("--temperature=", s.temperature),
+      absl::StrCat("--top-p=", s.top_p),
+      absl::StrCat("--top-k=", s.top_k),
+      absl::StrCat("--seed=", s.seed),
+      "--threads=1",
+      "--json"};
+  if (s.ignore_eos) args.push_back("--ignore-eos");
+  for (const auto& st : s.stop) args.push_back("--stop=" + st);
+  int status = 0;
+  const std::string out = Run(args, &status);
+  Reference r;
+  const size_t at = out.find("\"token_ids\": [");
+  if (status != 0 || at == std::string::npos) {
+    r.error = absl::StrCat("reference failed (status ", status, "): ", out);
+    return r;
+  }
+  const size_t end = out.find(']', at);
+  for (absl::string_view t : absl::StrSplit(out.substr(at + 14, end - at - 14),
+                                            ',', absl::SkipEmpty())) {
+    uint32_t id;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(t), &id))
+      r.tokens.push_back(id);
+  }
+  const size_t fr = out.find("\"finish_reason\": \"");
+  if (fr != std::string::npos)
+    r.finish_reason = out.substr(fr + 18, out.find('"', fr + 18) - fr - 18);
+  r.ok = true;
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// The soak
+
+struct Outcome {
+  int spec = -1;  // -1: a malformed request
+  std::string variant;
+  grpc::StatusCode code = grpc::StatusCode::OK;
+  std::string message;
+  std::vector<uint32_t> tokens;
+  std::string finish_reason;
+};
+
+const char* CodeName(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "?";
+  }
+}
+
+bool UnclearStatus(grpc::StatusCode c) {
+  return c == grpc::StatusCode::UNKNOWN || c == grpc::StatusCode::INTERNAL ||
+         c == grpc::StatusCode::DATA_LOSS;
+}
+
+class Soak {
+ public:
+  Soak(std::string bin, std::string dir) : dir_(std::move(dir)) {
+    cluster_.bin = std::move(bin);
+    cluster_.log_dir = dir_;
+  }
+
+  int Main() {
+    const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    model_ = dir_ + "/model";
+    int status = 0;
+    Run({cluster_.bin, "model", "init",
+         "--preset=" + absl::GetFlag(FLAGS_preset), "--out=" + model_},
+        &status);
+    if (status != 0) {
+      Log("model init failed");
+      return 2;
+    }
+    specs_ = MakeSpecs(seed);
+    refs_.resize(specs_.size());
+    std::thread ref_thread([this] {
+      for (size_t i = 0; i < specs_.size() && !abort_; ++i) {
+        Reference r = ComputeReference(cluster_.bin, model_, specs_[i]);
+        absl::MutexLock l(&mu_);
+        refs_[i] = std::move(r);
+      }
+    });
+
+    // Workers: small KV pools so admission, eviction and reuse happen; a
+    // short drain so SIGTERM finishes within the run.
+    const std::vector<std::string> worker_flags = {
+        "--model=" + model_, "--threads=1", "--kv-cache-memory=4MiB",
+        "--drain-timeout-ms=5000"};
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> a = {"worker", "--role=prefill"};
+      a.insert(a.end(), worker_flags.begin(), worker_flags.end());
+      prefill_.push_back(
+          cluster_.Add(absl::StrCat("prefill-", i), "prefill", a));
+    }
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> a = {"worker", "--role=decode"};
+      a.insert(a.end(), worker_flags.begin(), worker_flags.end());
+      decode_.push_back(cluster_.Add(absl::StrCat("decode-", i), "decode", a));
+    }
+    std::vector<std::string> paddr, daddr;
+    for (Proc* p : prefill_) paddr.push_back(p->address());
+    for (Proc* p : decode_) daddr.push_back(p->address());
+    router_ = cluster_.Add("router", "router",
+                           {"router", "--model=" + model_,
+                            "--prefill-workers=" + absl::StrJoin(paddr, ","),
+                            "--decode-workers=" + absl::StrJoin(daddr, ",")});
+    for (Proc* p : prefill_) cluster_.Start(p);
+    for (Proc* p : decode_) cluster_.Start(p);
+    cluster_.Start(router_);
+    if (!WaitForWorkers(60)) {
+      Log("the cluster did not come up");
+      abort_ = true;
+      ref_thread.join();
+      cluster_.StopAll();
+      return 2;
+    }
+    Log(absl::StrCat("cluster up: router ", router_->address(), "; load for ",
+                     absl::GetFlag(FLAGS_minutes), " min, work dir ", dir_));
+
+    const double end = Now() + absl::GetFlag(FLAGS_minutes) * 60;
+    std::atomic<bool> stop{false};
+    std::thread monitor([&] {
+      while (!stop) {
+        cluster_.Reap();
+        cluster_.SampleRss();
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+    });
+    std::vector<std::thread> clients;
+    for (int i = 0; i < absl::GetFlag(FLAGS_clients); ++i)
+      clients.emplace_back(
+          [this, i, end, seed] { Client(seed * 31 + i, end); });
+    std::thread chaos([this, end, seed] { Chaos(seed * 17 + 5, end); });
+    for (auto& t : clients) t.join();
+    chaos.join();
+    Log("load and faults stopped; checking the cluster");
+
+    const bool pass = Check();
+    ref_thread.join();
+    stop = true;
+    monitor.join();
+    const bool refs_pass = CheckOutputs();
+    cluster_.StopAll();
+    const bool all = Summarize(pass && refs_pass);
+    return all ? 0 : 1;
+  }
+
+ private:
+  std::unique_ptr<v1::Router::Stub> RouterStub() {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    return v1::Router::NewStub(grpc::CreateCustomChannel(
+        router_->address(), grpc::InsecureChannelCredentials(), args));
+  }
+
+  bool WaitForWorkers(double seconds) {
+    auto stub = RouterStub();
+    const double until = Now() + seconds;
+    while (Now() < until) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(2));
+      v1::ListWorkersResponse resp;
+      if (stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) {
+        int up = 0;
+        for (const auto& w : resp.workers()) up += w.state() == "up";
+        if (up == 4) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    return false;
+  }
+
+  void Record(Outcome o) {
+    absl::MutexLock l(&mu_);
+    outcomes_.push_back(std::move(o));
+  }
+
+  void Client(uint64_t seed, double end) {
+    std::mt19937_64 rng(seed);
+    auto stub = RouterStub();
+    while (Now() < end && !abort_) {
+      const int roll = static_cast<int>(rng() % 100);
+      if (roll < 6) {
+        Malformed(stub.get(), &rng);
+        continue;
+      }
+      const Spec& s = specs_[rng() % specs_.size()];
+      v1::GenerateRequest req;
+      std::string variant = "prompt";
+      if (roll < 16) {
+        // The same prompt as token ids: BOS then the bytes (byte tokenizer).
+        variant = "token_ids";
+        req.mutable_token_ids()->add_ids(256);
+        for (unsigned char c : s.prompt) req.mutable_token_ids()->add_ids(c);
+      } else {
+        req.set_prompt(s.prompt);
+      }
+      static const char* kSalts[] = {"", "", "tenant-a", "tenant-b"};
+      req.set_cache_salt(kSalts[rng() % 4]);
+      auto* sp = req.mutable_sampling();
+      sp->set_max_tokens(s.max_tokens);
+      sp->set_temperature(s.temperature);
+      sp->set_top_p(s.top_p);
+      sp->set_top_k(s.top_k);
+      sp->set_seed(s.seed);
+      sp->set_ignore_eos(s.ignore_eos);
+      for (const auto& st : s.stop) sp->add_stop(st);
+      const bool cancel = roll >= 16 && roll < 21;
+      const bool tight_deadline = roll >= 21 && roll < 25;
+      if (cancel) variant = "cancel";
+      if (tight_deadline) variant = "deadline";
+
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       (tight_deadline ? std::chrono::milliseconds(150)
+                                       : std::chrono::milliseconds(120000)));
+      Outcome o;
+      o.spec = s.id;
+      o.variant = variant;
+      auto reader = stub->Generate(&ctx, req);
+      v1::GenerateResponse resp;
+      while (reader->Read(&resp)) {
+        o.tokens.insert(o.tokens.end(), resp.token_ids().begin(),
+                        resp.token_ids().end());
+        if (!resp.finish_reason().empty())
+          o.finish_reason = resp.finish_reason();
+        if (cancel) ctx.TryCancel();
+      }
+      const grpc::Status st = reader->Finish();
+      o.code = st.error_code();
+      o.message = st.error_message();
+      const bool unavailable = o.code == grpc::StatusCode::UNAVAILABLE;
+      Record(std::move(o));
+      // While the router restarts, do not spin.
+      if (unavailable)
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+
+  // Requests that must be refused with a clear status, and raw garbage.
+  void Malformed(v1::Router::Stub* stub, std::mt19937_64* rng) {
+    const int kind = static_cast<int>((*rng)() % 9);
+    Outcome o;
+    if (kind == 7) {
+      // Garbage bytes on the router's and a worker's gRPC ports; the
+      // processes must just drop the connection.
+      std::string junk(64 + (*rng)() % 512, '\0');
+      for (char& c : junk) c = static_cast<char>((*rng)());
+      if ((*rng)() % 2) junk = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + junk;
+      SendRaw(router_->port, junk, nullptr);
+      SendRaw(decode_[(*rng)() % 2]->port, junk, nullptr);
+      SendRaw(router_->metrics_port, "GET /" + junk + " HTTP/1.1\r\n\r\n",
+              nullptr);
+      absl::MutexLock l(&mu_);
+      ++faults_["malformed_raw_bytes"];
+      return;
+    }
+    if (kind == 8) {
+      // A KV transfer stream for a reservation that does not exist, and one
+      // without a header, straight to a decode worker.
+      Proc* d = decode_[(*rng)() % 2];
+      auto kv = v1::KvTransfer::NewStub(grpc::CreateChannel(
+          d->address(), grpc::InsecureChannelCredentials()));
+      for (int bad = 0; bad < 2; ++bad) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+        v1::KvTransferAck ack;
+        auto w = kv->Push(&ctx, &ack);
+        v1::KvChunk chunk;
+        if (bad == 0) {
+          chunk.mutable_header()->set_request_id("soak-forged");
+          chunk.mutable_header()->set_reservation_id(0xdeadbeef);
+        }
+        auto* span = chunk.add_spans();
+        span->set_layer(0);
+        span->set_block_index(0);
+        span->set_data(std::string(4096, 'x'));
+        w->Write(chunk);
+        w->WritesDone();
+        const grpc::Status st = w->Finish();
+        Outcome k;
+        k.variant = bad == 0 ? "kv_unknown_reservation" : "kv_no_header";
+        k.code = st.error_code();
+        k.message = st.error_message();
+        Record(std::move(k));
+      }
+      absl::MutexLock l(&mu_);
+      ++faults_["malformed_kv_stream"];
+      return;
+    }
+    v1::GenerateRequest req;
+    req.set_prompt("hello");
+    req.mutable_sampling()->set_max_tokens(4);
+    switch (kind) {
+      case 0:
+        o.variant = "max_tokens_0";
+        req.mutable_sampling()->set_max_tokens(0);
+        break;
+      case 1:
+        o.variant = "negative_temperature";
+        req.mutable_sampling()->set_temperature(-1);
+        break;
+      case 2:
+        o.variant = "no_input";
+        req.clear_prompt();
+        break;
+      case 3:
+        o.variant = "token_out_of_vocab";
+        req.mutable_token_ids()->add_ids(1u << 30);
+        break;
+      case 4:
+        o.variant = "max_tokens_huge";
+        req.mutable_sampling()->set_max_tokens(4000000000u);
+        break;
+      case 5:
+        o.variant = "top_p_2";
+        req.mutable_sampling()->set_top_p(2);
+        break;
+      default:
+        o.variant = "prompt_too_long";
+        req.set_prompt(std::string(5000, 'z'));
+        break;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(30));
+    auto reader = stub->Generate(&ctx, req);
+    v1::GenerateResponse resp;
+    while (reader->Read(&resp)) {
+    }
+    const grpc::Status st = reader->Finish();
+    o.code = st.error_code();
+    o.message = st.error_message();
+    Record(std::move(o));
+    absl::MutexLock l(&mu_);
+    ++faults_["malformed_request"];
+  }
+
+  void Fault(const std::string& kind) {
+    absl::MutexLock l(&mu_);
+    ++faults_[kind];
+  }
+
+  void Sleep(double s) {
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int64_t>(s * 1000)));
+  }
+
+  void Chaos(uint64_t seed, double end) {
+    const double interval = absl::GetFlag(FLAGS_fault_interval);
+    if (interval <= 0) return;
+    std::mt19937_64 rng(seed);
+    std::exponential_distribution<double> gap(1.0 / interval);
+    Sleep(std::min(3.0, interval));
+    while (Now() < end - 5) {
+      const int kind = static_cast<int>(rng() % 6);
+      std::vector<Proc*> workers = prefill_;
+      workers.insert(workers.end(), decode_.begin(), decode_.end());
+      Proc* w = workers[rng() % workers.size()];
+      switch (kind) {
+        case 0:
+        case 1: {  // SIGKILL a worker, restart it on the same ports
+          Log("fault: SIGKILL " + w->name);
+          Fault("sigkill_" + w->role);
+          cluster_.Signal(w, SIGKILL);
+          Sleep(0.5 + (rng() % 1500) / 1000.0);
+          cluster_.Start(w);
+          break;
+        }
+        case 2: {  // SIGTERM: graceful drain, then restart
+          Log("fault: SIGTERM " + w->name);
+          Fault("sigterm_" + w->role);
+          if (!cluster_.Signal(w, SIGTERM, 20)) {
+            Log(w->name + " did not exit within 20 s of SIGTERM");
+            Fault("sigterm_hang");
+            cluster_.Signal(w, SIGKILL);
+          }
+          cluster_.Start(w);
+          break;
+        }
+        case 3:
+        case 4: {  // stall a prefill worker mid-transfer
+          Proc* p = prefill_[rng() % prefill_.size()];
+          const double s = 2 + (rng() % 11000) / 1000.0;  // 2..13 s
+          Log(absl::StrFormat("fault: SIGSTOP %s for %.1f s", p->name, s));
+          Fault(s > 10 ? "stall_kv_transfer_past_timeout"
+                       : "stall_kv_transfer");
+          cluster_.Signal(p, SIGSTOP);
+          Sleep(s);
+          cluster_.Signal(p, SIGCONT);
+          break;
+        }
+        case 5: {  // restart the router: every KV event stream drops
+          Log("fault: restart the router (KV event streams drop and resync)");
+          Fault("router_restart_event_streams_drop");
+          cluster_.Signal(router_, SIGKILL);
+          cluster_.Start(router_);
+          break;
+        }
+      }
+      Sleep(std::min(gap(rng), 4 * interval));
+    }
+  }
+
+  // After the load: everything up, no active blocks, index == caches.
+  bool Check() {
+    bool ok = true;
+    for (Proc* p : prefill_)
+      if (p->stopped) cluster_.Signal(p, SIGCONT);
+    cluster_.Reap();
+    for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1], router_})
+      if (cluster_.Pid(p) <= 0) cluster_.Start(p);
+    if (!WaitForWorkers(60)) {
+      Log("FAIL: not every worker is up again after the run");
+      ok = false;
+    }
+    // Active blocks drain once in-flight requests end (KV stall timeout and
+    // admission timeout are 10 s each).
+    const double until = Now() + 60;
+    std::map<std::string, double> active;
+    while (true) {
+      active.clear();
+      double total = 0;
+      for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1]}) {
+        const std::string m = Scrape(p->metrics_port);
+        const double a = Metric(m, "pdserve_kv_cache_blocks{state=\"active\"}");
+        active[p->name] = a;
+        total += a < 0 ? 1 : a;
+      }
+      if (total == 0 || Now() > until) break;
+      Sleep(1);
+    }
+    blocks_leaked_ = 0;
+    for (const auto& [name, a] : active) {
+      if (a != 0) {
+        Log(absl::StrCat("FAIL: ", name, " has ", a, " active KV blocks"));
+        ok = false;
+      }
+      blocks_leaked_ += std::max(0.0, a);
+    }
+    // The router's index vs each worker's cache, after the streams resynced.
+    index_agrees_ = false;
+    const double index_until = Now() + 30;
+    while (!index_agrees_ && Now() < index_until) {
+      index_agrees_ = true;
+      index_report_.clear();
+      std::map<std::string, v1::WorkerInfo> routed;
+      {
+        auto stub = RouterStub();
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+        v1::ListWorkersResponse resp;
+        if (!stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) {
+          index_agrees_ = false;
+          Sleep(1);
+          continue;
+        }
+        for (const auto& w : resp.workers()) routed[w.address()] = w;
+      }
+      for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1]}) {
+        auto worker = v1::Worker::NewStub(grpc::CreateChannel(
+            p->address(), grpc::InsecureChannelCredentials()));
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+        auto reader =
+            worker->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
+        v1::KvEventBatch snapshot;
+        const bool got = reader->Read(&snapshot);
+        ctx.TryCancel();
+        reader->Finish();
+        uint64_t hi = 0, lo = 0, n = 0;
+        std::set<std::string> seen;
+        for (const auto& e : snapshot.events())
+          for (const std::string& h : e.hashes()) {
+            if (h.size() != 16 || !seen.insert(h).second) continue;
+            uint64_t a = 0, b = 0;
+            for (int i = 0; i < 8; ++i) {
+              a = (a << 8) | static_cast<uint8_t>(h[i]);
+              b = (b << 8) | static_cast<uint8_t>(h[8 + i]);
+            }
+            hi ^= a;
+            lo ^= b;
+            ++n;
+          }
+        const std::string digest = absl::StrFormat("%016x%016x", hi, lo);
+        const v1::WorkerInfo& r = routed[p->address()];
+        const bool same =
+            got && r.indexed_blocks() == n && r.indexed_digest() == digest;
+        index_agrees_ = index_agrees_ && same;
+        index_report_[p->name] = absl::StrCat(
+            "worker ", n, " blocks ", digest.substr(0, 8), "…, router ",
+            r.indexed_blocks(), " blocks ", r.indexed_digest().substr(0, 8),
+            "…", same ? "" : "  MISMATCH");
+      }
+      if (!index_agrees_) Sleep(1);
+    }
+    if (!index_agrees_) {
+      Log("FAIL: the router's prefix index disagrees with a worker's cache");
+      ok = false;
+    }
+    return ok;
+  }
+
+  bool CheckOutputs() {
+    absl::MutexLock l(&mu_);
+    bool ok = true;
+    for (const Outcome& o : outcomes_) {
+      const std::string code = CodeName(o.code);
+      ++errors_[code];
+      if (UnclearStatus(o.code)) {
+        ++unclear_;
+        if (unclear_ <= 10)
+          Log(absl::StrCat("unclear status ", code, " (", o.variant,
+                           "): ", o.message));
+      }
+      if (o.spec < 0) {
+        ++malformed_;
+        if (o.code == grpc::StatusCode::OK) {
+          ++malformed_accepted_;
+          Log("FAIL: malformed request accepted: " + o.variant);
+        }
+        continue;
+      }
+      ++requests_;
+      if (o.code != grpc::StatusCode::OK) continue;
+      if (o.variant == "cancel" || o.variant == "deadline") {
+        ++completed_;  // finished before the cancel/deadline hit
+      } else {
+        ++completed_;
+      }
+      const Reference& r = refs_[o.spec];
+      if (!r.ok) {
+        ++unchecked_;
+        continue;
+      }
+      if (o.tokens != r.tokens || o.finish_reason != r.finish_reason) {
+        ++mismatches_;
+        if (mismatches_ <= 10)
+          Log(absl::StrCat("MISMATCH spec ", o.spec, " (", specs_[o.spec].kind,
+                           ", ", o.variant, "): got ",
+                           absl::StrJoin(o.tokens, ","), " [", o.finish_reason,
+                           "], reference ", absl::StrJoin(r.tokens, ","), " [",
+                           r.finish_reason, "]"));
+      } else {
+        ++matched_;
+      }
+    }
+    for (const Reference& r : refs_)
+      if (!r.ok) Log("reference missing: " + r.error);
+    if (mismatches_ > 0 || unclear_ > 0 || malformed_accepted_ > 0) ok = false;
+    if (!cluster_.crashes.empty()) ok = false;
+    return ok;
+  }
+
+  bool Summarize(bool pass) {
+    absl::MutexLock l(&mu_);
+    absl::MutexLock c(&cluster_.mu);
+    std::map<std::string, int64_t> peak_rss;  // role -> kB
+    std::vector<std::string> growth;
+    bool bounded = true;
+    for (auto& p : cluster_.procs) {
+      for (size_t inc = 0; inc < p->rss.size(); ++inc) {
+        const auto& s = p->rss[inc];
+        for (const RssSample& x : s)
+          peak_rss[p->role] = std::max(peak_rss[p->role], x.kb);
+        if (s.size() < 40) continue;  // under ~20 s alive: no trend
+        // Warm (after the first third of its life) vs the last tenth.
+        int64_t warm = 0, last = 0;
+        for (size_t i = s.size() / 3; i < s.size() / 2; ++i)
+          warm = std::max(warm, s[i].kb);
+        for (size_t i = s.size() * 9 / 10; i < s.size(); ++i)
+          last = std::max(last, s[i].kb);
+        const int64_t grew = last - warm;
+        if (grew > std::max<int64_t>(64 * 1024, warm / 2)) {
+          bounded = false;
+          growth.push_back(absl::StrCat(p->name, "#", inc + 1, " grew ",
+                                        grew / 1024, " MiB"));
+        }
+      }
+    }
+    const bool all = pass && bounded;
+    std::string s;
+    absl::StrAppend(&s, "\n===== pdserve soak summary =====\n");
+    absl::StrAppendFormat(&s,
+                          "duration            %.1f min load, %.1f s total\n",
+                          absl::GetFlag(FLAGS_minutes), Now());
+    absl::StrAppend(&s, "requests            ", requests_, " (", completed_,
+                    " completed OK, ", matched_, " equal to the reference, ",
+                    mismatches_, " mismatched, ", unchecked_,
+                    " without reference)\n");
+    absl::StrAppend(&s, "malformed           ", malformed_, " refused (",
+                    malformed_accepted_, " wrongly accepted)\n");
+    absl::StrAppend(&s, "faults injected    ");
+    int total_faults = 0;
+    for (const auto& [k, v] : faults_) {
+      absl::StrAppend(&s, " ", k, "=", v);
+      total_faults += v;
+    }
+    absl::StrAppend(&s, " (total ", total_faults, ")\n");
+    absl::StrAppend(&s, "statuses           ");
+    for (const auto& [k, v] : errors_) absl::StrAppend(&s, " ", k, "=", v);
+    absl::StrAppend(&s, "  (unclear: ", unclear_, ")\n");
+    absl::StrAppend(&s, "crashes             ",
+                    cluster_.crashes.empty() ? "none" : "");
+    for (const auto& [k, v] : cluster_.crashes)
+      absl::StrAppend(&s, k, " x", v, "  ");
+    absl::StrAppend(&s, "\nblocks leaked       ", blocks_leaked_, "\n");
+    absl::StrAppend(&s, "peak RSS (MiB)     ");
+    for (const auto& [k, v] : peak_rss)
+      absl::StrAppendFormat(&s, " %s=%.1f", k, v / 1024.0);
+    absl::StrAppend(
+        &s, bounded ? "  (no unbounded growth)\n" : "  UNBOUNDED GROWTH: ");
+    if (!bounded) absl::StrAppend(&s, absl::StrJoin(growth, ", "), "\n");
+    absl::StrAppend(&s, "index vs caches     ",
+                    index_agrees_ ? "agree" : "DISAGREE", "\n");
+    for (const auto& [k, v] : index_report_)
+      absl::StrAppend(&s, "  ", k, ": ", v, "\n");
+    absl::StrAppend(&s, "result              ", all ? "PASS" : "FAIL", "\n");
+    std::fputs(s.c_str(), stdout);
+    std::fflush(stdout);
+    const std::string json_path = absl::GetFlag(FLAGS_json);
+    if (!json_path.empty()) {
+      std::ofstream out(json_path);
+      out << "{\"pass\": " << (all ? "true" : "false")
+          << ", \"minutes\": " << absl::GetFlag(FLAGS_minutes)
+          << ", \"requests\": " << requests_
+          << ", \"completed\": " << completed_ << ", \"matched\": " << matched_
+          << ", \"mismatched\": " << mismatches_
+          << ", \"malformed\": " << malformed_
+          << ", \"blocks_leaked\": " << blocks_leaked_
+          << ", \"index_agrees\": " << (index_agrees_ ? "true" : "false")
+          << ", \"crashes\": " << cluster_.crashes.size() << ", \"faults\": {";
+      bool first = true;
+      for (const auto& [k, v] : faults_) {
+        out << (first ? "" : ", ") << "\"" << k << "\": " << v;
+        first = false;
+      }
+      out << "}, \"statuses\": {";
+      first = true;
+      for (const auto& [k, v] : errors_) {
+        out << (first ? "" : ", ") << "\"" << k << "\": " << v;
+        first = false;
+      }
+      out << "}, \"peak_rss_mib\": {";
+      first = true;
+      for (const auto& [k, v] : peak_rss) {
+        out << (first ? "" : ", ") << "\"" << k << "\": " << v / 1024.0;
+        first = false;
+      }
+      out << "}}\n";
+    }
+    return all;
+  }
+
+  const std::string dir_;
+  std::string model_;
+  Cluster cluster_;
+  std::vector<Proc*> prefill_, decode_;
+  Proc* router_ = nullptr;
+  std::vector<Spec> specs_;
+  std::atomic<bool> abort_{false};
+
+  absl::Mutex mu_;
+  std::vector<Reference> refs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Outcome> outcomes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> faults_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> errors_ ABSL_GUARDED_BY(mu_);
+  int requests_ = 0, completed_ = 0, matched_ = 0, mismatches_ = 0,
+      unchecked_ = 0, malformed_ = 0, malformed_accepted_ = 0, unclear_ = 0;
+  double blocks_leaked_ = 0;
+  bool index_agrees_ = false;
+  std::map<std::string, std::string> index_report_;
+};
+
+}  // namespace
+}  // namespace pdserve::soak
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  signal(SIGPIPE, SIG_IGN);
+  std::string bin = absl::GetFlag(FLAGS_pdserve);
+  if (bin.empty() || access(bin.c_str(), X_OK) != 0) {
+    std::fprintf(stderr,
+                 "pdserve_soak: --pdserve=PATH to the pdserve binary\n");
+    return 2;
+  }
+  bin = std::filesystem::absolute(bin).string();
+  std::string dir = absl::GetFlag(FLAGS_work_dir);
+  if (dir.empty()) dir = absl::StrCat("/tmp/pdserve-soak-", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  pdserve::soak::Soak soak(bin, dir);
+  return soak.Main();
+}
