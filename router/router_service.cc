@@ -6,9 +6,11 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <random>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metric_handles.h"
@@ -101,6 +103,16 @@ struct RouterServer::Impl final : public v1::Router::Service,
   metrics::Registry::CollectorHandle collector;
   std::unique_ptr<grpc::Server> server;
   std::atomic<uint64_t> next_id{1};
+  // Workers know a request by an id unique to this router process and
+  // attempt. `request_id` is not: it is client-chosen, or req-N, which starts
+  // again at 1 when the router restarts; and a worker aborts by id, so a
+  // stale handler of an earlier request with the same id (its router died,
+  // the worker has not noticed yet) would cancel the new one.
+  const std::string instance = [] {
+    std::random_device rd;
+    return absl::StrFormat("%08x%08x", rd(), rd());
+  }();
+  std::atomic<uint64_t> next_attempt{1};
 
   grpc::Status RegisterWorker(grpc::ServerContext*,
                               const v1::RegisterWorkerRequest* req,
@@ -265,7 +277,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
       index.Speculate(dec->index, hashes_for(*dec), config.speculative_ttl);
 
       v1::WorkerGenerateRequest wreq;
-      wreq.set_request_id(id);
+      wreq.set_request_id(absl::StrCat(id, "@", instance, ".", next_attempt++));
       for (int32_t t : tokens) wreq.add_token_ids(static_cast<uint32_t>(t));
       *wreq.mutable_sampling() = req.sampling();
       wreq.mutable_sampling()->set_max_tokens(

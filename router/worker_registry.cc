@@ -35,6 +35,11 @@ struct WorkerRegistry::Entry {
   // Gone from DNS (a rolled-out pod): no longer polled, routed to or counted.
   // Entries are never erased, so WorkerIndex values stay valid.
   bool retired = false;
+  // Bumped after each heartbeat failure cleared the worker's index entries.
+  // The event subscription resyncs when it changes: its stream may outlive
+  // the failure (a stalled or overloaded worker), and incremental events on
+  // top of a cleared index would leave it short until the next resync.
+  uint64_t index_clears = 0;
 };
 
 WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
@@ -219,7 +224,13 @@ void WorkerRegistry::PollLoop() {
               << "worker down: " << v.address << ": " << st.error_message();
         }
       }
-      if (!st.ok()) index_->ClearWorker(entry->view.index);
+      if (!st.ok()) {
+        // Clear first, then bump: a subscription that read the old count
+        // before this clear resyncs after it.
+        index_->ClearWorker(entry->view.index);
+        absl::MutexLock l(&mu_);
+        ++entry->index_clears;
+      }
       if (start_events) {
         absl::MutexLock l(&mu_);
         threads_.emplace_back([this, entry] { EventLoop(entry); });
@@ -241,14 +252,22 @@ void WorkerRegistry::EventLoop(Entry* entry) {
     absl::MutexLock l(&mu_);
     return entry->retired;
   };
+  auto index_clears = [&] {
+    absl::MutexLock l(&mu_);
+    return entry->index_clears;
+  };
   while (!stop_ && !retired()) {
+    const uint64_t clears = index_clears();
     grpc::ClientContext ctx;
     auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
     v1::KvEventBatch batch;
     KvEventApplier applier(index_, index);
     while (!stop_ && reader->Read(&batch)) {
-      // Lost or malformed events: resubscribe for a fresh snapshot.
-      if (!applier.ApplyBatch(batch) || stop_) break;
+      // Lost or malformed events, or the index was cleared under the stream
+      // (workers send a batch at least every second): resubscribe for a
+      // fresh snapshot.
+      if (!applier.ApplyBatch(batch) || index_clears() != clears || stop_)
+        break;
     }
     ctx.TryCancel();
     reader->Finish();
