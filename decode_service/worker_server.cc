@@ -297,8 +297,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     impl->transport = std::make_unique<kv_transfer::nccl::NcclKvTransport>(
         impl->nccl_control.get(), comms, impl->transfer_metrics.get(), send);
   } else {
+    // The stream of a layer-wise sender stays open for the whole prefill;
+    // dead or stalled peers are caught by the receiver's stall timeout and
+    // by failed writes, so this only bounds a wedged stream.
     impl->transport = std::make_unique<kv_transfer::GrpcKvTransport>(
-        impl->transfer_metrics.get());
+        impl->transfer_metrics.get(), absl::Minutes(10));
     impl->kv_service =
         std::make_unique<kv_transfer::KvTransferService>(impl->receiver.get());
   }

@@ -64,9 +64,8 @@ class GrpcSendSession : public KvSendSession {
         pool_(pool),
         stub_(channel),
         metrics_(metrics),
-        deadline_(absl::Now() + timeout),
+        timeout_(timeout),
         tracker_(new SliceTracker) {
-    context_.set_deadline(absl::ToChronoTime(deadline_));
     v1::KvTransferHeader header;
     header.set_request_id(plan.request_id);
     header.set_reservation_id(plan.reservation_id);
@@ -138,6 +137,7 @@ class GrpcSendSession : public KvSendSession {
     if (done_)
       return absl::FailedPreconditionError("transfer already finished");
     const absl::Status flushed = Flush(/*force=*/true);
+    if (done_) return flushed;  // the stream broke, and Flush ended it
     done_ = true;
     const grpc::Status st = EndCall(/*cancel=*/false);
     if (!st.ok()) {
@@ -166,7 +166,10 @@ class GrpcSendSession : public KvSendSession {
   absl::Status Flush(bool force = false) {
     if (!force && encoder_.payload_bytes() == 0) return absl::OkStatus();
     if (!started_) {
+      // The deadline runs from the first bytes, not from Open: a layer-wise
+      // sender opens before the prefill computes anything.
       started_ = true;
+      context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
       call_ = stub_.PrepareCall(&context_, kPushMethod, &cq_);
       call_->StartCall(this);
       broken_ = !Await(this);
@@ -179,8 +182,18 @@ class GrpcSendSession : public KvSendSession {
     }
     if (broken_) {
       if (metrics_) metrics_->Failure("send_error");
-      return absl::UnavailableError(
-          absl::StrCat("KV stream to ", plan_.destination, " broke"));
+      // The call is over; its status says why (the receiver's refusal, a
+      // deadline, a lost connection).
+      if (!done_) {
+        done_ = true;
+        end_status_ = EndCall(/*cancel=*/false);
+      }
+      return absl::Status(
+          end_status_.ok()
+              ? absl::StatusCode::kUnavailable
+              : static_cast<absl::StatusCode>(end_status_.error_code()),
+          absl::StrCat("KV stream to ", plan_.destination,
+                       " broke: ", end_status_.error_message()));
     }
     if (metrics_) metrics_->bytes_sent->Increment(static_cast<double>(payload));
     return absl::OkStatus();
@@ -218,13 +231,14 @@ class GrpcSendSession : public KvSendSession {
   engine::KvPool* pool_;
   grpc::GenericStub stub_;
   TransferMetrics* metrics_;
-  const absl::Time deadline_;
+  const absl::Duration timeout_;
   SliceTracker* const tracker_;  // heap: may outlive the session (see dtor)
   grpc::CompletionQueue cq_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
   ChunkEncoder encoder_;
   SendStats stats_;
+  grpc::Status end_status_;  // once a broken call was ended
   bool started_ = false, broken_ = false, done_ = false;
 };
 
