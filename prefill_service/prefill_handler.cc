@@ -86,8 +86,8 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
           grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled"));
     }
     if (absl::Status s = (*stream)->error(); !s.ok()) {
+      session.Cancel();  // before unpinning: the session may still read
       release({});
-      session.Cancel();
       return ToGrpc(s);
     }
     absl::Duration wait = absl::Milliseconds(50);
