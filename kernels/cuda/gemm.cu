@@ -1,7 +1,9 @@
 #include <cublas_v2.h>
+#include <dlfcn.h>
 
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
@@ -10,6 +12,61 @@
 
 namespace pdserve::kernels::cuda {
 namespace {
+
+// cuBLAS is loaded at run time (dlopen) rather than linked: libcublasLt
+// carries ~94 KiB of static TLS, and a process that links it cannot start
+// threads with small stacks (civetweb's metrics server fails with "Cannot
+// create threads"), which would break every CPU-only pdserve process. Loaded
+// this way its TLS is allocated dynamically, and only GPU runs load it.
+struct CublasApi {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  // The C entry point (C++ also sees an inline overload taking a
+  // cudaDataType compute type, so decltype cannot name it).
+  using GemmExFn = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t,
+                                      cublasOperation_t, int, int, int,
+                                      const void*, const void*, cudaDataType,
+                                      int, const void*, cudaDataType, int,
+                                      const void*, void*, cudaDataType, int,
+                                      cublasComputeType_t, cublasGemmAlgo_t);
+  GemmExFn gemm_ex = nullptr;
+  decltype(&cublasGetStatusName) status_name = nullptr;
+  decltype(&cublasGetStatusString) status_string = nullptr;
+  std::string error;  // why loading failed, empty when it worked
+};
+
+const CublasApi& Cublas() {
+  static const CublasApi api = [] {
+    CublasApi a;
+    const std::string versioned =
+        "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = dlopen(versioned.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) lib = dlopen("libcublas.so", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      a.error = "cannot load " + versioned + ": " + (why ? why : "?");
+      return a;
+    }
+    auto sym = [&](const char* name) -> void* {
+      void* p = dlsym(lib, name);
+      if (p == nullptr && a.error.empty())
+        a.error = std::string("cuBLAS lacks ") + name;
+      return p;
+    };
+    a.create = reinterpret_cast<decltype(a.create)>(sym("cublasCreate_v2"));
+    a.destroy = reinterpret_cast<decltype(a.destroy)>(sym("cublasDestroy_v2"));
+    a.set_stream =
+        reinterpret_cast<decltype(a.set_stream)>(sym("cublasSetStream_v2"));
+    a.gemm_ex = reinterpret_cast<decltype(a.gemm_ex)>(sym("cublasGemmEx"));
+    a.status_name =
+        reinterpret_cast<decltype(a.status_name)>(sym("cublasGetStatusName"));
+    a.status_string = reinterpret_cast<decltype(a.status_string)>(
+        sym("cublasGetStatusString"));
+    return a;  // the library stays loaded for the life of the process
+  }();
+  return api;
+}
 
 absl::Status CublasStatus(cublasStatus_t s, const char* expr, const char* file,
                           int line) {
@@ -21,8 +78,8 @@ absl::Status CublasStatus(cublasStatus_t s, const char* expr, const char* file,
           ? absl::StatusCode::kFailedPrecondition
           : absl::StatusCode::kInternal;
   return absl::Status(code, absl::StrCat(file, ":", line, ": ", expr,
-                                         " failed: ", cublasGetStatusName(s),
-                                         " (", cublasGetStatusString(s), ")"));
+                                         " failed: ", Cublas().status_name(s),
+                                         " (", Cublas().status_string(s), ")"));
 }
 
 #define PDSERVE_CUBLAS_RETURN_IF_ERROR(expr)                         \
@@ -36,12 +93,16 @@ absl::Status CublasStatus(cublasStatus_t s, const char* expr, const char* file,
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(
     cudaStream_t stream) {
+  const CublasApi& api = Cublas();
+  if (!api.error.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("cuBLAS: ", api.error));
+  }
   cublasHandle_t handle = nullptr;
-  PDSERVE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
-  if (absl::Status s = CublasStatus(cublasSetStream(handle, stream),
+  PDSERVE_CUBLAS_RETURN_IF_ERROR(api.create(&handle));
+  if (absl::Status s = CublasStatus(api.set_stream(handle, stream),
                                     "cublasSetStream", __FILE__, __LINE__);
       !s.ok()) {
-    cublasDestroy(handle);
+    api.destroy(handle);
     return s;
   }
   return std::unique_ptr<GemmRunner>(new GemmRunner(handle, stream));
@@ -49,7 +110,7 @@ absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(
 
 GemmRunner::~GemmRunner() {
   if (scratch_ != nullptr) cudaFree(scratch_);
-  cublasDestroy(static_cast<cublasHandle_t>(handle_));
+  Cublas().destroy(static_cast<cublasHandle_t>(handle_));
 }
 
 absl::Status GemmRunner::MatMulNT(const float* x, int64_t m, int64_t k,
@@ -83,7 +144,7 @@ absl::Status GemmRunner::MatMulNT(const float* x, int64_t m, int64_t k,
     b = scratch_;
     type = CUDA_R_16BF;
   }
-  PDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+  PDSERVE_CUBLAS_RETURN_IF_ERROR(Cublas().gemm_ex(
       handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
       static_cast<int>(m), static_cast<int>(k), &alpha, w, type,
       static_cast<int>(k), b, type, static_cast<int>(k), &beta, y, CUDA_R_32F,

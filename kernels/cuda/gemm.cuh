@@ -9,6 +9,8 @@
 //
 // A GemmRunner owns a cuBLAS handle bound to one stream and a scratch buffer
 // for bf16 activations; it is not thread-safe (one per engine thread).
+// cuBLAS is loaded with dlopen on first use (see gemm.cu for why); Create
+// fails with FAILED_PRECONDITION when libcublas cannot be found.
 #pragma once
 
 #include <cuda_runtime_api.h>
