@@ -26,7 +26,6 @@
 #include "absl/time/time.h"
 #include "engine/kv_cache.h"
 #include "kv_transfer/grpc/chunk_codec.h"
-#include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/receiver.h"
 #include "pdserve/v1/internal.pb.h"
 
@@ -42,6 +41,18 @@ constexpr int64_t kPoolBlocks = 8;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr int32_t kReserved[] = {6, 2, 4};
 constexpr int32_t kSkipBlocks = 1;
+
+// kv_transfer::FromProto (grpc_transport.cc, kept out of this build so the
+// target does not link the transport's channels and credentials).
+KvLayout FromProto(const pdserve::v1::KvTransferHeader& header) {
+  const pdserve::v1::KvLayout& p = header.layout();
+  return {p.fingerprint(),
+          static_cast<int32_t>(p.num_layers()),
+          static_cast<int32_t>(p.kv_heads()),
+          static_cast<int32_t>(p.head_dim()),
+          static_cast<int32_t>(p.block_size()),
+          p.dtype()};
+}
 
 bool Writable(int64_t block) { return block == 2 || block == 4; }
 
@@ -120,8 +131,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           first = false;
           stream_id = header.reservation_id();
           absl::Status b =
-              receiver.Begin(stream_id, header.request_id(),
-                             pdserve::kv_transfer::FromProto(header.layout()));
+              receiver.Begin(stream_id, header.request_id(), FromProto(header));
           if (!b.ok()) return b;
           begun = true;
           return absl::OkStatus();
