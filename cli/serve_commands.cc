@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "cli/security_flags.h"
 #include "common/json.h"
 #include "common/logging.h"
 #include "common/metrics_http.h"
@@ -115,6 +116,8 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(
 }
 
 int RunWorkerWithRole(const std::string& role) {
+  // mTLS (or an explicit --insecure) before any server or channel exists.
+  if (absl::Status s = InstallTlsFromFlags(); !s.ok()) return ReportError(s);
   decode::WorkerConfig config;
   config.role = role;
   config.model_dir = absl::GetFlag(FLAGS_model);
@@ -152,7 +155,7 @@ int RunWorkerWithRole(const std::string& role) {
   if (!router.empty()) {
     heartbeat = std::thread([&] {
       auto stub = v1::RouterControl::NewStub(
-          grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+          grpc::CreateChannel(router, tls::InternalChannelCredentials()));
       while (!stop) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() +
@@ -188,8 +191,10 @@ int RunWorker(const std::vector<std::string>&) {
 }
 
 int RunRouter(const std::vector<std::string>&) {
+  if (absl::Status s = InstallTlsFromFlags(); !s.ok()) return ReportError(s);
   router::RouterConfig config;
   config.model_dir = absl::GetFlag(FLAGS_model);
+  RouterSecurityFromFlags(&config);
   config.workers.prefill = SplitList(absl::GetFlag(FLAGS_prefill_workers));
   config.workers.decode = SplitList(absl::GetFlag(FLAGS_decode_workers));
   config.workers.both = SplitList(absl::GetFlag(FLAGS_both_workers));
@@ -324,6 +329,15 @@ int RunUp(const std::vector<std::string>&) {
       std::string("--kv-layerwise=") +
           (absl::GetFlag(FLAGS_kv_layerwise) ? "true" : "false"),
   };
+  // Plaintext unless TLS files are given: `up` is for local use.
+  const std::vector<std::string> tls_args = TlsArgsFromFlags();
+  const bool insecure = tls_args.front() == "--insecure";
+  if (insecure) {
+    std::fprintf(stderr,
+                 "pdserve up: plaintext gRPC (--insecure), no authentication "
+                 "between processes: for local use only (pass --tls-cert, "
+                 "--tls-key and --tls-ca for mTLS)\n");
+  }
   std::vector<Child> children;
   auto stop_all = [&] {
     for (auto& c : children) kill(c.pid, SIGTERM);
@@ -337,6 +351,7 @@ int RunUp(const std::vector<std::string>&) {
     std::vector<std::string> args = {"worker", "--role=" + role, "--port=0",
                                      "--metrics-port=0"};
     args.insert(args.end(), engine_args.begin(), engine_args.end());
+    args.insert(args.end(), tls_args.begin(), tls_args.end());
     auto child = Spawn(absl::StrCat(role, "-", i), args);
     if (!child.ok()) {
       stop_all();
@@ -358,6 +373,7 @@ int RunUp(const std::vector<std::string>&) {
       "--policy=" + absl::GetFlag(FLAGS_policy),
       "--local-prefill-threshold=" +
           std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
+  router_args.insert(router_args.end(), tls_args.begin(), tls_args.end());
   if (n_prefill > 0) {
     router_args.push_back("--prefill-workers=" +
                           absl::StrJoin(prefill_addrs, ","));
@@ -372,7 +388,9 @@ int RunUp(const std::vector<std::string>&) {
     return ReportError(router.status());
   }
   children.push_back(*router);
-  std::printf("\npdserve is up (plaintext, local use): model %s\n",
+  std::printf("\npdserve is up (%s): model %s\n",
+              insecure ? "INSECURE: plaintext, no authentication; local use"
+                       : "mutual TLS",
               model.c_str());
   for (const auto& c : children) {
     std::printf("  %-10s grpc %-22s metrics http://127.0.0.1:%d/metrics\n",
@@ -417,9 +435,12 @@ int RunGenerateRemote() {
   req.set_prompt(absl::GetFlag(FLAGS_prompt));
   *req.mutable_sampling() = SamplingToProto(SamplingParamsFromFlags());
   req.set_cache_salt(absl::GetFlag(FLAGS_cache_salt));
-  auto stub = v1::Router::NewStub(grpc::CreateChannel(
-      absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials()));
+  auto channel = RouterChannelFromFlags(absl::GetFlag(FLAGS_router));
+  if (!channel.ok()) return ReportError(channel.status());
+  auto stub = v1::Router::NewStub(*channel);
   grpc::ClientContext ctx;
+  if (const std::string token = AuthTokenFromFlags(); !token.empty())
+    ctx.AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
     ctx.set_deadline(
         std::chrono::system_clock::now() +

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "prefill_service/sampling_convert.h"
 
@@ -25,7 +26,7 @@ std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
   auto& stub = stubs_[address];
   if (!stub) {
     stub = v1::Worker::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+        grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
                                   kv_transfer::InternalChannelArgs()));
   }
   return stub;

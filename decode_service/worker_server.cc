@@ -10,6 +10,7 @@
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "decode_service/decode_handler.h"
 #include "engine/engine_loop.h"
 #include "engine/kv_event_log.h"
@@ -311,7 +312,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port),
-                           grpc::InsecureServerCredentials(), &port);
+                           tls::InternalServerCredentials(), &port);
   kv_transfer::ConfigureInternalServer(&builder);
   builder.RegisterService(impl.get());
   builder.RegisterService(impl->kv_service.get());

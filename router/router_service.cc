@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "decode_service/decode_handler.h"
 #include "prefill_service/sampling_convert.h"
+#include "router/tenant_limiter.h"
 
 namespace pdserve::router {
 namespace {
@@ -40,7 +41,22 @@ absl::Status RouterConfig::Validate() const {
   if (policy_config.w_prefill < 0 || policy_config.w_decode < 0) {
     return absl::InvalidArgumentError("routing weights must not be negative");
   }
-  return absl::OkStatus();
+  if (request_timeout <= absl::ZeroDuration())
+    return absl::InvalidArgumentError("--request-timeout-ms must be positive");
+  if (tenant_limits.max_concurrent < 0 || tenant_limits.tokens_per_minute < 0)
+    return absl::InvalidArgumentError(
+        "--tenant-max-concurrent and --tenant-tokens-per-minute must be >= 0 "
+        "(0: unlimited)");
+  if (limits.max_message_bytes < 1024 || limits.max_message_bytes > INT32_MAX)
+    return absl::InvalidArgumentError(
+        "--max-message-bytes must be in [1KiB, 2GiB)");
+  if (limits.max_prompt_tokens < 0 || limits.max_output_tokens < 0 ||
+      limits.max_stop_strings < 0 || limits.max_stop_string_bytes < 1 ||
+      limits.max_streams_per_connection < 1 || limits.max_inflight_requests < 0)
+    return absl::InvalidArgumentError(
+        "request limits must not be negative (streams per connection and "
+        "stop string bytes at least 1)");
+  return tls.Validate();
 }
 
 struct RouterMetrics {
@@ -72,7 +88,26 @@ struct RouterMetrics {
             "Requests re-sent to another worker (retry or migration)")),
         workers(metrics::Must(r.AddGauge("pdserve_workers",
                                          "Known workers by role and state",
-                                         {"role", "state"}))) {
+                                         {"role", "state"}))),
+        auth_failures(metrics::Must(r.AddCounter(
+            "pdserve_auth_failures_total",
+            "Public API calls refused for a missing or invalid bearer token, "
+            "and RouterControl calls without a verified client certificate",
+            {"reason"}))),
+        tenant_rejections(metrics::Must(r.AddCounter(
+            "pdserve_tenant_rejections_total",
+            "Requests refused with RESOURCE_EXHAUSTED by a per-tenant limit",
+            {"tenant", "limit"}))),
+        limit_rejections(metrics::Must(r.AddCounter(
+            "pdserve_limit_rejections_total",
+            "Requests refused by a router-wide limit (overload is load "
+            "shedding; the others are per-request bounds)",
+            {"limit"}))) {
+    for (const char* reason : {"missing", "invalid", "no_client_cert"})
+      metrics::Must(auth_failures->WithLabels({reason}));
+    for (const char* limit : {"overload", "prompt_tokens", "max_tokens",
+                              "stop_strings", "stop_string_bytes", "deadline"})
+      metrics::Must(limit_rejections->WithLabels({limit}));
     for (const char* reason : {"length", "stop", "eos", "cancelled", "error"}) {
       metrics::Must(requests->WithLabels({reason}));
     }
@@ -90,6 +125,15 @@ struct RouterMetrics {
   metrics::Counter* local;
   metrics::Counter* retries;
   metrics::GaugeFamily* workers;
+  metrics::CounterFamily* auth_failures;
+  metrics::CounterFamily* tenant_rejections;
+  metrics::CounterFamily* limit_rejections;
+  void AuthFailure(const char* reason) {
+    metrics::Must(auth_failures->WithLabels({reason}))->Increment();
+  }
+  void LimitRejection(const char* limit) {
+    metrics::Must(limit_rejections->WithLabels({limit}))->Increment();
+  }
 };
 
 struct RouterServer::Impl final : public v1::Router::Service,
@@ -103,6 +147,9 @@ struct RouterServer::Impl final : public v1::Router::Service,
   metrics::Registry::CollectorHandle collector;
   std::unique_ptr<grpc::Server> server;
   std::atomic<uint64_t> next_id{1};
+  std::unique_ptr<Authenticator> auth;  // null: no --auth-tokens
+  TenantLimiter limiter;
+  std::atomic<int32_t> in_flight{0};  // Generate calls, for load shedding
   // Workers know a request by an id unique to this router process and
   // attempt. `request_id` is not: it is client-chosen, or req-N, which starts
   // again at 1 when the router restarts; and a worker aborts by id, so a
@@ -114,9 +161,21 @@ struct RouterServer::Impl final : public v1::Router::Service,
   }();
   std::atomic<uint64_t> next_attempt{1};
 
-  grpc::Status RegisterWorker(grpc::ServerContext*,
+  // RouterControl is internal: with TLS on, only mTLS peers (a client
+  // certificate from the cluster CA) may register workers or list them.
+  grpc::Status CheckInternalPeer(const grpc::ServerContext& ctx) {
+    if (config.tls.insecure || tls::PeerHasVerifiedCertificate(ctx))
+      return grpc::Status::OK;
+    m->AuthFailure("no_client_cert");
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "RouterControl accepts only mTLS peers: present a "
+                        "client certificate issued by the cluster CA");
+  }
+
+  grpc::Status RegisterWorker(grpc::ServerContext* ctx,
                               const v1::RegisterWorkerRequest* req,
                               v1::RegisterWorkerResponse*) override {
+    if (grpc::Status st = CheckInternalPeer(*ctx); !st.ok()) return st;
     if (req->address().empty())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "address is empty");
@@ -124,8 +183,10 @@ struct RouterServer::Impl final : public v1::Router::Service,
     return grpc::Status::OK;
   }
 
-  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+  grpc::Status ListWorkers(grpc::ServerContext* ctx,
+                           const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse* resp) override {
+    if (grpc::Status st = CheckInternalPeer(*ctx); !st.ok()) return st;
     for (const WorkerView& w : registry->AllWorkers()) {
       v1::WorkerInfo* info = resp->add_workers();
       info->set_id(w.id.empty() ? w.address : w.id);
@@ -152,7 +213,25 @@ struct RouterServer::Impl final : public v1::Router::Service,
       grpc::ServerContext* ctx, const v1::GenerateRequest* req,
       grpc::ServerWriter<v1::GenerateResponse>* writer) override {
     const absl::Time start = absl::Now();
-    grpc::Status st = GenerateImpl(ctx, *req, writer, start);
+    // Load shedding: the router never queues a request it cannot start.
+    struct InFlight {
+      std::atomic<int32_t>* n;
+      ~InFlight() { --*n; }
+    } in_flight_guard{&in_flight};
+    const int32_t now_in_flight = ++in_flight;
+    grpc::Status st;
+    if (config.limits.max_inflight_requests > 0 &&
+        now_in_flight > config.limits.max_inflight_requests) {
+      m->LimitRejection("overload");
+      st = RetryLater(ctx, absl::Seconds(1),
+                      absl::StrCat("router overloaded: ", now_in_flight - 1,
+                                   " requests in flight (limit ",
+                                   config.limits.max_inflight_requests, ")"));
+    } else {
+      Tenant tenant;
+      st = Authenticate(ctx, &tenant);
+      if (st.ok()) st = GenerateImpl(ctx, *req, writer, start, tenant);
+    }
     if (!st.ok())
       Finish(st.error_code() == grpc::StatusCode::CANCELLED ? "cancelled"
                                                             : "error",
@@ -160,10 +239,74 @@ struct RouterServer::Impl final : public v1::Router::Service,
     return st;
   }
 
+  // RESOURCE_EXHAUSTED with the retry hint in the message and in the
+  // `retry-after-ms` trailing metadata.
+  static grpc::Status RetryLater(grpc::ServerContext* ctx, absl::Duration after,
+                                 const std::string& why) {
+    const int64_t ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(after));
+    ctx->AddTrailingMetadata("retry-after-ms", std::to_string(ms));
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(why, "; retry after ", ms, " ms"));
+  }
+
+  grpc::Status Authenticate(grpc::ServerContext* ctx, Tenant* tenant) {
+    if (auth == nullptr) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    const std::string value =
+        it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+    absl::StatusOr<Tenant> t = auth->Authenticate(value);
+    if (!t.ok()) {
+      m->AuthFailure(value.empty() ? "missing" : "invalid");
+      return ToGrpc(t.status());
+    }
+    *tenant = *std::move(t);
+    return grpc::Status::OK;
+  }
+
+  // INVALID_ARGUMENT naming the limit, counted in limit_rejections.
+  grpc::Status OverLimit(const char* limit, const std::string& why) {
+    m->LimitRejection(limit);
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
+  }
+
+  grpc::Status CheckRequestLimits(const engine::SamplingParams& sampling,
+                                  size_t prompt_tokens) {
+    const RequestLimits& l = config.limits;
+    if (l.max_prompt_tokens > 0 &&
+        prompt_tokens > static_cast<size_t>(l.max_prompt_tokens))
+      return OverLimit(
+          "prompt_tokens",
+          absl::StrCat("prompt has ", prompt_tokens,
+                       " tokens; this router accepts at most ",
+                       l.max_prompt_tokens, " (--max-prompt-tokens)"));
+    if (l.max_output_tokens > 0 &&
+        sampling.max_tokens > static_cast<uint32_t>(l.max_output_tokens))
+      return OverLimit(
+          "max_tokens",
+          absl::StrCat("max_tokens ", sampling.max_tokens,
+                       " is above this router's limit of ", l.max_output_tokens,
+                       " (--max-output-tokens)"));
+    if (sampling.stop.size() > static_cast<size_t>(l.max_stop_strings))
+      return OverLimit(
+          "stop_strings",
+          absl::StrCat(sampling.stop.size(), " stop strings; at most ",
+                       l.max_stop_strings, " allowed (--max-stop-strings)"));
+    for (const std::string& s : sampling.stop) {
+      if (s.size() > static_cast<size_t>(l.max_stop_string_bytes))
+        return OverLimit(
+            "stop_string_bytes",
+            absl::StrCat("a stop string has ", s.size(), " bytes; at most ",
+                         l.max_stop_string_bytes,
+                         " allowed (--max-stop-string-bytes)"));
+    }
+    return grpc::Status::OK;
+  }
+
   grpc::Status GenerateImpl(grpc::ServerContext* ctx,
                             const v1::GenerateRequest& req,
                             grpc::ServerWriter<v1::GenerateResponse>* writer,
-                            absl::Time start) {
+                            absl::Time start, const Tenant& tenant) {
     // Validate and tokenize.
     std::vector<int32_t> prompt;
     if (req.input_case() == v1::GenerateRequest::kPrompt) {
@@ -189,6 +332,27 @@ struct RouterServer::Impl final : public v1::Router::Service,
     }
     engine::SamplingParams sampling = SamplingFromProto(req.sampling());
     if (absl::Status s = sampling.Validate(); !s.ok()) return ToGrpc(s);
+    if (grpc::Status st = CheckRequestLimits(sampling, prompt.size()); !st.ok())
+      return st;
+    // Per-tenant admission; the lease ends with this call, however it ends.
+    if (auto no = limiter.Admit(tenant, static_cast<int64_t>(prompt.size()),
+                                absl::Now())) {
+      metrics::Must(m->tenant_rejections->WithLabels({tenant.name, no->limit}))
+          ->Increment();
+      return RetryLater(ctx, no->retry_after, no->message);
+    }
+    struct Lease {
+      TenantLimiter* l;
+      const Tenant& t;
+      ~Lease() { l->Release(t); }
+    } lease{&limiter, tenant};
+    // Tenants never share prefix blocks (nor prefix-hit timing) unless the
+    // router is told they may: the tenant is part of every block hash.
+    const std::string cache_salt =
+        tenant.name.empty() || config.shared_prefix_cache
+            ? req.cache_salt()
+            : absl::StrCat("tenant:", tenant.name.size(), ":", tenant.name, "|",
+                           req.cache_salt());
     const std::string id = req.request_id().empty()
                                ? absl::StrCat("req-", next_id++)
                                : req.request_id();
@@ -235,8 +399,8 @@ struct RouterServer::Impl final : public v1::Router::Service,
       std::vector<int32_t> tokens = prompt;
       tokens.insert(tokens.end(), generated.begin(), generated.end());
       // Hashed once here, for the decision and the speculative entries.
-      PromptHashes hashes(&tokens, req.cache_salt());
-      RouteRequest route{static_cast<int64_t>(tokens.size()), req.cache_salt(),
+      PromptHashes hashes(&tokens, cache_salt);
+      RouteRequest route{static_cast<int64_t>(tokens.size()), cache_salt,
                          &tokens, exclude, &hashes};
       auto decision = policy->Choose(route, workers);
       if (!decision.ok()) {
@@ -283,7 +447,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
       wreq.mutable_sampling()->set_max_tokens(
           sampling.max_tokens - static_cast<uint32_t>(generated.size()));
       wreq.mutable_sampling()->clear_stop();
-      wreq.set_cache_salt(req.cache_salt());
+      wreq.set_cache_salt(cache_salt);
       if (pre) wreq.set_prefill_address(pre->address);
       wreq.set_original_prompt_len(static_cast<uint32_t>(prompt.size()));
 
@@ -322,6 +486,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
           out.add_token_ids(t);
         }
         m->generation_tokens->Increment(resp.token_ids_size());
+        limiter.Charge(tenant, resp.token_ids_size(), now);
         auto delta =
             text.Push({out.token_ids().begin(), out.token_ids().end()});
         std::string piece = delta.text;
@@ -365,6 +530,15 @@ struct RouterServer::Impl final : public v1::Router::Service,
         last_error = grpc::Status(
             grpc::StatusCode::INTERNAL,
             "decode worker ended the stream without a finish reason");
+      } else if (wst.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                 deadline == start + config.request_timeout) {
+        m->LimitRejection("deadline");
+        return grpc::Status(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            absl::StrCat("request ran past the router's ceiling of ",
+                         absl::FormatDuration(config.request_timeout),
+                         " (--request-timeout-ms) after ", generated.size(),
+                         " tokens"));
       } else {
         last_error = wst;
       }
@@ -404,6 +578,10 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
       impl->policy,
       Policy::Create(config.policy, config.policy_config, &impl->index));
   impl->m = std::make_unique<RouterMetrics>(*registry);
+  if (!config.auth_tokens_file.empty()) {
+    ASSIGN_OR_RETURN(impl->auth, Authenticator::Create(config.auth_tokens_file,
+                                                       config.tenant_limits));
+  }
   Impl* raw = impl.get();
   impl->collector = registry->AddCollector([raw] {
     std::map<std::pair<std::string, std::string>, int> counts;
@@ -426,8 +604,21 @@ absl::StatusOr<int> RouterServer::Serve(const std::string& host, int port) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(host, ":", port),
-                           grpc::InsecureServerCredentials(), &bound);
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<grpc::ServerCredentials> creds,
+      tls::ServerCredentials(impl_->config.tls, tls::ClientAuth::kOptional));
+  builder.AddListeningPort(absl::StrCat(host, ":", port), creds, &bound);
+  const RequestLimits& limits = impl_->config.limits;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             limits.max_streams_per_connection);
+  // A hard bound under the in-flight limit: each sync call holds a thread,
+  // and past this many gRPC itself answers RESOURCE_EXHAUSTED.
+  if (limits.max_inflight_requests > 0) {
+    grpc::ResourceQuota quota("pdserve-router");
+    quota.SetMaxThreads(limits.max_inflight_requests + 64);
+    builder.SetResourceQuota(quota);
+  }
   builder.RegisterService(static_cast<v1::Router::Service*>(impl_.get()));
   builder.RegisterService(
       static_cast<v1::RouterControl::Service*>(impl_.get()));

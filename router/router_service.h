@@ -12,14 +12,29 @@
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "engine/tokenizer.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
+#include "router/auth.h"
 #include "router/policy.h"
 #include "router/prefix_index.h"
 #include "router/worker_registry.h"
 
 namespace pdserve::router {
+
+// Per-request and per-connection bounds; 0 means no limit where noted.
+struct RequestLimits {
+  int64_t max_message_bytes = 4 << 20;  // public port, per received message
+  int32_t max_prompt_tokens = 0;        // 0: only the workers' max_model_len
+  int32_t max_output_tokens = 0;        // ceiling on max_tokens; 0: none
+  int32_t max_stop_strings = 16;
+  int32_t max_stop_string_bytes = 256;
+  int32_t max_streams_per_connection = 100;  // HTTP/2 concurrent streams
+  // Generate calls in flight on this router; beyond it new ones are shed
+  // with RESOURCE_EXHAUSTED at once (the router never queues). 0: no limit.
+  int32_t max_inflight_requests = 1024;
+};
 
 struct RouterConfig {
   std::string model_dir;  // for the tokenizer
@@ -30,6 +45,20 @@ struct RouterConfig {
   absl::Duration speculative_ttl = absl::Seconds(2);
   absl::Duration request_timeout =
       absl::Minutes(10);  // server-side ceiling per request
+
+  // Security and limits (README "Security"). The public port's credentials;
+  // RouterControl (worker registration, ListWorkers) then requires a verified
+  // client certificate.
+  tls::TlsConfig tls{.insecure = true};
+  // Bearer tokens ("TOKEN TENANT [overrides]" lines); empty: no auth, and
+  // every request belongs to the unnamed tenant.
+  std::string auth_tokens_file;
+  TenantLimits tenant_limits;  // defaults for tenants without overrides
+  // Let tenants share prefix blocks (and prefix-hit timing). Off: the tenant
+  // is prepended to every request's cache_salt.
+  bool shared_prefix_cache = false;
+  RequestLimits limits;
+
   absl::Status Validate() const;
 };
 

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/tls.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "router/kv_event_applier.h"
 
@@ -65,7 +66,7 @@ WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
   e->view.address = address;
   e->view.role = role;
   e->view.stub = v1::Worker::NewStub(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+      grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
                                 kv_transfer::InternalChannelArgs()));
   entries_.push_back(std::move(e));
   return entries_.back().get();

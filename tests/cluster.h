@@ -84,16 +84,28 @@ std::string Scrape(int port);
 // Value of one exposition line ("name{labels}"), or -1.
 double MetricValue(const std::string& text, const std::string& series);
 
+inline bool HasTlsFlags(const std::vector<std::string>& flags) {
+  for (const auto& f : flags)
+    if (f.rfind("--tls-cert", 0) == 0 || f == "--insecure") return true;
+  return false;
+}
+
 struct Cluster {
   std::vector<Proc> prefill, decode;
   Proc router;
   std::unique_ptr<v1::Router::Stub> stub;
 
   // n_prefill == 0 with colocated: `worker --role both` processes.
-  static Cluster Start(const std::string& model, int n_prefill, int n_decode,
-                       const std::vector<std::string>& router_flags = {},
-                       const std::vector<std::string>& worker_flags = {}) {
+  // Plaintext (--insecure) unless the flags carry --tls-cert; then `creds`
+  // are the test client's (a client certificate, for ListWorkers).
+  static Cluster Start(
+      const std::string& model, int n_prefill, int n_decode,
+      const std::vector<std::string>& router_flags = {},
+      const std::vector<std::string>& worker_flags_in = {},
+      std::shared_ptr<grpc::ChannelCredentials> creds = nullptr) {
     Cluster c;
+    std::vector<std::string> worker_flags = worker_flags_in;
+    if (!HasTlsFlags(worker_flags)) worker_flags.push_back("--insecure");
     for (int i = 0; i < n_prefill + n_decode; ++i) {
       const bool is_prefill = i < n_prefill;
       const std::string role =
@@ -116,9 +128,11 @@ struct Cluster {
       args.push_back("--both-workers=" + absl::StrJoin(daddr, ","));
     }
     args.insert(args.end(), router_flags.begin(), router_flags.end());
+    if (!HasTlsFlags(router_flags)) args.push_back("--insecure");
     c.router = StartProcess("router", args);
     c.stub = v1::Router::NewStub(grpc::CreateChannel(
-        c.router.address, grpc::InsecureChannelCredentials()));
+        c.router.address,
+        creds != nullptr ? creds : grpc::InsecureChannelCredentials()));
     c.WaitForWorkers(n_prefill + n_decode);
     return c;
   }

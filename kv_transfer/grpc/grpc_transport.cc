@@ -6,6 +6,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "kv_transfer/grpc/chunk_codec.h"
 
 namespace pdserve::kv_transfer {
@@ -337,7 +338,7 @@ std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(
   auto& ch = channels_[destination];
   if (!ch) {
     ch = grpc::CreateCustomChannel(
-        destination, grpc::InsecureChannelCredentials(), InternalChannelArgs());
+        destination, tls::InternalChannelCredentials(), InternalChannelArgs());
   }
   return ch;
 }

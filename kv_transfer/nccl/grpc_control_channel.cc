@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/tls.h"
 
 namespace pdserve::kv_transfer::nccl {
 namespace {
@@ -203,7 +204,7 @@ GrpcControlChannelFactory::Connect(const std::string& destination) {
   // A fresh channel per link: links are few and long-lived, and a restarted
   // decode worker then gets a new connection.
   return std::unique_ptr<ControlChannel>(new ClientControlChannel(
-      grpc::CreateCustomChannel(destination, grpc::InsecureChannelCredentials(),
+      grpc::CreateCustomChannel(destination, tls::InternalChannelCredentials(),
                                 InternalChannelArgs()),
       destination));
 }
