@@ -61,7 +61,7 @@ ABSL_FLAG(std::string, decode_workers, "",
 ABSL_FLAG(std::string, both_workers, "",
           "router: colocated (--role both) worker addresses, comma-separated");
 ABSL_FLAG(std::string, policy, "cache_aware",
-          "router: cache_aware or round_robin");
+          "router: cache_aware, round_robin, least_loaded or cache_threshold");
 ABSL_FLAG(double, w_prefill, 1.0,
           "router: weight of uncached + queued prefill tokens");
 ABSL_FLAG(double, w_decode, 64.0, "router: weight of decode load (sequences)");
