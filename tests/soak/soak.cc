@@ -571,9 +571,15 @@ class Soak {
 
     // Workers: small KV pools so admission, eviction and reuse happen; a
     // short drain so SIGTERM finishes within the run.
-    const std::vector<std::string> worker_flags = {
-        "--model=" + model_, "--threads=1", "--kv-cache-memory=4MiB",
-        "--drain-timeout-ms=5000"};
+    std::vector<std::string> worker_flags = {"--model=" + model_, "--threads=1",
+                                             "--kv-cache-memory=4MiB",
+                                             "--drain-timeout-ms=5000"};
+    // Plaintext on loopback: binaries that demand TLS or an explicit choice
+    // get --insecure.
+    if (Run({cluster_.bin, "router", "--helpfull"}, &status).find("insecure") !=
+        std::string::npos)
+      security_.push_back("--insecure");
+    worker_flags.insert(worker_flags.end(), security_.begin(), security_.end());
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> a = {"worker", "--role=prefill"};
       a.insert(a.end(), worker_flags.begin(), worker_flags.end());
@@ -588,10 +594,12 @@ class Soak {
     std::vector<std::string> paddr, daddr;
     for (Proc* p : prefill_) paddr.push_back(p->address());
     for (Proc* p : decode_) daddr.push_back(p->address());
-    router_ = cluster_.Add("router", "router",
-                           {"router", "--model=" + model_,
-                            "--prefill-workers=" + absl::StrJoin(paddr, ","),
-                            "--decode-workers=" + absl::StrJoin(daddr, ",")});
+    std::vector<std::string> router_flags = {
+        "router", "--model=" + model_,
+        "--prefill-workers=" + absl::StrJoin(paddr, ","),
+        "--decode-workers=" + absl::StrJoin(daddr, ",")};
+    router_flags.insert(router_flags.end(), security_.begin(), security_.end());
+    router_ = cluster_.Add("router", "router", router_flags);
     for (Proc* p : prefill_) cluster_.Start(p);
     for (Proc* p : decode_) cluster_.Start(p);
     cluster_.Start(router_);
@@ -1151,6 +1159,7 @@ class Soak {
   std::vector<Proc*> prefill_, decode_;
   Proc* router_ = nullptr;
   std::vector<Spec> specs_;
+  std::vector<std::string> security_;  // --insecure where the binary has it
   std::atomic<bool> abort_{false};
 
   absl::Mutex mu_;
