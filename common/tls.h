@@ -48,6 +48,12 @@ struct TlsConfig {
   // INVALID_ARGUMENT unless exactly one of `insecure` or all three files is
   // given, and each file is readable PEM.
   absl::Status Validate() const;
+  // The plaintext config (what in-process tests and `pdserve up` use).
+  static TlsConfig Plaintext() {
+    TlsConfig c;
+    c.insecure = true;
+    return c;
+  }
 };
 
 // Which client certificates a server asks for.

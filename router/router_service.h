@@ -49,7 +49,7 @@ struct RouterConfig {
   // Security and limits (README "Security"). The public port's credentials;
   // RouterControl (worker registration, ListWorkers) then requires a verified
   // client certificate.
-  tls::TlsConfig tls{.insecure = true};
+  tls::TlsConfig tls = tls::TlsConfig::Plaintext();
   // Bearer tokens ("TOKEN TENANT [overrides]" lines); empty: no auth, and
   // every request belongs to the unnamed tenant.
   std::string auth_tokens_file;
