@@ -246,6 +246,40 @@ TEST_F(SecurityTest, MutualTlsClusterServesTlsClientsAndRefusesPlaintext) {
     EXPECT_FALSE(status_of(Mutual(stranger)).ok())
         << w->role << " accepted a certificate from a foreign CA";
   }
+
+  // Worker → router registration is mTLS too: a worker with the cluster's
+  // certificate registers; a plaintext one cannot.
+  std::vector<std::string> join = {"worker",
+                                   "--role=decode",
+                                   "--model=" + *model_,
+                                   "--port=0",
+                                   "--metrics-port=0",
+                                   "--threads=1",
+                                   "--router=" + c.router.address};
+  std::vector<std::string> plain_join = join;
+  plain_join.push_back("--insecure");
+  for (const auto& f : TlsFlags(one)) join.push_back(f);
+  Proc joined = StartProcess("decode", join);
+  Proc refused = StartProcess("decode", plain_join);
+  auto listed = [&](const std::string& address) {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!c.stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok())
+      return false;
+    for (const auto& w : resp.workers())
+      if (w.address() == address) return true;
+    return false;
+  };
+  bool registered = false;
+  for (int i = 0; i < 50 && !registered; ++i) {
+    registered = listed(joined.address);
+    if (!registered)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(registered) << "an mTLS worker could not register";
+  EXPECT_FALSE(listed(refused.address)) << "a plaintext worker registered";
+  Kill(&joined);
+  Kill(&refused);
 }
 
 TEST_F(SecurityTest, RotatedCertificateServesNewConnections) {
@@ -362,6 +396,15 @@ TEST_F(TenancyTest, BearerTokensTenantLimitsAndCacheIsolation) {
   Call bob_same = GenerateAs(stub, shared, "bob-token");
   ASSERT_TRUE(bob_same.status.ok());
   EXPECT_EQ(bob_same.last.usage().cached_prompt_tokens(), 0u);
+
+  // A token added to the file is accepted without a restart.
+  std::ofstream(tokens_, std::ios::app) << "carol-token carol\n";
+  bool reloaded = false;
+  for (int i = 0; i < 30 && !reloaded; ++i) {
+    reloaded = GenerateAs(stub, req, "carol-token").status.ok();
+    if (!reloaded) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(reloaded) << "the token file was not re-read";
 
   const std::string m = Scrape(c.router.metrics_port);
   EXPECT_GE(MetricValue(m, "pdserve_auth_failures_total{reason=\"missing\"}"),
