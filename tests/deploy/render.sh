@@ -68,6 +68,7 @@ done
 compositions=(
   "cpu autoscaling model-hostpath"
   "gpu gpu-rdma autoscaling"
+  "cpu tls"
 )
 used=" $(grep -ho 'components/[a-z0-9-]*' "$k8s"/overlays/*/kustomization.yaml | sed 's|components/||' | tr '\n' ' ') "
 for c in "${compositions[@]}"; do

@@ -20,7 +20,10 @@ really exported.
    some exposition (so histograms are referenced as _bucket/_sum/_count and
    never bare); every label="value" matcher on a pdserve_* selector must match
    an exported label value; every `by (...)` label must exist.
-4. SIGTERM stops every process promptly (no work in flight).
+4. The same with the components/tls rendering (combo-cpu-tls.yaml): mTLS
+   between the processes with a CA made here by openssl; a client with the CA
+   gets an answer, a plaintext one does not.
+5. SIGTERM stops every process promptly (no work in flight).
 """
 import json
 import os
@@ -54,8 +57,8 @@ def fail(msg):
 
 
 # ------------------------------------------------------------ 1. manifests
-def load_overlay():
-    objs = [o for o in yaml.safe_load_all((RENDERED / "overlay-cpu.yaml").read_text()) if o]
+def load_overlay(rendering="overlay-cpu.yaml"):
+    objs = [o for o in yaml.safe_load_all((RENDERED / rendering).read_text()) if o]
     config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("pdserve-config"))
     deployments = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
                    for o in objs if o["kind"] == "Deployment"}
@@ -190,6 +193,55 @@ def check_references(samples):
     return names_checked
 
 
+def check_tls(model, common):
+    """The components/tls rendering: the same cluster with the manifests'
+    certificate flags pointed at a throwaway CA made here with openssl."""
+    config, deployments = load_overlay("combo-cpu-tls.yaml")
+    tls = WORK / "tls"
+    tls.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (["openssl", "req", "-x509", *ec, "-days", "2", "-subj", "/CN=pdserve-deploy-check-ca",
+                 "-keyout", tls / "ca.key", "-out", tls / "ca.crt"],
+                ["openssl", "req", "-new", *ec, "-subj", "/CN=pdserve", "-addext",
+                 "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", tls / "tls.key", "-out", tls / "tls.csr"],
+                ["openssl", "x509", "-req", "-days", "2", "-in", tls / "tls.csr", "-CA", tls / "ca.crt",
+                 "-CAkey", tls / "ca.key", "-CAcreateserial", "-copy_extensions", "copy", "-out", tls / "tls.crt"]):
+        subprocess.run([str(c) for c in cmd], check=True, capture_output=True)
+    files = {"--tls-cert": str(tls / "tls.crt"), "--tls-key": str(tls / "tls.key"), "--tls-ca": str(tls / "ca.crt")}
+    over = dict(common, **files)
+    ends = {}
+    for role in ("prefill", "decode"):
+        c = deployments[role]["spec"]["template"]["spec"]["containers"][0]
+        if "--insecure" in c["args"]:
+            fail(f"components/tls: {role} still runs with --insecure")
+        ends[role] = start(f"tls-{role}", local_args(c, config, over))
+    c = deployments["router"]["spec"]["template"]["spec"]["containers"][0]
+    ends["router"] = start("tls-router", local_args(c, config, dict(over, **{
+        "--prefill-workers": ends["prefill"][0], "--decode-workers": ends["decode"][0]})))
+    deadline = time.time() + 20
+    while True:
+        _, text = http_get(ends["router"][1], "/metrics")
+        up = {(m[0], m[1]) for m in re.findall(r'pdserve_workers\{role="(\w+)",state="up"\} (\d+)', text)}
+        if {("prefill", "1"), ("decode", "1")} <= up:
+            break
+        if time.time() > deadline:
+            fail(f"components/tls: the router never reached both workers over mTLS:\n{text}")
+            return
+        time.sleep(0.2)
+    prompt = "pdserve deploy check over mutual TLS: long enough to be prefilled remotely " * 2
+    for extra, want in ((["--tls-ca", files["--tls-ca"]], 0), ([], 1)):
+        r = subprocess.run([PDSERVE, "generate", "--router", ends["router"][0], "--prompt", prompt,
+                            "--max-tokens", "4", "--timeout-ms", "30000", *extra],
+                           capture_output=True, text=True, timeout=60)
+        if (r.returncode == 0) != (want == 0):
+            fail(f"components/tls: generate {'with' if extra else 'without'} --tls-ca exited "
+                 f"{r.returncode}: {r.stderr.strip()[-300:]}")
+    _, text = http_get(ends["router"][1], "/metrics")
+    if not re.search(r'pdserve_prefill_decisions_total\{mode="remote"\} [1-9]', text):
+        fail("components/tls: the request was not prefilled remotely over mTLS")
+    print("components/tls: router, prefill and decode served a request over mTLS", flush=True)
+
+
 # ------------------------------------------------------------------- main
 def main():
     WORK.mkdir(parents=True, exist_ok=True)
@@ -255,6 +307,8 @@ def main():
         if not re.search(r'pdserve_kv_transfer_bytes_total\{direction="sent"\} [1-9]', prefill_text):
             fail("the prefill worker sent no KV bytes")
         del remote
+
+        check_tls(model, common)
 
         checked = check_references(samples)
         print(f"checked {len(checked)} metric names used by the dashboard, rules and adapter "

@@ -230,9 +230,25 @@ function checkWiring(name, objs, ctx) {
     if (String(ports.get("grpc")) !== flagValue(c.args, "--port")) fail(cw, `--port ${flagValue(c.args, "--port")} differs from the grpc port ${ports.get("grpc")}`);
     if (String(ports.get("metrics")) !== flagValue(c.args, "--metrics-port")) fail(cw, "--metrics-port differs from the metrics port");
     if (flagValue(c.args, "--host") !== "0.0.0.0") fail(cw, "--host must be 0.0.0.0 in a pod");
+    // Transport security: --insecure, or all three certificate flags, with
+    // the files on a mounted Secret. Native gRPC probes cannot speak TLS, so
+    // with certificates the probes go to /healthz on the metrics port.
+    const tlsFlags = ["--tls-cert", "--tls-key", "--tls-ca"].map((f) => flagValue(c.args, f));
+    const tls = tlsFlags.some((v) => v !== undefined);
+    if (tls === c.args.includes("--insecure")) fail(cw, "needs either --insecure or --tls-cert/--tls-key/--tls-ca");
+    if (tls) {
+      if (tlsFlags.some((v) => v === undefined)) fail(cw, "--tls-cert, --tls-key and --tls-ca go together");
+      const secretVolumes = new Set((spec.volumes ?? []).filter((v) => v.secret).map((v) => v.name));
+      for (const file of tlsFlags.filter((v) => v !== undefined)) {
+        const m = (c.volumeMounts ?? []).find((vm) => file.startsWith(vm.mountPath + "/"));
+        if (!m || !secretVolumes.has(m.name)) fail(cw, `${file} is not on a mounted Secret`);
+      }
+    }
     for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
       const p = c[probe];
-      if (!p?.grpc) fail(cw, `${probe} must be a native grpc probe`);
+      if (tls) {
+        if (p?.httpGet?.path !== "/healthz" || p.httpGet.port !== "metrics") fail(cw, `${probe} must GET /healthz on the metrics port (TLS)`);
+      } else if (!p?.grpc) fail(cw, `${probe} must be a native grpc probe`);
       else if (p.grpc.port !== ports.get("grpc")) fail(cw, `${probe}.grpc.port ${p.grpc.port} is not the grpc port ${ports.get("grpc")}`);
     }
     const ann = d.spec.template.metadata?.annotations ?? {};
