@@ -215,7 +215,14 @@ struct Cluster {
         return true;
       {
         absl::MutexLock l(&mu);
-        if (p->pid != pid) return false;  // died while starting
+        if (p->pid != pid) return false;  // reaped elsewhere
+        int status = 0;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+          p->pid = -1;
+          Log(absl::StrCat(p->name, " exited while starting; see ", log));
+          ++crashes[absl::StrCat(p->name, " (exited while starting)")];
+          return false;
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
@@ -419,15 +426,20 @@ struct Reference {
   std::string finish_reason;
 };
 
-std::string Run(const std::vector<std::string>& args, int* status) {
+// Runs a command to completion; its stdout (and stderr when asked).
+std::string Run(const std::vector<std::string>& args, int* status,
+                bool with_stderr = false) {
   int fds[2];
   if (pipe(fds) != 0) return "";
   const pid_t pid = fork();
   if (pid == 0) {
     dup2(fds[1], 1);
     close(fds[0]);
-    const int devnull = open("/dev/null", O_WRONLY);
-    dup2(devnull, 2);
+    if (with_stderr) {
+      dup2(fds[1], 2);
+    } else {
+      dup2(open("/dev/null", O_WRONLY), 2);
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -576,8 +588,9 @@ class Soak {
                                              "--drain-timeout-ms=5000"};
     // Plaintext on loopback: binaries that demand TLS or an explicit choice
     // get --insecure.
-    if (Run({cluster_.bin, "router", "--helpfull"}, &status).find("insecure") !=
-        std::string::npos)
+    if (Run({cluster_.bin, "router", "--insecure", "--model=/nonexistent"},
+            &status, true)
+            .find("Unknown command line flag") == std::string::npos)
       security_.push_back("--insecure");
     worker_flags.insert(worker_flags.end(), security_.begin(), security_.end());
     for (int i = 0; i < 2; ++i) {
