@@ -369,8 +369,19 @@ TEST_F(TenancyTest, BearerTokensTenantLimitsAndCacheIsolation) {
               HasSubstr("requests in flight (limit 1)"));
   EXPECT_THAT(second.status.error_message(), HasSubstr("retry after"));
   EXPECT_FALSE(second.RetryAfter().empty());
-  // Once it ended, solo is admitted again.
-  EXPECT_TRUE(GenerateAs(stub, Request("hi", 2), "solo-token").status.ok());
+  // Once it ended, solo is admitted again (the router notices the client's
+  // cancellation asynchronously, so allow it a moment).
+  bool admitted = false;
+  for (int i = 0; i < 50 && !admitted; ++i) {
+    const Call again = GenerateAs(stub, Request("hi", 2), "solo-token");
+    admitted = again.status.ok();
+    if (!admitted) {
+      ASSERT_EQ(again.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << again.status.error_message();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  EXPECT_TRUE(admitted) << "the concurrency lease was not released";
 
   // Tokens per minute: meter's first request spends the minute's budget.
   Call spend =
@@ -411,7 +422,7 @@ TEST_F(TenancyTest, BearerTokensTenantLimitsAndCacheIsolation) {
             1);
   EXPECT_GE(MetricValue(m, "pdserve_auth_failures_total{reason=\"invalid\"}"),
             1);
-  EXPECT_EQ(MetricValue(m,
+  EXPECT_GE(MetricValue(m,
                         "pdserve_tenant_rejections_total{tenant=\"solo\","
                         "limit=\"concurrency\"}"),
             1);

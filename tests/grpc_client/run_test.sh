@@ -101,10 +101,10 @@ start() {
   STARTED_ADDR=$addr
 }
 
-start worker worker --role both --model "$RUN/model" --port 0 --metrics-port 0
+start worker worker --role both --model "$RUN/model" --port 0 --metrics-port 0 --insecure
 WORKER=$STARTED_ADDR
 log "worker listening on $WORKER"
-start router router --model "$RUN/model" --port 0 --metrics-port 0 --both-workers "$WORKER"
+start router router --model "$RUN/model" --port 0 --metrics-port 0 --both-workers "$WORKER" --insecure
 ROUTER=$STARTED_ADDR
 log "router listening on $ROUTER"
 
