@@ -258,7 +258,8 @@ const std::vector<Command>& AllCommands() {
        "and prints\n"
        "their endpoints. Without --model it creates the default small model "
        "under\n"
-       "~/.cache/pdserve/models. Plaintext: for local use. Ctrl-C stops "
+       "~/.cache/pdserve/models. Plaintext (--insecure) unless given "
+       "--tls-cert,\n--tls-key and --tls-ca: for local use. Ctrl-C stops "
        "everything.\n\n" +
            std::string(kEngineFlags),
        RunUp},
@@ -271,30 +272,48 @@ const std::vector<Command>& AllCommands() {
        "cache_aware|round_robin|least_loaded|cache_threshold]\n"
        "       [--w-prefill 1] [--w-decode "
        "64]\n"
-       "       [--local-prefill-threshold 32] [--max-retries 3]\n\n"
+       "       [--local-prefill-threshold 32] [--max-retries 3]\n"
+       "       (--tls-cert F --tls-key F --tls-ca F [--tls-reload-seconds 10] "
+       "| --insecure)\n"
+       "       [--auth-tokens FILE] [--tenant-max-concurrent N] "
+       "[--tenant-tokens-per-minute N]\n"
+       "       [--shared-prefix-cache] [--request-timeout-ms 600000] "
+       "[--max-message-bytes 4194304]\n"
+       "       [--max-prompt-tokens 0] [--max-output-tokens 0] "
+       "[--max-stop-strings 16]\n"
+       "       [--max-stop-string-bytes 256] [--max-streams-per-connection "
+       "100]\n"
+       "       [--max-inflight-requests 1024]\n\n"
        "Worker lists take host:port or dns:NAME:PORT (every address of NAME, "
        "e.g. a\n"
        "Kubernetes headless Service). Workers started with --router register "
-       "themselves.\n",
+       "themselves.\n"
+       "Certificates (mTLS with every worker, TLS for clients) or an explicit "
+       "--insecure\n"
+       "are required; README \"Security\" explains tokens, tenants and "
+       "limits.\n",
        RunRouter},
       {"prefill", "a prefill worker",
        "prefill --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
        "[--advertise HOST]\n"
-       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n\n" +
+       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n"
+       "        (--tls-cert F --tls-key F --tls-ca F | --insecure)\n\n" +
            std::string(kEngineFlags),
        RunPrefillWorker},
       {"decode", "a decode worker",
        "decode --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
        "[--advertise HOST]\n"
        "       [--router ADDR] [--admission-timeout-ms 10000] [engine "
-       "flags]\n\n" +
+       "flags]\n"
+       "       (--tls-cert F --tls-key F --tls-ca F | --insecure)\n\n" +
            std::string(kEngineFlags),
        RunDecodeWorker},
       {"worker",
        "a worker of any role (--role both: colocated prefill + decode)",
        "worker --role prefill|decode|both --model DIR [--port 0] "
        "[--metrics-port 0] [--router ADDR]\n"
-       "       [engine flags]\n\n" +
+       "       (--tls-cert F --tls-key F --tls-ca F | --insecure) [engine "
+       "flags]\n\n" +
            std::string(kEngineFlags),
        RunWorker},
       {"generate", "generate text through a router, or in-process with --model",
@@ -306,7 +325,13 @@ const std::vector<Command>& AllCommands() {
        "Streams exactly the generated text to stdout; --json prints token ids, "
        "text,\n"
        "finish reason and usage instead. --timeout-ms sets a deadline (router "
-       "only).\n\n" +
+       "only).\n"
+       "With --router: --tls-ca FILE (or --tls: system roots) connects with "
+       "TLS,\n"
+       "--tls-server-name NAME, --tls-cert/--tls-key present a client "
+       "certificate,\n"
+       "--auth-token T (default $PDSERVE_AUTH_TOKEN) sends a bearer "
+       "token.\n\n" +
            std::string(kEngineFlags),
        RunGenerate},
       {"kv-budget", "KV cache size arithmetic as JSON",
