@@ -12,7 +12,7 @@ DEB_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
-  prometheus python3-torch python3-numpy
+  prometheus python3-torch python3-numpy openssl
 )
 # Only for the fuzz targets (tests/fuzz): clang and its libFuzzer runtime.
 FUZZ_DEB_PACKAGES=(clang libclang-rt-14-dev)
