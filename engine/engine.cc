@@ -301,10 +301,9 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     on_layer_written = [&](int32_t layer) {
       for (const Scheduled& s : batch) {
         if (!s.seq->req.on_layer_written) continue;
-        s.seq->req.on_layer_written(
-            {layer, s.seq->num_computed + s.num_tokens, s.seq->num_prompt,
-             s.seq->blocks},
-            blocks_);
+        s.seq->req.on_layer_written({layer, s.seq->num_computed + s.num_tokens,
+                                     s.seq->num_prompt, s.seq->blocks},
+                                    blocks_);
       }
     };
   }
