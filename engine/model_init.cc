@@ -47,105 +47,75 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
 
 }  // namespace
 
+namespace {
+
+// A preset's shape. The family presets copy their family's config at tiny
+// size: which attention layout, RoPE, bias, norms and embedding tying it has.
+struct PresetShape {
+  const char* name;
+  const char* architecture;
+  int64_t hidden, intermediate, layers, heads, kv_heads, head_dim, max_position;
+  double rope_theta, rms_norm_eps;
+  bool qkv_bias = false, qk_norm = false, tied = false;
+  // "llama3" RoPE scaling: factor 8, low/high frequency factors 1 and 4, and
+  // an original context of 256 (8192 in Llama 3.1) so that every frequency
+  // band is exercised at test lengths.
+  bool llama3_rope = false;
+};
+
+constexpr PresetShape kPresets[] = {
+    // Tests and the demo.
+    {"tiny", "LlamaForCausalLM", 64, 160, 2, 4, 2, 16, 2048, 1e4, 1e-5},
+    {"small", "LlamaForCausalLM", 512, 1408, 8, 8, 2, 64, 4096, 1e4, 1e-5},
+    // Llama 2: multi-head attention (no GQA), untied embeddings.
+    {"llama2", "LlamaForCausalLM", 64, 172, 2, 4, 4, 16, 4096, 1e4, 1e-5},
+    // Llama 3: GQA 4:1, rope_theta 5e5; 3.1 adds the llama3 RoPE scaling.
+    {"llama3", "LlamaForCausalLM", 64, 224, 2, 8, 2, 8, 2048, 5e5, 1e-5},
+    {"llama3.1", "LlamaForCausalLM", 64, 224, 2, 8, 2, 8, 2048, 5e5, 1e-5,
+     false, false, false, true},
+    // Mistral 7B: GQA 4:1, rope_theta 1e6.
+    {"mistral", "MistralForCausalLM", 64, 224, 2, 8, 2, 8, 4096, 1e6, 1e-5},
+    // Qwen2.5: q/k/v bias, GQA, rms eps 1e-6, tied embeddings.
+    {"qwen2", "Qwen2ForCausalLM", 64, 192, 2, 4, 1, 16, 4096, 1e6, 1e-6, true,
+     false, true},
+    // Qwen3: RMSNorm on each q/k head, head_dim larger than hidden / heads,
+    // no bias, tied embeddings.
+    {"qwen3", "Qwen3ForCausalLM", 64, 192, 2, 4, 2, 32, 4096, 1e6, 1e-6, false,
+     true, true},
+};
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
-  ModelConfig c;
-  c.vocab_size = ByteTokenizer::kVocab;
-  c.bos_token_id = ByteTokenizer::kBos;
-  c.eos_token_id = ByteTokenizer::kEos;
-  c.rope_theta = 10000.0;
-  c.rms_norm_eps = 1e-5;
-  if (preset == "tiny") {
-    c.hidden_size = 64;
-    c.intermediate_size = 160;
-    c.num_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 16;
-    c.max_position_embeddings = 2048;
-  } else if (preset == "small") {
-    c.hidden_size = 512;
-    c.intermediate_size = 1408;
-    c.num_layers = 8;
-    c.num_heads = 8;
-    c.num_kv_heads = 2;
-    c.head_dim = 64;
-    c.max_position_embeddings = 4096;
-  } else if (preset == "llama2") {
-    // Llama 2 7B's shape, scaled down: multi-head attention (no GQA),
-    // rope_theta 1e4, untied embeddings.
-    c.hidden_size = 64;
-    c.intermediate_size = 172;
-    c.num_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 4;
-    c.head_dim = 16;
-    c.max_position_embeddings = 4096;
-    c.rms_norm_eps = 1e-5;
-  } else if (preset == "llama3" || preset == "llama3.1") {
-    // Llama 3 8B's shape, scaled down: GQA 4:1, rope_theta 5e5; 3.1 adds the
-    // "llama3" RoPE frequency scaling (factor 8, original context 8192 scaled
-    // down to 256 so that every frequency band is exercised).
-    c.architecture = "LlamaForCausalLM";
-    c.hidden_size = 64;
-    c.intermediate_size = 224;
-    c.num_layers = 2;
-    c.num_heads = 8;
-    c.num_kv_heads = 2;
-    c.head_dim = 8;
-    c.max_position_embeddings = 2048;
-    c.rope_theta = 500000.0;
-    if (preset == "llama3.1") {
+  for (const PresetShape& p : kPresets) {
+    if (preset != p.name) continue;
+    ModelConfig c;
+    c.vocab_size = ByteTokenizer::kVocab;
+    c.bos_token_id = ByteTokenizer::kBos;
+    c.eos_token_id = ByteTokenizer::kEos;
+    c.architecture = p.architecture;
+    c.hidden_size = p.hidden;
+    c.intermediate_size = p.intermediate;
+    c.num_layers = p.layers;
+    c.num_heads = p.heads;
+    c.num_kv_heads = p.kv_heads;
+    c.head_dim = p.head_dim;
+    c.max_position_embeddings = p.max_position;
+    c.rope_theta = p.rope_theta;
+    c.rms_norm_eps = p.rms_norm_eps;
+    c.attention_bias = p.qkv_bias;
+    c.qk_norm = p.qk_norm;
+    c.tie_word_embeddings = p.tied;
+    if (p.llama3_rope) {
       c.rope_scaling.factor = 8.0;
       c.rope_scaling.low_freq_factor = 1.0;
       c.rope_scaling.high_freq_factor = 4.0;
       c.rope_scaling.original_max_position_embeddings = 256;
     }
-  } else if (preset == "mistral") {
-    // Mistral 7B's shape, scaled down: GQA 4:1, rope_theta 1e6.
-    c.architecture = "MistralForCausalLM";
-    c.hidden_size = 64;
-    c.intermediate_size = 224;
-    c.num_layers = 2;
-    c.num_heads = 8;
-    c.num_kv_heads = 2;
-    c.head_dim = 8;
-    c.max_position_embeddings = 4096;
-    c.rope_theta = 1000000.0;
-  } else if (preset == "qwen2") {
-    // Qwen2.5 0.5B's shape, scaled down: q/k/v bias, GQA 7:1 → 4:1 here,
-    // rms eps 1e-6, tied embeddings.
-    c.architecture = "Qwen2ForCausalLM";
-    c.attention_bias = true;
-    c.tie_word_embeddings = true;
-    c.hidden_size = 64;
-    c.intermediate_size = 192;
-    c.num_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 1;
-    c.head_dim = 16;
-    c.max_position_embeddings = 4096;
-    c.rope_theta = 1000000.0;
-    c.rms_norm_eps = 1e-6;
-  } else if (preset == "qwen3") {
-    // Qwen3 0.6B's shape, scaled down: RMSNorm on each q/k head, head_dim
-    // larger than hidden / heads, no bias, tied embeddings.
-    c.architecture = "Qwen3ForCausalLM";
-    c.qk_norm = true;
-    c.tie_word_embeddings = true;
-    c.hidden_size = 64;
-    c.intermediate_size = 192;
-    c.num_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 32;
-    c.max_position_embeddings = 4096;
-    c.rope_theta = 1000000.0;
-    c.rms_norm_eps = 1e-6;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown preset \"", preset, "\" (choose one of: ", kPresetNames, ")"));
+    return c;
   }
-  return c;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown preset \"", preset, "\" (choose one of: ", kPresetNames, ")"));
 }
 
 absl::Status WriteRandomModel(const ModelInitOptions& options) {
