@@ -1,8 +1,8 @@
 #include "common/metrics.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <type_traits>
 
@@ -11,6 +11,13 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 namespace pdserve::metrics {
 namespace {
@@ -69,18 +76,6 @@ bool IsValidUtf8(std::string_view s) {
   return true;
 }
 
-const char* TypeName(MetricType type) {
-  switch (type) {
-    case MetricType::kCounter:
-      return "counter";
-    case MetricType::kGauge:
-      return "gauge";
-    case MetricType::kHistogram:
-      return "histogram";
-  }
-  return "untyped";
-}
-
 // Series names a family renders; two families may not share any.
 std::vector<std::string> SeriesNames(MetricType type, const std::string& name) {
   if (type != MetricType::kHistogram) return {name};
@@ -91,7 +86,7 @@ std::vector<std::string> SeriesNames(MetricType type, const std::string& name) {
 absl::Status ValidateFamily(MetricType type, const std::string& name,
                             const std::string& help,
                             const std::vector<std::string>& label_names) {
-  if (!IsValidName(name, /*allow_colon=*/true)) {
+  if (!IsValidName(name, /*allow_colon=*/true) || name.starts_with("__")) {
     return absl::InvalidArgumentError(
         absl::StrCat("invalid metric name \"", absl::CEscape(name), "\""));
   }
@@ -138,136 +133,90 @@ absl::Status NormalizeBounds(const std::string& name,
   return absl::OkStatus();
 }
 
-// Shortest text that parses back to `value`, in the forms Prometheus reads.
-// Whole numbers below 2^53 (counts, token totals) print without an exponent.
-void AppendNumber(double value, std::string& out) {
-  if (std::isnan(value)) {
-    out += "NaN";
-  } else if (std::isinf(value)) {
-    out += value > 0 ? "+Inf" : "-Inf";
-  } else if (std::abs(value) < 0x1p53 && value == std::trunc(value)) {
-    absl::StrAppend(&out, static_cast<int64_t>(value));
-  } else {
-    char buf[32];
-    const auto result = std::to_chars(buf, buf + sizeof(buf), value);
-    out.append(buf, result.ptr);
-  }
-}
-
-// Help escapes backslash and newline; label values also escape '"'.
-void AppendEscaped(std::string_view text, bool escape_quote, std::string& out) {
-  for (const char c : text) {
+// prometheus-cpp 1.0.1's TextSerializer escapes label values but writes HELP
+// verbatim, so a backslash or newline in help would corrupt the scrape. The
+// format escapes both in help (and nothing else).
+std::string EscapeHelp(std::string_view help) {
+  std::string out;
+  out.reserve(help.size());
+  for (const char c : help) {
     if (c == '\\') {
       out += "\\\\";
     } else if (c == '\n') {
       out += "\\n";
-    } else if (c == '"' && escape_quote) {
-      out += "\\\"";
     } else {
       out += c;
     }
   }
+  return out;
 }
 
-// Appends `{a="x",b="y"}` (with `le` last when given), or nothing when there
-// are no labels at all.
-void AppendLabels(const std::vector<std::string>& names,
-                  const std::vector<std::string>& values, const double* le,
-                  std::string& out) {
-  if (names.empty() && le == nullptr) return;
-  out += '{';
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += ',';
-    absl::StrAppend(&out, names[i], "=\"");
-    AppendEscaped(values[i], /*escape_quote=*/true, out);
-    out += '"';
+// prometheus-cpp keeps a child's labels in a std::map, so they come out sorted
+// by name; put them back in the family's declaration order.
+void OrderLabels(const std::vector<std::string>& label_names,
+                 std::vector<prometheus::ClientMetric::Label>& labels) {
+  std::vector<prometheus::ClientMetric::Label> ordered;
+  ordered.reserve(labels.size());
+  for (const std::string& name : label_names) {
+    auto it = std::find_if(labels.begin(), labels.end(),
+                           [&](const auto& l) { return l.name == name; });
+    if (it != labels.end()) ordered.push_back(std::move(*it));
   }
-  if (le != nullptr) {
-    out += names.empty() ? "le=\"" : ",le=\"";
-    AppendNumber(*le, out);
-    out += '"';
-  }
-  out += '}';
-}
-
-void AppendSample(std::string_view series, const FamilyBase& family,
-                  const std::vector<std::string>& values, const double* le,
-                  double value, std::string& out) {
-  out += series;
-  AppendLabels(family.label_names(), values, le, out);
-  out += ' ';
-  AppendNumber(value, out);
-  out += '\n';
-}
-
-template <typename Metric>
-void AppendScalarFamily(const MetricFamily<Metric>& family, std::string& out) {
-  for (const auto& [values, metric] : family.Children()) {
-    AppendSample(family.name(), family, values, nullptr, metric->Value(), out);
-  }
-}
-
-void AppendHistogramFamily(const HistogramFamily& family, std::string& out) {
-  const std::string bucket = absl::StrCat(family.name(), "_bucket");
-  for (const auto& [values, histogram] : family.Children()) {
-    const std::vector<uint64_t> counts = histogram->CumulativeCounts();
-    const std::span<const double> bounds = histogram->bounds();
-    for (size_t i = 0; i < counts.size(); ++i) {
-      const double le = i < bounds.size() ? bounds[i] : kInf;
-      AppendSample(bucket, family, values, &le, counts[i], out);
-    }
-    AppendSample(absl::StrCat(family.name(), "_sum"), family, values, nullptr,
-                 histogram->Sum(), out);
-    AppendSample(absl::StrCat(family.name(), "_count"), family, values, nullptr,
-                 counts.back(), out);
-  }
+  labels = std::move(ordered);
 }
 
 }  // namespace
 
 void Counter::Increment(double delta) {
+  // prometheus-cpp drops negative deltas but would add NaN.
   if (!(delta > 0)) return;
-  value_.fetch_add(delta, std::memory_order_relaxed);
+  backend_.Increment(delta);
 }
 
-void Gauge::Increment(double delta) {
-  value_.fetch_add(delta, std::memory_order_relaxed);
-}
+double Counter::Value() const { return backend_.Value(); }
 
-Histogram::Histogram(std::span<const double> bounds)
-    : bounds_(bounds),
-      bucket_counts_(new std::atomic<uint64_t>[bounds.size() + 1]()) {}
+void Gauge::Set(double value) { backend_.Set(value); }
+
+void Gauge::Increment(double delta) { backend_.Increment(delta); }
+
+double Gauge::Value() const { return backend_.Value(); }
 
 void Histogram::Observe(double value) {
+  // prometheus-cpp would count NaN in +Inf and make the sum NaN for good.
   if (std::isnan(value)) return;
-  const size_t bucket =
-      std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin();
-  bucket_counts_[bucket].fetch_add(1, std::memory_order_relaxed);
-  sum_.fetch_add(value, std::memory_order_relaxed);
+  backend_.Observe(value);
 }
 
 std::vector<uint64_t> Histogram::CumulativeCounts() const {
-  std::vector<uint64_t> counts(bounds_.size() + 1);
-  uint64_t total = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    total += bucket_counts_[i].load(std::memory_order_relaxed);
-    counts[i] = total;
+  const prometheus::ClientMetric snapshot = backend_.Collect();
+  std::vector<uint64_t> counts;
+  counts.reserve(snapshot.histogram.bucket.size());
+  for (const auto& bucket : snapshot.histogram.bucket) {
+    counts.push_back(bucket.cumulative_count);
   }
   return counts;
 }
 
-uint64_t Histogram::Count() const { return CumulativeCounts().back(); }
+uint64_t Histogram::Count() const {
+  return backend_.Collect().histogram.sample_count;
+}
+
+double Histogram::Sum() const {
+  return backend_.Collect().histogram.sample_sum;
+}
 
 template <typename Metric>
 MetricFamily<Metric>::MetricFamily(std::string name, std::string help,
                                    std::vector<std::string> label_names,
-                                   std::vector<double> bounds)
+                                   std::vector<double> bounds,
+                                   prometheus::Family<Backend>& backend)
     : FamilyBase(std::move(name), std::move(help),
                  std::is_same_v<Metric, Counter> ? MetricType::kCounter
                  : std::is_same_v<Metric, Gauge> ? MetricType::kGauge
                                                  : MetricType::kHistogram,
                  std::move(label_names)),
-      bounds_(std::move(bounds)) {
+      bounds_(std::move(bounds)),
+      backend_(backend) {
   if (this->label_names().empty()) (void)WithLabels({});
 }
 
@@ -289,12 +238,22 @@ absl::StatusOr<Metric*> MetricFamily<Metric>::WithLabels(
   }
   std::vector<std::string> key(values.begin(), values.end());
   absl::MutexLock lock(&mu_);
-  std::unique_ptr<Metric>& child = children_[std::move(key)];
+  std::unique_ptr<Metric>& child = children_[key];
   if (child == nullptr) {
-    if constexpr (std::is_same_v<Metric, Histogram>) {
-      child = std::make_unique<Histogram>(bounds_);
-    } else {
-      child = std::make_unique<Metric>();
+    prometheus::Labels labels;
+    for (size_t i = 0; i < key.size(); ++i) labels[label_names()[i]] = key[i];
+    // Names and values were checked above, so prometheus-cpp has nothing to
+    // throw for; exceptions still stop here rather than cross into callers.
+    try {
+      if constexpr (std::is_same_v<Metric, Histogram>) {
+        child.reset(new Histogram(backend_.Add(labels, bounds_), bounds_));
+      } else {
+        child.reset(new Metric(backend_.Add(labels)));
+      }
+    } catch (const std::exception& e) {
+      children_.erase(key);
+      return absl::InternalError(
+          absl::StrCat("metric ", name(), ": prometheus-cpp: ", e.what()));
     }
   }
   return child.get();
@@ -335,6 +294,10 @@ std::vector<double> DefaultLatencyBuckets() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
           0.5,   1,      2.5,   5,    10,    25,   60};
 }
+
+Registry::Registry() : backend_(std::make_unique<prometheus::Registry>()) {}
+
+Registry::~Registry() = default;
 
 Registry& Registry::Default() {
   static Registry* const registry = new Registry();
@@ -396,9 +359,29 @@ absl::StatusOr<MetricFamily<Metric>*> Registry::Add(
                        ", which belongs to metric ", it->second));
     }
   }
+  prometheus::Family<typename MetricFamily<Metric>::Backend>* backend;
+  // Validated above, and the name is new to backend_ (its families are only
+  // ever added here), so prometheus-cpp should not throw; if it does, the
+  // exception stops here.
+  try {
+    if constexpr (std::is_same_v<Metric, Counter>) {
+      backend =
+          &prometheus::BuildCounter().Name(name).Help(help).Register(*backend_);
+    } else if constexpr (std::is_same_v<Metric, Gauge>) {
+      backend =
+          &prometheus::BuildGauge().Name(name).Help(help).Register(*backend_);
+    } else {
+      backend = &prometheus::BuildHistogram().Name(name).Help(help).Register(
+          *backend_);
+    }
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metric ", name, ": prometheus-cpp: ", e.what()));
+  }
   for (const std::string& s : series) series_owner_.emplace(s, name);
-  auto* family = new MetricFamily<Metric>(
-      name, std::move(help), std::move(label_names), std::move(bounds));
+  auto* family =
+      new MetricFamily<Metric>(name, std::move(help), std::move(label_names),
+                               std::move(bounds), *backend);
   families_.emplace(std::move(name), std::unique_ptr<FamilyBase>(family));
   return family;
 }
@@ -436,36 +419,40 @@ void Registry::RemoveCollector(uint64_t id) {
   collectors_.erase(id);
 }
 
-std::string Registry::Render() const {
+std::vector<prometheus::MetricFamily> Registry::Collect() const {
   {
     absl::MutexLock lock(&collect_mu_);
     for (const auto& [id, collect] : collectors_) collect();
   }
-  std::string out;
   absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [name, family] : families_) {
-    // A labelled family with no children yet has nothing to show; its
-    // HELP/TYPE lines alone would only add noise.
-    std::string samples;
-    switch (family->type()) {
-      case MetricType::kCounter:
-        AppendScalarFamily(static_cast<const CounterFamily&>(*family), samples);
-        break;
-      case MetricType::kGauge:
-        AppendScalarFamily(static_cast<const GaugeFamily&>(*family), samples);
-        break;
-      case MetricType::kHistogram:
-        AppendHistogramFamily(static_cast<const HistogramFamily&>(*family),
-                              samples);
-        break;
+  // Only families with at least one child: a labelled family nobody has
+  // resolved a child of would render HELP/TYPE alone, which is only noise.
+  std::vector<prometheus::MetricFamily> families = backend_->Collect();
+  for (prometheus::MetricFamily& family : families) {
+    if (auto it = families_.find(family.name); it != families_.end()) {
+      for (prometheus::ClientMetric& metric : family.metric) {
+        OrderLabels(it->second->label_names(), metric.label);
+      }
     }
-    if (samples.empty()) continue;
-    absl::StrAppend(&out, "# HELP ", name, " ");
-    AppendEscaped(family->help(), /*escape_quote=*/false, out);
-    absl::StrAppend(&out, "\n# TYPE ", name, " ", TypeName(family->type()),
-                    "\n", samples);
+    // Labels are now in the same order in every child, so comparing the
+    // (name, value) lists compares the values.
+    std::sort(
+        family.metric.begin(), family.metric.end(),
+        [](const prometheus::ClientMetric& a,
+           const prometheus::ClientMetric& b) { return a.label < b.label; });
   }
-  return out;
+  std::sort(families.begin(), families.end(),
+            [](const prometheus::MetricFamily& a,
+               const prometheus::MetricFamily& b) { return a.name < b.name; });
+  return families;
+}
+
+std::string Registry::Render() const {
+  std::vector<prometheus::MetricFamily> families = Collect();
+  for (prometheus::MetricFamily& family : families) {
+    family.help = EscapeHelp(family.help);
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace pdserve::metrics

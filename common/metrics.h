@@ -1,11 +1,28 @@
 // Prometheus metrics: counters, gauges and histograms with labels, kept in a
 // Registry and rendered in the text exposition format 0.0.4.
 //
+// This is a thin facade over prometheus-cpp (Debian prometheus-cpp-dev): every
+// family is a prometheus::Family in one prometheus::Registry and rendering is
+// prometheus::TextSerializer's. The facade adds what pdserve's callers rely on
+// and prometheus-cpp 1.0.1 does not give:
+//   - registration returns a Status instead of throwing, and rejects what
+//     Prometheus would reject at scrape time (bad names, non-UTF-8 help or
+//     label values, `le` on a histogram, colliding series, counters without
+//     `_total`);
+//   - families declare their label names, children are resolved by position,
+//     and a series renders its labels in declaration order (tests and
+//     dashboards match `{tenant="a",limit="b"}` literally; prometheus-cpp
+//     would sort them by name);
+//   - families render sorted by name, children by label values, so output is
+//     deterministic;
+//   - counters ignore NaN as well as negative deltas, histograms ignore NaN;
+//   - collectors that refresh gauges lazily just before each render.
+//
 // Each component declares its metrics once, at start-up: it registers a family
 // (name, help, label names) and resolves every label combination it will use
 // to a child with WithLabels(). Families and children are never removed, so
 // the returned pointers stay valid for the registry's lifetime and the hot
-// path is a relaxed atomic update with no lock and no lookup:
+// path is one update with no lookup:
 //
 //   ASSIGN_OR_RETURN(CounterFamily* requests,
 //                    registry.AddCounter("pdserve_requests_total",
@@ -19,12 +36,12 @@
 // be refreshed lazily by a collector that sets gauges just before rendering.
 //
 // Thread-safety: everything here is thread-safe. Registration and WithLabels
-// take a mutex. Counter, Gauge and Histogram updates are lock-free. Render may
-// run concurrently with updates; each value is read atomically, but a
-// histogram's sum is not read in the same instant as its buckets.
+// take a mutex. Counter and Gauge updates are lock-free atomics; a Histogram
+// observation takes that histogram's own short mutex (prometheus-cpp's), so a
+// histogram's buckets, count and sum are always read in the same instant.
+// Render may run concurrently with updates.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -39,68 +56,89 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "prometheus/collectable.h"
+
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
 
 namespace pdserve::metrics {
 
 enum class MetricType { kCounter, kGauge, kHistogram };
 
+template <typename Metric>
+class MetricFamily;
+
 // A monotonically increasing value, such as requests served or tokens
 // generated.
 class Counter {
  public:
-  Counter() = default;
   Counter(const Counter&) = delete;
   Counter& operator=(const Counter&) = delete;
 
   // Adds `delta`. Negative and NaN deltas are ignored: a counter never falls.
   void Increment(double delta = 1);
-  double Value() const { return value_.load(std::memory_order_relaxed); }
+  double Value() const;
 
  private:
-  std::atomic<double> value_{0};
+  friend class MetricFamily<Counter>;
+  using Backend = prometheus::Counter;
+  explicit Counter(prometheus::Counter& backend) : backend_(backend) {}
+
+  prometheus::Counter& backend_;
 };
 
 // A value that goes up and down, such as queue depth or free KV blocks.
 class Gauge {
  public:
-  Gauge() = default;
   Gauge(const Gauge&) = delete;
   Gauge& operator=(const Gauge&) = delete;
 
-  void Set(double value) { value_.store(value, std::memory_order_relaxed); }
+  void Set(double value);
   void Increment(double delta = 1);
   void Decrement(double delta = 1) { Increment(-delta); }
-  double Value() const { return value_.load(std::memory_order_relaxed); }
+  double Value() const;
 
  private:
-  std::atomic<double> value_{0};
+  friend class MetricFamily<Gauge>;
+  using Backend = prometheus::Gauge;
+  explicit Gauge(prometheus::Gauge& backend) : backend_(backend) {}
+
+  prometheus::Gauge& backend_;
 };
 
 // Counts observations (typically latencies in seconds) into fixed buckets.
 class Histogram {
  public:
-  // `bounds`: finite, strictly increasing bucket upper bounds, not including
-  // +Inf. They must outlive the histogram (the family owns them).
-  explicit Histogram(std::span<const double> bounds);
   Histogram(const Histogram&) = delete;
   Histogram& operator=(const Histogram&) = delete;
 
   // Records one observation in the first bucket whose bound is >= `value`.
-  // NaN is ignored. Lock-free: one atomic add per bucket count and sum.
+  // NaN is ignored.
   void Observe(double value);
 
+  // Finite upper bounds, not including +Inf.
   std::span<const double> bounds() const { return bounds_; }
   // Element i counts observations <= bounds()[i]; the extra last element is
   // the +Inf bucket and equals the total count.
   std::vector<uint64_t> CumulativeCounts() const;
   uint64_t Count() const;
-  double Sum() const { return sum_.load(std::memory_order_relaxed); }
+  double Sum() const;
 
  private:
-  std::span<const double> bounds_;
-  // [bounds_.size() + 1] per-bucket (not cumulative) counts; last is +Inf.
-  std::unique_ptr<std::atomic<uint64_t>[]> bucket_counts_;
-  std::atomic<double> sum_{0};
+  friend class MetricFamily<Histogram>;
+  using Backend = prometheus::Histogram;
+  // `bounds` must outlive the histogram (the family owns them).
+  Histogram(prometheus::Histogram& backend, std::span<const double> bounds)
+      : backend_(backend), bounds_(bounds) {}
+
+  prometheus::Histogram& backend_;
+  const std::span<const double> bounds_;
 };
 
 // What every family has, whatever its metric type.
@@ -143,7 +181,7 @@ class MetricFamily final : public FamilyBase {
   absl::StatusOr<Metric*> WithLabels(absl::Span<const std::string_view> values)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Children sorted by label values, for rendering and tests.
+  // Children sorted by label values, for tests.
   std::vector<std::pair<std::vector<std::string>, const Metric*>> Children()
       const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -152,11 +190,14 @@ class MetricFamily final : public FamilyBase {
 
  private:
   friend class Registry;
+  using Backend = typename Metric::Backend;
   MetricFamily(std::string name, std::string help,
-               std::vector<std::string> label_names,
-               std::vector<double> bounds);
+               std::vector<std::string> label_names, std::vector<double> bounds,
+               prometheus::Family<Backend>& backend);
 
   const std::vector<double> bounds_;
+  // Owned by the Registry's prometheus::Registry.
+  prometheus::Family<Backend>& backend_;
   mutable absl::Mutex mu_;
   std::map<std::vector<std::string>, std::unique_ptr<Metric>> children_
       ABSL_GUARDED_BY(mu_);
@@ -176,19 +217,23 @@ std::vector<double> LinearBuckets(double start, double width, int count);
 std::vector<double> DefaultLatencyBuckets();
 
 // Owns metric families and renders them. Families are never unregistered.
-class Registry {
+// It is a prometheus::Collectable, so prometheus-cpp's exporters can serve it
+// too; Collect() runs the collectors like Render() does.
+class Registry final : public prometheus::Collectable {
  public:
-  Registry() = default;
+  Registry();
+  ~Registry() override;
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
   // The process-wide registry served by the `pdserve` binary. Never destroyed.
   static Registry& Default();
 
-  // Register a family. Metric names match [a-zA-Z_:][a-zA-Z0-9_:]* and
-  // counter names end in `_total` (given by the caller, never appended).
-  // Label names match [a-zA-Z_][a-zA-Z0-9_]*, do not start with `__`, are
-  // distinct, and a histogram may not use `le`. Help must be non-empty UTF-8.
+  // Register a family. Metric names match [a-zA-Z_:][a-zA-Z0-9_:]*, do not
+  // start with `__`, and counter names end in `_total` (given by the caller,
+  // never appended). Label names match [a-zA-Z_][a-zA-Z0-9_]*, do not start
+  // with `__`, are distinct, and a histogram may not use `le`. Help must be
+  // non-empty UTF-8.
   //
   // Registering a name again returns the existing family when type, help,
   // label names (and buckets) match, so components may share a metric;
@@ -228,15 +273,21 @@ class Registry {
     uint64_t id_ = 0;
   };
 
-  // Runs `collect` at the start of every Render, in registration order and
-  // one collector at a time, so it can refresh gauges lazily. It must not
-  // call Render or AddCollector on this registry, nor reset any handle. The
-  // registry must outlive the handle.
+  // Runs `collect` at the start of every Render (and Collect), in
+  // registration order and one collector at a time, so it can refresh gauges
+  // lazily. It must not call Render, Collect or AddCollector on this
+  // registry, nor reset any handle. The registry must outlive the handle.
   [[nodiscard]] CollectorHandle AddCollector(std::function<void()> collect)
       ABSL_LOCKS_EXCLUDED(collect_mu_);
 
-  // Runs the collectors, then renders every family in the Prometheus text
-  // format 0.0.4: families sorted by name, children by label values.
+  // Runs the collectors, then snapshots every family that has a child:
+  // families sorted by name, children by label values, each child's labels in
+  // declaration order.
+  std::vector<prometheus::MetricFamily> Collect() const
+      ABSL_LOCKS_EXCLUDED(mu_, collect_mu_) override;
+
+  // Collect() in the Prometheus text format 0.0.4, by
+  // prometheus::TextSerializer.
   std::string Render() const ABSL_LOCKS_EXCLUDED(mu_, collect_mu_);
 
  private:
@@ -248,8 +299,10 @@ class Registry {
   void RemoveCollector(uint64_t id) ABSL_LOCKS_EXCLUDED(collect_mu_);
 
   // Lock order: collect_mu_, then mu_ (a collector may register families),
-  // then a family's mutex.
+  // then a family's mutex, then prometheus-cpp's own.
   mutable absl::Mutex mu_;
+  // Holds every family's values; families_ holds the facade over each.
+  const std::unique_ptr<prometheus::Registry> backend_;
   std::map<std::string, std::unique_ptr<FamilyBase>, std::less<>> families_
       ABSL_GUARDED_BY(mu_);
   // Every series name rendered by a family (`x`, `x_bucket`, ...) -> family.

@@ -2,13 +2,10 @@
 
 #include <arpa/inet.h>
 #include <civetweb.h>
-#include <dlfcn.h>
 #include <netinet/in.h>
-#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -18,21 +15,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
-
-// Debian's civetweb starts its threads with 100 KiB stacks, and glibc carves
-// every loaded library's static TLS out of each thread's stack: OpenBLAS,
-// NCCL and cudart take ~77 KiB of it, and a scrape then overflowed a civetweb
-// thread into its neighbour (SIGSEGV in the worker). civetweb's stack size is
-// fixed at its build, so the pdserve executable defines
-// pthread_attr_setstacksize: civetweb's calls land here (the definition is
-// exported because a linked shared library references it) and requests below
-// 1 MiB are raised to 1 MiB before going on to libc's.
-extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
-  using Fn = int (*)(pthread_attr_t*, size_t);
-  static const Fn libc_setstacksize =
-      reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
-  return libc_setstacksize(attr, std::max<size_t>(size, size_t{1} << 20));
-}
 
 namespace pdserve::metrics {
 namespace {

@@ -1,6 +1,6 @@
 // Serves a metrics Registry over HTTP for Prometheus scrapes, using civetweb:
 //
-//   GET /metrics  200, Registry::Render() as
+//   GET /metrics  200, Registry::Render() (prometheus-cpp's TextSerializer) as
 //                 "text/plain; version=0.0.4; charset=utf-8"
 //   GET /healthz  200, "ok"
 //   other paths   404; methods other than GET and HEAD on the two paths, 405
@@ -8,6 +8,19 @@
 // Nothing else is served (no document root), request bodies are never read,
 // and slow clients are cut off after a timeout, so a scraper or a stray client
 // cannot disturb the serving process.
+//
+// Why civetweb directly and not prometheus::Exposer (prometheus-cpp-pull,
+// itself civetweb underneath): the Exposer serves only Collectables, so it
+// cannot answer /healthz on the same port with "ok"; it also answers HEAD and
+// POST with 404, drops "version=0.0.4" from the content type, and adds its
+// own exposer_* families to every scrape, all of which would change the
+// metrics port's contract. The HTTP part here is one request callback; the
+// Prometheus text is still produced by prometheus-cpp alone.
+//
+// civetweb (Debian's 1.15) starts its threads with a fixed 100 KiB stack (no
+// option changes it), out of which glibc takes every loaded library's static
+// TLS; the `pdserve` binary raises it (cli/main.cc explains). A process that
+// serves metrics next to OpenBLAS, NCCL and cudart needs the same.
 //
 // Thread-safety: civetweb answers requests on its own worker threads. Start,
 // port() and the destructor may be called from any thread. The registry must

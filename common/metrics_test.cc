@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/metrics_http.h"
+#include "prometheus/metric_family.h"
 
 #ifndef PDSERVE_PROMTOOL
 #define PDSERVE_PROMTOOL ""
@@ -73,11 +74,11 @@ TEST_F(MetricsTest, RendersEveryKindInExpositionFormat) {
             "pdserve_requests_total{role=\"prefill\",code=\"ok\"} 3\n"
             "# HELP pdserve_ttft_seconds Time to first token.\n"
             "# TYPE pdserve_ttft_seconds histogram\n"
+            "pdserve_ttft_seconds_count{role=\"prefill\"} 3\n"
+            "pdserve_ttft_seconds_sum{role=\"prefill\"} 7.55\n"
             "pdserve_ttft_seconds_bucket{role=\"prefill\",le=\"0.1\"} 1\n"
             "pdserve_ttft_seconds_bucket{role=\"prefill\",le=\"1\"} 2\n"
-            "pdserve_ttft_seconds_bucket{role=\"prefill\",le=\"+Inf\"} 3\n"
-            "pdserve_ttft_seconds_sum{role=\"prefill\"} 7.55\n"
-            "pdserve_ttft_seconds_count{role=\"prefill\"} 3\n");
+            "pdserve_ttft_seconds_bucket{role=\"prefill\",le=\"+Inf\"} 3\n");
 }
 
 TEST_F(MetricsTest, UnlabelledFamiliesRenderZeroAndLabelledOnesWaitForUse) {
@@ -128,12 +129,12 @@ TEST_F(MetricsTest, HistogramBucketsAreCumulativeAndInclusive) {
   EXPECT_EQ(latency->Count(), 7u);
   EXPECT_NEAR(latency->Sum(), 5.635, 1e-12);
   const std::string text = registry_.Render();
-  EXPECT_THAT(text, HasSubstr("latency_seconds_bucket{le=\"0.01\"} 2\n"
+  EXPECT_THAT(text, HasSubstr("latency_seconds_count 7\n"
+                              "latency_seconds_sum 5.635\n"
+                              "latency_seconds_bucket{le=\"0.01\"} 2\n"
                               "latency_seconds_bucket{le=\"0.1\"} 4\n"
                               "latency_seconds_bucket{le=\"1\"} 5\n"
-                              "latency_seconds_bucket{le=\"+Inf\"} 7\n"
-                              "latency_seconds_sum 5.635\n"
-                              "latency_seconds_count 7\n"));
+                              "latency_seconds_bucket{le=\"+Inf\"} 7\n"));
 }
 
 TEST_F(MetricsTest, BucketHelpersGiveIncreasingBounds) {
@@ -162,6 +163,47 @@ TEST_F(MetricsTest, EscapesLabelValuesAndHelp) {
             "escaped_total{path=\"a\\\\b \\\"c\\\"\\nd é\"} 1\n");
 }
 
+TEST_F(MetricsTest, LabelsRenderInDeclarationOrderAndSeriesSortByValue) {
+  // Declared out of alphabetical order: scrapers and tests match the series
+  // text literally, so the declared order is the rendered one.
+  CounterFamily* rejections = Must(registry_.AddCounter(
+      "rejections_total", "Rejections.", {"tenant", "limit"}));
+  Must(rejections->WithLabels({"meter", "tokens_per_minute"}))->Increment();
+  Must(rejections->WithLabels({"alpha", "concurrency"}))->Increment(2);
+  Must(rejections->WithLabels({"meter", "concurrency"}))->Increment(3);
+  Must(registry_.AddGauge("a_gauge", "Registered last, renders first."));
+  EXPECT_EQ(registry_.Render(),
+            "# HELP a_gauge Registered last, renders first.\n"
+            "# TYPE a_gauge gauge\n"
+            "a_gauge 0\n"
+            "# HELP rejections_total Rejections.\n"
+            "# TYPE rejections_total counter\n"
+            "rejections_total{tenant=\"alpha\",limit=\"concurrency\"} 2\n"
+            "rejections_total{tenant=\"meter\",limit=\"concurrency\"} 3\n"
+            "rejections_total{tenant=\"meter\",limit=\"tokens_per_minute\"} "
+            "1\n");
+}
+
+TEST_F(MetricsTest, CollectRunsCollectorsAndKeepsHelpUnescaped) {
+  GaugeFamily* depth =
+      Must(registry_.AddGauge("queue_depth", "Queued\nrequests.", {"role"}));
+  Gauge* prefill = Must(depth->WithLabels({"prefill"}));
+  Registry::CollectorHandle handle =
+      registry_.AddCollector([&] { prefill->Set(4); });
+  const prometheus::Collectable& collectable = registry_;
+  const std::vector<prometheus::MetricFamily> families = collectable.Collect();
+  ASSERT_EQ(families.size(), 1u);
+  EXPECT_EQ(families[0].name, "queue_depth");
+  // Escaping is the text format's business (Render), not the snapshot's.
+  EXPECT_EQ(families[0].help, "Queued\nrequests.");
+  EXPECT_EQ(families[0].type, prometheus::MetricType::Gauge);
+  ASSERT_EQ(families[0].metric.size(), 1u);
+  EXPECT_EQ(families[0].metric[0].gauge.value, 4);
+  ASSERT_EQ(families[0].metric[0].label.size(), 1u);
+  EXPECT_EQ(families[0].metric[0].label[0].name, "role");
+  EXPECT_EQ(families[0].metric[0].label[0].value, "prefill");
+}
+
 TEST_F(MetricsTest, RejectsInvalidNamesLabelsHelpAndBuckets) {
   const auto invalid = absl::StatusCode::kInvalidArgument;
   EXPECT_EQ(registry_.AddGauge("", "Help.").status().code(), invalid);
@@ -170,6 +212,7 @@ TEST_F(MetricsTest, RejectsInvalidNamesLabelsHelpAndBuckets) {
   EXPECT_EQ(registry_.AddGauge("a b", "Help.").status().code(), invalid);
   EXPECT_TRUE(registry_.AddGauge("ns:sub_g0", "Help.").ok());
   EXPECT_TRUE(registry_.AddGauge("_leading", "Help.").ok());
+  EXPECT_EQ(registry_.AddGauge("__reserved", "Help.").status().code(), invalid);
   // Counters carry the _total suffix the caller gives; nothing is appended.
   EXPECT_EQ(registry_.AddCounter("requests", "Help.").status().code(), invalid);
   EXPECT_EQ(registry_.AddGauge("g", "").status().code(), invalid);
