@@ -1,0 +1,101 @@
+// Linear layers with weights kept in a compact dtype: y[m, n] = x[m, k] ·
+// W[n, k]ᵀ, x and y fp32, W fp32, bf16, fp16 or int8 (symmetric, one fp32
+// scale per output row).
+//
+// Order contract (what makes the engine batch-invariant, bit for bit): every
+// output element is ONE fp32 FMA chain over k in increasing order,
+//   acc = 0; for p in 0..k-1: acc = fma(x[i][p], w(j, p), acc)
+// where w(j, p) is the stored weight widened to fp32 (exact for every dtype;
+// int8 widens its integer), and for int8 y = acc * scale[j] afterwards. The
+// chain does not depend on m, on how rows and columns are tiled or threaded,
+// on k-blocking (partial sums are stored as fp32 and resumed), nor on the ISA:
+// the portable, AVX2+FMA and AVX-512F paths give identical bits, so a prefill
+// worker and a decode worker on different x86 machines agree too.
+// Dot-product instructions (AVX512-BF16 vdpbf16ps, VNNI, AMX) would need the
+// activations rounded to bf16/int8 and sum pairs or blocks inside the
+// instruction; a portable path could not reproduce them cheaply, so they are
+// not used (see cpu_features.h for what is detected).
+//
+// Storage: columns are grouped in panels of 16 output rows; a panel stores k
+// in order, 16 weights per k (bf16: two consecutive k of a column share one
+// 32-bit word, low half first, so one 512-bit load widens with a shift and a
+// mask). Panels pad n to a multiple of 16 and k to a multiple of 2 with zeros.
+//
+// WeightMatrix is immutable after Pack and cheap to copy (shared storage);
+// GemmNT is stateless and thread-safe (OpenMP over column panels).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/dtype.h"
+
+namespace pdserve::kernels {
+
+enum class GemmIsa { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* GemmIsaName(GemmIsa isa);  // "portable", "avx2", "avx512"
+// Whether this CPU can run `isa` (kPortable always).
+bool GemmIsaSupported(GemmIsa isa);
+// The path GemmNT uses: the best supported one unless SetGemmIsa chose.
+GemmIsa ActiveGemmIsa();
+// For tests and benchmarks: forces a supported path (false if unsupported).
+// Not synchronised with running GEMMs; call between them.
+bool SetGemmIsa(GemmIsa isa);
+
+class WeightMatrix {
+ public:
+  // Row-major fp32 kept as is, for OpenBLAS (MatMulMode::kBlas) and the
+  // legacy fp32 kernels; every other matrix is kPanel16.
+  enum class Layout { kPanel16, kRowMajorF32 };
+
+  WeightMatrix() = default;
+  // w: [n, k] row-major fp32; rounded to `dtype` (nearest even; int8:
+  // scale = max|row| / 127, q = round(w / scale) in [-127, 127]).
+  static WeightMatrix Pack(const float* w, int64_t n, int64_t k, DType dtype);
+  static WeightMatrix RowMajorF32(const float* w, int64_t n, int64_t k);
+
+  DType dtype() const { return dtype_; }
+  Layout layout() const { return layout_; }
+  int64_t rows() const { return n_; }  // n: output features
+  int64_t cols() const { return k_; }  // k: input features
+  bool empty() const { return n_ == 0; }
+  // Bytes of weights and scales one full read of the matrix touches.
+  int64_t bytes() const { return bytes_; }
+
+  // Row r (k floats) as fp32: widened, int8 times its scale.
+  void DequantizeRow(int64_t r, float* out) const;
+  std::vector<float> ToFloat() const;  // [n, k] row-major, dequantized
+  // [n, k] row-major stored values widened to fp32 (int8: the integers, not
+  // scaled); with scales() this is what ReferenceGemmNT takes.
+  std::vector<float> Widened() const;
+
+  // For the kernels.
+  const uint8_t* data() const { return data_.get(); }
+  const float* scales() const { return scales_.get(); }  // int8: [n padded]
+  int64_t padded_k() const { return kp_; }
+  int64_t panel_bytes() const;  // one panel: padded_k * 16 * element bytes
+  const float* row_major() const {
+    return reinterpret_cast<const float*>(data_.get());
+  }
+
+ private:
+  DType dtype_ = DType::kF32;
+  Layout layout_ = Layout::kPanel16;
+  int64_t n_ = 0, k_ = 0, kp_ = 0, bytes_ = 0;
+  std::shared_ptr<uint8_t[]> data_;
+  std::shared_ptr<float[]> scales_;
+};
+
+// y[m, n] = x[m, k] · Wᵀ under the order contract above. w.cols() == k,
+// w.layout() == kPanel16. y is overwritten.
+void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
+            const WeightMatrix& w, float* __restrict__ y);
+
+// The contract written plainly (scalar, unpacked): what every path must equal
+// bit for bit. w: [n, k] as WeightMatrix::Widened() returns it; scales: [n]
+// for int8, else null.
+void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
+                     int64_t n, const float* scales, float* y);
+
+}  // namespace pdserve::kernels

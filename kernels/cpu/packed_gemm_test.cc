@@ -1,0 +1,186 @@
+#include "kernels/cpu/packed_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/matmul.h"
+
+namespace pdserve::kernels {
+namespace {
+
+using Param = std::tuple<GemmIsa, DType>;
+
+class PackedGemmTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    isa_ = std::get<0>(GetParam());
+    dtype_ = std::get<1>(GetParam());
+    if (!GemmIsaSupported(isa_)) {
+      GTEST_SKIP() << "this CPU cannot run the " << GemmIsaName(isa_)
+                   << " path (features: " << DetectCpuFeatures().ToString()
+                   << ")";
+    }
+    previous_ = ActiveGemmIsa();
+    ASSERT_TRUE(SetGemmIsa(isa_));
+  }
+  void TearDown() override { SetGemmIsa(previous_); }
+
+  std::vector<float> Random(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> dist(0.0f, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(rng_);
+    return v;
+  }
+
+  // What every path must return, bit for bit.
+  std::vector<float> Expected(const std::vector<float>& x, int64_t m,
+                              int64_t k, const WeightMatrix& w) {
+    const std::vector<float> widened = w.Widened();
+    std::vector<float> y(m * w.rows());
+    ReferenceGemmNT(x.data(), m, k, widened.data(), w.rows(), w.scales(),
+                    y.data());
+    return y;
+  }
+
+  GemmIsa isa_ = GemmIsa::kPortable, previous_ = GemmIsa::kPortable;
+  DType dtype_ = DType::kF32;
+  std::mt19937 rng_{11};
+};
+
+TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // m > 16 takes the k-blocked schedule; k = 515 leaves an odd tail there.
+  for (const Shape s : {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129},
+                        Shape{9, 50, 300}, Shape{33, 97, 515},
+                        Shape{1, 130, 2049}}) {
+    const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
+    const WeightMatrix w = WeightMatrix::Pack(wf.data(), s.n, s.k, dtype_);
+    std::vector<float> y(s.m * s.n, -1.0f);
+    GemmNT(x.data(), s.m, s.k, w, y.data());
+    const std::vector<float> want = Expected(x, s.m, s.k, w);
+    EXPECT_EQ(0, std::memcmp(y.data(), want.data(), y.size() * sizeof(float)))
+        << "m=" << s.m << " n=" << s.n << " k=" << s.k;
+    // And near the exact product with the unrounded weights: each weight's
+    // rounding bound (relative for bf16/fp16, half a step for int8) plus
+    // fp32 accumulation is the whole error.
+    for (int64_t j = 0; j < s.n; ++j) {
+      float amax = 0;
+      for (int64_t p = 0; p < s.k; ++p)
+        amax = std::max(amax, std::fabs(wf[j * s.k + p]));
+      for (int64_t i = 0; i < s.m; ++i) {
+        double ref = 0, mag = 0, bound = 0;
+        for (int64_t p = 0; p < s.k; ++p) {
+          const double xv = x[i * s.k + p], wv = wf[j * s.k + p];
+          ref += xv * wv;
+          mag += std::fabs(xv * wv);
+          const double e = dtype_ == DType::kBF16  ? std::fabs(wv) / 256
+                           : dtype_ == DType::kF16 ? std::fabs(wv) / 1024 + 6e-8
+                           : dtype_ == DType::kI8  ? amax / 254.0 * (1 + 1e-5)
+                                                   : 0.0;
+          bound += std::fabs(xv) * e;
+        }
+        ASSERT_NEAR(y[i * s.n + j], ref, bound + 1e-5 * mag + 1e-6)
+            << "m=" << s.m << " n=" << s.n << " k=" << s.k;
+      }
+    }
+  }
+}
+
+TEST_P(PackedGemmTest, RowsDoNotDependOnBatchSizeOrThreads) {
+  const int64_t k = 301, n = 83, max_m = 70;
+  const auto x = Random(max_m * k), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, dtype_);
+  std::vector<float> full(max_m * n);
+  GemmNT(x.data(), max_m, k, w, full.data());
+  for (int64_t m : {1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 69}) {
+    for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
+      std::vector<float> y(m * n);
+      GemmNT(x.data() + off * k, m, k, w, y.data());
+      ASSERT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
+                               y.size() * sizeof(float)))
+          << "m=" << m << " off=" << off;
+    }
+  }
+  const int before = KernelThreads();
+  SetKernelThreads(1);
+  std::vector<float> one(max_m * n);
+  GemmNT(x.data(), max_m, k, w, one.data());
+  SetKernelThreads(before);
+  EXPECT_EQ(0, std::memcmp(one.data(), full.data(), one.size() * sizeof(float)));
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(GemmIsaName(std::get<0>(info.param))) + "_" +
+         DTypeName(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllPathsAndDtypes, PackedGemmTest,
+    ::testing::Combine(::testing::Values(GemmIsa::kPortable, GemmIsa::kAvx2,
+                                         GemmIsa::kAvx512),
+                       ::testing::Values(DType::kF32, DType::kBF16,
+                                         DType::kF16, DType::kI8)),
+    ParamName);
+
+TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  const int64_t n = 37, k = 129;
+  std::vector<float> w(n * k);
+  for (auto& v : w) v = dist(rng);
+  for (int64_t q = 0; q < k; ++q) w[5 * k + q] = 0.0f;  // an all-zero row
+  w[7 * k + 3] = 1.5f;                                  // an outlier
+  const WeightMatrix m = WeightMatrix::Pack(w.data(), n, k, DType::kI8);
+  EXPECT_EQ(m.bytes(), n * k + n * 4);
+  const std::vector<float> back = m.ToFloat();
+  double sum_err = 0, sum_mag = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    float amax = 0;
+    for (int64_t q = 0; q < k; ++q) amax = std::max(amax, std::fabs(w[r * k + q]));
+    EXPECT_FLOAT_EQ(m.scales()[r], amax / 127.0f) << "row " << r;
+    for (int64_t q = 0; q < k; ++q) {
+      const float err = std::fabs(back[r * k + q] - w[r * k + q]);
+      ASSERT_LE(err, amax / 254.0f * (1 + 1e-5f)) << "row " << r << " k " << q;
+      sum_err += err;
+      sum_mag += std::fabs(w[r * k + q]);
+    }
+  }
+  for (int64_t q = 0; q < k; ++q) EXPECT_EQ(back[5 * k + q], 0.0f);
+  // The outlier's row keeps only coarse steps; the rest stays within ~1%.
+  EXPECT_LT(sum_err / sum_mag, 0.05);
+}
+
+TEST(WeightMatrixTest, HalfPrecisionPackingRoundsToNearestEven) {
+  const std::vector<float> w = {1.0f, 1.00390625f, 1.01171875f, -3.14159f,
+                                65504.0f, 1e-8f, 0.0f};
+  const int64_t n = 1, k = static_cast<int64_t>(w.size());
+  const auto bf = WeightMatrix::Pack(w.data(), n, k, DType::kBF16).ToFloat();
+  const auto fp = WeightMatrix::Pack(w.data(), n, k, DType::kF16).ToFloat();
+  for (int64_t q = 0; q < k; ++q) {
+    EXPECT_EQ(bf[q], Bf16ToFloat(FloatToBf16(w[q])));
+    EXPECT_EQ(fp[q], F16ToFloat(FloatToF16(w[q])));
+  }
+  EXPECT_EQ(WeightMatrix::Pack(w.data(), n, k, DType::kBF16).bytes(), 2 * k);
+}
+
+TEST(CpuFeaturesTest, BestPathIsSupportedAndPortableAlwaysIs) {
+  std::printf("cpu features: %s; GEMM path: %s\n",
+              DetectCpuFeatures().ToString().c_str(),
+              GemmIsaName(ActiveGemmIsa()));
+  EXPECT_TRUE(GemmIsaSupported(GemmIsa::kPortable));
+  EXPECT_TRUE(GemmIsaSupported(ActiveGemmIsa()));
+  EXPECT_EQ(GemmIsaSupported(GemmIsa::kAvx512),
+            DetectCpuFeatures().avx512f && DetectCpuFeatures().fma);
+}
+
+}  // namespace
+}  // namespace pdserve::kernels
