@@ -1,8 +1,11 @@
 // pdserve: one binary with subcommands (ARCHITECTURE.md, command line).
+#include <dlfcn.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +17,26 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cli/command.h"
+
+// Thread stacks of at least 1 MiB, for civetweb's sake (the metrics port,
+// common/metrics_http.h). glibc carves every loaded library's static TLS out
+// of each thread's stack, and OpenBLAS, NCCL and cudart take ~77 KiB of it
+// (readelf -l: PT_TLS 60 + 12 + 4 KiB). Debian's civetweb 1.15 starts its
+// threads with a fixed 100 KiB stack (the size is compiled in; it has no
+// option for it, nor does prometheus-cpp's Exposer, which passes options to
+// it), so a scrape overflowed into the neighbouring mapping (SIGSEGV), and
+// with a little more TLS pthread_create fails ("Cannot create threads").
+// Defining pthread_attr_setstacksize in the executable overrides libc's for
+// every shared library (the executable comes first in symbol lookup, and the
+// definition is exported because libcivetweb references it): requests below
+// 1 MiB are raised to 1 MiB, then passed on to libc's. Only the `pdserve`
+// binary does this; libraries and tests link without it.
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  using Fn = int (*)(pthread_attr_t*, size_t);
+  static const Fn libc_setstacksize =
+      reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  return libc_setstacksize(attr, std::max<size_t>(size, size_t{1} << 20));
+}
 
 namespace pdserve::cli {
 namespace {
