@@ -23,7 +23,7 @@
 
 #include "absl/strings/numbers.h"
 #include "common/metrics.h"
-#include "decode_service/worker_server.h"
+#include "worker/worker_server.h"
 #include "engine/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 
@@ -62,27 +62,27 @@ int Run(const Args& args) {
   struct Pair {
     bool layerwise;
     metrics::Registry registry;
-    std::unique_ptr<decode::WorkerServer> prefill, decode;
+    std::unique_ptr<worker::WorkerServer> prefill, decode;
     std::vector<double> ttft_s;
   };
   std::vector<std::unique_ptr<Pair>> pairs;
   for (bool layerwise : {false, true}) {
     auto p = std::make_unique<Pair>();
     p->layerwise = layerwise;
-    for (const char* role : {"prefill", "decode"}) {
-      decode::WorkerConfig c;
+    for (v1::WorkerRole role : {v1::WORKER_ROLE_PREFILL, v1::WORKER_ROLE_DECODE}) {
+      worker::WorkerConfig c;
       c.role = role;
       c.model_dir = model;
       c.engine.kv_dtype = *dtype;
       c.engine.kv_cache_bytes = int64_t{512} << 20;
       c.kv_layerwise = layerwise;
       c.kv_stall_timeout = absl::Seconds(120);
-      auto w = decode::WorkerServer::Start(c, &p->registry);
+      auto w = worker::WorkerServer::Start(c, &p->registry);
       if (!w.ok()) {
         std::fprintf(stderr, "worker: %s\n", w.status().ToString().c_str());
         return 1;
       }
-      (std::string(role) == "prefill" ? p->prefill : p->decode) = *std::move(w);
+      (role == v1::WORKER_ROLE_PREFILL ? p->prefill : p->decode) = *std::move(w);
     }
     pairs.push_back(std::move(p));
   }

@@ -15,19 +15,21 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/security_flags.h"
+#include "cli/stop_signal.h"
 #include "common/json.h"
 #include "common/logging.h"
 #include "common/metrics_http.h"
-#include "decode_service/worker_server.h"
 #include "engine/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
-#include "prefill_service/sampling_convert.h"
 #include "router/router_service.h"
+#include "wire/enums.h"
+#include "wire/sampling_convert.h"
+#include "worker/registration.h"
+#include "worker/worker_server.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1",
           "address to listen on (0.0.0.0 in containers)");
@@ -90,19 +92,7 @@ engine::SamplingParams SamplingParamsFromFlags();
 
 namespace {
 
-absl::Notification* g_stop = nullptr;
-
-void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
-
-void WaitForSignal() {
-  static absl::Notification stop;
-  g_stop = &stop;
-  signal(SIGINT, OnSignal);
-  signal(SIGTERM, OnSignal);
-  stop.WaitForNotification();
-}
+void WaitForSignal() { WaitForStopSignal(); }
 
 std::vector<std::string> SplitList(const std::string& s) {
   return absl::StrSplit(s, ',', absl::SkipWhitespace());
@@ -115,32 +105,35 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(
       absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", port);
 }
 
-int RunWorkerWithRole(const std::string& role) {
+int RunWorkerWithRole(const std::string& role_name) {
+  if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
+    return ReportError(s);
   // mTLS (or an explicit --insecure) before any server or channel exists.
   if (absl::Status s = InstallTlsFromFlags(); !s.ok()) return ReportError(s);
-  decode::WorkerConfig config;
-  config.role = role;
+  const std::optional<v1::WorkerRole> role = wire::ParseRole(role_name);
+  if (!role) {
+    return ReportError(absl::InvalidArgumentError(absl::StrCat(
+        "--role must be prefill, decode or both, got \"", role_name, "\"")));
+  }
+  worker::WorkerConfig config;
+  config.role = *role;
   config.model_dir = absl::GetFlag(FLAGS_model);
   auto engine = EngineConfigFromFlags();
   if (!engine.ok()) return ReportError(engine.status());
-  if (engine->device != engine::Device::kCpu && role != "both") {
-    // A GPU engine has no host KV pool for the transfer code to read/write.
-    return ReportError(absl::InvalidArgumentError(
-        "--device cuda supports --role both only (prefill/decode roles move "
-        "KV through a host pool)"));
-  }
   config.engine = *engine;
   config.listen_host = absl::GetFlag(FLAGS_host);
   config.port = std::max(0, absl::GetFlag(FLAGS_port));
   config.advertise_host = absl::GetFlag(FLAGS_advertise);
-  config.kv_transport = absl::GetFlag(FLAGS_kv_transport);
+  auto transport = kv_transfer::ParseKvTransport(absl::GetFlag(FLAGS_kv_transport));
+  if (!transport.ok()) return ReportError(transport.status());
+  config.kv_transport = *transport;
   config.kv_cuda_device = absl::GetFlag(FLAGS_kv_cuda_device);
   config.kv_layerwise = absl::GetFlag(FLAGS_kv_layerwise);
   config.kv_stream_queue_bytes = absl::GetFlag(FLAGS_kv_stream_queue_bytes);
   config.admission_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
   auto server =
-      decode::WorkerServer::Start(config, &metrics::Registry::Default());
+      worker::WorkerServer::Start(config, &metrics::Registry::Default());
   if (!server.ok()) return ReportError(server.status());
   auto http = StartMetrics(std::max(0, absl::GetFlag(FLAGS_metrics_port)));
   if (!http.ok()) return ReportError(http.status());
@@ -149,31 +142,20 @@ int RunWorkerWithRole(const std::string& role) {
               (*server)->id().c_str(), (*server)->address().c_str(),
               (*http)->port());
   std::fflush(stdout);
-  const std::string router = absl::GetFlag(FLAGS_router);
-  std::thread heartbeat;
-  std::atomic<bool> stop{false};
-  if (!router.empty()) {
-    heartbeat = std::thread([&] {
-      auto stub = v1::RouterControl::NewStub(
-          grpc::CreateChannel(router, tls::InternalChannelCredentials()));
-      while (!stop) {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(2));
-        v1::RegisterWorkerRequest req;
-        req.set_address((*server)->address());
-        req.set_role(role);
-        v1::RegisterWorkerResponse resp;
-        stub->RegisterWorker(&ctx, req, &resp);
-        for (int i = 0; i < 20 && !stop; ++i)
-          absl::SleepFor(absl::Milliseconds(100));
-      }
-    });
+  std::unique_ptr<worker::RouterRegistration> registration;
+  if (const std::string router = absl::GetFlag(FLAGS_router); !router.empty()) {
+    worker::RegistrationConfig rc;
+    rc.router = router;
+    rc.address = (*server)->address();
+    rc.role = *role;
+    auto r = worker::RouterRegistration::Start(rc,
+                                               tls::InternalChannelCredentials());
+    if (!r.ok()) return ReportError(r.status());
+    registration = *std::move(r);
   }
   WaitForSignal();
   (*server)->Drain(absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms)));
-  stop = true;
-  if (heartbeat.joinable()) heartbeat.join();
+  if (registration) registration->Stop();
   (*server)->Shutdown();
   return 0;
 }
@@ -191,6 +173,8 @@ int RunWorker(const std::vector<std::string>&) {
 }
 
 int RunRouter(const std::vector<std::string>&) {
+  if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
+    return ReportError(s);
   if (absl::Status s = InstallTlsFromFlags(); !s.ok()) return ReportError(s);
   router::RouterConfig config;
   config.model_dir = absl::GetFlag(FLAGS_model);
@@ -283,6 +267,8 @@ absl::StatusOr<Child> Spawn(const std::string& name,
 }  // namespace
 
 int RunUp(const std::vector<std::string>&) {
+  if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
+    return ReportError(s);
   std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) {
     model = DefaultModelDir();
@@ -403,11 +389,7 @@ int RunUp(const std::vector<std::string>&) {
   std::printf("Ctrl-C stops everything.\n");
   std::fflush(stdout);
   // Stop on Ctrl-C, or when any child dies unexpectedly.
-  static absl::Notification stop;
-  g_stop = &stop;
-  signal(SIGINT, OnSignal);
-  signal(SIGTERM, OnSignal);
-  while (!stop.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+  while (!WaitForStopSignal(absl::Milliseconds(200))) {
     int status;
     const pid_t dead = waitpid(-1, &status, WNOHANG);
     if (dead > 0) {

@@ -22,10 +22,6 @@
 
 namespace pdserve::decode {
 
-// Start of the status message when the prefill worker, not this decode
-// worker, failed a request (the router then excludes only the prefill worker).
-inline constexpr char kPrefillFailedPrefix[] = "prefill worker failed at ";
-
 struct DecodeOptions {
   std::string worker_id;
   std::string kv_address;  // where prefill workers push KV (this worker)

@@ -8,13 +8,36 @@ namespace pdserve::kv_transfer {
 KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec,
                             const std::string& fingerprint) {
   return {fingerprint,   spec.num_layers, spec.num_kv_heads,
-          spec.head_dim, spec.block_size, DTypeName(spec.dtype)};
+          spec.head_dim, spec.block_size, spec.dtype};
 }
+
+namespace {
+std::string DTypeText(const std::optional<DType>& t) {
+  return t ? DTypeName(*t) : "unknown";
+}
+}  // namespace
 
 std::string KvLayout::DebugString() const {
   return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers,
                       " kv_heads=", kv_heads, " head_dim=", head_dim,
-                      " block_size=", block_size, " dtype=", dtype);
+                      " block_size=", block_size, " dtype=", DTypeText(dtype));
+}
+
+const char* KvTransportName(KvTransportKind kind) {
+  switch (kind) {
+    case KvTransportKind::kGrpc:
+      return "grpc";
+    case KvTransportKind::kNccl:
+      return "nccl";
+  }
+  return "?";
+}
+
+absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name) {
+  if (name == "grpc") return KvTransportKind::kGrpc;
+  if (name == "nccl") return KvTransportKind::kNccl;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kv-transport must be grpc or nccl, got \"", name, "\""));
 }
 
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {
@@ -28,7 +51,10 @@ absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {
   cmp("kv_heads", sender.kv_heads, receiver.kv_heads);
   cmp("head_dim", sender.head_dim, receiver.head_dim);
   cmp("block_size", sender.block_size, receiver.block_size);
-  cmp("kv dtype", sender.dtype, receiver.dtype);
+  if (sender.dtype != receiver.dtype || !sender.dtype) {
+    diffs.push_back(absl::StrCat("kv dtype: sender ", DTypeText(sender.dtype),
+                                 " vs receiver ", DTypeText(receiver.dtype)));
+  }
   if (diffs.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("KV layout mismatch: ", absl::StrJoin(diffs, "; ")));

@@ -14,11 +14,15 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
 #include "engine/kv_cache.h"
 
 namespace pdserve::kv_transfer {
@@ -30,7 +34,9 @@ struct KvLayout {
   int32_t kv_heads = 0;
   int32_t head_dim = 0;
   int32_t block_size = 0;
-  std::string dtype;
+  // nullopt: a dtype this release does not know (from a peer); it matches
+  // nothing, so the handshake fails.
+  std::optional<DType> dtype;
 
   static KvLayout FromSpec(const engine::KvCacheSpec& spec,
                            const std::string& fingerprint);
@@ -79,6 +85,13 @@ class KvSendSession {
   // Abandons the transfer; the receiver frees its reservation. Idempotent.
   virtual void Cancel() = 0;
 };
+
+// Which KvTransport a worker uses (--kv-transport).
+enum class KvTransportKind { kGrpc, kNccl };
+// "grpc" | "nccl".
+const char* KvTransportName(KvTransportKind kind);
+// The kind a name spells, or INVALID_ARGUMENT naming the choices.
+absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name);
 
 class KvTransport {
  public:

@@ -1,5 +1,7 @@
 #include "router/policy.h"
 
+#include "wire/enums.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -18,9 +20,11 @@ bool Excluded(const RouteRequest& r, const WorkerView& w) {
 }
 
 bool CanDecode(const WorkerView& w) {
-  return w.role == "decode" || w.role == "both";
+  return wire::ServesDecode(w.role);
 }
-bool CanPrefill(const WorkerView& w) { return w.role == "prefill"; }
+bool CanPrefill(const WorkerView& w) {
+  return w.role == v1::WORKER_ROLE_PREFILL;
+}
 
 double DecodeLoad(const WorkerView& w) {
   return static_cast<double>(w.status.num_running() + w.status.num_waiting() +
@@ -147,7 +151,7 @@ const WorkerView* LeastLoadedPrefill(
 void SetPrefill(const RouteRequest& request, const WorkerView* prefill,
                 const PolicyConfig& config, RouteDecision* d) {
   if (prefill == nullptr) {
-    d->reason = d->decode->role == "both" ? "colocated" : "local:no_prefill";
+    d->reason = d->decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
   } else if (request.num_tokens <= config.local_prefill_threshold) {
     d->reason = "local:short";
   } else {
@@ -222,7 +226,7 @@ class CacheAwarePolicy : public Policy {
       }
     }
     if (pick == nullptr) {
-      d.reason = d.decode->role == "both" ? "colocated" : "local:no_prefill";
+      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
       d.prefill_cached_tokens = d.decode_cached_tokens;
     } else if (uncached_at_decode <= config_.local_prefill_threshold) {
       d.reason = "local:short";
@@ -355,7 +359,7 @@ class RoundRobinPolicy : public Policy {
     RouteDecision d;
     d.decode = decoders[n % decoders.size()];
     if (prefillers.empty()) {
-      d.reason = d.decode->role == "both" ? "colocated" : "local:no_prefill";
+      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
     } else if (request.num_tokens <= config_.local_prefill_threshold) {
       d.reason = "local:short";
     } else {

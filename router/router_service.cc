@@ -15,8 +15,8 @@
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
-#include "decode_service/decode_handler.h"
-#include "prefill_service/sampling_convert.h"
+#include "wire/enums.h"
+#include "wire/sampling_convert.h"
 #include "router/tenant_limiter.h"
 
 namespace pdserve::router {
@@ -179,6 +179,15 @@ struct RouterServer::Impl final : public v1::Router::Service,
     if (req->address().empty())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "address is empty");
+    if (!wire::IsKnownRole(req->role())) {
+      // Without this a worker with a role we do not know would register and
+      // silently never be routed to.
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("unknown worker role #", static_cast<int>(req->role()),
+                       " for ", req->address(),
+                       ": expected PREFILL, DECODE or BOTH"));
+    }
     registry->Register(req->address(), req->role());
     return grpc::Status::OK;
   }
@@ -190,7 +199,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
     for (const WorkerView& w : registry->AllWorkers()) {
       v1::WorkerInfo* info = resp->add_workers();
       info->set_id(w.id.empty() ? w.address : w.id);
-      info->set_role(w.role);
+      info->set_role(wire::RoleName(w.role));
       info->set_address(w.address);
       info->set_state(w.up ? "up" : "down");
       info->set_num_running(w.status.num_running());
@@ -384,7 +393,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
                     [](const WorkerView& w) { return w.status.draining(); });
       uint32_t max_len = 0;
       for (const auto& w : workers) {
-        if (w.role != "prefill")
+        if (w.role != v1::WORKER_ROLE_PREFILL)
           max_len = max_len ? std::min(max_len, w.status.max_model_len())
                             : w.status.max_model_len();
       }
@@ -493,8 +502,9 @@ struct RouterServer::Impl final : public v1::Router::Service,
         if (delta.stopped) {
           finish = "stop";
           wctx.TryCancel();
-        } else if (!resp.finish_reason().empty()) {
-          finish = resp.finish_reason();
+        } else if (resp.finish_reason() != v1::FINISH_REASON_NONE) {
+          finish = wire::FinishReasonName(resp.finish_reason());
+          if (finish.empty()) finish = "error";  // a number we do not know
           piece += text.Finish().text;
         }
         out.set_text(piece);
@@ -548,8 +558,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
                            << " tokens: " << last_error.error_message()
                            << "; retrying elsewhere";
       const bool prefill_failed =
-          pre && absl::StartsWith(last_error.error_message(),
-                                  decode::kPrefillFailedPrefix);
+          pre && CauseOf(last_error) == StatusCause::kPrefillFailed;
       const WorkerIndex failed = prefill_failed ? pre->index : dec->index;
       exclude.push_back(failed);
       registry->ReportFailure(failed);
@@ -588,8 +597,10 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
     for (const char* role : {"prefill", "decode", "both"}) {
       for (const char* state : {"up", "down"}) counts[{role, state}] = 0;
     }
-    for (const WorkerView& w : raw->registry->AllWorkers())
-      ++counts[{w.role, w.up ? "up" : "down"}];
+    for (const WorkerView& w : raw->registry->AllWorkers()) {
+      if (!wire::IsKnownRole(w.role)) continue;
+      ++counts[{wire::RoleName(w.role), w.up ? "up" : "down"}];
+    }
     for (const auto& [key, n] : counts) {
       auto child = raw->m->workers->WithLabels({key.first, key.second});
       if (child.ok()) (*child)->Set(n);

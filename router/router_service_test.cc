@@ -24,7 +24,7 @@ class RecordingWorker final : public v1::Worker::Service {
   grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
                          v1::WorkerStatus* status) override {
     status->set_id("recording");
-    status->set_role("decode");
+    status->set_role(v1::WORKER_ROLE_DECODE);
     status->set_max_model_len(1024);
     status->set_free_blocks(64);
     status->set_total_blocks(64);
@@ -39,7 +39,7 @@ class RecordingWorker final : public v1::Worker::Service {
     }
     v1::WorkerGenerateResponse resp;
     resp.add_token_ids('a');
-    resp.set_finish_reason("length");
+    resp.set_finish_reason(v1::FINISH_REASON_LENGTH);
     writer->Write(resp);
     return grpc::Status::OK;
   }

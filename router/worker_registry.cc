@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/tls.h"
-#include "kv_transfer/grpc/grpc_transport.h"
+#include "wire/channel_args.h"
 #include "router/kv_event_applier.h"
 
 namespace pdserve::router {
@@ -47,17 +47,17 @@ WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
     : config_(std::move(config)), index_(index) {
   absl::MutexLock l(&mu_);
   for (const auto& a : config_.prefill)
-    if (a.rfind("dns:", 0) != 0) Add(a, "prefill");
+    if (a.rfind("dns:", 0) != 0) Add(a, v1::WORKER_ROLE_PREFILL);
   for (const auto& a : config_.decode)
-    if (a.rfind("dns:", 0) != 0) Add(a, "decode");
+    if (a.rfind("dns:", 0) != 0) Add(a, v1::WORKER_ROLE_DECODE);
   for (const auto& a : config_.both)
-    if (a.rfind("dns:", 0) != 0) Add(a, "both");
+    if (a.rfind("dns:", 0) != 0) Add(a, v1::WORKER_ROLE_BOTH);
 }
 
 WorkerRegistry::~WorkerRegistry() { Stop(); }
 
 WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
-                                           const std::string& role) {
+                                           v1::WorkerRole role) {
   for (auto& e : entries_) {
     if (e->view.address == address) return e.get();
   }
@@ -67,13 +67,13 @@ WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
   e->view.role = role;
   e->view.stub = v1::Worker::NewStub(
       grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
-                                kv_transfer::InternalChannelArgs()));
+                                wire::InternalChannelArgs()));
   entries_.push_back(std::move(e));
   return entries_.back().get();
 }
 
 void WorkerRegistry::Register(const std::string& address,
-                              const std::string& role) {
+                              v1::WorkerRole role) {
   absl::MutexLock l(&mu_);
   Add(address, role);
 }
@@ -130,9 +130,9 @@ bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
 }
 
 void WorkerRegistry::ResolveDns() {
-  std::vector<std::pair<std::string, std::string>> found;  // (address, role)
+  std::vector<std::pair<std::string, v1::WorkerRole>> found;  // (address, role)
   bool any_dns = false, all_resolved = true;
-  auto resolve = [&](const std::string& entry, const std::string& role) {
+  auto resolve = [&](const std::string& entry, v1::WorkerRole role) {
     // dns:NAME:PORT -> every A record of NAME.
     any_dns = true;
     const std::string rest = entry.substr(4);
@@ -158,11 +158,11 @@ void WorkerRegistry::ResolveDns() {
     freeaddrinfo(res);
   };
   for (const auto& a : config_.prefill)
-    if (a.rfind("dns:", 0) == 0) resolve(a, "prefill");
+    if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_PREFILL);
   for (const auto& a : config_.decode)
-    if (a.rfind("dns:", 0) == 0) resolve(a, "decode");
+    if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_DECODE);
   for (const auto& a : config_.both)
-    if (a.rfind("dns:", 0) == 0) resolve(a, "both");
+    if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_BOTH);
   if (!any_dns) return;
   absl::MutexLock l(&mu_);
   for (const auto& [address, role] : found) {

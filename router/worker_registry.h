@@ -23,7 +23,7 @@ struct WorkerView {
   WorkerIndex index = -1;
   std::string address;
   std::string id;
-  std::string role;  // prefill | decode | both
+  v1::WorkerRole role = v1::WORKER_ROLE_UNSPECIFIED;
   bool up = false;
   v1::WorkerStatus status;
   engine::ModelFingerprint fingerprint{};
@@ -47,7 +47,7 @@ class WorkerRegistry {
   void Start();
   void Stop();
   // Adds (or refreshes) a worker that announced itself.
-  void Register(const std::string& address, const std::string& role);
+  void Register(const std::string& address, v1::WorkerRole role);
   // Workers currently up.
   std::vector<WorkerView> UpWorkers() const;
   std::vector<WorkerView> AllWorkers() const;
@@ -64,7 +64,7 @@ class WorkerRegistry {
   void PollLoop();
   void EventLoop(Entry* entry);
   void ResolveDns();
-  Entry* Add(const std::string& address, const std::string& role)
+  Entry* Add(const std::string& address, v1::WorkerRole role)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   RegistryConfig config_;

@@ -25,7 +25,7 @@ class FakeWorker final : public v1::Worker::Service {
                          v1::WorkerStatus* status) override {
     if (fail_status) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "");
     status->set_id("fake");
-    status->set_role("decode");
+    status->set_role(v1::WORKER_ROLE_DECODE);
     return grpc::Status::OK;
   }
 

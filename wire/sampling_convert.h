@@ -1,4 +1,5 @@
-// Conversions between the public SamplingParams message and the engine's.
+// Conversions between the public SamplingParams message and the engine's
+// (shared by the router and both worker services).
 // Header-only, stateless.
 #pragma once
 

@@ -13,12 +13,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
-#include "decode_service/worker_server.h"
+#include "worker/worker_server.h"
+#include "wire/enums.h"
 #include "engine/model_init.h"
 #include "kv_transfer/nccl/fake_communicator.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 
-namespace pdserve::decode {
+namespace pdserve::worker {
 namespace {
 
 using ::testing::HasSubstr;
@@ -42,9 +43,9 @@ class WorkerKvTransportTest : public ::testing::Test {
   WorkerConfig Config(const std::string& role, const std::string& transport,
                       DType kv_dtype) {
     WorkerConfig c;
-    c.role = role;
+    c.role = *wire::ParseRole(role);
     c.model_dir = *dir_;
-    c.kv_transport = transport;
+    c.kv_transport = *kv_transfer::ParseKvTransport(transport);
     c.kv_communicators = transport == "nccl" ? &comms_ : nullptr;
     c.engine.kv_dtype = kv_dtype;
     c.engine.block_size = 4;
@@ -155,4 +156,4 @@ TEST_F(WorkerKvTransportTest, NcclPrefillToAGrpcOnlyDecodeWorkerFailsCleanly) {
 }
 
 }  // namespace
-}  // namespace pdserve::decode
+}  // namespace pdserve::worker

@@ -1,7 +1,8 @@
-#include "decode_service/worker_server.h"
+#include "worker/worker_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 
 #include <atomic>
 
@@ -22,8 +23,9 @@
 #include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/transfer_metrics.h"
 #include "prefill_service/prefill_handler.h"
+#include "wire/enums.h"
 
-namespace pdserve::decode {
+namespace pdserve::worker {
 namespace {
 
 std::string HashBytes(const engine::BlockHash& h) {
@@ -50,17 +52,26 @@ v1::KvEventProto EventToProto(const engine::KvEvent& e) {
 }  // namespace
 
 absl::Status WorkerConfig::Validate() const {
-  if (role != "prefill" && role != "decode" && role != "both") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--role must be prefill, decode or both, got \"", role, "\""));
+  if (!wire::IsKnownRole(role)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--role must be prefill, decode or both, got role #",
+                     static_cast<int>(role)));
   }
   if (model_dir.empty())
     return absl::InvalidArgumentError("--model is required");
   if (port < 0 || port > 65535)
     return absl::InvalidArgumentError("--port must be in [0, 65535]");
-  if (kv_transport != "grpc" && kv_transport != "nccl") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-transport must be grpc or nccl, got \"", kv_transport, "\""));
+  if (engine.device != engine::Device::kCpu &&
+      role != v1::WORKER_ROLE_BOTH) {
+    // A GPU engine has no host KV pool for the transfer code to read/write
+    // yet (device-resident transfer is issue 14).
+    return absl::InvalidArgumentError(
+        "--device cuda supports --role both only (prefill/decode roles move "
+        "KV through a host pool)");
+  }
+  if (grpc_memory_quota_bytes < 0 || grpc_max_threads < 0) {
+    return absl::InvalidArgumentError(
+        "gRPC memory quota and thread cap must be >= 0");
   }
   if (kv_stream_queue_bytes < 0) {
     return absl::InvalidArgumentError("--kv-stream-queue-bytes must be >= 0");
@@ -70,7 +81,11 @@ absl::Status WorkerConfig::Validate() const {
 
 struct WorkerServer::Impl final : public v1::Worker::Service {
   WorkerConfig config;
+  // Written by Start before `ready` is set (release), read by RPCs only
+  // after they saw `ready` (acquire): the server starts listening before the
+  // port, and so the address and id, are known.
   std::string address, id;
+  std::atomic<bool> ready{false};
   engine::KvEventLog events;
   std::unique_ptr<engine::EngineLoop> loop;
   kv_transfer::KvLayout layout;
@@ -85,7 +100,7 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   std::unique_ptr<kv_transfer::KvTransport> transport;
   std::unique_ptr<kv_transfer::KvTransferService> kv_service;
   std::unique_ptr<prefill::PrefillHandler> prefill;
-  std::unique_ptr<DecodeHandler> decode;
+  std::unique_ptr<decode::DecodeHandler> decode;
   std::unique_ptr<grpc::Server> server;
   metrics::Registry::CollectorHandle collector;
   bool serves_prefill = false, serves_decode = false;
@@ -99,8 +114,14 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     std::atomic<int>* n_;
   };
 
+  static grpc::Status Starting() {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is starting");
+  }
+  bool Ready() const { return ready.load(std::memory_order_acquire); }
+
   grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
                          v1::WorkerStatus* out) override {
+    if (!Ready()) return Starting();
     const engine::EngineStats s = loop->stats();
     out->set_id(id);
     out->set_role(config.role);
@@ -122,6 +143,7 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   grpc::Status Generate(
       grpc::ServerContext* ctx, const v1::WorkerGenerateRequest* req,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
+    if (!Ready()) return Starting();
     if (!serves_decode)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "this is a prefill-only worker");
@@ -133,9 +155,15 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
                        v1::PrefillResponse* resp) override {
+    if (!Ready()) return Starting();
     if (!serves_prefill)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "this is a decode-only worker");
+    if (!loop->has_host_pool()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this worker's KV lives on the GPU; it cannot send "
+                          "KV to a decode worker");
+    }
     InFlight guard(&in_flight);
     if (draining)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
@@ -145,15 +173,18 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   grpc::Status SubscribeKvEvents(
       grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest*,
       grpc::ServerWriter<v1::KvEventBatch>* writer) override {
+    if (!Ready()) return Starting();
     // Snapshot on the engine thread: every cached hash as of a sequence number.
     struct Snapshot {
       uint64_t seq;
       std::vector<engine::BlockHash> hashes;
     };
-    Snapshot snap = loop->Call([](engine::Engine& e) {
+    absl::StatusOr<Snapshot> taken = loop->Call([](engine::Engine& e) {
       return Snapshot{e.block_manager().last_event_seq(),
                       e.block_manager().CachedHashes()};
     });
+    if (!taken.ok()) return ToGrpc(taken.status());
+    Snapshot& snap = *taken;
     v1::KvEventBatch first;
     first.set_worker_id(id);
     first.set_snapshot(true);
@@ -251,8 +282,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   RETURN_IF_ERROR(config.Validate());
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  impl->serves_prefill = config.role != "decode";
-  impl->serves_decode = config.role != "prefill";
+  impl->serves_prefill = wire::ServesPrefill(config.role);
+  impl->serves_decode = wire::ServesDecode(config.role);
   ASSIGN_OR_RETURN(engine::ModelWeights loaded,
                    engine::ModelWeights::Load(config.model_dir));
   auto weights =
@@ -272,10 +303,17 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->loop = std::make_unique<engine::EngineLoop>(std::move(eng));
   impl->transfer_metrics =
       std::make_unique<kv_transfer::TransferMetrics>(*registry);
-  impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
-      &impl->loop->pool_for_transfer(), impl->layout,
-      impl->transfer_metrics->ForReceiver());
-  if (config.kv_transport == "nccl") {
+  if (!impl->loop->has_host_pool()) {
+    // --device cuda (role both only, checked by Validate): KV stays on the
+    // GPU, no KV is received, and Generate prefills locally.
+  } else {
+    impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
+        &impl->loop->pool_for_transfer(), impl->layout,
+        impl->transfer_metrics->ForReceiver());
+  }
+  if (!impl->receiver) {
+    // Nothing to serve on KvTransfer; pushes get UNIMPLEMENTED.
+  } else if (config.kv_transport == kv_transfer::KvTransportKind::kNccl) {
     kv_transfer::nccl::CommunicatorFactory* comms = config.kv_communicators;
     if (comms == nullptr) {
       ASSIGN_OR_RETURN(
@@ -314,20 +352,28 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port),
                            tls::InternalServerCredentials(), &port);
   kv_transfer::ConfigureInternalServer(&builder);
+  if (config.grpc_memory_quota_bytes > 0) {
+    grpc::ResourceQuota quota("pdserve-worker");
+    quota.Resize(static_cast<size_t>(config.grpc_memory_quota_bytes));
+    if (config.grpc_max_threads > 0) quota.SetMaxThreads(config.grpc_max_threads);
+    builder.SetResourceQuota(quota);
+  }
   builder.RegisterService(impl.get());
-  builder.RegisterService(impl->kv_service.get());
+  if (impl->kv_service) builder.RegisterService(impl->kv_service.get());
   impl->server = builder.BuildAndStart();
   if (!impl->server || port == 0) {
     return absl::UnavailableError(absl::StrCat(
         "cannot listen on ", config.listen_host, ":", config.port));
   }
+  if (config.after_listen_for_test) config.after_listen_for_test(port);
   const std::string host =
       config.advertise_host.empty()
           ? (config.listen_host == "0.0.0.0" ? "127.0.0.1" : config.listen_host)
           : config.advertise_host;
   impl->address = absl::StrCat(host, ":", port);
-  impl->id = config.id.empty() ? absl::StrCat(config.role, "@", impl->address)
-                               : config.id;
+  impl->id = config.id.empty()
+                 ? absl::StrCat(wire::RoleName(config.role), "@", impl->address)
+                 : config.id;
   prefill::PrefillOptions prefill_options;
   prefill_options.layerwise = config.kv_layerwise;
   prefill_options.max_queued_bytes = config.kv_stream_queue_bytes;
@@ -335,12 +381,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->prefill = std::make_unique<prefill::PrefillHandler>(
       impl->loop.get(), impl->transport.get(), impl->layout, impl->id,
       prefill_options);
-  impl->decode = std::make_unique<DecodeHandler>(
+  impl->decode = std::make_unique<decode::DecodeHandler>(
       impl->loop.get(), impl->receiver.get(),
-      DecodeOptions{impl->id, impl->address, config.admission_timeout,
+      decode::DecodeOptions{impl->id, impl->address, config.admission_timeout,
                     config.kv_stall_timeout});
   impl->RegisterMetrics(*registry);
+  impl->ready.store(true, std::memory_order_release);
   return std::unique_ptr<WorkerServer>(new WorkerServer(std::move(impl)));
 }
 
-}  // namespace pdserve::decode
+}  // namespace pdserve::worker

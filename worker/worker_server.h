@@ -1,27 +1,35 @@
 // One worker process: the engine thread, the internal Worker and KvTransfer
 // gRPC services (with health and reflection), the KV event stream for the
-// router, and the worker metrics. Roles: "prefill" serves Prefill, "decode"
-// serves Generate (and prefills locally when asked), "both" serves all —
-// the colocated baseline. Thread-safe.
+// router, and the worker metrics, over the two handler libraries
+// (prefill_service/, decode_service/). Roles: PREFILL serves Prefill, DECODE
+// serves Generate (and prefills locally when asked), BOTH serves all — the
+// colocated baseline.
+//
+// Thread-safety: thread-safe. RPCs that arrive before Start has finished
+// wiring the handlers are refused with UNAVAILABLE ("starting"), never served
+// half-built.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
 #include "engine/engine.h"
+#include "kv_transfer/transport.h"
+#include "pdserve/v1/internal.pb.h"
 
 namespace pdserve::kv_transfer::nccl {
 class CommunicatorFactory;
 }
 
-namespace pdserve::decode {
+namespace pdserve::worker {
 
 struct WorkerConfig {
-  std::string role = "both";  // prefill | decode | both
+  v1::WorkerRole role = v1::WORKER_ROLE_BOTH;
   std::string model_dir;
   engine::EngineConfig engine;
   std::string listen_host = "127.0.0.1";  // 0.0.0.0 in containers
@@ -30,10 +38,10 @@ struct WorkerConfig {
   std::string id;              // default role@host:port
   absl::Duration admission_timeout = absl::Seconds(10);
   absl::Duration kv_stall_timeout = absl::Seconds(10);
-  // grpc | nccl. nccl needs a CUDA+NCCL build and a visible GPU
-  // (FAILED_PRECONDITION at Start otherwise); its control plane is the
-  // KvTransfer.Control stream of this worker's gRPC server.
-  std::string kv_transport = "grpc";
+  // nccl needs a CUDA+NCCL build and a visible GPU (FAILED_PRECONDITION at
+  // Start otherwise); its control plane is the KvTransfer.Control stream of
+  // this worker's gRPC server.
+  kv_transfer::KvTransportKind kv_transport = kv_transfer::KvTransportKind::kGrpc;
   int kv_cuda_device =
       0;  // nccl: the GPU whose communicators this worker joins
   // Tests only: replaces NCCL (e.g. the in-process fake). Must outlive the
@@ -45,6 +53,13 @@ struct WorkerConfig {
   // Bound on layer spans queued for sending per request (bytes); beyond it
   // the rest is sent when the prefill ends.
   int64_t kv_stream_queue_bytes = int64_t{64} << 20;
+  // Memory gRPC may use for this server's requests and threads (bytes; 0: no
+  // quota). Bounds what a flood of connections can take.
+  int64_t grpc_memory_quota_bytes = int64_t{1} << 30;
+  int grpc_max_threads = 256;
+  // Tests only: called with the bound port after the server listens and
+  // before the handlers are wired (the start-up window).
+  std::function<void(int port)> after_listen_for_test;
 
   absl::Status Validate() const;
 };
@@ -71,4 +86,4 @@ class WorkerServer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace pdserve::decode
+}  // namespace pdserve::worker

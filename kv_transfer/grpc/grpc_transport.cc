@@ -8,6 +8,8 @@
 #include "common/status_macros.h"
 #include "common/tls.h"
 #include "kv_transfer/grpc/chunk_codec.h"
+#include "wire/channel_args.h"
+#include "wire/enums.h"
 
 namespace pdserve::kv_transfer {
 
@@ -18,7 +20,7 @@ v1::KvLayout ToProto(const KvLayout& l) {
   p.set_kv_heads(l.kv_heads);
   p.set_head_dim(l.head_dim);
   p.set_block_size(l.block_size);
-  p.set_dtype(l.dtype);
+  p.set_dtype(l.dtype ? wire::DTypeToProto(*l.dtype) : v1::KV_DTYPE_UNSPECIFIED);
   return p;
 }
 
@@ -28,14 +30,7 @@ KvLayout FromProto(const v1::KvLayout& p) {
           static_cast<int32_t>(p.kv_heads()),
           static_cast<int32_t>(p.head_dim()),
           static_cast<int32_t>(p.block_size()),
-          p.dtype()};
-}
-
-grpc::ChannelArguments InternalChannelArgs() {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetMaxSendMessageSize(64 << 20);
-  return args;
+          wire::DTypeFromProto(p.dtype())};
 }
 
 void ConfigureInternalServer(grpc::ServerBuilder* builder) {
@@ -338,7 +333,7 @@ std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(
   auto& ch = channels_[destination];
   if (!ch) {
     ch = grpc::CreateCustomChannel(
-        destination, tls::InternalChannelCredentials(), InternalChannelArgs());
+        destination, tls::InternalChannelCredentials(), wire::InternalChannelArgs());
   }
   return ch;
 }

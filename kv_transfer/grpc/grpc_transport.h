@@ -67,9 +67,8 @@ class KvTransferService : public v1::KvTransfer::WithRawCallbackMethod_Push<
 v1::KvLayout ToProto(const KvLayout& layout);
 KvLayout FromProto(const v1::KvLayout& layout);
 
-// Channel arguments for pdserve's internal channels (large messages).
-grpc::ChannelArguments InternalChannelArgs();
-// The same for a server receiving KV (workers, the transfer bench): large
+// Channel arguments for internal channels: wire::InternalChannelArgs().
+// For a server receiving KV (workers, the transfer bench): large
 // messages, HTTP/2 frames and windows sized for bulk KV instead of RPCs, and
 // large socket reads.
 void ConfigureInternalServer(grpc::ServerBuilder* builder);

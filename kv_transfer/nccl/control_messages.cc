@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "wire/enums.h"
 
 namespace pdserve::kv_transfer::nccl {
 namespace {
@@ -72,13 +73,20 @@ void WriteLayout(Writer& w, const KvLayout& l) {
   w.I32(l.kv_heads);
   w.I32(l.head_dim);
   w.I32(l.block_size);
-  w.Str(l.dtype);
+  // The dtype as its internal-proto number (0: unknown), so both ends agree
+  // on one numbering.
+  w.I32(l.dtype ? static_cast<int32_t>(wire::DTypeToProto(*l.dtype)) : 0);
 }
 
 bool ReadLayout(Reader& r, KvLayout* l) {
-  return r.Str(&l->fingerprint) && r.I32(&l->num_layers) &&
-         r.I32(&l->kv_heads) && r.I32(&l->head_dim) && r.I32(&l->block_size) &&
-         r.Str(&l->dtype);
+  int32_t dtype = 0;
+  if (!(r.Str(&l->fingerprint) && r.I32(&l->num_layers) &&
+        r.I32(&l->kv_heads) && r.I32(&l->head_dim) &&
+        r.I32(&l->block_size) && r.I32(&dtype))) {
+    return false;
+  }
+  l->dtype = wire::DTypeFromProto(static_cast<v1::KvDtype>(dtype));
+  return true;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/tls.h"
+#include "wire/channel_args.h"
 
 namespace pdserve::kv_transfer::nccl {
 namespace {
@@ -205,7 +206,7 @@ GrpcControlChannelFactory::Connect(const std::string& destination) {
   // decode worker then gets a new connection.
   return std::unique_ptr<ControlChannel>(new ClientControlChannel(
       grpc::CreateCustomChannel(destination, tls::InternalChannelCredentials(),
-                                InternalChannelArgs()),
+                                wire::InternalChannelArgs()),
       destination));
 }
 

@@ -35,7 +35,7 @@ class ReceiveLink {
     const engine::KvCacheSpec spec{
         receiver->layout().num_layers, receiver->layout().kv_heads,
         receiver->layout().head_dim, receiver->layout().block_size,
-        ParseDType(receiver->layout().dtype).value_or(DType::kF16)};
+        receiver->layout().dtype.value_or(DType::kF16)};
     data_bytes_ = static_cast<size_t>(spec.LayerBlockBytes());
     scale_bytes_ =
         spec.dtype == DType::kI8
