@@ -12,6 +12,7 @@ DEB_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
+  prometheus-cpp-dev nlohmann-json3-dev
   prometheus python3-torch python3-numpy openssl
 )
 # Only for the fuzz targets (tests/fuzz): clang and its libFuzzer runtime.
@@ -24,7 +25,8 @@ usage: ./pdserve.sh COMMAND [ARGS...]
 
   deps          install the Debian packages pdserve needs (idempotent; needs root)
   build         configure and build Release into build/ (build/bin/pdserve)
-  test          deps + build + the CPU test suite (ctest -L cpu, including a 2-minute
+  layering      check include/link layering against tests/layering/rules.txt
+  test          layering + deps + build + the CPU test suite (ctest -L cpu, including a 2-minute
                 fault soak), then every fuzz target for a few seconds; non-zero on any failure
   serve [ARGS]  deps + build + run the embedded default (passes ARGS through)
   fuzz [SECONDS]
@@ -85,7 +87,10 @@ shift || true
 case "$cmd" in
   deps) deps ;;
   build) deps; build ;;
+  layering) python3 "$ROOT/tests/layering/check_layering.py" "$ROOT" ;;
   test)
+    # Fails fast, before the long build, on an include that crosses a rule.
+    python3 "$ROOT/tests/layering/check_layering.py" "$ROOT"
     deps
     build
     (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@")

@@ -13,6 +13,7 @@
 #include "bench/transfer_bench.h"
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "common/tls.h"
 
 ABSL_FLAG(std::string, batch_sizes, "1,8,32",
           "bench engine: decode batch sizes");
@@ -162,6 +163,9 @@ int RunBenchServe(const std::vector<std::string>&) {
 }
 
 int RunBenchTransfer(const std::vector<std::string>&) {
+  // Sender and receiver in this process, on loopback: plaintext on purpose.
+  if (absl::Status s = tls::Install(tls::TlsConfig::Plaintext()); !s.ok())
+    return ReportError(s);
   bench::TransferBenchConfig c;
   auto tokens =
       ParseIntList(absl::GetFlag(FLAGS_transfer_tokens), "--transfer-tokens");

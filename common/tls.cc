@@ -1,5 +1,7 @@
 #include "common/tls.h"
 
+#include "common/logging.h"
+
 #include <grpc/grpc_security_constants.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_certificate_verifier.h>
@@ -46,13 +48,17 @@ std::shared_ptr<FileWatcherCertificateProvider> Provider(const TlsConfig& c) {
 
 struct State {
   absl::Mutex mu;
+  bool installed ABSL_GUARDED_BY(mu) = false;
+  bool warned ABSL_GUARDED_BY(mu) = false;
   TlsConfig config ABSL_GUARDED_BY(mu);
   std::shared_ptr<grpc::ChannelCredentials> channel ABSL_GUARDED_BY(mu);
   std::shared_ptr<grpc::ServerCredentials> server ABSL_GUARDED_BY(mu);
   State() {
-    config.insecure = true;
-    channel = grpc::InsecureChannelCredentials();
-    server = grpc::InsecureServerCredentials();
+    // Fail closed: TLS that trusts only the system roots, which no pdserve
+    // peer's certificate chains to, and never plaintext.
+    grpc::experimental::TlsChannelCredentialsOptions options;
+    options.set_verify_server_certs(true);
+    channel = grpc::experimental::TlsCredentials(options);
   }
 };
 
@@ -152,10 +158,17 @@ absl::Status Install(const TlsConfig& config) {
   if (!channel.ok()) return channel.status();
   State& g = Global();
   absl::MutexLock l(&g.mu);
+  g.installed = true;
   g.config = config;
   g.server = *server;
   g.channel = *channel;
   return absl::OkStatus();
+}
+
+bool IsInstalled() {
+  State& g = Global();
+  absl::MutexLock l(&g.mu);
+  return g.installed;
 }
 
 bool Enabled() {
@@ -173,12 +186,25 @@ TlsConfig Installed() {
 std::shared_ptr<grpc::ChannelCredentials> InternalChannelCredentials() {
   State& g = Global();
   absl::MutexLock l(&g.mu);
+  if (!g.installed && !g.warned) {
+    g.warned = true;
+    PDSERVE_LOG(ERROR) << "TLS was never configured (tls::Install): internal "
+                          "channels refuse plaintext and will fail; pass "
+                          "--insecure or --tls-cert/--tls-key/--tls-ca";
+  }
   return g.channel;
 }
 
-std::shared_ptr<grpc::ServerCredentials> InternalServerCredentials() {
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>>
+InternalServerCredentials() {
   State& g = Global();
   absl::MutexLock l(&g.mu);
+  if (!g.installed) {
+    return absl::FailedPreconditionError(
+        "TLS was never configured: internal servers do not start in "
+        "plaintext by default (pass --insecure or --tls-cert/--tls-key/"
+        "--tls-ca; in-process code calls tls::Install)");
+  }
   return g.server;
 }
 

@@ -18,8 +18,12 @@
 // Channels to peers are created in several libraries (router registry, KV
 // transfer, decode→prefill, worker→router registration). One process has one
 // identity, so the credentials are installed once per process with Install()
-// and read anywhere with InternalChannelCredentials(); until Install() runs
-// they are plaintext, which is what in-process tests use.
+// and read anywhere with InternalChannelCredentials(). Until Install() runs
+// they fail closed: servers get no credentials (FAILED_PRECONDITION) and
+// channels get TLS credentials that trust no pdserve peer, so a process that
+// forgot to configure TLS can never fall back to plaintext. Plaintext must be
+// asked for explicitly: Install(TlsConfig::Plaintext()) (--insecure, and
+// in-process tests through tests/support/plaintext_tls.cc).
 //
 // Thread-safety: Install() may race with readers; every accessor is
 // thread-safe and returns a shared_ptr snapshot.
@@ -82,14 +86,21 @@ PublicChannelCredentials(const std::string& ca_file,
 // Validates `config` and makes it this process's identity for the accessors
 // below. Call once at start-up, before any server or channel is created.
 absl::Status Install(const TlsConfig& config);
-// Whether Install() chose TLS (false before Install() and with --insecure).
+// Whether Install() succeeded at least once in this process.
+bool IsInstalled();
+// Whether the installed config is TLS (true before Install(): fail closed).
 bool Enabled();
-// The installed config (default TlsConfig{insecure=true} before Install()).
+// The installed config (before Install(): TlsConfig{}, which is not
+// plaintext).
 TlsConfig Installed();
-// Channel credentials for calls to other pdserve processes.
+// Channel credentials for calls to other pdserve processes. Before Install():
+// TLS credentials verifying against the system roots, which no pdserve peer
+// presents, so every call fails (logged once).
 std::shared_ptr<grpc::ChannelCredentials> InternalChannelCredentials();
-// Server credentials for internal services (mTLS required).
-std::shared_ptr<grpc::ServerCredentials> InternalServerCredentials();
+// Server credentials for internal services (mTLS required);
+// FAILED_PRECONDITION before Install().
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>>
+InternalServerCredentials();
 
 // True when the call's peer presented a client certificate that the TLS
 // handshake verified against the CA (always false on plaintext ports).

@@ -285,7 +285,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->serves_prefill = wire::ServesPrefill(config.role);
   impl->serves_decode = wire::ServesDecode(config.role);
   ASSIGN_OR_RETURN(engine::ModelWeights loaded,
-                   engine::ModelWeights::Load(config.model_dir));
+                   engine::ModelWeights::Load(config.model_dir,
+                                              config.engine.weight_dtype,
+                                              config.engine.matmul));
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const std::string fingerprint =
@@ -349,8 +351,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   tls::InternalServerCredentials());
   builder.AddListeningPort(absl::StrCat(config.listen_host, ":", config.port),
-                           tls::InternalServerCredentials(), &port);
+                           credentials, &port);
   kv_transfer::ConfigureInternalServer(&builder);
   if (config.grpc_memory_quota_bytes > 0) {
     grpc::ResourceQuota quota("pdserve-worker");

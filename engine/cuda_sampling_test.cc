@@ -1,4 +1,5 @@
-// GPU sampling against the CPU sampler (engine/sampling.h): the Philox
+// GPU sampling (kernels/cuda/sampling.cuh) against the CPU sampler
+// (engine/sampling.h): the Philox
 // stream is bit-identical, and greedy, temperature, top-k and top-p sampling
 // pick the same token for the same logits, seed and position. Exact
 // equality is expected; the only allowed difference (a uniform within

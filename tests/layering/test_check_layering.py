@@ -1,0 +1,103 @@
+"""The layering check must fail on each kind of violation (and pass clean)."""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK = os.path.join(HERE, 'check_layering.py')
+
+
+def write(root, rel, text):
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        f.write(text)
+
+
+class CheckLayeringTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.root = self.tmp.name
+        # A minimal tree that obeys every rule in rules.txt.
+        for folder in ('common', 'kernels', 'engine', 'wire', 'kv_transfer',
+                       'prefill_service', 'decode_service', 'worker', 'router', 'cli'):
+            write(self.root, f'{folder}/x.h', f'#include "{folder}/y.h"\n')
+        write(self.root, 'engine/e.cc', '#include "kernels/k.h"\n#include "common/c.h"\n')
+        write(self.root, 'router/r.cc', '#include "wire/enums.h"\n#include "engine/tokenizer.h"\n')
+        write(self.root, 'cli/f.cc', 'ABSL_FLAG(int, x, 0, "x");\n')
+        self.cmake = {
+            'router/CMakeLists.txt': 'add_library(pdserve_router STATIC r.cc)\n'
+                                     'target_link_libraries(pdserve_router PUBLIC pdserve_wire)\n',
+            'wire/CMakeLists.txt': 'add_library(pdserve_wire STATIC w.cc)\n'
+                                   'target_link_libraries(pdserve_wire PUBLIC pdserve_engine_base)\n',
+            'engine/CMakeLists.txt': 'add_library(pdserve_engine_base STATIC b.cc)\n'
+                                     'add_library(pdserve_engine STATIC e.cc)\n'
+                                     'target_link_libraries(pdserve_engine PUBLIC pdserve_kernels_cpu)\n',
+            'prefill_service/CMakeLists.txt': 'add_library(pdserve_prefill_service STATIC p.cc)\n',
+            'decode_service/CMakeLists.txt': 'add_library(pdserve_decode_service STATIC d.cc)\n'
+                                             'target_link_libraries(pdserve_decode_service PUBLIC pdserve_engine)\n',
+        }
+        for rel, text in self.cmake.items():
+            write(self.root, rel, text)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def run_check(self):
+        p = subprocess.run([sys.executable, CHECK, self.root], capture_output=True, text=True)
+        return p.returncode, p.stdout
+
+    def test_clean_tree_passes(self):
+        rc, out = self.run_check()
+        self.assertEqual(rc, 0, out)
+
+    def test_common_including_anything_of_pdserve_fails(self):
+        write(self.root, 'common/bad.h', '#include "pdserve/v1/router.pb.h"\n')
+        rc, out = self.run_check()
+        self.assertEqual(rc, 1)
+        self.assertIn('common/bad.h:1', out)
+
+    def test_each_denied_include_fails(self):
+        cases = [('kernels/k.cc', 'engine/engine.h'),
+                 ('engine/e2.cc', 'kv_transfer/transport.h'),
+                 ('kv_transfer/t.cc', 'router/router_service.h'),
+                 ('prefill_service/p.cc', 'decode_service/decode_handler.h'),
+                 ('decode_service/d.cc', 'prefill_service/prefill_handler.h'),
+                 ('router/r2.cc', 'decode_service/decode_handler.h'),
+                 ('router/r3.cc', 'kernels/cpu/ops.h')]
+        for rel, inc in cases:
+            with self.subTest(rel=rel, inc=inc):
+                write(self.root, rel, f'#include "{inc}"\n')
+                rc, out = self.run_check()
+                self.assertEqual(rc, 1, out)
+                self.assertIn(f'{rel}:1', out)
+                os.remove(os.path.join(self.root, rel))
+
+    def test_flag_outside_cli_fails(self):
+        write(self.root, 'engine/flagged.cc', 'ABSL_FLAG(int, y, 0, "y");\n')
+        rc, out = self.run_check()
+        self.assertEqual(rc, 1)
+        self.assertIn('engine/flagged.cc:1', out)
+
+    def test_relative_include_fails(self):
+        write(self.root, 'worker/w.cc', '#include "../common/c.h"\n')
+        rc, out = self.run_check()
+        self.assertEqual(rc, 1)
+        self.assertIn('not rooted', out)
+
+    def test_router_linking_a_service_transitively_fails(self):
+        write(self.root, 'wire/CMakeLists.txt',
+              'add_library(pdserve_wire STATIC w.cc)\n'
+              'target_link_libraries(pdserve_wire PUBLIC pdserve_decode_service)\n')
+        rc, out = self.run_check()
+        self.assertEqual(rc, 1)
+        self.assertIn('pdserve_router links pdserve_decode_service via '
+                      'pdserve_router -> pdserve_wire -> pdserve_decode_service', out)
+        # ...and through the service, the engine and its kernels.
+        self.assertIn('pdserve_router links pdserve_kernels_cpu', out)
+
+
+if __name__ == '__main__':
+    unittest.main()
