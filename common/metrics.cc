@@ -425,8 +425,8 @@ std::vector<prometheus::MetricFamily> Registry::Collect() const {
     for (const auto& [id, collect] : collectors_) collect();
   }
   absl::ReaderMutexLock lock(&mu_);
-  // Only families with at least one child: a labelled family nobody has
-  // resolved a child of would render HELP/TYPE alone, which is only noise.
+  // prometheus-cpp leaves out a family with no child yet (a labelled family
+  // nobody has resolved a child of), whose HELP/TYPE alone would be noise.
   std::vector<prometheus::MetricFamily> families = backend_->Collect();
   for (prometheus::MetricFamily& family : families) {
     if (auto it = families_.find(family.name); it != families_.end()) {
