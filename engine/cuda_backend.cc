@@ -86,7 +86,7 @@ class CudaBackend : public Backend {
   absl::Status Init();
   // Uploads fp32 host data as fp32 or (for GEMM weights in bf16 mode) bf16.
   absl::StatusOr<const float*> UploadF32(const std::vector<float>& v);
-  absl::StatusOr<const void*> UploadWeight(const std::vector<float>& v);
+  absl::StatusOr<const void*> UploadWeight(const kernels::WeightMatrix& m);
   template <typename T>
   absl::Status Upload(T* dst, const std::vector<T>& src) {
     PDSERVE_CUDA_RETURN_IF_ERROR(
@@ -144,7 +144,9 @@ absl::StatusOr<const float*> CudaBackend::UploadF32(
 }
 
 absl::StatusOr<const void*> CudaBackend::UploadWeight(
-    const std::vector<float>& v) {
+    const kernels::WeightMatrix& m) {
+  // The host keeps its compact dtype; the GPU GEMM takes fp32 or bf16.
+  const std::vector<float> v = m.ToFloat();
   if (gemm_dtype_ == kc::GemmDtype::kF32) {
     ASSIGN_OR_RETURN(const float* p, UploadF32(v));
     return static_cast<const void*>(p);
@@ -171,7 +173,7 @@ absl::Status CudaBackend::Init() {
   gemm_dtype_ =
       config_.gpu_reference_math ? kc::GemmDtype::kF32 : kc::GemmDtype::kBf16;
 
-  ASSIGN_OR_RETURN(embed_, UploadF32(weights_->embed));
+  ASSIGN_OR_RETURN(embed_, UploadF32(weights_->embed.ToFloat()));
   ASSIGN_OR_RETURN(final_norm_, UploadF32(weights_->norm));
   ASSIGN_OR_RETURN(lm_head_, UploadWeight(weights_->output_matrix()));
   ASSIGN_OR_RETURN(inv_freq_, UploadF32(kernels::RopeInvFreq(

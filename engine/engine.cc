@@ -30,6 +30,12 @@ absl::Status EngineConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("block_size must be in [1, 256], got ", block_size));
   }
+  if (matmul == kernels::MatMulMode::kBlas &&
+      weight_dtype != WeightDtype::kAuto && weight_dtype != WeightDtype::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul blas needs --weight-dtype fp32 or auto, got ",
+                     WeightDtypeName(weight_dtype)));
+  }
   if (kv_cache_bytes <= 0)
     return absl::InvalidArgumentError("kv cache memory must be positive");
   if (max_num_seqs < 1)

@@ -41,6 +41,9 @@ struct EngineConfig {
   int32_t max_model_len = 0;  // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
   kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;
+  // How the caller loads the weights (ModelWeights::Load(dir, weight_dtype,
+  // matmul)); kBlas allows only kAuto or kF32.
+  WeightDtype weight_dtype = WeightDtype::kAuto;
   // kCuda runs the forward pass on the GPU (engine/cuda_backend.h) with a KV
   // pool sized from gpu_memory_utilization instead of kv_cache_bytes.
   Device device = Device::kCpu;

@@ -61,6 +61,9 @@ struct PresetShape {
   // an original context of 256 (8192 in Llama 3.1) so that every frequency
   // band is exercised at test lengths.
   bool llama3_rope = false;
+  int64_t vocab = 0;  // 0: the byte vocabulary
+  // Written in this dtype unless --dtype says otherwise.
+  DType default_dtype = DType::kF32;
 };
 
 constexpr PresetShape kPresets[] = {
@@ -82,6 +85,10 @@ constexpr PresetShape kPresets[] = {
     // no bias, tied embeddings.
     {"qwen3", "Qwen3ForCausalLM", 64, 192, 2, 4, 2, 32, 4096, 1e6, 1e-6, false,
      true, true},
+    // Llama 3.2 1B at full size (random weights, byte tokenizer over the
+    // real 128256-entry vocabulary): for benchmarks and accuracy figures.
+    {"llama3.2-1b", "LlamaForCausalLM", 2048, 8192, 16, 32, 8, 64, 131072,
+     5e5, 1e-5, false, false, true, false, 128256, DType::kBF16},
 };
 
 }  // namespace
@@ -90,7 +97,7 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
   for (const PresetShape& p : kPresets) {
     if (preset != p.name) continue;
     ModelConfig c;
-    c.vocab_size = ByteTokenizer::kVocab;
+    c.vocab_size = p.vocab > 0 ? p.vocab : ByteTokenizer::kVocab;
     c.bos_token_id = ByteTokenizer::kBos;
     c.eos_token_id = ByteTokenizer::kEos;
     c.architecture = p.architecture;
@@ -116,6 +123,13 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown preset \"", preset, "\" (choose one of: ", kPresetNames, ")"));
+}
+
+DType PresetDefaultDtype(const std::string& preset) {
+  for (const PresetShape& p : kPresets) {
+    if (preset == p.name) return p.default_dtype;
+  }
+  return DType::kF32;
 }
 
 absl::Status WriteRandomModel(const ModelInitOptions& options) {

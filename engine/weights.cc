@@ -63,6 +63,14 @@ class TensorSource {
 
   bool Has(const std::string& name) const { return where_.count(name) > 0; }
 
+  // Storage dtype of `name` in the checkpoint (F32 when absent).
+  DType DtypeOf(const std::string& name) const {
+    auto it = where_.find(name);
+    if (it == where_.end()) return DType::kF32;
+    auto t = it->second->Find(name);
+    return t.ok() ? (*t)->dtype : DType::kF32;
+  }
+
   // Loads `name` as fp32, checking the shape; appends to `out`.
   absl::Status Append(const std::string& name,
                       const std::vector<int64_t>& shape,
@@ -111,17 +119,51 @@ class TensorSource {
 
 }  // namespace
 
-int64_t ModelWeights::ParameterBytes() const {
-  int64_t n = static_cast<int64_t>(norm.size() + output_matrix().size());
-  for (const auto& l : layers) {
-    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() +
-         l.q_norm.size() + l.k_norm.size() + l.o_proj.size() +
-         l.post_norm.size() + l.gate_up.size() + l.down.size();
-  }
-  return n * static_cast<int64_t>(sizeof(float));
+std::optional<WeightDtype> ParseWeightDtype(std::string_view s) {
+  if (s == "auto") return WeightDtype::kAuto;
+  if (s == "fp32") return WeightDtype::kF32;
+  if (s == "bf16") return WeightDtype::kBF16;
+  if (s == "fp16") return WeightDtype::kF16;
+  if (s == "int8") return WeightDtype::kI8;
+  return std::nullopt;
 }
 
-absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir) {
+const char* WeightDtypeName(WeightDtype d) {
+  switch (d) {
+    case WeightDtype::kAuto:
+      return "auto";
+    case WeightDtype::kF32:
+      return "fp32";
+    case WeightDtype::kBF16:
+      return "bf16";
+    case WeightDtype::kF16:
+      return "fp16";
+    case WeightDtype::kI8:
+      return "int8";
+  }
+  return "?";
+}
+
+int64_t ModelWeights::ParameterBytes() const {
+  int64_t n = output_matrix().bytes();
+  int64_t floats = static_cast<int64_t>(norm.size());
+  for (const auto& l : layers) {
+    n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes();
+    floats += l.input_norm.size() + l.qkv_bias.size() + l.q_norm.size() +
+              l.k_norm.size() + l.post_norm.size();
+  }
+  return n + floats * static_cast<int64_t>(sizeof(float));
+}
+
+absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
+                                               WeightDtype dtype,
+                                               kernels::MatMulMode mode) {
+  const bool blas = mode == kernels::MatMulMode::kBlas;
+  if (blas && dtype != WeightDtype::kAuto && dtype != WeightDtype::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul blas needs fp32 weights (OpenBLAS sgemm), not ",
+                     WeightDtypeName(dtype), "; use --weight-dtype fp32"));
+  }
   ModelWeights w;
   const std::string config_path = dir + "/config.json";
   ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
@@ -135,22 +177,54 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir) {
   ASSIGN_OR_RETURN(TensorSource src, TensorSource::Open(dir));
   XXH3_128bits_reset(src.hash());
   XXH3_128bits_update(src.hash(), config_text.data(), config_text.size());
+  switch (dtype) {
+    case WeightDtype::kAuto:
+      w.dtype = blas ? DType::kF32 : src.DtypeOf("model.embed_tokens.weight");
+      break;
+    case WeightDtype::kF32:
+      w.dtype = DType::kF32;
+      break;
+    case WeightDtype::kBF16:
+      w.dtype = DType::kBF16;
+      break;
+    case WeightDtype::kF16:
+      w.dtype = DType::kF16;
+      break;
+    case WeightDtype::kI8:
+      w.dtype = DType::kI8;
+      break;
+  }
+  // Different storage gives different logits, so it is part of the identity.
+  const std::string storage =
+      absl::StrCat(DTypeName(w.dtype), blas ? "/rowmajor" : "/panel16");
+  XXH3_128bits_update(src.hash(), storage.data(), storage.size());
+  // Matrices are read as fp32 one (fused) tensor at a time, then packed.
+  std::vector<float> tmp;
+  auto pack = [&](int64_t rows, int64_t cols) {
+    kernels::WeightMatrix m =
+        blas ? kernels::WeightMatrix::RowMajorF32(tmp.data(), rows, cols)
+             : kernels::WeightMatrix::Pack(tmp.data(), rows, cols, w.dtype);
+    tmp.clear();
+    return m;
+  };
   const ModelConfig& c = w.config;
   const int64_t h = c.hidden_size, hd = c.head_dim;
   const int64_t q_rows = c.num_heads * hd, kv_rows = c.num_kv_heads * hd;
   RETURN_IF_ERROR(
-      src.Append("model.embed_tokens.weight", {c.vocab_size, h}, &w.embed));
+      src.Append("model.embed_tokens.weight", {c.vocab_size, h}, &tmp));
+  w.embed = pack(c.vocab_size, h);
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     LayerWeights l;
     RETURN_IF_ERROR(
         src.Append(p + "input_layernorm.weight", {h}, &l.input_norm));
     RETURN_IF_ERROR(
-        src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &l.qkv));
+        src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &tmp));
     RETURN_IF_ERROR(
-        src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &l.qkv));
+        src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &tmp));
     RETURN_IF_ERROR(
-        src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &l.qkv));
+        src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &tmp));
+    l.qkv = pack(q_rows + 2 * kv_rows, h);
     if (c.attention_bias) {
       RETURN_IF_ERROR(
           src.Append(p + "self_attn.q_proj.bias", {q_rows}, &l.qkv_bias));
@@ -166,21 +240,24 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir) {
           src.Append(p + "self_attn.k_norm.weight", {hd}, &l.k_norm));
     }
     RETURN_IF_ERROR(
-        src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &l.o_proj));
+        src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &tmp));
+    l.o_proj = pack(h, q_rows);
     RETURN_IF_ERROR(
         src.Append(p + "post_attention_layernorm.weight", {h}, &l.post_norm));
     RETURN_IF_ERROR(src.Append(p + "mlp.gate_proj.weight",
-                               {c.intermediate_size, h}, &l.gate_up));
+                               {c.intermediate_size, h}, &tmp));
     RETURN_IF_ERROR(src.Append(p + "mlp.up_proj.weight",
-                               {c.intermediate_size, h}, &l.gate_up));
+                               {c.intermediate_size, h}, &tmp));
+    l.gate_up = pack(2 * c.intermediate_size, h);
     RETURN_IF_ERROR(src.Append(p + "mlp.down_proj.weight",
-                               {h, c.intermediate_size}, &l.down));
+                               {h, c.intermediate_size}, &tmp));
+    l.down = pack(h, c.intermediate_size);
     w.layers.push_back(std::move(l));
   }
   RETURN_IF_ERROR(src.Append("model.norm.weight", {h}, &w.norm));
   if (!c.tie_word_embeddings) {
-    RETURN_IF_ERROR(
-        src.Append("lm_head.weight", {c.vocab_size, h}, &w.lm_head));
+    RETURN_IF_ERROR(src.Append("lm_head.weight", {c.vocab_size, h}, &tmp));
+    w.lm_head = pack(c.vocab_size, h);
   }
   const XXH128_hash_t digest = XXH3_128bits_digest(src.hash());
   w.fingerprint = {digest.high64, digest.low64};
