@@ -4,13 +4,26 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <numeric>
+#include <span>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "engine/kv_cache.h"
+#include "engine/llama_model.h"
 #include "engine/weights.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/fma_peak.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/packed_gemm.h"
 
 namespace pdserve::bench {
 namespace {
@@ -32,7 +45,135 @@ engine::EngineRequest Request(const std::string& id, int32_t len, int32_t salt,
   return r;
 }
 
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  std::getline(in, text);
+  return std::string(absl::StripAsciiWhitespace(text));
+}
+
+// FLOPs of the matrices for one token (2 per multiply-add), without the
+// output matrix.
+double LayerMatrixFlops(const engine::ModelConfig& c) {
+  const double h = c.hidden_size, q = c.num_heads * c.head_dim,
+               kv = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
+  return 2.0 * c.num_layers * (h * (q + 2 * kv) + q * h + 3 * inter * h);
+}
+double OutputFlops(const engine::ModelConfig& c) {
+  return 2.0 * c.vocab_size * c.hidden_size;
+}
+// Attention (QKᵀ and PV) of one query token over `context` tokens.
+double AttentionFlops(const engine::ModelConfig& c, double context) {
+  return 4.0 * c.num_layers * c.num_heads * c.head_dim * context;
+}
+
+// Logits of every position of `tokens`, prefilled in chunks of 256.
+absl::StatusOr<std::vector<float>> AllLogits(
+    std::shared_ptr<const engine::ModelWeights> w,
+    const std::vector<int32_t>& tokens) {
+  const auto& c = w->config;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers),
+                           static_cast<int32_t>(c.num_kv_heads),
+                           static_cast<int32_t>(c.head_dim), 16, DType::kF32};
+  ASSIGN_OR_RETURN(auto pool, engine::KvPool::Create(spec, (n + 15) / 16));
+  std::vector<int32_t> table((n + 15) / 16);
+  std::iota(table.begin(), table.end(), 0);
+  engine::LlamaModel model(w, kernels::MatMulMode::kDeterministic);
+  std::vector<float> logits;
+  for (int64_t p = 0; p < n; p += 256) {
+    const int64_t len = std::min<int64_t>(256, n - p);
+    engine::LlamaModel::SeqInput in{
+        std::span<const int32_t>(tokens).subspan(p, len),
+        static_cast<int32_t>(p), table, engine::LlamaModel::Logits::kAll};
+    RETURN_IF_ERROR(model.Forward({&in, 1}, pool.get(), &logits));
+  }
+  return logits;
+}
+
+absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
+    const std::string& dir, int32_t positions) {
+  ASSIGN_OR_RETURN(engine::ModelWeights ref_loaded,
+                   engine::ModelWeights::Load(dir, engine::WeightDtype::kF32));
+  auto ref_w =
+      std::make_shared<const engine::ModelWeights>(std::move(ref_loaded));
+  const int64_t vocab = ref_w->config.vocab_size;
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(
+      positions, ref_w->config.max_position_embeddings));
+  std::vector<int32_t> tokens(n);
+  for (int32_t i = 0; i < n; ++i)
+    tokens[i] = static_cast<int32_t>((uint64_t{2654435761u} * i + 12345) %
+                                     static_cast<uint64_t>(vocab));
+  std::fprintf(stderr, "[bench] accuracy: fp32 reference, %d positions...\n",
+               n);
+  ASSIGN_OR_RETURN(std::vector<float> ref, AllLogits(ref_w, tokens));
+  ref_w.reset();
+  std::vector<AccuracyFigure> out;
+  for (engine::WeightDtype d :
+       {engine::WeightDtype::kBF16, engine::WeightDtype::kF16,
+        engine::WeightDtype::kI8}) {
+    std::fprintf(stderr, "[bench] accuracy: %s...\n",
+                 engine::WeightDtypeName(d));
+    ASSIGN_OR_RETURN(engine::ModelWeights loaded,
+                     engine::ModelWeights::Load(dir, d));
+    auto w = std::make_shared<const engine::ModelWeights>(std::move(loaded));
+    ASSIGN_OR_RETURN(std::vector<float> got, AllLogits(w, tokens));
+    AccuracyFigure f;
+    f.dtype = engine::WeightDtypeName(d);
+    f.positions = n;
+    int32_t agree = 0;
+    for (int32_t p = 0; p < n; ++p) {
+      const float* r = ref.data() + int64_t{p} * vocab;
+      const float* g = got.data() + int64_t{p} * vocab;
+      double err = 0, mag = 0;
+      for (int64_t j = 0; j < vocab; ++j) {
+        err = std::max(err, std::fabs(double(r[j]) - g[j]));
+        mag = std::max(mag, std::fabs(double(r[j])));
+      }
+      const double rel = mag > 0 ? err / mag : err;
+      f.max_rel_error = std::max(f.max_rel_error, rel);
+      f.mean_rel_error += rel / n;
+      agree += std::max_element(r, r + vocab) - r ==
+               std::max_element(g, g + vocab) - g;
+    }
+    f.top1_agreement = static_cast<double>(agree) / n;
+    out.push_back(f);
+  }
+  return out;
+}
+
 }  // namespace
+
+int64_t LastLevelCacheBytes(const std::string& sysfs_cpu0_cache) {
+  int64_t best_level = 0, bytes = 0;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(sysfs_cpu0_cache, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("index", 0) != 0) continue;
+    int64_t level = 0;
+    if (!absl::SimpleAtoi(ReadSmallFile(entry.path() / "level"), &level))
+      continue;
+    const std::string type = ReadSmallFile(entry.path() / "type");
+    if (type == "Instruction") continue;
+    std::string size = ReadSmallFile(entry.path() / "size");  // "300M", "2048K"
+    int64_t factor = 1;
+    if (!size.empty()) {
+      const char unit = absl::ascii_toupper(size.back());
+      if (unit == 'K') factor = 1024;
+      if (unit == 'M') factor = 1024 * 1024;
+      if (unit == 'G') factor = int64_t{1} << 30;
+      if (factor > 1) size.pop_back();
+    }
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(size, &value)) continue;
+    if (level > best_level) {
+      best_level = level;
+      bytes = value * factor;
+    }
+  }
+  return bytes;
+}
 
 absl::Status EngineBenchConfig::Validate() const {
   if (model_dir.empty())
@@ -69,15 +210,41 @@ double MeasureTriadBandwidth(int64_t bytes) {
 absl::StatusOr<EngineBenchResult> RunEngineBench(
     const EngineBenchConfig& config) {
   RETURN_IF_ERROR(config.Validate());
+  EngineBenchResult result;
+  {
+    std::ifstream in("/proc/loadavg");
+    in >> result.load_average_1m;
+  }
   ASSIGN_OR_RETURN(engine::ModelWeights loaded,
-                   engine::ModelWeights::Load(config.model_dir));
+                   engine::ModelWeights::Load(config.model_dir,
+                                              config.engine.weight_dtype,
+                                              config.engine.matmul));
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
-  EngineBenchResult result;
+  const engine::ModelConfig& mc = weights->config;
+  result.weight_dtype = DTypeName(weights->dtype);
+  result.gemm_path = config.engine.matmul == kernels::MatMulMode::kBlas
+                         ? "blas"
+                         : kernels::GemmIsaName(kernels::ActiveGemmIsa());
+  result.cpu_features = kernels::DetectCpuFeatures().ToString();
+  result.threads = kernels::KernelThreads();
   result.weight_bytes = weights->ParameterBytes();
-  std::fprintf(stderr, "[bench] STREAM triad over %lld MiB...\n",
-               static_cast<long long>(config.stream_bytes >> 20));
-  result.stream_gb_per_s = MeasureTriadBandwidth(config.stream_bytes);
+  result.llc_bytes = LastLevelCacheBytes();
+  result.stream_bytes = config.stream_bytes > 0
+                            ? config.stream_bytes
+                            : std::max<int64_t>(4 * result.llc_bytes,
+                                                int64_t{1} << 30);
+  std::fprintf(stderr, "[bench] STREAM triad over %lld MiB (LLC %lld MiB)...\n",
+               static_cast<long long>(result.stream_bytes >> 20),
+               static_cast<long long>(result.llc_bytes >> 20));
+  result.stream_gb_per_s = MeasureTriadBandwidth(result.stream_bytes);
+  // The peak of the path the matrices run on (blas: the best vector ISA).
+  const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
+  result.fma_peak_gflops =
+      kernels::MeasureFmaPeakGflops(peak_isa, result.threads);
+  std::fprintf(stderr, "[bench] %s FMA peak %.1f GFLOP/s on %d threads\n",
+               kernels::GemmIsaName(peak_isa), result.fma_peak_gflops,
+               result.threads);
 
   // Prefill: one long prompt in one step (budget = prompt length), best of 3.
   {
@@ -96,13 +263,22 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
       while (eng->HasWork()) RETURN_IF_ERROR(eng->Step().status());
       best = std::min(best, Seconds(t0));
     }
-    result.prefill_tokens_per_s = config.prefill_tokens / best;
+    const double p = config.prefill_tokens;
+    const double flops = p * LayerMatrixFlops(mc) + OutputFlops(mc) +
+                         AttentionFlops(mc, (p + 1) / 2) * p;
+    result.prefill_tokens = config.prefill_tokens;
+    result.prefill_tokens_per_s = p / best;
+    result.prefill_gflops = flops / best / 1e9;
+    result.prefill_fma_peak_fraction =
+        result.fma_peak_gflops > 0
+            ? result.prefill_gflops / result.fma_peak_gflops
+            : 0;
   }
 
   const int64_t bytes_per_token = [&] {
-    engine::KvCacheSpec s{static_cast<int32_t>(weights->config.num_layers),
-                          static_cast<int32_t>(weights->config.num_kv_heads),
-                          static_cast<int32_t>(weights->config.head_dim),
+    engine::KvCacheSpec s{static_cast<int32_t>(mc.num_layers),
+                          static_cast<int32_t>(mc.num_kv_heads),
+                          static_cast<int32_t>(mc.head_dim),
                           config.engine.block_size, config.engine.kv_dtype};
     return s.BytesPerToken();
   }();
@@ -141,41 +317,97 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                        batch * avg_ctx * bytes_per_token;
     f.roofline_ratio = f.bytes_per_step / (secs / config.decode_steps) /
                        (result.stream_gb_per_s * 1e9);
+    f.flops_per_step =
+        batch * (LayerMatrixFlops(mc) + OutputFlops(mc) +
+                 AttentionFlops(mc, avg_ctx + 1));
+    f.gflops = f.flops_per_step / (secs / config.decode_steps) / 1e9;
+    f.fma_peak_fraction =
+        result.fma_peak_gflops > 0 ? f.gflops / result.fma_peak_gflops : 0;
     result.decode.push_back(f);
+  }
+  for (const DecodeFigure& one : result.decode) {
+    if (one.batch != 1) continue;
+    for (DecodeFigure& d : result.decode)
+      d.speedup_vs_batch1 = d.tokens_per_s / one.tokens_per_s;
+  }
+  if (config.accuracy_positions > 0) {
+    weights.reset();
+    ASSIGN_OR_RETURN(result.accuracy,
+                     MeasureAccuracy(config.model_dir,
+                                     config.accuracy_positions));
   }
   return result;
 }
 
 std::string EngineBenchResult::ToJson() const {
   std::string out = absl::StrFormat(
-      "{\"stream_triad_gb_per_s\": %.3f, \"weight_bytes\": %d, "
-      "\"prefill_tokens_per_s\": %.1f, "
-      "\"decode\": [",
-      stream_gb_per_s, weight_bytes, prefill_tokens_per_s);
+      "{\"weight_dtype\": \"%s\", \"gemm_path\": \"%s\", \"cpu_features\": "
+      "\"%s\", \"threads\": %d, \"load_average_1m\": %.2f, "
+      "\"llc_bytes\": %d, \"stream_bytes\": %d, "
+      "\"stream_triad_gb_per_s\": %.3f, \"fma_peak_gflops\": %.1f, "
+      "\"weight_bytes\": %d, \"prefill_tokens\": %d, "
+      "\"prefill_tokens_per_s\": %.1f, \"prefill_gflops\": %.1f, "
+      "\"prefill_fma_peak_fraction\": %.3f, \"decode\": [",
+      weight_dtype, gemm_path, cpu_features, threads, load_average_1m,
+      llc_bytes, stream_bytes, stream_gb_per_s, fma_peak_gflops, weight_bytes,
+      prefill_tokens, prefill_tokens_per_s, prefill_gflops,
+      prefill_fma_peak_fraction);
   for (size_t i = 0; i < decode.size(); ++i) {
     const auto& d = decode[i];
     absl::StrAppendFormat(
         &out,
-        "%s{\"batch\": %d, \"tokens_per_s\": %.1f, \"step_ms\": %.3f, "
-        "\"bytes_per_step\": %.0f, \"roofline_ratio\": %.3f}",
+        "%s{\"batch\": %d, \"tokens_per_s\": %.2f, \"step_ms\": %.3f, "
+        "\"bytes_per_step\": %.0f, \"roofline_ratio\": %.3f, "
+        "\"flops_per_step\": %.0f, \"gflops\": %.2f, "
+        "\"fma_peak_fraction\": %.3f, \"speedup_vs_batch1\": %.2f}",
         i ? ", " : "", d.batch, d.tokens_per_s, d.step_ms, d.bytes_per_step,
-        d.roofline_ratio);
+        d.roofline_ratio, d.flops_per_step, d.gflops, d.fma_peak_fraction,
+        d.speedup_vs_batch1);
+  }
+  out += "], \"accuracy\": [";
+  for (size_t i = 0; i < accuracy.size(); ++i) {
+    const auto& a = accuracy[i];
+    absl::StrAppendFormat(
+        &out,
+        "%s{\"dtype\": \"%s\", \"positions\": %d, \"max_rel_error\": %.3g, "
+        "\"mean_rel_error\": %.3g, \"top1_agreement\": %.4f}",
+        i ? ", " : "", a.dtype, a.positions, a.max_rel_error, a.mean_rel_error,
+        a.top1_agreement);
   }
   return out + "]}";
 }
 
 std::string EngineBenchResult::ToTable() const {
   std::string out = absl::StrFormat(
-      "STREAM triad bandwidth : %8.2f GB/s\nweights read per step  : %8.1f MB\n"
-      "prefill                : %8.1f tokens/s\n\n"
-      "%6s %12s %10s %14s %10s\n",
-      stream_gb_per_s, weight_bytes / 1e6, prefill_tokens_per_s, "batch",
-      "tokens/s", "step ms", "GB/s achieved", "roofline");
+      "weights                : %s, %.1f MB read per step\n"
+      "GEMM path              : %s on %d threads (cpu: %s)\n"
+      "load average (1 min)   : %.2f\n"
+      "STREAM triad           : %8.2f GB/s over %lld MiB (LLC %lld MiB)\n"
+      "FMA peak               : %8.1f GFLOP/s\n"
+      "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n\n"
+      "%6s %10s %10s %10s %9s %9s %9s %8s\n",
+      weight_dtype, weight_bytes / 1e6, gemm_path, threads, cpu_features,
+      load_average_1m, stream_gb_per_s,
+      static_cast<long long>(stream_bytes >> 20),
+      static_cast<long long>(llc_bytes >> 20), fma_peak_gflops, prefill_tokens,
+      prefill_tokens_per_s, prefill_gflops, prefill_fma_peak_fraction, "batch",
+      "tokens/s", "step ms", "GB/s", "roofline", "GFLOP/s", "of peak",
+      "x b=1");
   for (const auto& d : decode) {
-    absl::StrAppendFormat(&out, "%6d %12.1f %10.3f %14.2f %10.2f\n", d.batch,
-                          d.tokens_per_s, d.step_ms,
+    absl::StrAppendFormat(&out, "%6d %10.2f %10.2f %10.2f %9.2f %9.1f %9.2f %8.2f\n",
+                          d.batch, d.tokens_per_s, d.step_ms,
                           d.bytes_per_step / (d.step_ms / 1e3) / 1e9,
-                          d.roofline_ratio);
+                          d.roofline_ratio, d.gflops, d.fma_peak_fraction,
+                          d.speedup_vs_batch1);
+  }
+  if (!accuracy.empty()) {
+    absl::StrAppendFormat(&out, "\n%6s %10s %14s %14s %8s\n", "dtype",
+                          "positions", "max rel err", "mean rel err", "top-1");
+    for (const auto& a : accuracy) {
+      absl::StrAppendFormat(&out, "%6s %10d %14.3g %14.3g %8.4f\n", a.dtype,
+                            a.positions, a.max_rel_error, a.mean_rel_error,
+                            a.top1_agreement);
+    }
   }
   return out;
 }

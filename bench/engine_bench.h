@@ -1,6 +1,13 @@
 // `pdserve bench engine`: prefill and decode throughput of the local engine,
-// and the decode roofline ratio against a STREAM-triad bandwidth measured in
-// the same run. Single-threaded driver; not thread-safe.
+// with the limits they are judged against measured in the same run:
+//  - a STREAM triad over a working set of at least 4x the last-level cache
+//    (size read from sysfs), so it measures DRAM, not cache; decode's
+//    roofline ratio is bytes read per step / step time / triad bandwidth;
+//  - the fp32 FMA peak of the active GEMM path (kernels/cpu/fma_peak.h);
+//    prefill's and each decode batch's achieved FLOP/s are reported as a
+//    fraction of it.
+// Optionally the accuracy of compact weight dtypes against the fp32 model.
+// Single-threaded driver; not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +26,11 @@ struct EngineBenchConfig {
   int32_t decode_context = 128;  // prompt length before decode timing
   std::vector<int32_t> batch_sizes = {1, 8, 32};
   int32_t decode_steps = 32;  // timed decode steps per batch size
-  int64_t stream_bytes = int64_t{256} << 20;  // triad working set (3 arrays)
+  // Triad working set (3 arrays); 0: max(4 x LLC, 1 GiB).
+  int64_t stream_bytes = 0;
+  // > 0: also compare every weight dtype's logits with fp32 over this many
+  // positions (one prompt, prefilled in chunks of 256).
+  int32_t accuracy_positions = 0;
   absl::Status Validate() const;
 };
 
@@ -29,13 +40,39 @@ struct DecodeFigure {
   double step_ms = 0;
   double bytes_per_step = 0;  // weights + KV read by one step
   double roofline_ratio = 0;  // (bytes_per_step / step time) / stream bandwidth
+  double flops_per_step = 0;  // matrices + attention
+  double gflops = 0;
+  double fma_peak_fraction = 0;
+  double speedup_vs_batch1 = 0;  // tokens/s over the batch-1 figure (if run)
+};
+
+// Logits of one weight dtype against the fp32 model at the same positions.
+// Relative error of a position: max |Δlogit| / max |fp32 logit|.
+struct AccuracyFigure {
+  std::string dtype;
+  int32_t positions = 0;
+  double max_rel_error = 0;
+  double mean_rel_error = 0;
+  double top1_agreement = 0;  // fraction of positions with the same argmax
 };
 
 struct EngineBenchResult {
+  std::string weight_dtype;  // as stored
+  std::string gemm_path;     // portable | avx2 | avx512
+  std::string cpu_features;
+  int threads = 0;
+  int64_t llc_bytes = 0;         // from sysfs (0 if unknown)
+  int64_t stream_bytes = 0;      // triad working set used
   double stream_gb_per_s = 0;
+  double fma_peak_gflops = 0;    // of gemm_path, all threads
+  double load_average_1m = 0;    // /proc/loadavg at the start
+  int32_t prefill_tokens = 0;
   double prefill_tokens_per_s = 0;
+  double prefill_gflops = 0;
+  double prefill_fma_peak_fraction = 0;
   int64_t weight_bytes = 0;
   std::vector<DecodeFigure> decode;
+  std::vector<AccuracyFigure> accuracy;
   std::string ToJson() const;
   std::string ToTable() const;
 };
@@ -43,6 +80,11 @@ struct EngineBenchResult {
 // Measures STREAM triad a = b + s*c with the kernel threads; returns GB/s
 // (3 arrays x 4 bytes per element per pass, best of several passes).
 double MeasureTriadBandwidth(int64_t bytes);
+
+// Size of the last-level (highest index level) CPU cache from
+// /sys/devices/system/cpu/cpu0/cache/index*/{level,size}; 0 if unreadable.
+int64_t LastLevelCacheBytes(const std::string& sysfs_cpu0_cache =
+                                "/sys/devices/system/cpu/cpu0/cache");
 
 absl::StatusOr<EngineBenchResult> RunEngineBench(
     const EngineBenchConfig& config);

@@ -21,6 +21,11 @@ ABSL_FLAG(int32_t, prefill_tokens, 512,
           "bench engine: prompt length for the prefill figure");
 ABSL_FLAG(int32_t, decode_steps, 32,
           "bench engine: timed decode steps per batch size");
+ABSL_FLAG(int32_t, decode_context, 128,
+          "bench engine: prompt length of each sequence before decode timing");
+ABSL_FLAG(int32_t, accuracy_positions, 0,
+          "bench engine: also compare bf16, fp16 and int8 weights' logits with "
+          "fp32 over this many positions (0: skip)");
 ABSL_FLAG(std::string, workload, "synthetic",
           "bench serve: chat, multiturn, longdoc, mixed or synthetic");
 ABSL_FLAG(std::string, trace, "",
@@ -77,6 +82,8 @@ constexpr char kEngineFlags[] =
     "  --enable-prefix-caching=false    disable prefix-cache reuse\n"
     "  --matmul deterministic|blas      linear kernels (default deterministic: "
     "batch-invariant)\n"
+    "  --weight-dtype auto|fp32|bf16|fp16|int8  weights in memory (default "
+    "auto: the checkpoint's)\n"
     "  --threads N                      kernel threads (default: all cores)\n";
 
 }  // namespace
@@ -95,6 +102,8 @@ int RunBenchEngine(const std::vector<std::string>&) {
   config.engine = *engine;
   config.prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
   config.decode_steps = absl::GetFlag(FLAGS_decode_steps);
+  config.decode_context = absl::GetFlag(FLAGS_decode_context);
+  config.accuracy_positions = absl::GetFlag(FLAGS_accuracy_positions);
   config.batch_sizes.clear();
   for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes),
                                             ',', absl::SkipWhitespace())) {
@@ -352,12 +361,22 @@ const std::vector<Command>& AllCommands() {
        "prefill/decode throughput and the decode roofline ratio",
        "bench engine --model DIR [--batch-sizes 1,8,32] [--prefill-tokens "
        "512]\n"
-       "             [--decode-steps 32] [--json] [engine flags]\n\n"
+       "             [--decode-steps 32] [--decode-context 128] "
+       "[--accuracy-positions N]\n"
+       "             [--json] [engine flags]\n\n"
        "Reports prefill tokens/s, decode tokens/s per batch size, and the "
        "decode\n"
        "roofline ratio: bytes a step must read (weights + KV) per second "
        "divided by\n"
-       "the STREAM-triad bandwidth measured in the same run.\n\n" +
+       "the STREAM-triad bandwidth measured in the same run, over at least 4x "
+       "the\n"
+       "last-level cache (sysfs). Prefill and each decode batch also report "
+       "GFLOP/s as a\n"
+       "fraction of the FMA peak of the GEMM path, measured in the same run. "
+       "With\n"
+       "--accuracy-positions, bf16/fp16/int8 logits are compared with fp32 "
+       "(max and mean\n"
+       "relative error, top-1 agreement).\n\n" +
            std::string(kEngineFlags),
        RunBenchEngine},
       {"tokenize",

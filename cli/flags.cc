@@ -30,6 +30,10 @@ ABSL_FLAG(bool, enable_prefix_caching, true,
 ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default) or "
           "blas (OpenBLAS)");
+ABSL_FLAG(std::string, weight_dtype, "auto",
+          "how weight matrices are kept in memory: auto (the checkpoint's "
+          "dtype), fp32, bf16, fp16 or int8 (quantized at load, one scale per "
+          "output row); --matmul blas needs fp32 or auto");
 ABSL_FLAG(int32_t, threads, 0, "kernel threads (0: all cores)");
 ABSL_FLAG(
     std::string, device, "cpu",
@@ -94,6 +98,14 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
                      absl::GetFlag(FLAGS_matmul), "\""));
   }
   c.matmul = *mode;
+  auto weight_dtype =
+      engine::ParseWeightDtype(absl::GetFlag(FLAGS_weight_dtype));
+  if (!weight_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--weight-dtype must be auto, fp32, bf16, fp16 or int8, got \"",
+        absl::GetFlag(FLAGS_weight_dtype), "\""));
+  }
+  c.weight_dtype = *weight_dtype;
   kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
   auto device = engine::ParseDevice(absl::GetFlag(FLAGS_device));
   if (!device) {

@@ -18,6 +18,7 @@ ABSL_DECLARE_FLAG(int32_t, max_num_batched_tokens);
 ABSL_DECLARE_FLAG(int32_t, max_model_len);
 ABSL_DECLARE_FLAG(bool, enable_prefix_caching);
 ABSL_DECLARE_FLAG(std::string, matmul);
+ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(int32_t, threads);
 ABSL_DECLARE_FLAG(bool, json);
 

@@ -52,7 +52,8 @@ int RunGenerate(const std::vector<std::string>&) {
   if (auto s = sampling.Validate(); !s.ok()) return ReportError(s);
   auto tokenizer = engine::Tokenizer::Load(dir);
   if (!tokenizer.ok()) return ReportError(tokenizer.status());
-  auto weights = engine::ModelWeights::Load(dir);
+  auto weights =
+      engine::ModelWeights::Load(dir, config->weight_dtype, config->matmul);
   if (!weights.ok()) return ReportError(weights.status());
   auto engine = engine::Engine::Create(
       std::make_shared<const engine::ModelWeights>(std::move(*weights)),

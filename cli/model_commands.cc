@@ -43,7 +43,9 @@ int RunModelInit(const std::vector<std::string>&) {
   if (opts.out_dir.empty())
     return ReportError(absl::InvalidArgumentError("--out is required"));
   const std::string dt =
-      absl::GetFlag(FLAGS_dtype).empty() ? "fp32" : absl::GetFlag(FLAGS_dtype);
+      absl::GetFlag(FLAGS_dtype).empty()
+          ? DTypeName(engine::PresetDefaultDtype(opts.preset))
+          : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
   if (!dtype || *dtype == DType::kI8) {
     return ReportError(

@@ -70,9 +70,7 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   int64_t row = 0;
   for (const SeqInput& s : seqs) {
     for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
-      std::memcpy(&residual_[row * hidden],
-                  &weights_->embed[s.tokens[i] * hidden],
-                  hidden * sizeof(float));
+      weights_->embed.DequantizeRow(s.tokens[i], &residual_[row * hidden]);
       const int32_t pos = s.start_pos + static_cast<int32_t>(i);
       positions_[row] = pos;
       slots_[row] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
@@ -90,7 +88,7 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
       kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
                        total, hidden, eps, normed_.data());
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv.data(), qkv_dim,
+    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv,
                       qkv_.data(), mode_);
     for (int64_t r = 0; r < total; ++r) {
       float* src = &qkv_[r * qkv_dim];
@@ -117,14 +115,14 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
     if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
     kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
                             attn_seqs, layer, scale, attn_.data());
-    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj.data(), hidden,
+    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj,
                       proj_.data(), mode_);
     kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
                      hidden, eps, normed_.data());
-    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up.data(),
-                      2 * inter, gate_up_.data(), mode_);
+    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up,
+                      gate_up_.data(), mode_);
     kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
-    kernels::MatMulNT(act_.data(), total, inter, w.down.data(), hidden,
+    kernels::MatMulNT(act_.data(), total, inter, w.down,
                       proj_.data(), mode_);
   }
   kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total,
@@ -147,8 +145,7 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   const int64_t out_rows = static_cast<int64_t>(rows_.size()) / hidden;
   const size_t base = logits->size();
   logits->resize(base + out_rows * c.vocab_size);
-  kernels::MatMulNT(rows_.data(), out_rows, hidden,
-                    weights_->output_matrix().data(), c.vocab_size,
+  kernels::MatMulNT(rows_.data(), out_rows, hidden, weights_->output_matrix(),
                     logits->data() + base, mode_);
   return absl::OkStatus();
 }

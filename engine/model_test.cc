@@ -1,7 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <string>
+
+#include "absl/strings/str_cat.h"
 
 #include "engine/llama_model.h"
 #include "engine/test_util.h"
@@ -10,6 +14,31 @@ namespace pdserve::engine {
 namespace {
 
 using Logits = LlamaModel::Logits;
+
+// The tiny preset (fp32 checkpoint, seed 1, as testing::TinyWeights) written
+// once, so that tests can load it with other weight dtypes and modes.
+const std::string& TinyDir(DType checkpoint = DType::kF32) {
+  static std::map<DType, std::string> dirs;
+  auto it = dirs.find(checkpoint);
+  if (it != dirs.end()) return it->second;
+  const std::string dir =
+      testing::TempDir(absl::StrCat("model_dtype_", DTypeName(checkpoint)));
+  ModelInitOptions opts;
+  opts.preset = "tiny";
+  opts.out_dir = dir;
+  opts.seed = 1;
+  opts.weight_dtype = checkpoint;
+  EXPECT_TRUE(WriteRandomModel(opts).ok());
+  return dirs[checkpoint] = dir;
+}
+
+std::shared_ptr<const ModelWeights> LoadTiny(
+    WeightDtype dtype, DType checkpoint = DType::kF32,
+    kernels::MatMulMode mode = kernels::MatMulMode::kDeterministic) {
+  auto w = ModelWeights::Load(TinyDir(checkpoint), dtype, mode);
+  EXPECT_TRUE(w.ok()) << w.status();
+  return std::make_shared<const ModelWeights>(std::move(*w));
+}
 
 class ModelTest : public ::testing::Test {
  protected:
@@ -36,7 +65,17 @@ class ModelTest : public ::testing::Test {
   std::unique_ptr<KvPool> pool_;
 };
 
-TEST_F(ModelTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
+// The invariance tests run once per weight dtype (the fixture's weights_).
+class ModelDtypeTest : public ModelTest,
+                       public ::testing::WithParamInterface<WeightDtype> {
+ protected:
+  void SetUp() override {
+    ModelTest::SetUp();
+    weights_ = LoadTiny(GetParam());
+  }
+};
+
+TEST_P(ModelDtypeTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
   LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
   const auto prompt = Prompt(45);
   auto table = Table(0, 3);
@@ -52,7 +91,7 @@ TEST_F(ModelTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
   EXPECT_EQ(cold, warm);  // bit-identical, not just close
 }
 
-TEST_F(ModelTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
+TEST_P(ModelDtypeTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
   LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
   const auto a = Prompt(40, 1), b = Prompt(7, 2);
   auto ta = Table(0, 4), tb = Table(20, 4);
@@ -85,9 +124,78 @@ TEST_F(ModelTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
   EXPECT_EQ(got_b, ref_b);
 }
 
+// Compact weights stay close to the fp32 model: max |Δlogit| relative to the
+// largest logit over every position of a prompt.
+TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
+  auto fp32 = LoadTiny(WeightDtype::kF32);
+  EXPECT_EQ(weights_->dtype,
+            GetParam() == WeightDtype::kAuto ? DType::kF32
+            : GetParam() == WeightDtype::kBF16 ? DType::kBF16
+            : GetParam() == WeightDtype::kF16  ? DType::kF16
+            : GetParam() == WeightDtype::kI8   ? DType::kI8
+                                               : DType::kF32);
+  const auto prompt = Prompt(50);
+  auto table = Table(0, 4);
+  LlamaModel::SeqInput in{prompt, 0, table, Logits::kAll};
+  std::vector<float> ref, got;
+  LlamaModel a(fp32, kernels::MatMulMode::kDeterministic);
+  LlamaModel b(weights_, kernels::MatMulMode::kDeterministic);
+  ASSERT_TRUE(a.Forward({&in, 1}, pool_.get(), &ref).ok());
+  ASSERT_TRUE(b.Forward({&in, 1}, pool_.get(), &got).ok());
+  double err = 0, mag = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err = std::max(err, std::fabs(double(ref[i]) - got[i]));
+    mag = std::max(mag, std::fabs(double(ref[i])));
+  }
+  const double tol = GetParam() == WeightDtype::kBF16  ? 3e-2
+                     : GetParam() == WeightDtype::kF16 ? 5e-3
+                     : GetParam() == WeightDtype::kI8  ? 6e-2
+                                                       : 0.0;
+  EXPECT_LE(err / mag, tol) << WeightDtypeName(GetParam());
+  // A different storage is a different model for the prefix cache.
+  if (weights_->dtype != DType::kF32)
+    EXPECT_NE(weights_->fingerprint, fp32->fingerprint);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryWeightDtype, ModelDtypeTest,
+    ::testing::Values(WeightDtype::kAuto, WeightDtype::kF32, WeightDtype::kBF16,
+                      WeightDtype::kF16, WeightDtype::kI8),
+    [](const ::testing::TestParamInfo<WeightDtype>& info) {
+      return std::string(WeightDtypeName(info.param));
+    });
+
+// A bf16 checkpoint widened to fp32 or kept in bf16 computes the same chain
+// on the same values: identical logits, only half the bytes.
+TEST_F(ModelTest, Bf16CheckpointKeptAsBf16EqualsItWidenedToFp32) {
+  auto as_bf16 = LoadTiny(WeightDtype::kAuto, DType::kBF16);
+  auto as_fp32 = LoadTiny(WeightDtype::kF32, DType::kBF16);
+  EXPECT_EQ(as_bf16->dtype, DType::kBF16);
+  EXPECT_LT(as_bf16->ParameterBytes(), as_fp32->ParameterBytes() * 6 / 10);
+  const auto prompt = Prompt(30);
+  auto table = Table(0, 2);
+  LlamaModel::SeqInput in{prompt, 0, table, Logits::kAll};
+  std::vector<float> a, b;
+  LlamaModel ma(as_bf16, kernels::MatMulMode::kDeterministic);
+  LlamaModel mb(as_fp32, kernels::MatMulMode::kDeterministic);
+  ASSERT_TRUE(ma.Forward({&in, 1}, pool_.get(), &a).ok());
+  ASSERT_TRUE(mb.Forward({&in, 1}, pool_.get(), &b).ok());
+  EXPECT_EQ(a, b);
+}
+
+TEST_F(ModelTest, BlasModeNeedsFp32Weights) {
+  EXPECT_EQ(ModelWeights::Load(TinyDir(), WeightDtype::kBF16,
+                               kernels::MatMulMode::kBlas)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {
   LlamaModel det(weights_, kernels::MatMulMode::kDeterministic);
-  LlamaModel blas(weights_, kernels::MatMulMode::kBlas);
+  LlamaModel blas(LoadTiny(WeightDtype::kAuto, DType::kF32,
+                           kernels::MatMulMode::kBlas),
+                  kernels::MatMulMode::kBlas);
   const auto prompt = Prompt(50);
   auto table = Table(0, 4);
   std::vector<float> a, b;

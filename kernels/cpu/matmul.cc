@@ -163,4 +163,13 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
   }
 }
 
+void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
+              const WeightMatrix& w, float* __restrict__ y, MatMulMode mode) {
+  if (w.layout() == WeightMatrix::Layout::kRowMajorF32) {
+    MatMulNT(x, m, k, w.row_major(), w.rows(), y, mode);
+  } else {
+    GemmNT(x, m, k, w, y);
+  }
+}
+
 }  // namespace pdserve::kernels

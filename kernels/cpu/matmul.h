@@ -1,7 +1,10 @@
 // Linear-layer products on the CPU: y[m, n] = x[m, k] · w[n, k]ᵀ (weights in
 // Hugging Face [out, in] layout, row-major).
 //
-// Two implementations:
+// The engine's matrices are WeightMatrix (packed_gemm.h: compact dtypes,
+// register-tiled, the same order contract); the raw-pointer fp32 kernels here
+// serve OpenBLAS mode, attention's dot products and the GPU tests' references.
+// Two implementations over row-major fp32:
 //  - kDeterministic (default): pdserve's own kernel. Every output element is a
 //    dot product with one fixed summation order (8 FMA lanes over k, then a
 //    fixed pairwise lane sum), whatever m is and however rows are tiled or
@@ -19,6 +22,8 @@
 #include <optional>
 #include <string_view>
 
+#include "kernels/cpu/packed_gemm.h"
+
 namespace pdserve::kernels {
 
 enum class MatMulMode { kDeterministic, kBlas };
@@ -29,8 +34,15 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
               const float* __restrict__ w, int64_t n, float* __restrict__ y,
               MatMulMode mode = MatMulMode::kDeterministic);
 
-// The fixed-order dot product every deterministic kernel uses (also used by
-// attention scores), exposed for tests.
+// A linear layer over a WeightMatrix: row-major fp32 matrices take `mode`
+// (the kernels above); packed ones (any dtype) always run GemmNT, whose order
+// contract is in packed_gemm.h. y: [m, w.rows()].
+void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
+              const WeightMatrix& w, float* __restrict__ y,
+              MatMulMode mode = MatMulMode::kDeterministic);
+
+// The fixed-order dot product of the row-major deterministic kernel (also
+// used by attention scores), exposed for tests.
 float DotFixedOrder(const float* a, const float* b, int64_t k);
 
 // Sets the threads used by kernels (OpenMP) and OpenBLAS. <= 0 keeps defaults.

@@ -485,6 +485,20 @@ void WeightMatrix::DequantizeRow(int64_t r, float* out) const {
   }
 }
 
+bool operator==(const WeightMatrix& a, const WeightMatrix& b) {
+  if (a.dtype_ != b.dtype_ || a.layout_ != b.layout_ || a.n_ != b.n_ ||
+      a.k_ != b.k_) {
+    return false;
+  }
+  if (a.n_ == 0) return true;
+  const int64_t bytes = a.layout_ == WeightMatrix::Layout::kRowMajorF32
+                            ? a.n_ * a.k_ * 4
+                            : (a.n_ + kPanel - 1) / kPanel * a.panel_bytes();
+  if (std::memcmp(a.data(), b.data(), bytes) != 0) return false;
+  return a.dtype_ != DType::kI8 ||
+         std::memcmp(a.scales(), b.scales(), a.n_ * sizeof(float)) == 0;
+}
+
 std::vector<float> WeightMatrix::ToFloat() const {
   std::vector<float> out(n_ * k_);
   for (int64_t r = 0; r < n_; ++r) DequantizeRow(r, out.data() + r * k_);

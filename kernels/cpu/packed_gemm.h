@@ -79,6 +79,9 @@ class WeightMatrix {
     return reinterpret_cast<const float*>(data_.get());
   }
 
+  // Same dtype, layout, shape and stored bytes (and scales).
+  friend bool operator==(const WeightMatrix& a, const WeightMatrix& b);
+
  private:
   DType dtype_ = DType::kF32;
   Layout layout_ = Layout::kPanel16;

@@ -1,0 +1,14 @@
+// The fp32 FMA throughput a GEMM path could reach on this machine, measured
+// by a microkernel of independent FMA chains (no memory traffic). Benchmarks
+// divide achieved FLOP/s by it. Thread-safe; runs `threads` OpenMP threads.
+#pragma once
+
+#include "kernels/cpu/packed_gemm.h"
+
+namespace pdserve::kernels {
+
+// GFLOP/s (an FMA counts 2) with `isa`'s vectors (portable: scalar fma),
+// over about `seconds` of wall time, best of a few repetitions.
+double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds = 0.3);
+
+}  // namespace pdserve::kernels
