@@ -5,10 +5,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "common/metrics.h"
 #include "engine/block_manager.h"
 #include "kv_transfer/grpc/grpc_transport.h"
@@ -207,17 +211,135 @@ TEST_F(KvTransferTest, KilledSenderFreesTheReservationWithinTheTimeout) {
                                          absl::Now() + absl::Seconds(30));
   EXPECT_FALSE(s.ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  blocks_->Release(reserved);  // what the decode service does on failure
-  EXPECT_EQ(blocks_->num_free(), 16);
+  // What the receiver owes the engine before it may free the blocks (the
+  // decode service does that: decode_handler_test checks it ends with 0
+  // active blocks): the reservation is gone, and nothing can write into its
+  // blocks any more.
   EXPECT_EQ(receiver_->num_reservations(), 0);
+  const std::string late(spec_.LayerBlockBytes(), '\7');
+  std::memset(pool_->LayerBlockData(1, reserved[3]), 0x3C,
+              spec_.LayerBlockBytes());
+  EXPECT_EQ(receiver_->Write(id, 1, 3, late, "").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool_->LayerBlockData(1, reserved[3])[0], 0x3C);
   EXPECT_GE(Failures("sender_aborted") + Failures("timeout"), 1);
 }
 
+// A receiver without a network: transfers are driven by direct Write calls,
+// and on_bytes (which runs while a span counts as being written) can hold one
+// copy in the middle.
+class KvReceiverConcurrencyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec_ = testing::TestSpec(DType::kF32);
+    pool_ = std::move(*engine::KvPool::Create(spec_, 8));
+    ReceiverCounters counters;
+    counters.on_bytes = [this](uint64_t) {
+      if (hold_next_copy_.exchange(false)) {
+        copy_held_.Notify();
+        release_copy_.WaitForNotification();
+      }
+    };
+    receiver_ = std::make_unique<KvReceiver>(
+        pool_.get(), KvLayout::FromSpec(spec_, "test-model"), counters);
+  }
+  void TearDown() override {
+    if (!release_copy_.HasBeenNotified()) release_copy_.Notify();
+    for (auto& t : threads_) t.join();
+  }
+
+  engine::KvCacheSpec spec_;
+  std::unique_ptr<engine::KvPool> pool_;
+  std::unique_ptr<KvReceiver> receiver_;
+  std::atomic<bool> hold_next_copy_{false};
+  absl::Notification copy_held_, release_copy_;
+  std::vector<std::thread> threads_;
+};
+
+TEST_F(KvReceiverConcurrencyTest, ACopyHeldMidwayDoesNotBlockAnotherTransfer) {
+  const uint64_t a = receiver_->Expect("a", {0, 1}, 0);
+  const uint64_t b = receiver_->Expect("b", {2, 3}, 0);
+  const std::string span(spec_.LayerBlockBytes(), '\1');
+  hold_next_copy_ = true;
+  absl::Status a_written;
+  threads_.emplace_back([&] { a_written = receiver_->Write(a, 0, 0, span, ""); });
+  ASSERT_TRUE(copy_held_.WaitForNotificationWithTimeout(absl::Seconds(10)));
+
+  // Transfer b writes, completes and ends while a's copy is still held.
+  absl::Notification b_done;
+  absl::Status b_status;
+  threads_.emplace_back([&] {
+    for (int l = 0; l < spec_.num_layers && b_status.ok(); ++l) {
+      for (int i = 0; i < 2 && b_status.ok(); ++i)
+        b_status = receiver_->Write(b, l, i, span, "");
+    }
+    if (b_status.ok())
+      b_status = receiver_->Wait(b, absl::Seconds(10),
+                                 absl::Now() + absl::Seconds(10));
+    b_done.Notify();
+  });
+  EXPECT_TRUE(b_done.WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "a transfer blocked mid-copy held up another reservation";
+  release_copy_.Notify();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  EXPECT_TRUE(a_written.ok()) << a_written;
+  EXPECT_TRUE(b_status.ok()) << b_status;
+  EXPECT_EQ(receiver_->num_reservations(), 1);  // a still expects spans
+  receiver_->Cancel(a);
+  EXPECT_EQ(receiver_->num_reservations(), 0);
+}
+
+TEST_F(KvReceiverConcurrencyTest, CancelWaitsForACopyInProgressThenRefusesMore) {
+  const uint64_t a = receiver_->Expect("a", {4, 5}, 0);
+  const std::string span(spec_.LayerBlockBytes(), '\2');
+  hold_next_copy_ = true;
+  absl::Status a_written;
+  threads_.emplace_back([&] { a_written = receiver_->Write(a, 2, 1, span, ""); });
+  ASSERT_TRUE(copy_held_.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::Notification cancelled;
+  threads_.emplace_back([&] {
+    receiver_->Cancel(a);
+    cancelled.Notify();
+  });
+  // The engine frees the blocks as soon as Cancel returns, so Cancel must
+  // not return while bytes are still being copied into them.
+  EXPECT_FALSE(cancelled.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  release_copy_.Notify();
+  EXPECT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  EXPECT_TRUE(a_written.ok()) << a_written;
+  EXPECT_EQ(receiver_->num_reservations(), 0);
+  std::memset(pool_->LayerBlockData(0, 4), 0x3C, spec_.LayerBlockBytes());
+  EXPECT_EQ(receiver_->Write(a, 0, 0, span, "").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool_->LayerBlockData(0, 4)[0], 0x3C);
+}
+
+TEST_F(KvReceiverConcurrencyTest, TwoCopiesIntoOneSpanAtOnceFailTheTransfer) {
+  const uint64_t a = receiver_->Expect("a", {6, 7}, 0);
+  const std::string span(spec_.LayerBlockBytes(), '\3');
+  hold_next_copy_ = true;
+  absl::Status first;
+  threads_.emplace_back([&] { first = receiver_->Write(a, 0, 1, span, ""); });
+  ASSERT_TRUE(copy_held_.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(receiver_->Write(a, 0, 1, span, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  release_copy_.Notify();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  EXPECT_EQ(receiver_->Wait(a, absl::Seconds(10), absl::Now() + absl::Seconds(10))
+                .code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(receiver_->num_reservations(), 0);
+}
+
 TEST(KvLayoutTest, CheckNamesEveryDifference) {
-  KvLayout a{"fp-a", 2, 4, 8, 16, "fp16"};
+  KvLayout a{"fp-a", 2, 4, 8, 16, DType::kF16};
   KvLayout b = a;
   EXPECT_TRUE(CheckLayouts(a, b).ok());
-  b.dtype = "int8";
+  b.dtype = DType::kI8;
   b.fingerprint = "fp-b";
   const absl::Status s = CheckLayouts(a, b);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
