@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_cause.h"
 #include "common/status_macros.h"
 
 namespace pdserve::engine {
@@ -23,6 +24,21 @@ const char* FinishReasonName(FinishReason r) {
       return "cancelled";
   }
   return "";
+}
+
+absl::Status CheckRequestFieldCaps(std::string_view request_id,
+                                   std::string_view cache_salt) {
+  if (request_id.size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id is ", request_id.size(),
+                     " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
+  }
+  if (cache_salt.size() > kMaxCacheSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt is ", cache_salt.size(), " bytes; at most ",
+                     kMaxCacheSaltBytes, " are allowed"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status EngineConfig::Validate() const {
@@ -46,6 +62,14 @@ absl::Status EngineConfig::Validate() const {
   }
   if (max_model_len < 0)
     return absl::InvalidArgumentError("max_model_len must not be negative");
+  if (max_waiting_requests < 1 || max_queued_calls < 1 ||
+      max_pending_reservations < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_waiting_requests (", max_waiting_requests,
+        "), max_queued_calls (", max_queued_calls,
+        ") and max_pending_reservations (", max_pending_reservations,
+        ") must be at least 1"));
+  }
   return absl::OkStatus();
 }
 
@@ -130,10 +154,12 @@ absl::Status Engine::Validate(const EngineRequest& request) const {
                      config_.max_model_len));
   }
   if (BlocksFor(total) > blocks_.num_blocks()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request needs ", BlocksFor(total),
-                     " KV blocks but the whole cache has ",
-                     blocks_.num_blocks(), "; it can never be scheduled"));
+    return WithCause(
+        absl::ResourceExhaustedError(
+            absl::StrCat("request needs ", BlocksFor(total),
+                         " KV blocks but the whole cache has ",
+                         blocks_.num_blocks(), "; it can never be scheduled")),
+        StatusCause::kNeverFits);
   }
   if (seqs_.count(request.id)) {
     return absl::AlreadyExistsError(
@@ -144,6 +170,11 @@ absl::Status Engine::Validate(const EngineRequest& request) const {
 
 absl::Status Engine::AddRequest(EngineRequest request) {
   RETURN_IF_ERROR(Validate(request));
+  if (static_cast<int64_t>(waiting_.size()) >= config_.max_waiting_requests) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine queue full: ", waiting_.size(),
+        " requests already wait for admission (max_waiting_requests)"));
+  }
   const int64_t prompt = static_cast<int64_t>(request.prompt.size());
   auto seq = std::make_unique<Sequence>();
   seq->tokens = request.prompt;
@@ -393,9 +424,11 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   if (need + hits_idle > blocks_.num_free()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: need ", need + hits_idle,
-                     " free blocks, have ", blocks_.num_free()));
+    return WithCause(
+        absl::ResourceExhaustedError(
+            absl::StrCat("KV cache full: need ", need + hits_idle,
+                         " free blocks, have ", blocks_.num_free())),
+        StatusCause::kPoolBusy);
   }
   blocks_.Acquire(hits);
   seq->blocks = hits;

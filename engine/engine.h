@@ -18,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -49,6 +50,12 @@ struct EngineConfig {
   Device device = Device::kCpu;
   double gpu_memory_utilization = 0.9;
   bool gpu_reference_math = false;  // see BackendConfig (equivalence checks)
+  // Bounds on work queued ahead of the engine thread, so that a burst of
+  // requests costs memory in proportion to these caps, not to the burst.
+  // Beyond each cap new work is refused with RESOURCE_EXHAUSTED.
+  int32_t max_waiting_requests = 1024;  // admitted, waiting for blocks
+  int32_t max_queued_calls = 4096;      // EngineLoop: Submit/Reserve queued
+  int32_t max_pending_reservations = 1024;  // EngineLoop: waiting for blocks
 
   absl::Status Validate() const;
 };
@@ -66,6 +73,15 @@ struct LayerWritten {
   int32_t num_prompt = 0;    // tokens
   std::span<const int32_t> blocks;
 };
+
+// Caps on request fields that arrive from the network, in bytes: the salt is
+// hashed into every block of the request, the id is kept per sequence.
+// Services check them (CheckRequestFieldCaps) before any work.
+inline constexpr size_t kMaxRequestIdBytes = 128;
+inline constexpr size_t kMaxCacheSaltBytes = 256;
+// INVALID_ARGUMENT naming the field when either exceeds its cap.
+absl::Status CheckRequestFieldCaps(std::string_view request_id,
+                                   std::string_view cache_salt);
 
 struct EngineRequest {
   std::string id;
@@ -125,8 +141,11 @@ class Engine {
 
   // INVALID_ARGUMENT for bad ids/params or prompt + max_tokens beyond
   // max_model_len; ALREADY_EXISTS for a live duplicate id; RESOURCE_EXHAUSTED
-  // when the request could never fit in the whole pool.
+  // when the request could never fit in the whole pool (cause kNeverFits) or
+  // max_waiting_requests are already waiting.
   absl::Status AddRequest(EngineRequest request);
+  // The checks AddRequest and Reserve make before they take anything.
+  absl::Status Validate(const EngineRequest& request) const;
   // Ends a request; its final StepOutput (finish = kCancelled unless another
   // reason is given) comes from the next Step(). Unknown ids are ignored.
   void Abort(const std::string& id,
@@ -136,7 +155,8 @@ class Engine {
   // Decode side of disaggregation. Reserve validates like AddRequest and
   // takes blocks for the whole prompt now (reusing cached prefix blocks), or
   // fails with RESOURCE_EXHAUSTED if they are not free at the moment (the
-  // caller retries within its deadline). The sequence is not scheduled until
+  // caller retries within its deadline; the cause is kPoolBusy, while one
+  // that could never fit carries kNeverFits). The sequence is not scheduled until
   // CompleteReservation: the prompt's KV has arrived and `first_token` was
   // sampled by the prefill worker. Returns the finish reason if the first
   // token already ends the request (its blocks are then released).
@@ -202,7 +222,6 @@ class Engine {
   BlockManager blocks_;
   LlamaModel model_;
   ModelFingerprint fingerprint_;
-  absl::Status Validate(const EngineRequest& request) const;
   FinishReason CheckFinish(const Sequence& seq) const;
 
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;

@@ -8,12 +8,19 @@
 // reservation ends exactly once: complete, failed, timed out or cancelled;
 // after that no chunk for it is written, so the engine may free its blocks.
 //
-// Thread-safe. Chunk copies happen under the mutex, which serialises them
-// against Cancel, so a block is never written after its reservation ended.
+// Thread-safe. Each reservation has its own lock: the map of reservations is
+// locked only to look one up, and chunk copies run outside every lock, so
+// transfers into different reservations (and spans of one reservation)
+// proceed in parallel. A copy registers as a writer of its reservation before
+// it starts; ending a reservation (Wait, Cancel) first forbids new writers and
+// then waits for those in progress, so a block is never written after its
+// reservation ended and the engine may free it as soon as Wait or Cancel
+// returns.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,7 +39,9 @@ namespace pdserve::kv_transfer {
 // pdserve_kv_transfer_failures_total.
 struct ReceiverCounters {
   std::function<void(const std::string& reason)> on_failure;  // may be null
-  std::function<void(uint64_t bytes)> on_bytes;               // may be null
+  // Runs after a span's bytes were copied, while the span still counts as
+  // being written (its reservation cannot end until this returns).
+  std::function<void(uint64_t bytes)> on_bytes;  // may be null
   std::function<void(double seconds)> on_complete;            // may be null
 };
 
@@ -69,36 +78,53 @@ class KvReceiver {
 
   // Blocks until every expected (layer, block) arrived, or the reservation
   // failed, or no progress for `stall_timeout`, or `deadline` passed. Always
-  // ends the reservation.
+  // ends the reservation, and returns only once no copy into its blocks is
+  // in progress.
   absl::Status Wait(uint64_t reservation_id, absl::Duration stall_timeout,
                     absl::Time deadline);
-  // Ends a reservation early. Idempotent; unknown ids are ignored.
+  // Ends a reservation early; returns once no copy into its blocks is in
+  // progress (a copy is one span: this waits microseconds, not for a sender).
+  // Idempotent; unknown ids are ignored.
   void Cancel(uint64_t reservation_id);
 
   int64_t num_reservations() const;
 
  private:
   struct Pending {
+    // Set by Expect and never changed: read without `mu`.
     std::string request_id;
     std::vector<int32_t> blocks;
     int32_t skip_blocks = 0;
-    std::vector<uint8_t> received;  // [layer][block]
-    int64_t remaining = 0;
-    absl::Time last_progress;
     absl::Time started;
-    bool failed = false;
-    bool waiting = false;  // a Wait() call owns the entry
-    std::string error;
+
+    absl::Mutex mu;
+    // [layer][block]: kMissing, kWriting (a copy is in progress) or kWritten.
+    std::vector<uint8_t> received ABSL_GUARDED_BY(mu);
+    int64_t remaining ABSL_GUARDED_BY(mu) = 0;  // spans still kMissing
+    absl::Time last_progress ABSL_GUARDED_BY(mu);
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    bool waiting ABSL_GUARDED_BY(mu) = false;  // a Wait() call owns the entry
+    bool ended ABSL_GUARDED_BY(mu) = false;    // no copy may start any more
+    int32_t writers ABSL_GUARDED_BY(mu) = 0;   // copies in progress
+    std::string error ABSL_GUARDED_BY(mu);
   };
+  std::shared_ptr<Pending> Find(uint64_t reservation_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Remove(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   void Fail(Pending* p, const std::string& reason, const std::string& message)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu);
+  // Forbids new copies into `p` and waits until those in progress are done.
+  static void EndWrites(Pending* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu);
 
   engine::KvPool* pool_;
   const KvLayout layout_;
   ReceiverCounters counters_;
+  // Guards only the map; never held during a copy or while a Pending's `mu`
+  // is held (lock order: mu_ is never acquired under Pending::mu).
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Pending>> pending_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::kv_transfer
