@@ -4,9 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/status_cause.h"
 #include "common/tls.h"
 #include "kv_transfer/grpc/grpc_transport.h"
-#include "prefill_service/sampling_convert.h"
+#include "wire/channel_args.h"
+#include "wire/sampling_convert.h"
 
 namespace pdserve::decode {
 namespace {
@@ -18,6 +20,22 @@ absl::Time DeadlineOf(grpc::ServerContext* context) {
   return absl::FromChrono(d);
 }
 
+v1::FinishReason FinishToProto(engine::FinishReason r) {
+  switch (r) {
+    case engine::FinishReason::kNone:
+      return v1::FINISH_REASON_NONE;
+    case engine::FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case engine::FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case engine::FinishReason::kEos:
+      return v1::FINISH_REASON_EOS;
+    case engine::FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+  }
+  return v1::FINISH_REASON_NONE;
+}
+
 }  // namespace
 
 std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
@@ -27,7 +45,7 @@ std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
   if (!stub) {
     stub = v1::Worker::NewStub(
         grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
-                                  kv_transfer::InternalChannelArgs()));
+                                  wire::InternalChannelArgs()));
   }
   return stub;
 }
@@ -35,6 +53,12 @@ std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
 grpc::Status DecodeHandler::Generate(
     grpc::ServerContext* context, const v1::WorkerGenerateRequest& request,
     grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) {
+  // Untrusted input: the salt is hashed into every block.
+  if (absl::Status s = engine::CheckRequestFieldCaps(request.request_id(),
+                                                     request.cache_salt());
+      !s.ok()) {
+    return ToGrpc(s);
+  }
   engine::EngineRequest req;
   req.id = request.request_id().empty() ? "anonymous" : request.request_id();
   req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
@@ -54,24 +78,16 @@ grpc::Status DecodeHandler::Generate(
     return StreamOutputs(context, req.id, *stream, base, writer);
   }
 
-  // 1. Reserve the prompt's blocks here before any prefill compute.
-  absl::StatusOr<engine::Reservation> reservation;
+  // 1. Reserve the prompt's blocks here before any prefill compute. If they
+  // are busy the request waits on the engine side, first come first served,
+  // and is retried as blocks are released; one that can never fit is refused
+  // at once (StatusCause::kNeverFits).
   const absl::Time admit_by =
       std::min(deadline, absl::Now() + options_.admission_timeout);
-  while (true) {
-    reservation =
-        loop_->Call([&](engine::Engine& e) { return e.Reserve(req); });
-    if (reservation.ok() ||
-        reservation.status().code() != absl::StatusCode::kResourceExhausted ||
-        reservation.status().message().find("never") !=
-            absl::string_view::npos) {
-      break;
-    }
-    if (absl::Now() >= admit_by || context->IsCancelled()) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  absl::StatusOr<engine::Reservation> reservation = loop_->Reserve(
+      req, admit_by, [context] { return context->IsCancelled(); });
   if (!reservation.ok()) {
-    if (reservation.status().code() == absl::StatusCode::kResourceExhausted &&
+    if (CauseOf(reservation.status()) == StatusCause::kPoolBusy &&
         absl::Now() >= deadline) {
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                           "deadline passed while waiting for KV blocks");
@@ -103,8 +119,8 @@ grpc::Status DecodeHandler::Generate(
                                ->Prefill(&pctx, prefill, &prefilled);
   if (!pst.ok()) {
     release();
-    // Name the prefill worker as the culprit (kPrefillFailedPrefix), so the
-    // router retries with another prefill worker rather than dropping us.
+    // Name the prefill worker as the culprit (StatusCause::kPrefillFailed), so
+    // the router retries with another prefill worker rather than dropping us.
     // Transport-level failures become UNAVAILABLE (retryable); request errors
     // such as a layout mismatch keep their code.
     grpc::StatusCode code = pst.error_code();
@@ -113,15 +129,23 @@ grpc::Status DecodeHandler::Generate(
         code == grpc::StatusCode::CANCELLED) {
       code = grpc::StatusCode::UNAVAILABLE;
     }
-    return grpc::Status(
-        code, absl::StrCat(kPrefillFailedPrefix, request.prefill_address(),
-                           ": ", pst.error_message()));
+    // The cause, not the message, tells the router which worker failed.
+    return WithCause(
+        grpc::Status(code, absl::StrCat("prefill worker failed at ",
+                                        request.prefill_address(), ": ",
+                                        pst.error_message())),
+        StatusCause::kPrefillFailed);
   }
   if (absl::Status s =
           receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline);
       !s.ok()) {
+    // Wait has ended the reservation: nothing writes into its blocks now.
     loop_->Abort(req.id);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+    // The request's own deadline stays DEADLINE_EXCEEDED; a failed or stalled
+    // transfer is UNAVAILABLE (the router may retry it elsewhere).
+    return grpc::Status(s.code() == absl::StatusCode::kDeadlineExceeded
+                            ? grpc::StatusCode::DEADLINE_EXCEEDED
+                            : grpc::StatusCode::UNAVAILABLE,
                         std::string(s.message()));
   }
 
@@ -136,16 +160,18 @@ grpc::Status DecodeHandler::Generate(
     absl::StatusOr<engine::FinishReason> finish;
     std::shared_ptr<engine::RequestStream> stream;
   };
-  Started started = loop_->Call([&](engine::Engine& e) {
+  absl::StatusOr<Started> call = loop_->Call([&](engine::Engine& e) {
     Started s{engine::FinishReason::kNone, loop_->AttachStream(req.id)};
     s.finish = e.CompleteReservation(req.id, first);
     return s;
   });
+  if (!call.ok()) return ToGrpc(call.status());  // the engine loop stopped
+  Started& started = *call;
   if (!started.finish.ok()) return ToGrpc(started.finish.status());
   v1::WorkerGenerateResponse msg = base;
   msg.add_token_ids(static_cast<uint32_t>(first));
   if (*started.finish != engine::FinishReason::kNone) {
-    msg.set_finish_reason(engine::FinishReasonName(*started.finish));
+    msg.set_finish_reason(FinishToProto(*started.finish));
     writer->Write(msg);
     return grpc::Status::OK;
   }
@@ -166,8 +192,10 @@ grpc::Status DecodeHandler::StreamOutputs(
   bool admitted = false;
   while (true) {
     if (!admitted && absl::Now() >= admit_by) {
-      admitted =
-          !loop_->Call([&](engine::Engine& e) { return e.IsWaiting(id); });
+      absl::StatusOr<bool> waiting =
+          loop_->Call([&](engine::Engine& e) { return e.IsWaiting(id); });
+      if (!waiting.ok()) return ToGrpc(waiting.status());
+      admitted = !*waiting;
       if (!admitted) {
         loop_->Abort(id);
         return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -194,7 +222,7 @@ grpc::Status DecodeHandler::StreamOutputs(
         msg.set_cached_prompt_tokens(
             static_cast<uint32_t>(out.cached_prompt_tokens));
       }
-      msg.set_finish_reason(engine::FinishReasonName(out.finish));
+      msg.set_finish_reason(FinishToProto(out.finish));
       if (!writer->Write(msg)) {
         loop_->Abort(id);
         return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

@@ -17,11 +17,12 @@ class CpuBackend : public Backend {
   Device device() const override { return Device::kCpu; }
   const KvCacheSpec& kv_spec() const override { return pool_->spec(); }
   int64_t num_blocks() const override { return pool_->num_blocks(); }
-  absl::Status Forward(std::span<const LlamaModel::SeqInput> seqs,
-                       std::vector<float>* logits) override {
-    return model_.Forward(seqs, pool_.get(), logits);
+  absl::Status Forward(
+      std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+      const LlamaModel::LayerWrittenFn& on_layer_written) override {
+    return model_.Forward(seqs, pool_.get(), logits, on_layer_written);
   }
-  KvPool* host_pool() override { return pool_.get(); }
+  KvStorage* kv_storage() override { return pool_.get(); }
 
  private:
   std::unique_ptr<KvPool> pool_;

@@ -3,7 +3,8 @@
 // (LlamaModel over a host KvPool) and a CUDA one (engine/cuda_backend.h:
 // cuBLAS GEMMs and kernels/cuda/ over a paged pool in GPU memory).
 //
-// A backend owns the KV storage of one worker and runs LlamaModel::Forward's
+// A backend owns the KV storage of one worker (exposed to transports as
+// KvStorage spans that name their memory) and runs LlamaModel::Forward's
 // contract over it: append K/V of each sequence's new tokens into its blocks,
 // attend causally over its block table, and append fp32 logits rows to the
 // host vector (one per kLast sequence, one per token for kAll). Block ids are
@@ -21,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_storage.h"
 #include "engine/llama_model.h"
 #include "engine/weights.h"
 #include "kernels/cpu/matmul.h"
@@ -57,11 +59,16 @@ class Backend {
   virtual Device device() const = 0;
   virtual const KvCacheSpec& kv_spec() const = 0;
   virtual int64_t num_blocks() const = 0;
-  virtual absl::Status Forward(std::span<const LlamaModel::SeqInput> seqs,
-                               std::vector<float>* logits) = 0;
-  // The host-addressable pool (CPU), for KV transfer; nullptr when the KV
-  // lives in device memory.
-  virtual KvPool* host_pool() = 0;
+  // `on_layer_written(l)` (may be null) runs on the calling thread once
+  // layer l's K/V of every sequence are in their blocks and readable through
+  // kv_storage(): during the pass on CPU, after it on CUDA (the GPU's layers
+  // are ordered on one stream; the hooks run once it has synchronized).
+  virtual absl::Status Forward(
+      std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+      const LlamaModel::LayerWrittenFn& on_layer_written = nullptr) = 0;
+  // The KV storage this backend owns, as per-(layer, block) spans in host or
+  // device memory (engine/kv_storage.h). Never null.
+  virtual KvStorage* kv_storage() = 0;
 };
 
 // The CPU backend, or the CUDA one where pdserve was built with CUDA and a

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.cuh"
@@ -50,6 +51,107 @@ class DeviceArena {
   std::vector<void*> ptrs_;
 };
 
+// Page-locked host memory, so device copies of KV spans run at full speed
+// and asynchronously (double-buffered staging of the grpc transport).
+class PinnedStaging final : public HostStagingBuffer {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostStagingBuffer>> Create(
+      size_t bytes) {
+    void* p = nullptr;
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, std::max<size_t>(bytes, 1),
+                                               cudaHostAllocPortable));
+    return std::unique_ptr<HostStagingBuffer>(new PinnedStaging(p, bytes));
+  }
+  ~PinnedStaging() override { cudaFreeHost(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  PinnedStaging(void* p, size_t n) : data_(p), size_(n) {}
+  void* data_;
+  size_t size_;
+};
+
+// The CUDA backend's paged pool as KvStorage: spans are device pointers on
+// `device`. Copies run on their own stream from whatever thread calls them
+// (transfer threads), after setting that thread's current device; the
+// engine thread's stream is not involved. The blocks a transfer touches are
+// pinned or reserved by the engine, and every step the engine runs ends with
+// a stream synchronize, so their bytes are final when a copy reads them.
+class CudaKvStorage final : public KvStorage {
+ public:
+  CudaKvStorage(const KvCacheSpec& spec, int64_t num_blocks, int device,
+                std::vector<kc::PagedKvView> layers)
+      : spec_(spec),
+        num_blocks_(num_blocks),
+        device_(device),
+        layers_(std::move(layers)) {}
+  ~CudaKvStorage() override {
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  }
+  const KvCacheSpec& spec() const override { return spec_; }
+  int64_t num_blocks() const override { return num_blocks_; }
+  KvMemory memory() const override { return {MemoryKind::kDevice, device_}; }
+  KvSpan Span(int32_t layer, int64_t block) override {
+    const kc::PagedKvView& v = layers_[layer];
+    KvSpan s;
+    s.data_bytes = static_cast<size_t>(spec_.LayerBlockBytes());
+    s.data = static_cast<uint8_t*>(v.data) + block * s.data_bytes;
+    if (v.scales != nullptr) {
+      s.scale_bytes = 2 * static_cast<size_t>(spec_.num_kv_heads) *
+                      sizeof(float);
+      s.scales = v.scales + block * 2 * spec_.num_kv_heads;
+    }
+    s.memory = memory();
+    return s;
+  }
+  absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
+                          void* scales) override {
+    const KvSpan s = Span(layer, block);
+    return Copy(data, s.data, s.data_bytes, scales, s.scales, s.scale_bytes,
+                cudaMemcpyDeviceToHost);
+  }
+  absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
+                            const void* scales) override {
+    const KvSpan s = Span(layer, block);
+    return Copy(s.data, data, s.data_bytes, s.scales, scales, s.scale_bytes,
+                cudaMemcpyHostToDevice);
+  }
+  std::unique_ptr<HostStagingBuffer> AllocateStaging(size_t bytes) override {
+    auto pinned = PinnedStaging::Create(bytes);
+    if (pinned.ok()) return *std::move(pinned);
+    return KvStorage::AllocateStaging(bytes);  // pageable: slower, correct
+  }
+
+ private:
+  absl::Status Copy(void* dst, const void* src, size_t bytes, void* dst_scales,
+                    const void* src_scales, size_t scale_bytes,
+                    cudaMemcpyKind kind) {
+    absl::MutexLock l(&mu_);  // one copy stream, shared by transfer threads
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (copy_stream_ == nullptr) {
+      PDSERVE_CUDA_RETURN_IF_ERROR(
+          cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    }
+    PDSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src, bytes, kind, copy_stream_));
+    if (scale_bytes > 0 && dst_scales != nullptr && src_scales != nullptr) {
+      PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst_scales, src_scales,
+                                                   scale_bytes, kind,
+                                                   copy_stream_));
+    }
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
+    return absl::OkStatus();
+  }
+
+  const KvCacheSpec spec_;
+  const int64_t num_blocks_;
+  const int device_;
+  const std::vector<kc::PagedKvView> layers_;
+  absl::Mutex mu_;
+  cudaStream_t copy_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
 struct DeviceLayer {
   const float* input_norm = nullptr;
   const void* qkv = nullptr;
@@ -75,15 +177,18 @@ class CudaBackend : public Backend {
   Device device() const override { return Device::kCuda; }
   const KvCacheSpec& kv_spec() const override { return spec_; }
   int64_t num_blocks() const override { return num_blocks_; }
-  KvPool* host_pool() override { return nullptr; }
-  absl::Status Forward(std::span<const LlamaModel::SeqInput> seqs,
-                       std::vector<float>* logits) override;
+  KvStorage* kv_storage() override { return storage_.get(); }
+  absl::Status Forward(
+      std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+      const LlamaModel::LayerWrittenFn& on_layer_written) override;
 
  private:
   CudaBackend(std::shared_ptr<const ModelWeights> weights,
               const BackendConfig& config)
       : weights_(std::move(weights)), config_(config), spec_(config.kv) {}
   absl::Status Init();
+  absl::Status ForwardOnStream(std::span<const LlamaModel::SeqInput> seqs,
+                               std::vector<float>* logits);
   // Uploads fp32 host data as fp32 or (for GEMM weights in bf16 mode) bf16.
   absl::StatusOr<const float*> UploadF32(const std::vector<float>& v);
   absl::StatusOr<const void*> UploadWeight(const kernels::WeightMatrix& m);
@@ -132,6 +237,8 @@ class CudaBackend : public Backend {
   void* attn_workspace_ = nullptr;
   int64_t attn_workspace_bytes_ = 0;
   std::vector<float> host_logits_;
+  int device_ = 0;
+  std::unique_ptr<CudaKvStorage> storage_;
 };
 
 absl::StatusOr<const float*> CudaBackend::UploadF32(
@@ -167,6 +274,7 @@ absl::Status CudaBackend::Init() {
   if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
     return absl::FailedPreconditionError("--device cuda: no CUDA device found");
   }
+  PDSERVE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device_));
   PDSERVE_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   ASSIGN_OR_RETURN(gemm_, kc::GemmRunner::Create(stream_));
@@ -251,6 +359,10 @@ absl::Status CudaBackend::Init() {
     }
   }
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  std::vector<kc::PagedKvView> views;
+  for (const DeviceLayer& d : layers_) views.push_back(d.kv);
+  storage_ = std::make_unique<CudaKvStorage>(spec_, num_blocks_, device_,
+                                             std::move(views));
   return absl::OkStatus();
 }
 
@@ -274,8 +386,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CudaBackend::Create(
   return std::unique_ptr<Backend>(std::move(b));
 }
 
-absl::Status CudaBackend::Forward(std::span<const LlamaModel::SeqInput> seqs,
-                                  std::vector<float>* logits) {
+absl::Status CudaBackend::Forward(
+    std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+    const LlamaModel::LayerWrittenFn& on_layer_written) {
+  RETURN_IF_ERROR(ForwardOnStream(seqs, logits));
+  // Every layer's K/V is in its blocks once the stream synchronized (the
+  // pass ends with one), so the layer hooks run now, in order. Layer-wise
+  // sends from a GPU therefore overlap the next step, not this one's layers.
+  if (on_layer_written) {
+    for (int32_t l = 0; l < static_cast<int32_t>(layers_.size()); ++l)
+      on_layer_written(l);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ForwardOnStream(
+    std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits) {
   const ModelConfig& c = weights_->config;
   const int64_t hidden = c.hidden_size, hd = c.head_dim,
                 inter = c.intermediate_size;

@@ -9,9 +9,9 @@
 // sequence (or, with gpu_reference_math, the fp32 decode kernel with one row
 // per query). Logits are copied back to the host, where the engine samples.
 //
-// The KV lives on the GPU, so host_pool() is nullptr: KV transfer from a
-// CUDA worker needs the NCCL transport. fp8 KV is reachable through the
-// kernels but not through DType (the CPU engine has no fp8).
+// The KV lives on the GPU: kv_storage() exposes device spans (cuda:N), with
+// device copies on their own stream and pinned staging for the grpc
+// transport; NCCL and CUDA IPC use the device pointers directly.
 //
 // Not thread-safe (one engine thread). Built only with CUDA.
 #pragma once

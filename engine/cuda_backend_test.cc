@@ -141,7 +141,8 @@ TEST_F(CudaBackendTest, GreedyTokensEqualTheCpuBackendWithReferenceMath) {
   auto gpu = CreateBackend(
       weights_, ConfigFor(*weights_, Device::kCuda, DType::kF32, true));
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  EXPECT_EQ((*gpu)->host_pool(), nullptr);
+  EXPECT_EQ((*gpu)->kv_storage()->memory().kind, MemoryKind::kDevice);
+  EXPECT_EQ((*cpu)->kv_storage()->memory().kind, MemoryKind::kHost);
   EXPECT_GT((*gpu)->num_blocks(), 0);
   const Generation want = Generate(cpu->get(), prompts_, 32, 7, vocab());
   const Generation got = Generate(gpu->get(), prompts_, 32, 7, vocab());

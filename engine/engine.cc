@@ -82,40 +82,31 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                    static_cast<int32_t>(mc.num_kv_heads),
                    static_cast<int32_t>(mc.head_dim), config.block_size,
                    config.kv_dtype};
-  std::unique_ptr<KvPool> pool;
-  std::unique_ptr<Backend> device_backend;
-  if (config.device == Device::kCpu) {
-    ASSIGN_OR_RETURN(
-        pool,
-        KvPool::Create(spec, spec.BlocksForMemory(config.kv_cache_bytes)));
-  } else {
-    BackendConfig bc;
-    bc.device = config.device;
-    bc.kv = spec;
-    bc.gpu_memory_utilization = config.gpu_memory_utilization;
-    bc.max_num_batched_tokens = config.max_num_batched_tokens;
-    bc.gpu_reference_math = config.gpu_reference_math;
-    ASSIGN_OR_RETURN(device_backend, CreateBackend(weights, bc));
-  }
+  BackendConfig bc;
+  bc.device = config.device;
+  bc.kv = spec;
+  bc.kv_cache_bytes = config.kv_cache_bytes;
+  bc.matmul = config.matmul;
+  bc.gpu_memory_utilization = config.gpu_memory_utilization;
+  bc.max_num_batched_tokens = config.max_num_batched_tokens;
+  bc.gpu_reference_math = config.gpu_reference_math;
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(weights, bc));
   EngineConfig c = config;
   if (c.max_model_len == 0 || c.max_model_len > mc.max_position_embeddings) {
     c.max_model_len = static_cast<int32_t>(
         std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
   }
   return std::unique_ptr<Engine>(
-      new Engine(std::move(weights), c, std::move(pool),
-                 std::move(device_backend), std::move(events)));
+      new Engine(std::move(weights), c, std::move(backend), std::move(events)));
 }
 
 Engine::Engine(std::shared_ptr<const ModelWeights> weights,
-               const EngineConfig& config, std::unique_ptr<KvPool> pool,
-               std::unique_ptr<Backend> device_backend, KvEventSink events)
+               const EngineConfig& config, std::unique_ptr<Backend> backend,
+               KvEventSink events)
     : config_(config),
-      pool_(std::move(pool)),
-      device_backend_(std::move(device_backend)),
-      blocks_(pool_ ? pool_->num_blocks() : device_backend_->num_blocks(),
-              std::move(events)),
-      model_(weights, config.matmul) {
+      weights_(weights),
+      backend_(std::move(backend)),
+      blocks_(backend_->num_blocks(), std::move(events)) {
   // The cache identity covers the weights, block size and KV dtype: blocks
   // made under any other of these must never be shared.
   struct {
@@ -134,7 +125,7 @@ int64_t Engine::BlocksFor(int64_t tokens) const {
 }
 
 absl::Status Engine::Validate(const EngineRequest& request) const {
-  const ModelConfig& mc = model_.config();
+  const ModelConfig& mc = weights_->config;
   if (request.prompt.empty())
     return absl::InvalidArgumentError("prompt has no tokens");
   for (int32_t t : request.prompt) {
@@ -345,15 +336,9 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     };
   }
   logits_.clear();
-  if (device_backend_ != nullptr) {
-    // Layer-wise streaming hooks are CPU-only: GPU KV moves over NCCL.
-    RETURN_IF_ERROR(device_backend_->Forward(inputs, &logits_));
-  } else {
-    RETURN_IF_ERROR(
-        model_.Forward(inputs, pool_.get(), &logits_, on_layer_written));
-  }
+  RETURN_IF_ERROR(backend_->Forward(inputs, &logits_, on_layer_written));
 
-  const ModelConfig& mc = model_.config();
+  const ModelConfig& mc = weights_->config;
   int64_t logit_row = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence* seq = batch[i].seq;
@@ -398,7 +383,7 @@ FinishReason Engine::CheckFinish(const Sequence& seq) const {
   const int32_t token = seq.tokens.back();
   const int32_t completion =
       static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
-  if (!seq.req.sampling.ignore_eos && model_.config().IsEos(token))
+  if (!seq.req.sampling.ignore_eos && weights_->config.IsEos(token))
     return FinishReason::kEos;
   if (completion >= static_cast<int32_t>(seq.req.sampling.max_tokens) ||
       static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {
@@ -453,7 +438,7 @@ absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id,
   }
   Sequence* seq = it->second;
   reserved_.erase(it);
-  if (first_token < 0 || first_token >= model_.config().vocab_size) {
+  if (first_token < 0 || first_token >= weights_->config.vocab_size) {
     Abort(id);
     return absl::InvalidArgumentError(absl::StrCat(
         "first token ", first_token, " is outside the vocabulary"));

@@ -174,20 +174,16 @@ class Engine {
 
   EngineStats Stats() const;
   const EngineConfig& config() const { return config_; }
-  const KvCacheSpec& kv_spec() const {
-    return device_backend_ ? device_backend_->kv_spec() : pool_->spec();
-  }
+  const KvCacheSpec& kv_spec() const { return backend_->kv_spec(); }
   int32_t max_model_len() const { return config_.max_model_len; }
-  const LlamaModel& model() const { return model_; }
+  const ModelConfig& model_config() const { return weights_->config; }
   // Identity of this engine's cached blocks: weights, block size, KV dtype.
   const ModelFingerprint& cache_fingerprint() const { return fingerprint_; }
   BlockManager& block_manager() { return blocks_; }
-  // The KV storage, for transfer code running on (or synchronised with) the
-  // engine thread.
-  // CPU only: with --device cuda the KV lives on the GPU (has_host_pool()
-  // is false) and host-side KV transfer is not available.
-  bool has_host_pool() const { return pool_ != nullptr; }
-  KvPool& pool() { return *pool_; }
+  // The backend's KV storage (host memory on CPU, device memory on CUDA),
+  // for transfer code: spans of pinned or reserved blocks only.
+  KvStorage& kv_storage() { return *backend_->kv_storage(); }
+  const Backend& backend() const { return *backend_; }
 
  private:
   struct Sequence {
@@ -206,8 +202,8 @@ class Engine {
   };
 
   Engine(std::shared_ptr<const ModelWeights> weights,
-         const EngineConfig& config, std::unique_ptr<KvPool> pool,
-         std::unique_ptr<Backend> device_backend, KvEventSink events);
+         const EngineConfig& config, std::unique_ptr<Backend> backend,
+         KvEventSink events);
   int64_t BlocksFor(int64_t tokens) const;
   bool TryAdmit(Sequence* seq, int32_t budget, int32_t* scheduled_tokens);
   void Preempt(Sequence* seq);
@@ -215,12 +211,11 @@ class Engine {
   void CommitFullBlocks(Sequence* seq);
 
   EngineConfig config_;
-  std::unique_ptr<KvPool> pool_;  // CPU; null with a device backend
-  // The GPU backend (--device cuda), or null: the CPU path runs model_ over
-  // pool_ directly, exactly as before backends existed.
-  std::unique_ptr<Backend> device_backend_;
+  std::shared_ptr<const ModelWeights> weights_;
+  // One path for every device: the backend runs the forward pass over the
+  // KV storage it owns (CPU: LlamaModel over a host KvPool; CUDA: the GPU).
+  std::unique_ptr<Backend> backend_;
   BlockManager blocks_;
-  LlamaModel model_;
   ModelFingerprint fingerprint_;
   FinishReason CheckFinish(const Sequence& seq) const;
 

@@ -124,9 +124,9 @@ class EngineLoop {
   int64_t num_blocks() const { return num_blocks_; }
   // The KV pool, for transfers that read blocks the engine keeps pinned for
   // them (held or reserved blocks are never written by the engine thread).
-  KvPool& pool_for_transfer() { return engine_->pool(); }
-  // False with --device cuda: there is no host pool to transfer from or to.
-  bool has_host_pool() const { return engine_->has_host_pool(); }
+  // The engine's KV storage, for transports (host or device spans).
+  KvStorage& kv_storage_for_transfer() { return engine_->kv_storage(); }
+
 
  private:
   struct Task {

@@ -209,8 +209,8 @@ TEST_F(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
   EXPECT_EQ(prefill->Stats().blocks_active, 3);
   for (int l = 0; l < testing::TinyWeights()->config.num_layers; ++l) {
     for (size_t b = 0; b < held.size(); ++b) {
-      std::memcpy(decode->pool().LayerBlockData(l, reservation->blocks[b]),
-                  prefill->pool().LayerBlockData(l, held[b]),
+      std::memcpy(decode->kv_storage().Span(l, reservation->blocks[b]).data,
+                  prefill->kv_storage().Span(l, held[b]).data,
                   prefill->kv_spec().LayerBlockBytes());
     }
   }

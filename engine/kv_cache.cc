@@ -82,6 +82,35 @@ uint8_t* KvPool::LayerBlockData(int layer, int64_t block) {
   return data_[layer].get() + block * spec_.LayerBlockBytes();
 }
 
+KvSpan KvPool::Span(int32_t layer, int64_t block) {
+  KvSpan s;
+  s.data = LayerBlockData(layer, block);
+  s.data_bytes = static_cast<size_t>(spec_.LayerBlockBytes());
+  s.scales = LayerBlockScales(layer, block);
+  s.scale_bytes =
+      s.scales ? 2 * static_cast<size_t>(spec_.num_kv_heads) * sizeof(float)
+               : 0;
+  return s;
+}
+
+absl::Status KvPool::CopyToHost(int32_t layer, int64_t block, void* data,
+                                void* scales) {
+  const KvSpan s = Span(layer, block);
+  std::memcpy(data, s.data, s.data_bytes);
+  if (s.scale_bytes > 0 && scales != nullptr)
+    std::memcpy(scales, s.scales, s.scale_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status KvPool::CopyFromHost(int32_t layer, int64_t block,
+                                  const void* data, const void* scales) {
+  const KvSpan s = Span(layer, block);
+  std::memcpy(s.data, data, s.data_bytes);
+  if (s.scale_bytes > 0 && scales != nullptr)
+    std::memcpy(s.scales, scales, s.scale_bytes);
+  return absl::OkStatus();
+}
+
 float* KvPool::LayerBlockScales(int layer, int64_t block) {
   if (spec_.dtype != DType::kI8) return nullptr;
   return scales_[layer].data() + block * 2 * spec_.num_kv_heads;

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "engine/kv_storage.h"
 #include "kernels/cpu/paged_attention.h"
 
 namespace pdserve::engine {
@@ -40,12 +41,20 @@ struct KvCacheSpec {
   std::string DebugString() const;
 };
 
-class KvPool {
+// Host-memory block storage: the CPU backend's KV and the reference
+// KvStorage (its spans are host pointers; copies are memcpy).
+class KvPool final : public KvStorage {
  public:
   static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvCacheSpec& spec,
                                                         int64_t num_blocks);
-  const KvCacheSpec& spec() const { return spec_; }
-  int64_t num_blocks() const { return num_blocks_; }
+  const KvCacheSpec& spec() const override { return spec_; }
+  int64_t num_blocks() const override { return num_blocks_; }
+  KvMemory memory() const override { return {}; }
+  KvSpan Span(int32_t layer, int64_t block) override;
+  absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
+                          void* scales) override;
+  absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
+                            const void* scales) override;
   kernels::KvLayerView Layer(int layer);
   // Raw (layer, block) span for transfer: data and, for int8, the scales.
   uint8_t* LayerBlockData(int layer, int64_t block);

@@ -13,9 +13,11 @@ constexpr uint8_t kMissing = 0, kWriting = 1, kWritten = 2;
 
 }  // namespace
 
-KvReceiver::KvReceiver(engine::KvPool* pool, KvLayout layout,
+KvReceiver::KvReceiver(engine::KvStorage* pool, KvLayout layout,
                        ReceiverCounters counters)
-    : pool_(pool), layout_(std::move(layout)), counters_(std::move(counters)) {}
+    : storage_(pool),
+      layout_(std::move(layout)),
+      counters_(std::move(counters)) {}
 
 uint64_t KvReceiver::Expect(const std::string& request_id,
                             std::vector<int32_t> blocks, int32_t skip_blocks) {
@@ -125,7 +127,7 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
       Fail(p, "out_of_range", msg);
       return absl::InvalidArgumentError(msg);
     }
-    const engine::KvCacheSpec& spec = pool_->spec();
+    const engine::KvCacheSpec& spec = storage_->spec();
     const size_t want_scales =
         spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
     if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
@@ -155,16 +157,14 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
   // Outside every lock. The span is this reservation's (checked above) and
   // stays reserved: its reservation cannot end while `writers` > 0.
   const int32_t physical = p->blocks[block_index];
-  uint8_t* dst = pool_->LayerBlockData(layer, physical);
-  for (std::string_view piece : data_pieces) {
-    std::memcpy(dst, piece.data(), piece.size());
-    dst += piece.size();
-  }
-  dst = reinterpret_cast<uint8_t*>(pool_->LayerBlockScales(layer, physical));
-  for (std::string_view piece : scale_pieces) {
-    if (piece.empty()) continue;
-    std::memcpy(dst, piece.data(), piece.size());
-    dst += piece.size();
+  const absl::Status copied =
+      CopyIntoSpan(layer, physical, data_pieces, scale_pieces);
+  if (!copied.ok()) {
+    absl::MutexLock l(&p->mu);
+    p->received[slot] = kMissing;
+    --p->writers;
+    Fail(p, "copy_failed", std::string(copied.message()));
+    return copied;
   }
   if (counters_.on_bytes) counters_.on_bytes(data_size + scale_size);
   absl::MutexLock l(&p->mu);
@@ -173,6 +173,40 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
   p->last_progress = absl::Now();
   --p->writers;
   return absl::OkStatus();
+}
+
+absl::Status KvReceiver::CopyIntoSpan(
+    int32_t layer, int32_t physical, std::span<const std::string_view> data,
+    std::span<const std::string_view> scales) {
+  const engine::KvSpan span = storage_->Span(layer, physical);
+  if (span.memory.kind == engine::MemoryKind::kHost) {
+    uint8_t* dst = static_cast<uint8_t*>(span.data);
+    for (std::string_view piece : data) {
+      std::memcpy(dst, piece.data(), piece.size());
+      dst += piece.size();
+    }
+    dst = reinterpret_cast<uint8_t*>(span.scales);
+    for (std::string_view piece : scales) {
+      if (piece.empty()) continue;
+      std::memcpy(dst, piece.data(), piece.size());
+      dst += piece.size();
+    }
+    return absl::OkStatus();
+  }
+  // Device memory: one contiguous host image of the span, one device copy
+  // (a span that arrived in one piece is copied from where it lies).
+  auto contiguous = [](std::span<const std::string_view> pieces,
+                       std::string* scratch) -> const void* {
+    if (pieces.size() == 1) return pieces[0].data();
+    scratch->clear();
+    for (std::string_view piece : pieces) scratch->append(piece);
+    return scratch->data();
+  };
+  thread_local std::string data_scratch, scale_scratch;
+  const void* d = contiguous(data, &data_scratch);
+  const void* s =
+      span.scale_bytes > 0 ? contiguous(scales, &scale_scratch) : nullptr;
+  return storage_->CopyFromHost(layer, physical, d, s);
 }
 
 void KvReceiver::End(uint64_t reservation_id, bool ok) {

@@ -47,7 +47,10 @@ struct ReceiverCounters {
 
 class KvReceiver {
  public:
-  KvReceiver(engine::KvPool* pool, KvLayout layout,
+  // `storage` holds the reserved blocks: host memory (spans written with
+  // memcpy) or device memory (each span assembled in host memory, then one
+  // device copy).
+  KvReceiver(engine::KvStorage* storage, KvLayout layout,
              ReceiverCounters counters = {});
 
   const KvLayout& layout() const { return layout_; }
@@ -113,10 +116,14 @@ class KvReceiver {
   void Remove(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   void Fail(Pending* p, const std::string& reason, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu);
+  // Copies one validated span's pieces into (layer, physical) of storage_.
+  absl::Status CopyIntoSpan(int32_t layer, int32_t physical,
+                            std::span<const std::string_view> data,
+                            std::span<const std::string_view> scales);
   // Forbids new copies into `p` and waits until those in progress are done.
   static void EndWrites(Pending* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu);
 
-  engine::KvPool* pool_;
+  engine::KvStorage* storage_;
   const KvLayout layout_;
   ReceiverCounters counters_;
   // Guards only the map; never held during a copy or while a Pending's `mu`

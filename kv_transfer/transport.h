@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_storage.h"
 
 namespace pdserve::kv_transfer {
 
@@ -97,9 +98,10 @@ class KvTransport {
  public:
   virtual ~KvTransport() = default;
   virtual const char* name() const = 0;
-  // Opens a session; reads blocks from `pool` (never written by the session).
+  // Opens a session; reads blocks from `storage` (host or device spans,
+  // never written by the session).
   virtual absl::StatusOr<std::unique_ptr<KvSendSession>> Open(
-      const SendPlan& plan, engine::KvPool* pool) = 0;
+      const SendPlan& plan, engine::KvStorage* storage) = 0;
 };
 
 }  // namespace pdserve::kv_transfer

@@ -23,7 +23,7 @@ namespace {
 // Records every span sent, with its bytes as they were at send time.
 class RecordingSession : public kv_transfer::KvSendSession {
  public:
-  explicit RecordingSession(engine::KvPool* pool) : pool_(pool) {}
+  explicit RecordingSession(engine::KvStorage* pool) : pool_(pool) {}
   absl::Status SendLayers(int32_t, int32_t) override {
     return absl::UnimplementedError("streaming uses SendBlocks");
   }
@@ -34,9 +34,8 @@ class RecordingSession : public kv_transfer::KvSendSession {
       for (const auto& [index, physical] : blocks) {
         std::string bytes;
         if (pool_ != nullptr) {
-          bytes.assign(
-              reinterpret_cast<const char*>(pool_->LayerBlockData(l, physical)),
-              pool_->spec().LayerBlockBytes());
+          const engine::KvSpan span = pool_->Span(l, physical);
+          bytes.assign(static_cast<const char*>(span.data), span.data_bytes);
         }
         const bool fresh = sent.emplace(std::pair{l, index}, bytes).second;
         EXPECT_TRUE(fresh) << "layer " << l << " block " << index << " twice";
@@ -54,7 +53,7 @@ class RecordingSession : public kv_transfer::KvSendSession {
   std::atomic<int> num_sent{0};
 
  private:
-  engine::KvPool* pool_;
+  engine::KvStorage* pool_;
 };
 
 engine::LayerWritten Report(int32_t layer, int32_t computed, int32_t prompt,
@@ -190,7 +189,7 @@ TEST_F(LayerStreamerEngineTest, LayersLeaveWhileTheChunkedPrefillStillRuns) {
   auto streamer =
       std::make_shared<LayerStreamer>(spec.num_layers, spec.block_size, skip,
                                       spec.LayerBlockBytes(), int64_t{1} << 30);
-  RecordingSession session(&loop.pool_for_transfer());
+  RecordingSession session(&loop.kv_storage_for_transfer());
   // Hook order, recorded on the engine thread.
   std::vector<std::pair<int32_t, int32_t>> reports;  // (layer, num_computed)
   engine::EngineRequest req;
@@ -236,9 +235,10 @@ TEST_F(LayerStreamerEngineTest, LayersLeaveWhileTheChunkedPrefillStillRuns) {
   EXPECT_EQ(Keys(session), AllSpans(spec.num_layers, skip, num_blocks));
   for (const auto& [key, bytes] : session.sent) {
     const auto [layer, index] = key;
-    EXPECT_EQ(bytes, std::string(reinterpret_cast<const char*>(
-                                     loop.pool_for_transfer().LayerBlockData(
-                                         layer, done.held_blocks[index])),
+    EXPECT_EQ(bytes, std::string(static_cast<const char*>(
+                                     loop.kv_storage_for_transfer()
+                                         .Span(layer, done.held_blocks[index])
+                                         .data),
                                  spec.LayerBlockBytes()))
         << "layer " << layer << " block " << index;
   }

@@ -4,13 +4,19 @@
 #include "common/grpc_status.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "prefill_service/layer_streamer.h"
-#include "prefill_service/sampling_convert.h"
+#include "wire/sampling_convert.h"
 
 namespace pdserve::prefill {
 
 grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
                                      const v1::PrefillRequest& request,
                                      v1::PrefillResponse* response) {
+  // Untrusted input: the salt is hashed into every block.
+  if (absl::Status s = engine::CheckRequestFieldCaps(request.request_id(),
+                                                     request.cache_salt());
+      !s.ok()) {
+    return ToGrpc(s);
+  }
   // Handshake before any compute (contract): the decode worker's layout.
   if (absl::Status s = kv_transfer::CheckLayouts(
           layout_, kv_transfer::FromProto(request.layout()));
@@ -26,7 +32,7 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   plan.sender_id = worker_id_;
   plan.layout = layout_;
   absl::StatusOr<std::unique_ptr<kv_transfer::KvSendSession>> opened =
-      transport_->Open(plan, &loop_->pool_for_transfer());
+      transport_->Open(plan, &loop_->kv_storage_for_transfer());
   if (!opened.ok()) return ToGrpc(opened.status());
   kv_transfer::KvSendSession& session = **opened;
   const int32_t skip = static_cast<int32_t>(request.skip_blocks());
@@ -60,22 +66,25 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   }
   // Ends this request's hold on the engine: no more layer reports, and the
   // pinned and held blocks go back. Only once the session no longer reads.
+  // (If the loop has stopped, so has the engine: nothing is left to free.)
   auto release = [&](const std::vector<int32_t>& held) {
     loop_->Call([&](engine::Engine& e) {
-      if (streamer) e.ReleaseBlocks(streamer->Close());
-      e.ReleaseBlocks(held);
-      return 0;
-    });
+           if (streamer) e.ReleaseBlocks(streamer->Close());
+           e.ReleaseBlocks(held);
+         })
+        .IgnoreError();
   };
+  // Gives up on the request at any point. The release runs on the engine
+  // thread, between steps: the request is aborted if still live, and if it
+  // finished meanwhile (however long its last step took) the blocks its
+  // unread final output holds go back with the streamer's pins.
   auto abandon = [&](grpc::Status why) {
     session.Cancel();
-    loop_->Abort(req.id);
-    // Drain so that held blocks of a request that finished meanwhile return.
-    std::vector<int32_t> held;
-    for (auto& out : (*stream)->Pop(absl::Seconds(1))) {
-      held.insert(held.end(), out.held_blocks.begin(), out.held_blocks.end());
-    }
-    release(held);
+    loop_->Call([&](engine::Engine& e) {
+           loop_->DetachStream(req.id, stream->get());
+           if (streamer) e.ReleaseBlocks(streamer->Close());
+         })
+        .IgnoreError();
     return why;
   };
 

@@ -61,14 +61,6 @@ absl::Status WorkerConfig::Validate() const {
     return absl::InvalidArgumentError("--model is required");
   if (port < 0 || port > 65535)
     return absl::InvalidArgumentError("--port must be in [0, 65535]");
-  if (engine.device != engine::Device::kCpu &&
-      role != v1::WORKER_ROLE_BOTH) {
-    // A GPU engine has no host KV pool for the transfer code to read/write
-    // yet (device-resident transfer is issue 14).
-    return absl::InvalidArgumentError(
-        "--device cuda supports --role both only (prefill/decode roles move "
-        "KV through a host pool)");
-  }
   if (grpc_memory_quota_bytes < 0 || grpc_max_threads < 0) {
     return absl::InvalidArgumentError(
         "gRPC memory quota and thread cap must be >= 0");
@@ -159,11 +151,7 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     if (!serves_prefill)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "this is a decode-only worker");
-    if (!loop->has_host_pool()) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "this worker's KV lives on the GPU; it cannot send "
-                          "KV to a decode worker");
-    }
+
     InFlight guard(&in_flight);
     if (draining)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
@@ -305,17 +293,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->loop = std::make_unique<engine::EngineLoop>(std::move(eng));
   impl->transfer_metrics =
       std::make_unique<kv_transfer::TransferMetrics>(*registry);
-  if (!impl->loop->has_host_pool()) {
-    // --device cuda (role both only, checked by Validate): KV stays on the
-    // GPU, no KV is received, and Generate prefills locally.
-  } else {
-    impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
-        &impl->loop->pool_for_transfer(), impl->layout,
-        impl->transfer_metrics->ForReceiver());
-  }
-  if (!impl->receiver) {
-    // Nothing to serve on KvTransfer; pushes get UNIMPLEMENTED.
-  } else if (config.kv_transport == kv_transfer::KvTransportKind::kNccl) {
+  // Received KV goes straight into the backend's storage (host or device).
+  impl->receiver = std::make_unique<kv_transfer::KvReceiver>(
+      &impl->loop->kv_storage_for_transfer(), impl->layout,
+      impl->transfer_metrics->ForReceiver());
+  if (config.kv_transport == kv_transfer::KvTransportKind::kNccl) {
     kv_transfer::nccl::CommunicatorFactory* comms = config.kv_communicators;
     if (comms == nullptr) {
       ASSIGN_OR_RETURN(
@@ -363,7 +345,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     builder.SetResourceQuota(quota);
   }
   builder.RegisterService(impl.get());
-  if (impl->kv_service) builder.RegisterService(impl->kv_service.get());
+  builder.RegisterService(impl->kv_service.get());
   impl->server = builder.BuildAndStart();
   if (!impl->server || port == 0) {
     return absl::UnavailableError(absl::StrCat(

@@ -47,21 +47,34 @@ namespace {
 
 constexpr char kPushMethod[] = "/pdserve.v1.KvTransfer/Push";
 
-// One request's stream. Spans go out as KvChunk messages whose KV bytes are
-// slices over the sender's pool (chunk_codec.h): gRPC writes them to the
-// socket from there, so user space copies nothing on this side. The call is
-// driven one operation at a time on a private completion queue.
+// One request's stream. Spans go out as KvChunk messages (chunk_codec.h).
+// From host storage their KV bytes are slices over the storage itself: gRPC
+// writes them to the socket from there, so user space copies nothing on this
+// side. From device storage each span is first copied to host staging
+// (pinned, two buffers of one message each): while gRPC still holds one
+// buffer's slices, the next message's spans are copied into the other, and a
+// buffer is refilled only once gRPC released it. The call is driven one
+// operation at a time on a private completion queue.
 class GrpcSendSession : public KvSendSession {
  public:
-  GrpcSendSession(const SendPlan& plan, engine::KvPool* pool,
+  GrpcSendSession(const SendPlan& plan, engine::KvStorage* storage,
                   const std::shared_ptr<grpc::Channel>& channel,
                   TransferMetrics* metrics, absl::Duration timeout)
       : plan_(plan),
-        pool_(pool),
+        storage_(storage),
         stub_(channel),
         metrics_(metrics),
         timeout_(timeout),
         tracker_(new SliceTracker) {
+    if (storage_->memory().kind != engine::MemoryKind::kHost) {
+      const engine::KvSpan one = storage_->Span(0, 0);
+      const size_t bytes =
+          GrpcKvTransport::kMessageBytes + one.data_bytes + one.scale_bytes;
+      for (Staging& s : staging_) {
+        s.buffer = storage_->AllocateStaging(bytes);
+        s.tracker = new SliceTracker;
+      }
+    }
     v1::KvTransferHeader header;
     header.set_request_id(plan.request_id);
     header.set_reservation_id(plan.reservation_id);
@@ -85,6 +98,17 @@ class GrpcSendSession : public KvSendSession {
                          << " still references " << tracker_->outstanding()
                          << " KV slices";
     }
+    for (Staging& s : staging_) {
+      if (s.tracker == nullptr) continue;
+      if (s.tracker->AwaitReleased(absl::Now() + absl::Seconds(10))) {
+        delete s.tracker;
+      } else {
+        // gRPC may still read the buffer: leak it rather than free it.
+        PDSERVE_LOG(ERROR) << "KV stream to " << plan_.destination
+                           << " still references staged KV slices";
+        s.buffer.release();
+      }
+    }
     if (metrics_) metrics_->in_flight->Decrement();
   }
 
@@ -96,28 +120,34 @@ class GrpcSendSession : public KvSendSession {
                           std::span<const BlockRef> blocks) override {
     if (done_)
       return absl::FailedPreconditionError("transfer already finished");
-    const engine::KvCacheSpec& spec = pool_->spec();
+    const engine::KvCacheSpec& spec = storage_->spec();
     if (first < 0 || last > spec.num_layers || first > last) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer range [", first, ", ", last, ") is invalid"));
     }
-    const size_t bytes = static_cast<size_t>(spec.LayerBlockBytes());
-    const size_t scale_bytes =
-        spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+    const bool staged = storage_->memory().kind != engine::MemoryKind::kHost;
     for (int32_t layer = first; layer < last; ++layer) {
       for (const auto& [index, block] : blocks) {
-        if (block < 0 || block >= pool_->num_blocks()) {
+        if (block < 0 || block >= storage_->num_blocks()) {
           return absl::InvalidArgumentError(
               absl::StrCat("block ", index, " is physical block ", block,
-                           ", outside the pool of ", pool_->num_blocks()));
+                           ", outside the pool of ", storage_->num_blocks()));
         }
-        encoder_.AddSpan(
-            static_cast<uint32_t>(layer), static_cast<uint32_t>(index),
-            pool_->LayerBlockData(layer, block), bytes,
-            scale_bytes ? reinterpret_cast<const uint8_t*>(
-                              pool_->LayerBlockScales(layer, block))
-                        : nullptr,
-            scale_bytes, tracker_);
+        const engine::KvSpan span = storage_->Span(layer, block);
+        const size_t bytes = span.data_bytes, scale_bytes = span.scale_bytes;
+        if (staged) {
+          ASSIGN_OR_RETURN(uint8_t * at, StageSpan(layer, block, span));
+          encoder_.AddSpan(static_cast<uint32_t>(layer),
+                           static_cast<uint32_t>(index), at, bytes,
+                           scale_bytes ? at + bytes : nullptr, scale_bytes,
+                           staging_[current_].tracker);
+        } else {
+          encoder_.AddSpan(
+              static_cast<uint32_t>(layer), static_cast<uint32_t>(index),
+              static_cast<const uint8_t*>(span.data), bytes,
+              reinterpret_cast<const uint8_t*>(span.scales), scale_bytes,
+              tracker_);
+        }
         stats_.bytes += bytes + scale_bytes;
         ++stats_.spans;
         if (encoder_.payload_bytes() >= GrpcKvTransport::kMessageBytes) {
@@ -151,6 +181,40 @@ class GrpcSendSession : public KvSendSession {
   }
 
  private:
+  // One host staging buffer for spans read from device memory, and the
+  // tracker of the slices gRPC holds over it.
+  struct Staging {
+    std::unique_ptr<engine::HostStagingBuffer> buffer;
+    SliceTracker* tracker = nullptr;  // heap, like tracker_
+    size_t used = 0;
+  };
+
+  // Copies `span` (device memory) into the current staging buffer, switching
+  // to the other buffer when this one is full (the full one is sent first,
+  // and the other is reused only once gRPC released its slices).
+  absl::StatusOr<uint8_t*> StageSpan(int32_t layer, int64_t block,
+                                     const engine::KvSpan& span) {
+    const size_t need = span.data_bytes + span.scale_bytes;
+    Staging* s = &staging_[current_];
+    if (s->used + need > s->buffer->size()) {
+      RETURN_IF_ERROR(Flush(/*force=*/false));
+      current_ ^= 1;
+      s = &staging_[current_];
+      if (!s->tracker->AwaitReleased(absl::Now() + timeout_)) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "KV stream to ", plan_.destination,
+            ": gRPC did not release a staging buffer within ",
+            absl::FormatDuration(timeout_)));
+      }
+      s->used = 0;
+    }
+    uint8_t* at = static_cast<uint8_t*>(s->buffer->data()) + s->used;
+    RETURN_IF_ERROR(storage_->CopyToHost(
+        layer, block, at, span.scale_bytes ? at + span.data_bytes : nullptr));
+    s->used += need;
+    return at;
+  }
+
   // Runs one started operation to completion; false if it failed.
   bool Await(void* tag) {
     void* got = nullptr;
@@ -224,7 +288,9 @@ class GrpcSendSession : public KvSendSession {
   }
 
   SendPlan plan_;
-  engine::KvPool* pool_;
+  engine::KvStorage* storage_;
+  Staging staging_[2];
+  int current_ = 0;
   grpc::GenericStub stub_;
   TransferMetrics* metrics_;
   const absl::Duration timeout_;
@@ -339,7 +405,7 @@ std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(
 }
 
 absl::StatusOr<std::unique_ptr<KvSendSession>> GrpcKvTransport::Open(
-    const SendPlan& plan, engine::KvPool* pool) {
+    const SendPlan& plan, engine::KvStorage* pool) {
   if (plan.destination.empty())
     return absl::InvalidArgumentError("KV destination is empty");
   return std::unique_ptr<KvSendSession>(new GrpcSendSession(

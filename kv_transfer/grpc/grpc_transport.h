@@ -32,7 +32,7 @@ class GrpcKvTransport : public KvTransport {
                            absl::Duration timeout = absl::Seconds(60));
   const char* name() const override { return "grpc"; }
   absl::StatusOr<std::unique_ptr<KvSendSession>> Open(
-      const SendPlan& plan, engine::KvPool* pool) override;
+      const SendPlan& plan, engine::KvStorage* storage) override;
 
  private:
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& destination);

@@ -158,7 +158,7 @@ struct PlannedSpan {
 
 class NcclSendSession : public KvSendSession {
  public:
-  NcclSendSession(const SendPlan& plan, engine::KvPool* pool,
+  NcclSendSession(const SendPlan& plan, engine::KvStorage* pool,
                   std::shared_ptr<NcclLink> link, uint64_t transfer_id,
                   size_t spans_per_batch, TransferMetrics* metrics)
       : plan_(plan),
@@ -270,14 +270,10 @@ class NcclSendSession : public KvSendSession {
     manifest.spans.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       const PlannedSpan& span = batch[i];
-      std::memcpy(host + i * data_bytes_,
-                  pool_->LayerBlockData(span.name.layer, span.physical),
-                  data_bytes_);
-      if (scale_bytes_ > 0) {
-        std::memcpy(host + data_total + i * scale_bytes_,
-                    pool_->LayerBlockScales(span.name.layer, span.physical),
-                    scale_bytes_);
-      }
+      // Host storage: a memcpy; device storage: a device-to-host copy.
+      RETURN_IF_ERROR(pool_->CopyToHost(
+          span.name.layer, span.physical, host + i * data_bytes_,
+          scale_bytes_ > 0 ? host + data_total + i * scale_bytes_ : nullptr));
       manifest.spans.push_back(span.name);
     }
     ASSIGN_OR_RETURN(const ReplyMessage reply, link_->Call(manifest));
@@ -307,7 +303,7 @@ class NcclSendSession : public KvSendSession {
   }
 
   const SendPlan plan_;
-  engine::KvPool* const pool_;
+  engine::KvStorage* const pool_;
   const std::shared_ptr<NcclLink> link_;
   const uint64_t transfer_id_;
   const size_t spans_per_batch_;
@@ -349,7 +345,7 @@ absl::StatusOr<std::shared_ptr<NcclLink>> NcclKvTransport::LinkTo(
 }
 
 absl::StatusOr<std::unique_ptr<KvSendSession>> NcclKvTransport::Open(
-    const SendPlan& plan, engine::KvPool* pool) {
+    const SendPlan& plan, engine::KvStorage* pool) {
   if (plan.destination.empty()) {
     return absl::InvalidArgumentError("KV destination is empty");
   }

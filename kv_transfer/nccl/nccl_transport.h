@@ -61,7 +61,7 @@ class NcclKvTransport : public KvTransport {
   // (the handshake): FAILED_PRECONDITION on a layout mismatch, NOT_FOUND for
   // an unknown reservation, both before any KV bytes move.
   absl::StatusOr<std::unique_ptr<KvSendSession>> Open(
-      const SendPlan& plan, engine::KvPool* pool) override;
+      const SendPlan& plan, engine::KvStorage* storage) override;
 
   // Links that are connected or connecting and not broken.
   int num_links() const;

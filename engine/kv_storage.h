@@ -1,0 +1,77 @@
+// Where a worker's KV blocks live, as transports see them: the backend owns
+// the storage (host memory for the CPU backend, GPU memory for the CUDA one)
+// and exposes each (layer, block) as a span that names its memory kind.
+//
+// A span is one layer of one block, contiguous in the storage's memory:
+//   data:   [2 (K,V)][kv_heads][block_size][head_dim] of the KV dtype
+//   scales: [2 (K,V)][kv_heads] fp32, for int8 only (else null, 0 bytes)
+// Transports (kv_transfer/) and the layer streamer read and write spans in
+// place through this interface: host memory with memcpy, device memory with
+// the device's own copies (CopyToHost / CopyFromHost, or device pointers
+// handed to NCCL / CUDA IPC). None of them sees KvPool or a backend. KvPool
+// (engine/kv_cache.h) is the CPU reference implementation.
+//
+// Thread-safety: Span() and the copies touch no shared state of their own
+// and may be called from transfer threads; what a span's bytes mean is owned
+// by the engine thread (blocks must be pinned or reserved while a transfer
+// reads or writes them, see engine/block_manager.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace pdserve::engine {
+
+struct KvCacheSpec;  // engine/kv_cache.h
+
+enum class MemoryKind { kHost, kDevice };
+
+struct KvMemory {
+  MemoryKind kind = MemoryKind::kHost;
+  int device = -1;  // CUDA device ordinal for kDevice, -1 for kHost
+  bool operator==(const KvMemory&) const = default;
+};
+std::string KvMemoryName(const KvMemory& m);  // "host" | "cuda:N"
+
+struct KvSpan {
+  void* data = nullptr;  // in `memory`: a host or a device pointer
+  size_t data_bytes = 0;
+  float* scales = nullptr;  // int8 only, in `memory`
+  size_t scale_bytes = 0;
+  KvMemory memory;
+};
+
+// A host buffer for moving spans in and out of storage: page-locked (pinned)
+// when the storage is on a device, so device copies run at full speed.
+class HostStagingBuffer {
+ public:
+  virtual ~HostStagingBuffer() = default;
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+};
+
+class KvStorage {
+ public:
+  virtual ~KvStorage() = default;
+  virtual const KvCacheSpec& spec() const = 0;
+  virtual int64_t num_blocks() const = 0;
+  virtual KvMemory memory() const = 0;
+  // The span of (layer, block). Requires 0 <= layer < spec().num_layers and
+  // 0 <= block < num_blocks() (callers validate untrusted indices first).
+  virtual KvSpan Span(int32_t layer, int64_t block) = 0;
+  // Copies a span's bytes to host memory / from host memory. `scales` may be
+  // null when the dtype has none. Host storage: memcpy. Device storage: a
+  // synchronous device copy (the transfer thread waits, not the engine).
+  virtual absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
+                                  void* scales) = 0;
+  virtual absl::Status CopyFromHost(int32_t layer, int64_t block,
+                                    const void* data, const void* scales) = 0;
+  // A staging buffer of `bytes` suited to this storage's copies.
+  virtual std::unique_ptr<HostStagingBuffer> AllocateStaging(size_t bytes);
+};
+
+}  // namespace pdserve::engine
