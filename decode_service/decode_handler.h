@@ -3,8 +3,9 @@
 // the named prefill worker compute and push the missing KV, stream the first
 // token at once, then continuous-batching decode until a finish reason.
 //
-// Failure handling: a reservation that cannot be admitted waits up to the
-// admission timeout, then RESOURCE_EXHAUSTED; a prefill worker that fails or
+// Failure handling: a reservation that cannot be admitted waits on the engine
+// side, in FIFO order, up to the admission timeout, then RESOURCE_EXHAUSTED
+// (one that could never fit is refused at once); a prefill worker that fails or
 // a transfer that stalls ends the request with UNAVAILABLE and frees every
 // block; a client cancel or deadline aborts the sequence. Thread-safe.
 #pragma once
