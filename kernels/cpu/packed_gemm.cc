@@ -269,15 +269,19 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
     const float* xq = xp + (q - k0) * MR;
     typename P::Raw raw[NV];
     for (int v = 0; v < NV; ++v) raw[v] = P::Load(wp[v], q);
-    for (int v = 0; v < NV; ++v) {
-      const __m512 a = P::First(raw[v]);
-      for (int i = 0; i < MR; ++i)
-        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xq[i]), a, acc[i][v]);
+    // Broadcast each x once and reuse it across the NV panels: 3 x 6
+    // accumulators, 3 widened weights, the raw words and one broadcast fit
+    // the 32 registers without spills.
+    __m512 a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = P::First(raw[v]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xa = _mm512_set1_ps(xq[i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
     }
-    for (int v = 0; v < NV; ++v) {
-      const __m512 b = P::Second(raw[v]);
-      for (int i = 0; i < MR; ++i)
-        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xq[MR + i]), b, acc[i][v]);
+    for (int v = 0; v < NV; ++v) a[v] = P::Second(raw[v]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xb = _mm512_set1_ps(xq[MR + i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, a[v], acc[i][v]);
     }
   }
   if (q < k1) {  // odd k: the pair's second weight is padding
@@ -297,7 +301,7 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t,
                         int64_t, float*, bool);
 
-constexpr int kAvx512Rows = 8, kAvx512Panels = 3;
+constexpr int kAvx512Rows = 6, kAvx512Panels = 3;
 constexpr int kAvx2Rows = 4;
 constexpr int kPortableRows = 4;
 
