@@ -248,14 +248,14 @@ TEST_F(LayerStreamerEngineTest, LayersLeaveWhileTheChunkedPrefillStillRuns) {
             static_cast<uint64_t>(spec.num_layers) * (num_blocks - skip));
 
   // Release pins and held blocks: nothing stays referenced.
-  loop.Call([&](engine::Engine& e) {
-    e.ReleaseBlocks(streamer->Close());
-    e.ReleaseBlocks(done.held_blocks);
-    return 0;
-  });
-  const engine::EngineStats after =
+  ASSERT_TRUE(loop.Call([&](engine::Engine& e) {
+                    e.ReleaseBlocks(streamer->Close());
+                    e.ReleaseBlocks(done.held_blocks);
+                  }).ok());
+  const absl::StatusOr<engine::EngineStats> after =
       loop.Call([](engine::Engine& e) { return e.Stats(); });
-  EXPECT_EQ(after.blocks_active, 0);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->blocks_active, 0);
 }
 
 }  // namespace
