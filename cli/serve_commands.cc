@@ -25,6 +25,7 @@
 #include "engine/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
+#include "router/openai/openai_server.h"
 #include "router/router_service.h"
 #include "wire/enums.h"
 #include "wire/sampling_convert.h"
@@ -38,6 +39,12 @@ ABSL_FLAG(
     "gRPC port (router default 50051; workers default 0 = any free port)");
 ABSL_FLAG(int32_t, metrics_port, -1,
           "Prometheus /metrics port (router default 9400; workers 0 = any)");
+ABSL_FLAG(int32_t, http_port, -1,
+          "router/up: OpenAI-compatible HTTP port (router default 0 = off; up "
+          "default 8000); HTTPS with --tls-cert/--tls-key");
+ABSL_FLAG(std::string, served_model_name, "",
+          "router/up: the model name of the OpenAI API (default: the model "
+          "directory's base name)");
 ABSL_FLAG(std::string, advertise, "",
           "host other processes use to reach this worker (default: --host)");
 ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
@@ -172,6 +179,51 @@ int RunWorker(const std::vector<std::string>&) {
   return RunWorkerWithRole(absl::GetFlag(FLAGS_role));
 }
 
+namespace {
+
+// The OpenAI front's model name: --served-model-name, else the base name of
+// the model directory ("models/small/" -> "small").
+std::string ServedModelName(const std::string& model_dir) {
+  if (const std::string name = absl::GetFlag(FLAGS_served_model_name);
+      !name.empty())
+    return name;
+  std::filesystem::path p = std::filesystem::path(model_dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+// The HTTP front on the router's in-process channel (0: none).
+absl::StatusOr<std::unique_ptr<router::openai::OpenAiServer>> StartOpenAi(
+    router::RouterServer* server, const router::RouterConfig& config,
+    int port) {
+  if (port <= 0) return nullptr;
+  router::openai::OpenAiServerConfig hc;
+  hc.host = absl::GetFlag(FLAGS_host);
+  hc.port = port;
+  hc.model_dir = config.model_dir;
+  hc.served_model_name = ServedModelName(config.model_dir);
+  if (!config.tls.insecure) {
+    hc.tls_cert_file = config.tls.cert_file;
+    hc.tls_key_file = config.tls.key_file;
+  }
+  router::openai::RouterHooks hooks;
+  hooks.channel = server->InProcessChannel();
+  hooks.authenticate = [server](absl::string_view authorization) {
+    return server->CheckAuthorization(authorization);
+  };
+  hooks.healthy = [server] {
+    for (const router::WorkerView& w : server->workers().UpWorkers()) {
+      if (w.role != v1::WORKER_ROLE_PREFILL && !w.status.draining())
+        return true;
+    }
+    return false;
+  };
+  return router::openai::OpenAiServer::Start(hc, std::move(hooks),
+                                             &metrics::Registry::Default());
+}
+
+}  // namespace
+
 int RunRouter(const std::vector<std::string>&) {
   if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
     return ReportError(s);
@@ -199,10 +251,16 @@ int RunRouter(const std::vector<std::string>&) {
                                ? 9400
                                : absl::GetFlag(FLAGS_metrics_port));
   if (!http.ok()) return ReportError(http.status());
-  std::printf("pdserve router listening on %s:%d metrics %d\n",
+  auto openai = StartOpenAi(server->get(), config,
+                            std::max(0, absl::GetFlag(FLAGS_http_port)));
+  if (!openai.ok()) return ReportError(openai.status());
+  std::printf("pdserve router listening on %s:%d metrics %d",
               absl::GetFlag(FLAGS_host).c_str(), *port, (*http)->port());
+  if (*openai) std::printf(" http %d", (*openai)->port());
+  std::printf("\n");
   std::fflush(stdout);
   WaitForSignal();
+  if (*openai) (*openai)->Stop();
   (*server)->Shutdown();
   return 0;
 }
@@ -359,6 +417,12 @@ int RunUp(const std::vector<std::string>&) {
       "--policy=" + absl::GetFlag(FLAGS_policy),
       "--local-prefill-threshold=" +
           std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
+  const int http_port =
+      absl::GetFlag(FLAGS_http_port) < 0 ? 8000 : absl::GetFlag(FLAGS_http_port);
+  router_args.push_back("--http-port=" + std::to_string(http_port));
+  if (!absl::GetFlag(FLAGS_served_model_name).empty())
+    router_args.push_back("--served-model-name=" +
+                          absl::GetFlag(FLAGS_served_model_name));
   router_args.insert(router_args.end(), tls_args.begin(), tls_args.end());
   if (n_prefill > 0) {
     router_args.push_back("--prefill-workers=" +
@@ -382,10 +446,22 @@ int RunUp(const std::vector<std::string>&) {
     std::printf("  %-10s grpc %-22s metrics http://127.0.0.1:%d/metrics\n",
                 c.name.c_str(), c.address.c_str(), c.metrics_port);
   }
+  if (http_port > 0) {
+    std::printf("  %-10s %s://127.0.0.1:%d/v1 (model \"%s\")\n", "openai",
+                insecure ? "http" : "https", http_port,
+                ServedModelName(model).c_str());
+  }
   std::printf(
       "\nTry:\n  %s generate --router 127.0.0.1:%d --prompt \"hello\" "
       "--max-tokens 32\n",
       "build/bin/pdserve", port);
+  if (http_port > 0) {
+    std::printf(
+        "  curl %s://127.0.0.1:%d/v1/completions -H 'Content-Type: "
+        "application/json' -d '{\"model\": \"%s\", \"prompt\": \"hello\", "
+        "\"max_tokens\": 32}'\n",
+        insecure ? "http" : "https", http_port, ServedModelName(model).c_str());
+  }
   std::printf("Ctrl-C stops everything.\n");
   std::fflush(stdout);
   // Stop on Ctrl-C, or when any child dies unexpectedly.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "engine/safetensors.h"
 #include "engine/tokenizer.h"
@@ -191,8 +192,19 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
   RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors));
   RETURN_IF_ERROR(
       WriteText(dir + "/tokenizer.json", ByteTokenizer::TokenizerJson()));
+  // With a ChatML chat template, so the OpenAI chat endpoint works on the
+  // presets (engine/chat_template.h recognises it by <|im_start|>; the byte
+  // tokenizer spells the markers out as bytes).
+  ASSIGN_OR_RETURN(json::Value tokenizer_config,
+                   json::Parse(ByteTokenizer::TokenizerConfigJson(),
+                               "tokenizer_config.json"));
+  tokenizer_config["chat_template"] =
+      "{% for message in messages %}{{'<|im_start|>' + message['role'] + "
+      "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+      "{% endif %}";
   RETURN_IF_ERROR(WriteText(dir + "/tokenizer_config.json",
-                            ByteTokenizer::TokenizerConfigJson()));
+                            json::Dump(tokenizer_config) + "\n"));
   RETURN_IF_ERROR(
       WriteText(dir + "/generation_config.json",
                 absl::StrCat("{\"bos_token_id\": ", c.bos_token_id,

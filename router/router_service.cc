@@ -56,6 +56,7 @@ absl::Status RouterConfig::Validate() const {
     return absl::InvalidArgumentError(
         "request limits must not be negative (streams per connection and "
         "stop string bytes at least 1)");
+  RETURN_IF_ERROR(workers.Validate());
   return tls.Validate();
 }
 
@@ -574,6 +575,17 @@ RouterServer::~RouterServer() {
   impl_->registry->Stop();
 }
 WorkerRegistry& RouterServer::workers() { return *impl_->registry; }
+
+std::shared_ptr<grpc::Channel> RouterServer::InProcessChannel() {
+  if (!impl_->server) return nullptr;
+  return impl_->server->InProcessChannel(grpc::ChannelArguments());
+}
+
+absl::Status RouterServer::CheckAuthorization(
+    absl::string_view authorization) {
+  if (impl_->auth == nullptr) return absl::OkStatus();
+  return impl_->auth->Authenticate(authorization).status();
+}
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
     const RouterConfig& config, metrics::Registry* registry) {

@@ -73,6 +73,13 @@ class RouterServer {
   void Shutdown();
   void Wait();
   WorkerRegistry& workers();
+  // A channel to this server's Router service that never leaves the process
+  // (the OpenAI HTTP front calls Generate through it, so both fronts share
+  // one code path). Valid after Serve.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+  // OK when `authorization` ("Bearer TOKEN") names a tenant of
+  // --auth-tokens, or when the router has none; else UNAUTHENTICATED.
+  absl::Status CheckAuthorization(absl::string_view authorization);
 
   struct Impl;
 

@@ -1,0 +1,504 @@
+#include "router/openai/openai_server.h"
+
+#include <httplib.h>
+#include <signal.h>
+
+#include <array>
+#include <atomic>
+#include <random>
+#include <thread>
+#include <variant>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/json.h"
+#include "common/logging.h"
+#include "common/metric_handles.h"
+#include "common/status_macros.h"
+#include "engine/chat_template.h"
+#include "engine/tokenizer.h"
+#include "pdserve/v1/router.grpc.pb.h"
+#include "router/openai/errors.h"
+#include "router/openai/request.h"
+
+namespace pdserve::router::openai {
+namespace {
+
+using json::OrderedValue;
+
+// Label values of pdserve_http_requests_total, resolved at start-up.
+constexpr std::array<const char*, 5> kEndpoints = {
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+    "other"};
+constexpr std::array<int, 12> kStatuses = {200, 400, 401, 403, 404, 405,
+                                           413, 429, 499, 500, 503, 504};
+
+struct HttpMetrics {
+  explicit HttpMetrics(metrics::Registry& r) {
+    metrics::CounterFamily* family = metrics::Must(r.AddCounter(
+        "pdserve_http_requests_total",
+        "OpenAI-compatible HTTP requests by endpoint and response status "
+        "(status \"other\" for any code not listed)",
+        {"endpoint", "status"}));
+    for (size_t e = 0; e < kEndpoints.size(); ++e) {
+      for (size_t s = 0; s <= kStatuses.size(); ++s) {
+        const std::string status =
+            s < kStatuses.size() ? std::to_string(kStatuses[s]) : "other";
+        requests[e][s] = metrics::Must(family->WithLabels({kEndpoints[e], status}));
+      }
+    }
+  }
+  void Count(const std::string& path, int status) {
+    size_t e = kEndpoints.size() - 1;
+    for (size_t i = 0; i + 1 < kEndpoints.size(); ++i) {
+      if (path == kEndpoints[i]) e = i;
+    }
+    size_t s = kStatuses.size();
+    for (size_t i = 0; i < kStatuses.size(); ++i) {
+      if (status == kStatuses[i]) s = i;
+    }
+    requests[e][s]->Increment();
+  }
+  std::array<std::array<metrics::Counter*, kStatuses.size() + 1>,
+             kEndpoints.size()>
+      requests{};
+};
+
+void Reply(httplib::Response& res, const HttpError& error) {
+  res.status = error.status;
+  if (error.retry_after_s > 0)
+    res.set_header("Retry-After", std::to_string(error.retry_after_s));
+  res.set_content(ErrorJson(error), "application/json");
+}
+
+int64_t RetryAfterMs(const grpc::ClientContext& ctx) {
+  const auto& md = ctx.GetServerTrailingMetadata();
+  auto it = md.find("retry-after-ms");
+  if (it == md.end()) return 0;
+  int64_t ms = 0;
+  for (char c : std::string(it->second.data(), it->second.size())) {
+    if (c < '0' || c > '9' || ms > (int64_t{1} << 40)) return 0;
+    ms = ms * 10 + (c - '0');
+  }
+  return ms;
+}
+
+// OpenAI spells the end of a completion "stop" (a stop string or EOS) or
+// "length"; the router's "cancelled" never reaches a live client.
+std::string FinishReason(const std::string& router_reason) {
+  if (router_reason == "eos" || router_reason == "stop") return "stop";
+  return router_reason;
+}
+
+OrderedValue Usage(const v1::Usage& u) {
+  return OrderedValue{
+      {"prompt_tokens", u.prompt_tokens()},
+      {"completion_tokens", u.completion_tokens()},
+      {"total_tokens", u.prompt_tokens() + u.completion_tokens()},
+      {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}}};
+}
+
+// One Generate call on the in-process channel. Whoever ends it first
+// (stream end, client disconnect, server stop) calls Finish once.
+struct GenerateCall {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
+  absl::Mutex mu;
+  bool finished ABSL_GUARDED_BY(mu) = false;
+  grpc::Status status ABSL_GUARDED_BY(mu);
+
+  // The call's final status (after the stream ended).
+  grpc::Status Finish() {
+    absl::MutexLock l(&mu);
+    if (!finished) {
+      status = reader->Finish();
+      finished = true;
+    }
+    return status;
+  }
+  // Cancels a call still running (the client went away); the router then
+  // cancels its worker calls, which free the request's KV blocks.
+  void Cancel() {
+    ctx.TryCancel();
+    Finish();
+  }
+};
+
+}  // namespace
+
+struct OpenAiServer::Impl {
+  OpenAiServerConfig config;
+  RouterHooks hooks;
+  std::unique_ptr<v1::Router::Stub> stub;
+  std::unique_ptr<engine::Tokenizer> tokenizer;
+  absl::StatusOr<engine::ChatTemplate> chat_template =
+      absl::UnknownError("not loaded");
+  std::unique_ptr<HttpMetrics> m;
+  std::unique_ptr<httplib::Server> http;
+  std::thread listener;
+  int port = 0;
+  absl::Mutex rng_mu;
+  std::mt19937_64 rng ABSL_GUARDED_BY(rng_mu){std::random_device{}()};
+
+  uint64_t RandomSeed() {
+    absl::MutexLock l(&rng_mu);
+    return rng();
+  }
+
+  // The chunk/response envelope both endpoints share.
+  OrderedValue Envelope(const CompletionRequest& r, const std::string& id,
+                        int64_t created, bool chunk) const {
+    const bool chat = r.endpoint == Endpoint::kChatCompletions;
+    return OrderedValue{
+        {"id", absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id)},
+        {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                        : "text_completion"},
+        {"created", created},
+        {"model", config.served_model_name}};
+  }
+
+  // The GenerateRequest for `r`, or the 400 to answer.
+  std::variant<v1::GenerateRequest, HttpError> ToGenerate(
+      const CompletionRequest& r) const {
+    v1::GenerateRequest g;
+    if (r.endpoint == Endpoint::kChatCompletions) {
+      if (!chat_template.ok())
+        return BadRequest(
+            absl::StrCat("model ", config.served_model_name,
+                         " has no chat template, so /v1/chat/completions is "
+                         "not available (use /v1/completions): ",
+                         chat_template.status().message()),
+            "messages");
+      auto text = engine::ApplyChatTemplate(*chat_template, r.messages, true);
+      if (!text.ok()) return BadRequest(std::string(text.status().message()),
+                                        "messages");
+      // The rendered prompt spells out its own special tokens.
+      for (int32_t t : tokenizer->Encode(*text, false))
+        g.mutable_token_ids()->add_ids(static_cast<uint32_t>(t));
+    } else if (const auto* text = std::get_if<std::string>(&r.prompt)) {
+      g.set_prompt(*text);
+    } else {
+      for (uint32_t t : std::get<std::vector<uint32_t>>(r.prompt))
+        g.mutable_token_ids()->add_ids(t);
+    }
+    v1::SamplingParams* s = g.mutable_sampling();
+    s->set_max_tokens(r.max_tokens);
+    s->set_temperature(r.temperature);
+    s->set_top_p(r.top_p);
+    s->set_top_k(r.top_k);
+    s->set_seed(r.seed.has_value() ? *r.seed : 0);
+    for (const std::string& stop : r.stop) s->add_stop(stop);
+    s->set_ignore_eos(r.ignore_eos);
+    g.set_cache_salt(r.cache_salt);
+    return g;
+  }
+
+  void HandleGenerate(Endpoint endpoint, const httplib::Request& req,
+                      httplib::Response& res) {
+    auto parsed = ParseCompletionRequest(endpoint, req.body);
+    if (const auto* err = std::get_if<ApiError>(&parsed))
+      return Reply(res, BadRequest(err->message, err->param));
+    CompletionRequest r = std::get<CompletionRequest>(std::move(parsed));
+    if (r.model != config.served_model_name)
+      return Reply(res, NotFound(absl::StrCat("The model `", r.model,
+                                              "` does not exist; this server "
+                                              "serves `",
+                                              config.served_model_name, "`"),
+                                 "model_not_found"));
+    if (r.logprobs.has_value())
+      return Reply(res, BadRequest("logprobs are not supported yet",
+                                   "logprobs"));
+    // Unseeded sampling is random, as OpenAI's is; greedy ignores the seed.
+    if (!r.seed.has_value() && r.temperature > 0) r.seed = RandomSeed();
+    auto g = ToGenerate(r);
+    if (const auto* err = std::get_if<HttpError>(&g)) return Reply(res, *err);
+
+    auto call = std::make_shared<GenerateCall>();
+    if (req.has_header("Authorization"))
+      call->ctx.AddMetadata("authorization",
+                            req.get_header_value("Authorization"));
+    call->reader = stub->Generate(&call->ctx, std::get<v1::GenerateRequest>(g));
+    // The first message decides the HTTP status: errors before it
+    // (validation, auth, limits, no workers) are a proper error response.
+    auto first = std::make_shared<v1::GenerateResponse>();
+    if (!call->reader->Read(first.get())) {
+      const grpc::Status st = call->Finish();
+      if (st.ok())
+        return Reply(res, FromGrpc(grpc::Status(grpc::StatusCode::INTERNAL,
+                                                "router sent no response"),
+                                   0));
+      return Reply(res, FromGrpc(st, RetryAfterMs(call->ctx)));
+    }
+    const int64_t created = absl::ToUnixSeconds(absl::Now());
+    if (!r.stream) return Complete(r, *call, *first, created, res);
+
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, call, first, r = std::move(r), created](
+            size_t, httplib::DataSink& sink) {
+          // false (the client went away) ends the response at once.
+          return Stream(r, *call, *first, created, sink);
+        },
+        // Runs however the response ends, including a client that went away.
+        [call](bool) { call->Cancel(); });
+  }
+
+  // A non-streamed response: the whole stream, then one JSON body.
+  void Complete(const CompletionRequest& r, GenerateCall& call,
+                v1::GenerateResponse msg, int64_t created,
+                httplib::Response& res) {
+    const std::string id = msg.request_id();
+    std::string text, finish;
+    v1::Usage usage;
+    do {
+      text += msg.text();
+      if (!msg.finish_reason().empty()) {
+        finish = msg.finish_reason();
+        usage = msg.usage();
+      }
+    } while (finish.empty() && call.reader->Read(&msg));
+    const grpc::Status st = call.Finish();
+    if (finish.empty()) {
+      return Reply(res, FromGrpc(st.ok() ? grpc::Status(
+                                               grpc::StatusCode::INTERNAL,
+                                               "stream ended without a "
+                                               "finish reason")
+                                         : st,
+                                 RetryAfterMs(call.ctx)));
+    }
+    OrderedValue body = Envelope(r, id, created, false);
+    OrderedValue choice = {{"index", 0}};
+    if (r.endpoint == Endpoint::kChatCompletions) {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+    } else {
+      choice["text"] = text;
+    }
+    choice["logprobs"] = nullptr;
+    choice["finish_reason"] = FinishReason(finish);
+    body["choices"] = OrderedValue::array({std::move(choice)});
+    body["usage"] = Usage(usage);
+    res.status = 200;
+    res.set_content(json::Dump(body), "application/json");
+  }
+
+  // Server-Sent Events: a chunk per piece of text as it arrives, a final
+  // chunk with the finish reason, the usage chunk when asked, [DONE]. A
+  // failed write means the client went away: the call is cancelled by the
+  // resource releaser as soon as this returns.
+  bool Stream(const CompletionRequest& r, GenerateCall& call,
+              v1::GenerateResponse msg, int64_t created,
+              httplib::DataSink& sink) {
+    const bool chat = r.endpoint == Endpoint::kChatCompletions;
+    const std::string id = msg.request_id();
+    auto send = [&](const std::string& data) {
+      const std::string event = absl::StrCat("data: ", data, "\n\n");
+      return sink.write(event.data(), event.size());
+    };
+    auto chunk = [&](OrderedValue choice) {
+      OrderedValue c = Envelope(r, id, created, true);
+      c["choices"] = OrderedValue::array({std::move(choice)});
+      if (r.include_usage) c["usage"] = nullptr;
+      return send(json::Dump(c));
+    };
+    auto piece = [&](const std::string& text, const OrderedValue& finish) {
+      OrderedValue choice = {{"index", 0}};
+      if (chat) {
+        choice["delta"] = text.empty() && !finish.is_null()
+                              ? OrderedValue::object()
+                              : OrderedValue{{"content", text}};
+      } else {
+        choice["text"] = text;
+      }
+      choice["logprobs"] = nullptr;
+      choice["finish_reason"] = finish;
+      return chunk(std::move(choice));
+    };
+    // Chat: the role comes first, in a delta of its own.
+    if (chat && !chunk(OrderedValue{{"index", 0},
+                                    {"delta", {{"role", "assistant"},
+                                               {"content", ""}}},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", nullptr}}))
+      return false;
+    std::string finish;
+    v1::Usage usage;
+    do {
+      if (!msg.text().empty() && !piece(msg.text(), nullptr)) return false;
+      if (!msg.finish_reason().empty()) {
+        finish = msg.finish_reason();
+        usage = msg.usage();
+      }
+    } while (finish.empty() && call.reader->Read(&msg));
+    if (finish.empty()) {
+      // The stream failed after the status line went out: say so in-band.
+      const grpc::Status st = call.Finish();
+      send(ErrorJson(FromGrpc(
+          st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
+                                 "stream ended without a finish reason")
+                  : st,
+          RetryAfterMs(call.ctx))));
+    } else {
+      if (!piece("", FinishReason(finish))) return false;
+      if (r.include_usage) {
+        OrderedValue c = Envelope(r, id, created, true);
+        c["choices"] = OrderedValue::array();
+        c["usage"] = Usage(usage);
+        if (!send(json::Dump(c))) return false;
+      }
+    }
+    if (!send("[DONE]")) return false;
+    sink.done();
+    return true;
+  }
+
+  void HandleModels(const httplib::Request& req, httplib::Response& res) {
+    if (hooks.authenticate) {
+      absl::Status s = hooks.authenticate(req.get_header_value("Authorization"));
+      if (!s.ok())
+        return Reply(res, FromGrpc(grpc::Status(
+                                       static_cast<grpc::StatusCode>(s.code()),
+                                       std::string(s.message())),
+                                   0));
+    }
+    const OrderedValue body = {
+        {"object", "list"},
+        {"data",
+         OrderedValue::array({OrderedValue{{"id", config.served_model_name},
+                                           {"object", "model"},
+                                           {"created", 0},
+                                           {"owned_by", "pdserve"}}})}};
+    res.set_content(json::Dump(body), "application/json");
+  }
+};
+
+absl::Status OpenAiServerConfig::Validate() const {
+  if (port < 0 || port > 65535)
+    return absl::InvalidArgumentError("--http-port must be in [0, 65535]");
+  if (served_model_name.empty())
+    return absl::InvalidArgumentError("--served-model-name must not be empty");
+  if (model_dir.empty())
+    return absl::InvalidArgumentError("the HTTP front needs --model");
+  if (tls_cert_file.empty() != tls_key_file.empty())
+    return absl::InvalidArgumentError(
+        "HTTPS needs both a certificate and a key");
+  if (max_connections < 1)
+    return absl::InvalidArgumentError("max_connections must be at least 1");
+  if (max_body_bytes < 1024)
+    return absl::InvalidArgumentError("max_body_bytes must be at least 1 KiB");
+  return absl::OkStatus();
+}
+
+OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+OpenAiServer::~OpenAiServer() { Stop(); }
+int OpenAiServer::port() const { return impl_->port; }
+bool OpenAiServer::tls() const { return !impl_->config.tls_cert_file.empty(); }
+
+void OpenAiServer::Stop() {
+  if (impl_->http) impl_->http->stop();
+  if (impl_->listener.joinable()) impl_->listener.join();
+}
+
+absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
+    const OpenAiServerConfig& config, RouterHooks hooks,
+    metrics::Registry* registry) {
+  RETURN_IF_ERROR(config.Validate());
+  if (hooks.channel == nullptr)
+    return absl::InvalidArgumentError("the HTTP front needs a router channel");
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->hooks = std::move(hooks);
+  impl->stub = v1::Router::NewStub(impl->hooks.channel);
+  ASSIGN_OR_RETURN(impl->tokenizer, engine::Tokenizer::Load(config.model_dir));
+  // A model without a template still serves completions; chat answers 400.
+  impl->chat_template = engine::ChatTemplateForModel(config.model_dir);
+  impl->m = std::make_unique<HttpMetrics>(*registry);
+  // A client that goes away mid-write must not kill the router (TLS writes
+  // do not pass MSG_NOSIGNAL).
+  signal(SIGPIPE, SIG_IGN);
+
+  if (config.tls_cert_file.empty()) {
+    impl->http = std::make_unique<httplib::Server>();
+  } else {
+    auto ssl = std::make_unique<httplib::SSLServer>(
+        config.tls_cert_file.c_str(), config.tls_key_file.c_str());
+    if (!ssl->is_valid())
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot load the HTTPS certificate ",
+                       config.tls_cert_file, " or key ", config.tls_key_file));
+    impl->http = std::move(ssl);
+  }
+  httplib::Server& http = *impl->http;
+  const int threads = config.max_connections;
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // Tokens go out as they come: no Nagle delay on small SSE writes.
+  http.set_tcp_nodelay(true);
+  http.set_keep_alive_max_count(100000);
+  http.set_payload_max_length(static_cast<size_t>(config.max_body_bytes));
+  Impl* self = impl.get();
+  http.Post("/v1/completions",
+            [self](const httplib::Request& req, httplib::Response& res) {
+              self->HandleGenerate(Endpoint::kCompletions, req, res);
+            });
+  http.Post("/v1/chat/completions",
+            [self](const httplib::Request& req, httplib::Response& res) {
+              self->HandleGenerate(Endpoint::kChatCompletions, req, res);
+            });
+  http.Get("/v1/models",
+           [self](const httplib::Request& req, httplib::Response& res) {
+             self->HandleModels(req, res);
+           });
+  http.Get("/health", [self](const httplib::Request&, httplib::Response& res) {
+    const bool ok = !self->hooks.healthy || self->hooks.healthy();
+    res.status = ok ? 200 : 503;
+    if (!ok)
+      Reply(res, FromGrpc(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                       "no worker can serve requests"),
+                          0));
+  });
+  auto unknown = [](const httplib::Request& req, httplib::Response& res) {
+    Reply(res, NotFound(absl::StrCat("Unknown request URL: ", req.method, " ",
+                                     req.path),
+                        "unknown_url"));
+  };
+  // Patterns are tried in registration order: these catch everything else.
+  http.Get(".*", unknown);
+  http.Post(".*", unknown);
+  http.Put(".*", unknown);
+  http.Delete(".*", unknown);
+  http.Patch(".*", unknown);
+  // httplib's own refusals (bad request line, 413, ...) in OpenAI's shape.
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    HttpError e = res.status == 404 ? NotFound("not found", "unknown_url")
+                                    : BadRequest("malformed HTTP request");
+    e.status = res.status;
+    if (res.status == 413) e.message = "request body too large";
+    res.set_content(ErrorJson(e), "application/json");
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http.set_exception_handler([](const httplib::Request&,
+                                httplib::Response& res, std::exception_ptr) {
+    Reply(res, HttpError{500, "server_error", "", "internal error", "", 0});
+  });
+  http.set_logger([self](const httplib::Request& req,
+                         const httplib::Response& res) {
+    self->m->Count(req.path, res.status);
+  });
+  if (config.port == 0) {
+    impl->port = http.bind_to_any_port(config.host);
+  } else if (http.bind_to_port(config.host, config.port)) {
+    impl->port = config.port;
+  }
+  if (impl->port <= 0)
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", config.host, ":", config.port, " (HTTP)"));
+  impl->listener = std::thread([self] { self->http->listen_after_bind(); });
+  return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
+}
+
+}  // namespace pdserve::router::openai
