@@ -50,20 +50,57 @@ void PrefixIndex::ClearWorker(WorkerIndex worker) {
   }
 }
 
+namespace {
+// Min-heap order on expiry for std::push_heap/pop_heap (which keep a max-heap).
+template <typename E>
+bool LaterExpiry(const E& a, const E& b) {
+  return a.expires > b.expires;
+}
+}  // namespace
+
+void PrefixIndex::PurgeExpired(absl::Time now, size_t budget) {
+  while (budget > 0 && !expiries_.empty() && expiries_.front().expires <= now) {
+    --budget;
+    std::pop_heap(expiries_.begin(), expiries_.end(), LaterExpiry<Expiry>);
+    const Expiry e = expiries_.back();
+    expiries_.pop_back();
+    auto it = index_.find(e.hash);
+    if (it == index_.end()) continue;  // removed or cleared meanwhile
+    Holders& holders = it->second;
+    // Confirmed entries expire at InfiniteFuture, renewed ones later than
+    // now: both stay.
+    holders.erase(std::remove_if(holders.begin(), holders.end(),
+                                 [&](const Holder& x) {
+                                   return x.worker == e.worker &&
+                                          x.expires <= now;
+                                 }),
+                  holders.end());
+    if (holders.empty()) index_.erase(it);
+  }
+}
+
 void PrefixIndex::Speculate(WorkerIndex worker,
                             std::span<const engine::BlockHash> hashes,
                             absl::Duration ttl) {
-  const absl::Time expires = absl::Now() + ttl;
+  const absl::Time now = clock_();
+  const absl::Time expires = now + ttl;
   absl::MutexLock l(&mu_);
+  // More than this call adds, so a backlog of expired entries drains.
+  PurgeExpired(now, 2 * hashes.size() + 16);
+  if (expires <= now) return;  // already expired: nothing to record
   for (const auto& h : hashes) {
     Holders& holders = index_[h];
     auto it = std::find_if(holders.begin(), holders.end(),
                            [&](const Holder& x) { return x.worker == worker; });
     if (it == holders.end()) {
       holders.push_back({worker, expires});
-    } else if (it->expires != absl::InfiniteFuture()) {
-      it->expires = std::max(it->expires, expires);
+    } else if (it->expires != absl::InfiniteFuture() && expires > it->expires) {
+      it->expires = expires;
+    } else {
+      continue;  // confirmed, or already expiring later
     }
+    expiries_.push_back({expires, h, worker});
+    std::push_heap(expiries_.begin(), expiries_.end(), LaterExpiry<Expiry>);
   }
 }
 
@@ -72,7 +109,7 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
     std::span<const WorkerIndex> workers) const {
   std::vector<int32_t> result(workers.size(), 0);
   std::vector<bool> alive(workers.size(), true);
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_();
   absl::MutexLock l(&mu_);
   size_t still = workers.size();
   for (size_t b = 0; b < hashes.size() && still > 0; ++b) {
@@ -125,7 +162,7 @@ void PrefixIndex::LeadingBlocksOfPrompt(
   };
   std::vector<WorkerIndex> here, next;
   std::vector<uint8_t> in_next;  // by WorkerIndex
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_();
   absl::ReaderMutexLock l(&mu_);
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
@@ -185,6 +222,8 @@ PrefixIndex::MemoryUsage PrefixIndex::Memory() const {
   // A flat_hash_map slot holds the key and value inline, plus one control
   // byte; the table keeps `capacity` slots whatever its size.
   m.bytes = index_.capacity() * (sizeof(decltype(index_)::value_type) + 1);
+  m.pending_expiries = expiries_.size();
+  m.bytes += expiries_.capacity() * sizeof(Expiry);
   for (const auto& [h, holders] : index_) {
     m.holders += holders.size();
     if (holders.capacity() > kInlineHolders)

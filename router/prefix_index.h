@@ -7,9 +7,15 @@
 // list of workers; LeadingBlocksOfPrompt, the routing path, bisects and costs
 // O(distinct match lengths x log blocks). Thread-safe: queries share a reader
 // lock, event updates take it exclusively.
+//
+// Speculative entries that expire unconfirmed (the request was refused, or
+// the worker never stored the blocks) are purged, a bounded number per
+// Speculate call, oldest expiry first, so the index stays within the entries
+// speculated during one TTL plus what confirmed events hold.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -26,6 +32,10 @@ using WorkerIndex = int32_t;  // dense ids assigned by the registry
 
 class PrefixIndex {
  public:
+  // The time source for speculative TTLs; tests pass a fake.
+  using Clock = std::function<absl::Time()>;
+  explicit PrefixIndex(Clock clock = &absl::Now) : clock_(std::move(clock)) {}
+
   // Applies one worker's events. Unknown hashes in `removed` are ignored.
   void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -33,7 +43,10 @@ class PrefixIndex {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets everything about a worker (cleared, resync, or worker gone).
   void ClearWorker(WorkerIndex worker) ABSL_LOCKS_EXCLUDED(mu_);
-  // Records that `worker` will hold these blocks soon; expires after `ttl`.
+  // Records that `worker` will hold these blocks soon; expires after `ttl`
+  // unless Stored confirms it. Also purges up to 2 x hashes.size() + 16
+  // expired speculative entries, more than it adds, so refused requests
+  // cannot grow the index without bound.
   void Speculate(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
                  absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
   // For each worker in `workers`, how many leading blocks of `hashes` it holds.
@@ -71,7 +84,11 @@ class PrefixIndex {
   struct MemoryUsage {
     size_t hashes = 0;   // distinct block hashes
     size_t holders = 0;  // (hash, worker) entries
-    // Table slots and control bytes, plus holder lists on the heap.
+    // Speculative entries waiting for their expiry to be checked (some may
+    // have been confirmed or renewed since).
+    size_t pending_expiries = 0;
+    // Table slots and control bytes, holder lists on the heap, and the
+    // expiry queue.
     size_t bytes = 0;
   };
   // O(hashes): for reports, not the routing path.
@@ -87,11 +104,25 @@ class PrefixIndex {
   size_t LiveHolders(const engine::BlockHash& h, absl::Time now,
                      std::vector<WorkerIndex>* out) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // One speculative (hash, worker) entry's expiry, in a min-heap on
+  // `expires`. Renewal pushes another; a stale one is skipped when popped.
+  struct Expiry {
+    absl::Time expires;
+    engine::BlockHash hash;
+    WorkerIndex worker;
+  };
+  // Pops up to `budget` expiries due by `now` and erases the entries that
+  // are still speculative and expired (and hashes left with no holder).
+  void PurgeExpired(absl::Time now, size_t budget)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   static constexpr size_t kInlineHolders = 2;
   using Holders = absl::InlinedVector<Holder, kInlineHolders>;
+  const Clock clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher>
       index_ ABSL_GUARDED_BY(mu_);
+  std::vector<Expiry> expiries_ ABSL_GUARDED_BY(mu_);  // a heap
 };
 
 }  // namespace pdserve::router

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <random>
 #include <vector>
 
@@ -34,34 +33,98 @@ TEST(PrefixIndexTest, CountsLeadingBlocksPerWorker) {
   EXPECT_EQ(index.LeadingBlocks(h, workers), (std::vector<int32_t>{2, 0, 0}));
 }
 
+// A clock that moves only when the test says so.
+struct FakeClock {
+  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  PrefixIndex::Clock fn() {
+    return [this] { return now; };
+  }
+};
+
 TEST(PrefixIndexTest, SpeculativeEntriesExpireUnlessConfirmed) {
-  PrefixIndex index;
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
   auto h = Chain(4, 2);
   const std::vector<WorkerIndex> w = {5};
   index.Speculate(5, h, absl::Milliseconds(50));
   EXPECT_EQ(index.LeadingBlocks(h, w)[0], 4);
   index.Stored(5, std::span(h).first(2));  // confirmed
-  absl::SleepFor(absl::Milliseconds(80));
+  clock.now += absl::Milliseconds(49);
+  EXPECT_EQ(index.LeadingBlocks(h, w)[0], 4);
+  clock.now += absl::Milliseconds(1);
   EXPECT_EQ(index.LeadingBlocks(h, w)[0], 2);
+  std::vector<int32_t> counts;
+  index.LeadingBlocksOfPrompt(
+      h.size(), [&](size_t i) { return h[i]; }, &counts);
+  ASSERT_GT(counts.size(), 5u);
+  EXPECT_EQ(counts[5], 2);
 }
 
-TEST(PrefixIndexTest, QueryOfThousandsOfBlocksTakesMicroseconds) {
+// Requests refused after routing (the decode worker was full, the client
+// went away) leave speculative entries that no `stored` event confirms. They
+// used to stay in the table for good: the index grew by every refused
+// prompt's blocks.
+TEST(PrefixIndexTest, RefusedRequestsDoNotGrowTheIndexWithoutBound) {
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
+  constexpr int kRequests = 10000, kBlocks = 8;
+  const absl::Duration ttl = absl::Seconds(1), gap = absl::Milliseconds(10);
+  for (int i = 0; i < kRequests; ++i) {
+    index.Speculate(i % 4, Chain(kBlocks, 1000 + i), ttl);
+    clock.now += gap;
+  }
+  // At most one TTL's worth of requests (100) is live; allow one more TTL of
+  // expired entries waiting for the next purges.
+  const size_t live = (ttl / gap) * kBlocks;
+  const PrefixIndex::MemoryUsage m = index.Memory();
+  EXPECT_LE(m.hashes, 2 * live)
+      << "of " << kRequests * kBlocks << " speculated";
+  EXPECT_LE(m.holders, 2 * live);
+  EXPECT_LE(m.pending_expiries, 2 * live);
+}
+
+TEST(PrefixIndexTest, PurgeKeepsConfirmedAndRenewedSpeculation) {
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
+  auto confirmed = Chain(3, 20), renewed = Chain(3, 21), dropped = Chain(3, 22);
+  index.Speculate(0, confirmed, absl::Seconds(1));
+  index.Stored(0, confirmed);
+  index.Speculate(1, renewed, absl::Seconds(1));
+  index.Speculate(2, dropped, absl::Seconds(1));
+  // Another worker speculates the same blocks and confirms them: only
+  // worker 2's holder goes, the hashes stay.
+  index.Stored(3, dropped);
+  clock.now += absl::Milliseconds(900);
+  index.Speculate(1, renewed, absl::Seconds(1));  // now expires at 1.9 s
+  clock.now += absl::Milliseconds(200);
+  index.Speculate(9, Chain(1, 99), absl::Seconds(1));  // triggers a purge
+  const std::vector<WorkerIndex> w = {0, 1, 2, 3};
+  EXPECT_EQ(index.LeadingBlocks(confirmed, w),
+            (std::vector<int32_t>{3, 0, 0, 0}));
+  EXPECT_EQ(index.LeadingBlocks(renewed, w),
+            (std::vector<int32_t>{0, 3, 0, 0}));
+  EXPECT_EQ(index.LeadingBlocks(dropped, w),
+            (std::vector<int32_t>{0, 0, 0, 3}));
+  // 3 + 3 + 3 hashes kept (worker 2's holders gone) + 1 new.
+  EXPECT_EQ(index.Memory().holders, 10u);
+  clock.now += absl::Seconds(1);
+  index.Speculate(9, Chain(1, 98), absl::Milliseconds(1));
+  EXPECT_EQ(index.LeadingBlocks(renewed, w),
+            (std::vector<int32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(index.num_hashes(), 7u);  // confirmed + dropped (by 3) + newest
+}
+
+// Speed is measured in bench/ (timing assertions do not belong in tests);
+// this checks the answer at that scale.
+TEST(PrefixIndexTest, QueryOfThousandsOfBlocksCountsEveryWorker) {
   PrefixIndex index;
   auto h = Chain(4000, 3);
   for (WorkerIndex w = 0; w < 16; ++w)
     index.Stored(w, std::span(h).first(250 * w));
   std::vector<WorkerIndex> workers;
   for (WorkerIndex w = 0; w < 16; ++w) workers.push_back(w);
-  const auto t0 = std::chrono::steady_clock::now();
-  constexpr int kReps = 20;
-  for (int i = 0; i < kReps; ++i)
-    ASSERT_EQ(index.LeadingBlocks(h, workers)[15], 3750);
-  const double us = std::chrono::duration<double, std::micro>(
-                        std::chrono::steady_clock::now() - t0)
-                        .count() /
-                    kReps;
-  std::printf("LeadingBlocks over 4000 blocks x 16 workers: %.1f us\n", us);
-  EXPECT_LT(us, 5000);  // generous bound for a shared 2-core CI machine
+  const std::vector<int32_t> counts = index.LeadingBlocks(h, workers);
+  for (WorkerIndex w = 0; w < 16; ++w) EXPECT_EQ(counts[w], 250 * w);
 }
 
 TEST(PrefixIndexTest, PromptQueryAgreesWithTheExactWalkOnPrefixClosedSets) {
@@ -107,10 +170,11 @@ TEST(PrefixIndexTest, PromptQueryAgreesWithTheExactWalkOnPrefixClosedSets) {
   }
 }
 
-TEST(PrefixIndexTest, PromptQueryOfALongPromptAt256WorkersTakesMicroseconds) {
+TEST(PrefixIndexTest, PromptQueryOfALongPromptAt256WorkersProbesFewBlocks) {
   // Every worker holds a shared 32-block system prompt; one holds a 5,000
   // block conversation, another half of it. The exact walk visits every
-  // block; the bisecting query a few dozen.
+  // block; the bisecting query a few dozen (the probe count is what keeps it
+  // within microseconds; bench/ measures the time).
   PrefixIndex index;
   auto h = Chain(5000, 11);
   for (WorkerIndex w = 0; w < 256; ++w) index.Stored(w, std::span(h).first(32));
@@ -118,31 +182,19 @@ TEST(PrefixIndexTest, PromptQueryOfALongPromptAt256WorkersTakesMicroseconds) {
   index.Stored(9, std::span(h).first(2500));
   std::vector<int32_t> counts;
   size_t probes = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  constexpr int kReps = 50;
-  for (int i = 0; i < kReps; ++i) {
-    counts.clear();
-    index.LeadingBlocksOfPrompt(
-        h.size(),
-        [&](size_t b) {
-          ++probes;
-          return h[b];
-        },
-        &counts);
-  }
-  const double us = std::chrono::duration<double, std::micro>(
-                        std::chrono::steady_clock::now() - t0)
-                        .count() /
-                    kReps;
+  index.LeadingBlocksOfPrompt(
+      h.size(),
+      [&](size_t b) {
+        ++probes;
+        return h[b];
+      },
+      &counts);
   ASSERT_EQ(counts.size(), 256u);
   EXPECT_EQ(counts[7], 5000);
   EXPECT_EQ(counts[9], 2500);
   EXPECT_EQ(counts[0], 32);
   EXPECT_EQ(counts[255], 32);
-  std::printf("prompt query, 5000 blocks x 256 workers: %.1f us, %zu probes\n",
-              us, probes / kReps);
-  EXPECT_LT(probes / kReps, 100u);
-  EXPECT_LT(us, 2000);  // generous bound for a shared 2-core CI machine
+  EXPECT_LT(probes, 100u);
 }
 
 TEST(PrefixIndexTest, MemoryCountsHashesAndHolders) {
