@@ -7,12 +7,13 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/tls.h"
-#include "wire/channel_args.h"
 #include "router/kv_event_applier.h"
+#include "wire/channel_args.h"
 
 namespace pdserve::router {
 namespace {
@@ -29,18 +30,50 @@ engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
 
 }  // namespace
 
+absl::Status RegistryConfig::Validate() const {
+  if (heartbeat <= absl::ZeroDuration() ||
+      status_timeout <= absl::ZeroDuration() ||
+      forget_registered_after <= absl::ZeroDuration() ||
+      event_stream_idle_timeout <= absl::ZeroDuration())
+    return absl::InvalidArgumentError(
+        "registry heartbeat, status timeout, forget-after and event stream "
+        "idle timeout must be positive");
+  return absl::OkStatus();
+}
+
 struct WorkerRegistry::Entry {
   WorkerView view;
-  bool subscribed = false;  // an event thread runs for it
   bool from_dns = false;
-  // Gone from DNS (a rolled-out pod): no longer polled, routed to or counted.
-  // Entries are never erased, so WorkerIndex values stay valid.
+  // Added by RegisterWorker (not a flag or DNS): forgotten when down long.
+  bool registered = false;
+  // Gone from DNS (a rolled-out pod) or a registered worker down too long:
+  // no longer polled, routed to or counted. Entries are never erased, so
+  // WorkerIndex values stay valid; a retired entry drops its channel.
   bool retired = false;
+  // When it last answered a poll or registered (for forgetting).
+  absl::Time last_seen = absl::Now();
   // Bumped after each heartbeat failure cleared the worker's index entries.
   // The event subscription resyncs when it changes: its stream may outlive
   // the failure (a stalled or overloaded worker), and incremental events on
   // top of a cleared index would leave it short until the next resync.
   uint64_t index_clears = 0;
+
+  // The status poll in flight, if any (shared so that Stop can cancel it
+  // without holding mu_ while its completion runs).
+  std::shared_ptr<StatusPoll> poll;
+  // The KV event thread: `wants_events` once a poll succeeded, `subscribed`
+  // while the thread runs (it clears it as it exits).
+  bool wants_events = false;
+  bool subscribed = false;
+  std::thread events_thread;
+  std::shared_ptr<grpc::ClientContext> events_ctx;  // the open stream's
+  absl::Time last_event = absl::InfinitePast();     // its last batch
+};
+
+struct WorkerRegistry::StatusPoll {
+  grpc::ClientContext ctx;
+  v1::WorkerInfoRequest request;
+  v1::WorkerStatus status;
 };
 
 WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
@@ -56,6 +89,13 @@ WorkerRegistry::WorkerRegistry(RegistryConfig config, PrefixIndex* index)
 
 WorkerRegistry::~WorkerRegistry() { Stop(); }
 
+namespace {
+std::shared_ptr<v1::Worker::Stub> NewWorkerStub(const std::string& address) {
+  return v1::Worker::NewStub(grpc::CreateCustomChannel(
+      address, tls::InternalChannelCredentials(), wire::InternalChannelArgs()));
+}
+}  // namespace
+
 WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
                                            v1::WorkerRole role) {
   for (auto& e : entries_) {
@@ -65,27 +105,66 @@ WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
   e->view.index = static_cast<WorkerIndex>(entries_.size());
   e->view.address = address;
   e->view.role = role;
-  e->view.stub = v1::Worker::NewStub(
-      grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
-                                wire::InternalChannelArgs()));
+  e->view.stub = NewWorkerStub(address);
   entries_.push_back(std::move(e));
   return entries_.back().get();
 }
 
-void WorkerRegistry::Register(const std::string& address,
-                              v1::WorkerRole role) {
+void WorkerRegistry::Retire(Entry* e) {
+  e->retired = true;
+  e->view.up = false;
+  e->wants_events = false;
+  e->view.stub.reset();  // in-flight calls keep their own reference
+}
+
+void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   absl::MutexLock l(&mu_);
-  Add(address, role);
+  const size_t before = entries_.size();
+  Entry* e = Add(address, role);
+  if (entries_.size() != before) e->registered = true;
+  if (e->registered && e->retired) {
+    e->retired = false;
+    e->view.role = role;
+    e->view.stub = NewWorkerStub(address);
+    PDSERVE_LOG(INFO) << "forgotten worker " << address << " registered again";
+  }
+  e->last_seen = absl::Now();
 }
 
 void WorkerRegistry::Start() {
-  threads_.emplace_back([this] { PollLoop(); });
+  poll_thread_ = std::thread([this] { PollLoop(); });
 }
 
 void WorkerRegistry::Stop() {
-  if (stop_.exchange(true)) return;
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  std::vector<std::shared_ptr<StatusPoll>> polls;
+  std::vector<std::shared_ptr<grpc::ClientContext>> streams;
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_) return;
+    stop_ = true;
+    for (auto& e : entries_) {
+      if (e->poll) polls.push_back(e->poll);
+      if (e->events_ctx) streams.push_back(e->events_ctx);
+    }
+  }
+  // Outside mu_: a cancelled call's completion may run inline and takes it.
+  for (auto& p : polls) p->ctx.TryCancel();
+  for (auto& c : streams) c->TryCancel();
+  polls.clear();
+  streams.clear();
+  if (poll_thread_.joinable()) poll_thread_.join();
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock l(&mu_);
+    // No poll or stream starts once stop_ is set; wait out the completions.
+    mu_.Await(absl::Condition(
+        +[](int* n) { return *n == 0; }, &polls_in_flight_));
+    for (auto& e : entries_) {
+      if (e->events_thread.joinable())
+        threads.push_back(std::move(e->events_thread));
+    }
+  }
+  for (auto& t : threads) t.join();
 }
 
 std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
@@ -121,12 +200,20 @@ void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens,
 }
 
 bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
-  const absl::Time until = absl::Now() + timeout;
-  while (absl::Now() < until) {
-    if (UpWorkers().size() >= n) return true;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return UpWorkers().size() >= n;
+  struct Args {
+    const std::vector<std::unique_ptr<Entry>>* entries;
+    size_t n;
+  } args{&entries_, n};
+  absl::MutexLock l(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](Args* a) {
+                                    size_t up = 0;
+                                    for (const auto& e : *a->entries)
+                                      up += e->view.up && !e->retired;
+                                    return up >= a->n;
+                                  },
+                                  &args),
+                              timeout);
 }
 
 void WorkerRegistry::ResolveDns() {
@@ -164,11 +251,18 @@ void WorkerRegistry::ResolveDns() {
   for (const auto& a : config_.both)
     if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_BOTH);
   if (!any_dns) return;
+  std::vector<WorkerIndex> gone;
+  absl::Cleanup clear_gone = [&] {  // after mu_ is released
+    for (WorkerIndex w : gone) index_->ClearWorker(w);
+  };
   absl::MutexLock l(&mu_);
   for (const auto& [address, role] : found) {
     Entry* e = Add(address, role);
     e->from_dns = true;
-    e->retired = false;
+    if (e->retired) {
+      e->retired = false;
+      e->view.stub = NewWorkerStub(address);
+    }
   }
   if (!all_resolved) return;
   for (auto& e : entries_) {
@@ -177,9 +271,8 @@ void WorkerRegistry::ResolveDns() {
         std::any_of(found.begin(), found.end(),
                     [&](const auto& f) { return f.first == e->view.address; });
     if (!listed) {
-      e->retired = true;
-      e->view.up = false;
-      index_->ClearWorker(e->view.index);
+      Retire(e.get());
+      gone.push_back(e->view.index);
       PDSERVE_LOG(INFO) << "worker " << e->view.address
                         << " left DNS; forgotten";
     }
@@ -188,94 +281,172 @@ void WorkerRegistry::ResolveDns() {
 
 void WorkerRegistry::PollLoop() {
   int round = 0;
-  while (!stop_) {
+  while (true) {
     if (round++ % 10 == 0) ResolveDns();
-    std::vector<std::pair<Entry*, std::shared_ptr<v1::Worker::Stub>>> targets;
+    Sweep(absl::Now());
+    StartEventStreams();
+    std::vector<Entry*> targets;
     {
       absl::MutexLock l(&mu_);
+      if (stop_) return;
       for (auto& e : entries_) {
-        if (!e->retired) targets.emplace_back(e.get(), e->view.stub);
+        if (!e->retired && e->poll == nullptr) targets.push_back(e.get());
       }
     }
-    for (auto& [entry, stub] : targets) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(1));
-      v1::WorkerStatus status;
-      const grpc::Status st =
-          stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
-      bool start_events = false;
-      {
-        absl::MutexLock l(&mu_);
-        WorkerView& v = entry->view;
-        const bool was_up = v.up;
-        v.up = st.ok();
-        if (st.ok()) {
-          v.status = status;
-          v.id = status.id();
-          v.role = status.role();
-          v.fingerprint = ParseFingerprint(status.cache_fingerprint());
-          if (!entry->subscribed) {
-            entry->subscribed = true;
-            start_events = true;
-          }
-          if (!was_up) PDSERVE_LOG(INFO) << "worker up: " << v.id;
-        } else if (was_up) {
-          PDSERVE_LOG(WARNING)
-              << "worker down: " << v.address << ": " << st.error_message();
-        }
-      }
-      if (!st.ok()) {
-        // Clear first, then bump: a subscription that read the old count
-        // before this clear resyncs after it.
-        index_->ClearWorker(entry->view.index);
-        absl::MutexLock l(&mu_);
-        ++entry->index_clears;
-      }
-      if (start_events) {
-        absl::MutexLock l(&mu_);
-        threads_.emplace_back([this, entry] { EventLoop(entry); });
-      }
-    }
-    absl::SleepFor(config_.heartbeat);
+    // Concurrent: a worker that hangs holds only its own poll.
+    for (Entry* e : targets) StartPoll(e);
+    absl::MutexLock l(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), config_.heartbeat);
+    if (stop_) return;
   }
 }
 
-void WorkerRegistry::EventLoop(Entry* entry) {
+void WorkerRegistry::StartPoll(Entry* entry) {
+  auto poll = std::make_shared<StatusPoll>();
+  poll->ctx.set_deadline(
+      absl::ToChronoTime(absl::Now() + config_.status_timeout));
   std::shared_ptr<v1::Worker::Stub> stub;
-  WorkerIndex index;
   {
     absl::MutexLock l(&mu_);
+    if (stop_ || entry->retired || entry->poll != nullptr) return;
+    entry->poll = poll;
     stub = entry->view.stub;
-    index = entry->view.index;
+    ++polls_in_flight_;
   }
-  auto retired = [&] {
+  StatusPoll* raw = poll.get();
+  stub->async()->GetStatus(
+      &raw->ctx, &raw->request, &raw->status,
+      [this, entry, raw](grpc::Status st) { OnStatus(entry, raw, st); });
+}
+
+void WorkerRegistry::OnStatus(Entry* entry, StatusPoll* poll,
+                              const grpc::Status& st) {
+  std::shared_ptr<StatusPoll> done;  // freed last, after mu_ is released
+  bool clear = false;
+  {
     absl::MutexLock l(&mu_);
-    return entry->retired;
-  };
-  auto index_clears = [&] {
+    WorkerView& v = entry->view;
+    if (!entry->retired && !stop_) {
+      const bool was_up = v.up;
+      v.up = st.ok();
+      if (st.ok()) {
+        v.status = poll->status;
+        v.id = poll->status.id();
+        v.role = poll->status.role();
+        v.fingerprint = ParseFingerprint(poll->status.cache_fingerprint());
+        entry->last_seen = absl::Now();
+        entry->wants_events = true;
+        if (!was_up) {
+          PDSERVE_LOG(INFO) << "worker up: " << v.id;
+        }
+      } else {
+        if (was_up) {
+          PDSERVE_LOG(WARNING)
+              << "worker down: " << v.address << ": " << st.error_message();
+        }
+        clear = true;
+      }
+    }
+    if (!clear) {
+      done = std::move(entry->poll);
+      --polls_in_flight_;  // last touch of `this` on this path: Stop waits
+      return;
+    }
+  }
+  // Clear first, then bump: a subscription that read the old count before
+  // this clear resyncs after it. The index is fixed at creation.
+  index_->ClearWorker(entry->view.index);
+  absl::MutexLock l(&mu_);
+  ++entry->index_clears;
+  done = std::move(entry->poll);
+  --polls_in_flight_;
+}
+
+void WorkerRegistry::StartEventStreams() {
+  std::vector<std::pair<Entry*, std::thread>> finished;
+  {
     absl::MutexLock l(&mu_);
-    return entry->index_clears;
-  };
-  while (!stop_ && !retired()) {
-    const uint64_t clears = index_clears();
-    grpc::ClientContext ctx;
-    auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
+    if (stop_) return;
+    for (auto& e : entries_) {
+      if (e->wants_events && !e->subscribed && !e->retired)
+        finished.emplace_back(e.get(), std::move(e->events_thread));
+    }
+  }
+  for (auto& [entry, old] : finished) {
+    if (old.joinable()) old.join();  // it has cleared `subscribed`: ending
+    absl::MutexLock l(&mu_);
+    if (stop_) return;
+    entry->subscribed = true;
+    entry->events_thread =
+        std::thread([this, entry = entry] { EventLoop(entry); });
+  }
+}
+
+void WorkerRegistry::Sweep(absl::Time now) {
+  std::vector<std::shared_ptr<grpc::ClientContext>> idle;
+  std::vector<WorkerIndex> forgotten;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto& e : entries_) {
+      if (e->retired) continue;
+      if (e->events_ctx != nullptr &&
+          now - e->last_event > config_.event_stream_idle_timeout) {
+        idle.push_back(e->events_ctx);
+        e->last_event = now;  // once per timeout
+      }
+      if (e->registered && !e->view.up &&
+          now - e->last_seen > config_.forget_registered_after) {
+        PDSERVE_LOG(INFO) << "registered worker " << e->view.address
+                          << " down for "
+                          << absl::FormatDuration(now - e->last_seen)
+                          << "; forgotten";
+        Retire(e.get());
+        forgotten.push_back(e->view.index);
+        if (e->events_ctx) idle.push_back(e->events_ctx);
+      }
+    }
+  }
+  for (auto& c : idle) c->TryCancel();
+  for (WorkerIndex w : forgotten) index_->ClearWorker(w);
+}
+
+void WorkerRegistry::EventLoop(Entry* entry) {
+  const WorkerIndex index = entry->view.index;  // fixed at creation
+  while (true) {
+    auto ctx = std::make_shared<grpc::ClientContext>();
+    std::shared_ptr<v1::Worker::Stub> stub;
+    uint64_t clears;
+    {
+      absl::MutexLock l(&mu_);
+      if (stop_ || entry->retired) break;
+      stub = entry->view.stub;
+      clears = entry->index_clears;
+      entry->events_ctx = ctx;
+      entry->last_event = absl::Now();
+    }
+    auto reader =
+        stub->SubscribeKvEvents(ctx.get(), v1::SubscribeKvEventsRequest());
     v1::KvEventBatch batch;
     KvEventApplier applier(index_, index);
-    while (!stop_ && reader->Read(&batch)) {
+    while (reader->Read(&batch)) {
       // Lost or malformed events, or the index was cleared under the stream
       // (workers send a batch at least every second): resubscribe for a
       // fresh snapshot.
-      if (!applier.ApplyBatch(batch) || index_clears() != clears || stop_)
-        break;
+      if (!applier.ApplyBatch(batch)) break;
+      absl::MutexLock l(&mu_);
+      entry->last_event = absl::Now();
+      if (entry->index_clears != clears || stop_) break;
     }
-    ctx.TryCancel();
+    ctx->TryCancel();
     reader->Finish();
     // Back off; the poll loop marks the worker down if it is gone.
-    for (int i = 0; i < 5 && !stop_; ++i)
-      absl::SleepFor(absl::Milliseconds(100));
+    absl::MutexLock l(&mu_);
+    entry->events_ctx.reset();
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(500));
   }
+  absl::MutexLock l(&mu_);
+  entry->events_ctx.reset();
+  entry->subscribed = false;
 }
 
 }  // namespace pdserve::router

@@ -2,15 +2,23 @@
 // Kubernetes headless Service) or registration, each polled for status
 // (heartbeat) and subscribed to for KV events that feed the PrefixIndex.
 // A worker that stops answering is marked down and its index entries are
-// dropped; it comes back when it answers again. Thread-safe.
+// dropped; it comes back when it answers again. A worker that registered
+// itself and then stays down (neither answering polls nor re-registering)
+// for `forget_registered_after` is forgotten; static and DNS entries stay
+// (DNS ones until they leave DNS).
+//
+// Status polls are asynchronous and concurrent, one in flight per worker, so
+// a worker that hangs delays only its own status. Every RPC the registry has
+// in flight is cancellable: Stop() cancels them all and returns once they
+// have ended, whatever the workers do. Thread-safe.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/block_manager.h"
@@ -37,17 +45,33 @@ struct WorkerView {
 struct RegistryConfig {
   // "host:port" or "dns:name:port" entries per role.
   std::vector<std::string> prefill, decode, both;
-  absl::Duration heartbeat = absl::Milliseconds(500);
+  absl::Duration heartbeat = absl::Milliseconds(500);  // between status polls
+  // Deadline of one status poll; a worker that misses it is marked down.
+  absl::Duration status_timeout = absl::Seconds(1);
+  // A registered worker down this long (no answered poll, no re-registration)
+  // is forgotten. Workers re-register every few seconds.
+  absl::Duration forget_registered_after = absl::Minutes(1);
+  // A KV event stream that delivers nothing this long is cancelled and
+  // re-opened (a worker sends a batch at least every second), which also
+  // bounds a subscription stuck connecting to a worker that hangs.
+  absl::Duration event_stream_idle_timeout = absl::Seconds(10);
+
+  absl::Status Validate() const;
 };
 
 class WorkerRegistry {
  public:
   WorkerRegistry(RegistryConfig config, PrefixIndex* index);
   ~WorkerRegistry();
-  void Start();
-  void Stop();
-  // Adds (or refreshes) a worker that announced itself.
-  void Register(const std::string& address, v1::WorkerRole role);
+  // Starts polling. At most once.
+  void Start() ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels every RPC in flight and joins every thread; returns within about
+  // one RPC cancellation however the workers behave. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Adds (or refreshes) a worker that announced itself; a forgotten one
+  // comes back.
+  void Register(const std::string& address, v1::WorkerRole role)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Workers currently up.
   std::vector<WorkerView> UpWorkers() const;
   std::vector<WorkerView> AllWorkers() const;
@@ -57,22 +81,38 @@ class WorkerRegistry {
   // Router-side load accounting (deltas; negative when work completes).
   void AddLoad(WorkerIndex index, int64_t prefill_tokens, int64_t requests);
   // Blocks until at least `n` workers are up or `timeout` passes.
-  bool WaitForWorkers(size_t n, absl::Duration timeout) const;
+  bool WaitForWorkers(size_t n, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry;
-  void PollLoop();
-  void EventLoop(Entry* entry);
-  void ResolveDns();
+  struct StatusPoll;
+  void PollLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Issues one asynchronous status poll unless one is in flight.
+  void StartPoll(Entry* entry) ABSL_LOCKS_EXCLUDED(mu_);
+  // A status poll's completion, on a gRPC thread.
+  void OnStatus(Entry* entry, StatusPoll* poll, const grpc::Status& st)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Starts the KV event thread of entries that answered but have none.
+  void StartEventStreams() ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels event streams idle past the timeout; forgets registered workers
+  // down past forget_registered_after.
+  void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  void EventLoop(Entry* entry) ABSL_LOCKS_EXCLUDED(mu_);
+  void ResolveDns() ABSL_LOCKS_EXCLUDED(mu_);
   Entry* Add(const std::string& address, v1::WorkerRole role)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // No longer polled, routed to or counted; its index entries are dropped
+  // by the caller (ClearWorker) once mu_ is released.
+  void Retire(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  RegistryConfig config_;
-  PrefixIndex* index_;
+  const RegistryConfig config_;
+  PrefixIndex* const index_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int polls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread poll_thread_;  // touched only by Start and Stop
 };
 
 }  // namespace pdserve::router

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "router/prefix_index.h"
@@ -47,8 +50,8 @@ class FakeWorker final : public v1::Worker::Service {
   }
 };
 
-bool WaitFor(const std::function<bool()>& done) {
-  for (int i = 0; i < 100; ++i) {
+bool WaitFor(const std::function<bool()>& done, int tries = 100) {
+  for (int i = 0; i < tries; ++i) {
     if (done()) return true;
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -84,6 +87,175 @@ TEST(WorkerRegistryTest, IndexRecoversAfterAHeartbeatFailureClearedIt) {
       << "the index was not resynced after the worker came back";
   registry.Stop();
   server->Shutdown();
+}
+
+// A worker that answers its first status poll and then, on demand, hangs:
+// status polls and KV event streams block (never answering) until the call
+// is cancelled or the test releases them.
+class HangingWorker final : public v1::Worker::Service {
+ public:
+  std::atomic<bool> hang_status{false};
+  std::atomic<int> status_calls{0};
+  std::atomic<int> hung_status_calls{0};  // blocked right now
+  std::atomic<int> subscribe_calls{0};
+  absl::Notification release;
+
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    ++status_calls;
+    if (hang_status) {
+      ++hung_status_calls;
+      Block(ctx);
+      --hung_status_calls;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "hung");
+    }
+    status->set_id("hanging");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SubscribeKvEvents(
+      grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest*,
+      grpc::ServerWriter<v1::KvEventBatch>*) override {
+    ++subscribe_calls;
+    Block(ctx);  // never sends anything, not even the snapshot
+    return grpc::Status::OK;
+  }
+
+ private:
+  void Block(grpc::ServerContext* ctx) {
+    while (!ctx->IsCancelled() &&
+           !release.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
+    }
+  }
+};
+
+// A worker that always answers and counts its polls.
+class CountingWorker final : public v1::Worker::Service {
+ public:
+  std::atomic<int> status_calls{0};
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    ++status_calls;
+    status->set_id("counting");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    return grpc::Status::OK;
+  }
+};
+
+struct TestServer {
+  explicit TestServer(grpc::Service* service) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+  }
+  ~TestServer() {
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(100));
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// Stop() on a registry whose worker hangs mid-stream and mid-poll: it used
+// to block for good on the event stream's Read (no deadline, nothing to
+// cancel it).
+TEST(WorkerRegistryTest, StopReturnsPromptlyWhileAWorkerHangs) {
+  HangingWorker worker;
+  TestServer server(&worker);
+  ASSERT_NE(server.port, 0);
+  PrefixIndex index;
+  RegistryConfig config;
+  config.decode = {server.address()};
+  config.heartbeat = absl::Milliseconds(20);
+  config.status_timeout = absl::Minutes(5);
+  config.event_stream_idle_timeout = absl::Minutes(5);
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  ASSERT_TRUE(WaitFor([&] { return worker.subscribe_calls >= 1; }));
+  worker.hang_status = true;
+  ASSERT_TRUE(WaitFor([&] { return worker.hung_status_calls >= 1; }));
+
+  auto stopped = std::async(std::launch::async, [&] { registry.Stop(); });
+  const bool prompt =
+      stopped.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  if (!prompt) worker.release.Notify();  // let the test end
+  stopped.get();
+  EXPECT_TRUE(prompt) << "Stop() waited on a hung worker";
+  if (!worker.release.HasBeenNotified()) worker.release.Notify();
+}
+
+// Status polls used to run one after another with a 1 s deadline each, so a
+// worker that hangs delayed every other worker's status (and up state) by
+// the whole deadline, every round.
+TEST(WorkerRegistryTest, AHungWorkerDoesNotDelayAnothersStatus) {
+  HangingWorker hung;
+  hung.hang_status = true;
+  CountingWorker good;
+  TestServer hung_server(&hung), good_server(&good);
+  PrefixIndex index;
+  RegistryConfig config;
+  config.decode = {hung_server.address(), good_server.address()};
+  config.heartbeat = absl::Milliseconds(20);
+  config.status_timeout = absl::Minutes(5);
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  EXPECT_TRUE(WaitFor([&] { return good.status_calls >= 5; }));
+  EXPECT_EQ(hung.status_calls, 1) << "the hung poll should still be in flight";
+  EXPECT_EQ(registry.UpWorkers().size(), 1u);
+  registry.Stop();
+  hung.release.Notify();
+}
+
+// A worker that registered itself and then went away for good (its pod was
+// deleted) stayed listed, counted as down, forever.
+TEST(WorkerRegistryTest, ForgetsARegisteredWorkerThatStaysDown) {
+  CountingWorker alive;
+  TestServer server(&alive);
+  PrefixIndex index;
+  RegistryConfig config;
+  const std::string dead_static = "127.0.0.1:1";  // nothing listens there
+  config.decode = {dead_static};
+  config.heartbeat = absl::Milliseconds(20);
+  config.forget_registered_after = absl::Milliseconds(300);
+  WorkerRegistry registry(config, &index);
+  registry.Register(server.address(), v1::WORKER_ROLE_DECODE);
+  registry.Register("127.0.0.1:2", v1::WORKER_ROLE_DECODE);  // dead
+  registry.Start();
+  auto listed = [&](const std::string& address) {
+    for (const WorkerView& w : registry.AllWorkers())
+      if (w.address == address) return true;
+    return false;
+  };
+  ASSERT_TRUE(WaitFor([&] { return !listed("127.0.0.1:2"); }))
+      << "a dead registered worker was never forgotten";
+  EXPECT_TRUE(listed(dead_static)) << "static entries stay";
+  EXPECT_TRUE(listed(server.address())) << "a live registered worker stays";
+  EXPECT_TRUE(registry.WaitForWorkers(1, absl::Seconds(5)));
+  // Registering again brings it back.
+  registry.Register("127.0.0.1:2", v1::WORKER_ROLE_DECODE);
+  EXPECT_TRUE(listed("127.0.0.1:2"));
+  registry.Stop();
+}
+
+// A stream that connects but never delivers (not even the snapshot) is
+// cancelled after the idle timeout and opened again.
+TEST(WorkerRegistryTest, ReopensAnEventStreamThatStaysSilent) {
+  HangingWorker worker;
+  TestServer server(&worker);
+  PrefixIndex index;
+  RegistryConfig config;
+  config.decode = {server.address()};
+  config.heartbeat = absl::Milliseconds(20);
+  config.event_stream_idle_timeout = absl::Milliseconds(200);
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  EXPECT_TRUE(WaitFor([&] { return worker.subscribe_calls >= 2; }));
+  registry.Stop();
+  worker.release.Notify();
 }
 
 }  // namespace
