@@ -654,8 +654,6 @@ class Simulation {
       decision_us_, decision_wall_us_, hash_us_, route_us_;
 };
 
-std::string JsonNumber(double v) { return json::Number(v); }
-
 }  // namespace
 
 void SimEventStream::Resync() {
@@ -746,11 +744,11 @@ absl::Status ApplyEngineCalibration(absl::string_view bench_engine_json,
   // Least squares step_ms = a + b x batch over the decode figures.
   double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
   if (const json::Value* decode = json::Find(v, "decode"); decode != nullptr) {
-    if (decode->kind_case() != json::Value::kListValue) {
+    if (!decode->is_array()) {
       return absl::InvalidArgumentError(
           "bench engine JSON: \"decode\" must be an array");
     }
-    for (const json::Value& f : decode->list_value().values()) {
+    for (const json::Value& f : *decode) {
       ASSIGN_OR_RETURN(const double x, json::GetDouble(f, "batch", kWhat));
       ASSIGN_OR_RETURN(const double y, json::GetDouble(f, "step_ms", kWhat));
       n += 1;
@@ -784,73 +782,72 @@ double SimReport::HitVsOracle(const SimRun& run) const {
 
 std::string SimReport::ToJson() const {
   const SimConfig& c = config;
-  std::vector<std::string> policies, sizes;
-  for (const auto& p : c.policies) policies.push_back(json::Quote(p));
-  for (int32_t n : c.prefill_workers) sizes.push_back(absl::StrCat(n));
-  std::string out = absl::StrCat(
-      "{\"config\": {\"trace\": ", json::Quote(c.trace_path),
-      ", \"trace_requests\": ", trace_requests, ", \"policies\": [",
-      absl::StrJoin(policies, ", "), "], \"prefill_workers\": [",
-      absl::StrJoin(sizes, ", "), "], \"decode_workers\": ", c.decode_workers,
-      ", \"prefill_cache_tokens\": ", c.prefill_cache_tokens,
-      ", \"decode_kv_tokens\": ", c.decode_kv_tokens,
-      ", \"block_size\": ", c.block_size,
-      ", \"time_scale\": ", JsonNumber(c.time_scale),
-      ", \"max_requests\": ", c.max_requests,
-      ", \"prefill_us_per_token\": ", JsonNumber(c.prefill_us_per_token),
-      ", \"prefill_overhead_ms\": ", JsonNumber(c.prefill_overhead_ms),
-      ", \"decode_step_ms\": ", JsonNumber(c.decode_step_ms),
-      ", \"decode_step_per_seq_ms\": ", JsonNumber(c.decode_step_per_seq_ms),
-      ", \"decode_step_per_kctx_ms\": ", JsonNumber(c.decode_step_per_kctx_ms),
-      ", \"transfer_us_per_token\": ", JsonNumber(c.transfer_us_per_token),
-      ", \"heartbeat_ms\": ", JsonNumber(c.heartbeat_ms),
-      ", \"event_delay_ms\": ", JsonNumber(c.event_delay_ms),
-      ", \"event_loss\": ", JsonNumber(c.event_loss),
-      ", \"resync_delay_ms\": ", JsonNumber(c.resync_delay_ms),
-      ", \"seed\": ", c.seed,
-      ", \"w_prefill\": ", JsonNumber(c.policy.w_prefill),
-      ", \"w_decode\": ", JsonNumber(c.policy.w_decode),
-      ", \"local_prefill_threshold\": ", c.policy.local_prefill_threshold,
-      ", \"cache_threshold\": ", JsonNumber(c.policy.cache_threshold),
-      ", \"balance_slack\": ", JsonNumber(c.policy.balance_slack),
-      "}, \"runs\": [");
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const SimRun& r = runs[i];
-    absl::StrAppend(
-        &out, i ? ", " : "", "{\"policy\": ", json::Quote(r.policy),
-        ", \"prefill_workers\": ", r.prefill_workers,
-        ", \"decode_workers\": ", r.decode_workers,
-        ", \"requests\": ", r.requests, ", \"rejected\": ", r.rejected,
-        ", \"input_tokens\": ", r.input_tokens,
-        ", \"hit_tokens\": ", r.hit_tokens,
-        ", \"hit_ratio\": ", JsonNumber(r.hit_ratio),
-        ", \"hit_vs_oracle\": ", JsonNumber(HitVsOracle(r)),
-        ", \"imbalance\": ", JsonNumber(r.imbalance),
-        ", \"decode_imbalance\": ", JsonNumber(r.decode_imbalance),
-        ", \"local_prefills\": ", r.local_prefills,
-        ", \"ttft_p50_ms\": ", JsonNumber(r.ttft_p50_ms),
-        ", \"ttft_p99_ms\": ", JsonNumber(r.ttft_p99_ms),
-        ", \"prefill_queue_p50_ms\": ", JsonNumber(r.prefill_queue_p50_ms),
-        ", \"prefill_queue_p99_ms\": ", JsonNumber(r.prefill_queue_p99_ms),
-        ", \"decode_admit_p50_ms\": ", JsonNumber(r.decode_admit_p50_ms),
-        ", \"decode_admit_p99_ms\": ", JsonNumber(r.decode_admit_p99_ms),
-        ", \"tpot_p50_ms\": ", JsonNumber(r.tpot_p50_ms),
-        ", \"tpot_p99_ms\": ", JsonNumber(r.tpot_p99_ms),
-        ", \"decision_p50_us\": ", JsonNumber(r.decision_p50_us),
-        ", \"decision_p99_us\": ", JsonNumber(r.decision_p99_us),
-        ", \"decision_wall_p99_us\": ", JsonNumber(r.decision_wall_p99_us),
-        ", \"hash_p50_us\": ", JsonNumber(r.hash_p50_us),
-        ", \"hash_p99_us\": ", JsonNumber(r.hash_p99_us),
-        ", \"route_p50_us\": ", JsonNumber(r.route_p50_us),
-        ", \"route_p99_us\": ", JsonNumber(r.route_p99_us),
-        ", \"index_hashes\": ", r.index_hashes,
-        ", \"index_entries\": ", r.index_entries,
-        ", \"index_bytes\": ", r.index_bytes,
-        ", \"index_bytes_per_block\": ", JsonNumber(r.index_bytes_per_block),
-        ", \"events_lost\": ", r.events_lost, ", \"resyncs\": ", r.resyncs,
-        ", \"makespan_s\": ", JsonNumber(r.makespan_s), "}");
+  json::OrderedValue out = {
+      {"config",
+       {{"trace", c.trace_path},
+        {"trace_requests", trace_requests},
+        {"policies", c.policies},
+        {"prefill_workers", c.prefill_workers},
+        {"decode_workers", c.decode_workers},
+        {"prefill_cache_tokens", c.prefill_cache_tokens},
+        {"decode_kv_tokens", c.decode_kv_tokens},
+        {"block_size", c.block_size},
+        {"time_scale", c.time_scale},
+        {"max_requests", c.max_requests},
+        {"prefill_us_per_token", c.prefill_us_per_token},
+        {"prefill_overhead_ms", c.prefill_overhead_ms},
+        {"decode_step_ms", c.decode_step_ms},
+        {"decode_step_per_seq_ms", c.decode_step_per_seq_ms},
+        {"decode_step_per_kctx_ms", c.decode_step_per_kctx_ms},
+        {"transfer_us_per_token", c.transfer_us_per_token},
+        {"heartbeat_ms", c.heartbeat_ms},
+        {"event_delay_ms", c.event_delay_ms},
+        {"event_loss", c.event_loss},
+        {"resync_delay_ms", c.resync_delay_ms},
+        {"seed", c.seed},
+        {"w_prefill", c.policy.w_prefill},
+        {"w_decode", c.policy.w_decode},
+        {"local_prefill_threshold", c.policy.local_prefill_threshold},
+        {"cache_threshold", c.policy.cache_threshold},
+        {"balance_slack", c.policy.balance_slack}}},
+      {"runs", json::OrderedValue::array()}};
+  for (const SimRun& r : runs) {
+    out["runs"].push_back({{"policy", r.policy},
+                           {"prefill_workers", r.prefill_workers},
+                           {"decode_workers", r.decode_workers},
+                           {"requests", r.requests},
+                           {"rejected", r.rejected},
+                           {"input_tokens", r.input_tokens},
+                           {"hit_tokens", r.hit_tokens},
+                           {"hit_ratio", r.hit_ratio},
+                           {"hit_vs_oracle", HitVsOracle(r)},
+                           {"imbalance", r.imbalance},
+                           {"decode_imbalance", r.decode_imbalance},
+                           {"local_prefills", r.local_prefills},
+                           {"ttft_p50_ms", r.ttft_p50_ms},
+                           {"ttft_p99_ms", r.ttft_p99_ms},
+                           {"prefill_queue_p50_ms", r.prefill_queue_p50_ms},
+                           {"prefill_queue_p99_ms", r.prefill_queue_p99_ms},
+                           {"decode_admit_p50_ms", r.decode_admit_p50_ms},
+                           {"decode_admit_p99_ms", r.decode_admit_p99_ms},
+                           {"tpot_p50_ms", r.tpot_p50_ms},
+                           {"tpot_p99_ms", r.tpot_p99_ms},
+                           {"decision_p50_us", r.decision_p50_us},
+                           {"decision_p99_us", r.decision_p99_us},
+                           {"decision_wall_p99_us", r.decision_wall_p99_us},
+                           {"hash_p50_us", r.hash_p50_us},
+                           {"hash_p99_us", r.hash_p99_us},
+                           {"route_p50_us", r.route_p50_us},
+                           {"route_p99_us", r.route_p99_us},
+                           {"index_hashes", r.index_hashes},
+                           {"index_entries", r.index_entries},
+                           {"index_bytes", r.index_bytes},
+                           {"index_bytes_per_block", r.index_bytes_per_block},
+                           {"events_lost", r.events_lost},
+                           {"resyncs", r.resyncs},
+                           {"makespan_s", r.makespan_s}});
   }
-  return out + "]}\n";
+  return json::Dump(out) + "\n";
 }
 
 std::string SimReport::ToTable() const {

@@ -97,7 +97,7 @@ absl::StatusOr<std::vector<RequestSpec>> ParseTrace(const std::string& text,
       continue;
     const std::string where = absl::StrCat(path, ":", line_no);
     ASSIGN_OR_RETURN(json::Value v, json::Parse(std::string(line), where));
-    if (v.kind_case() != json::Value::kStructValue) {
+    if (!v.is_object()) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected a JSON object"));
     }

@@ -18,7 +18,7 @@ absl::StatusOr<TraceRequest> ParseLine(absl::string_view line,
                                        const std::string& what,
                                        int32_t block_tokens) {
   ASSIGN_OR_RETURN(const json::Value v, json::Parse(line, what));
-  if (v.kind_case() != json::Value::kStructValue) {
+  if (!v.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": expected a JSON object"));
   }
@@ -30,19 +30,18 @@ absl::StatusOr<TraceRequest> ParseLine(absl::string_view line,
   ASSIGN_OR_RETURN(r.output_length,
                    json::GetInt(v, "output_length", what, std::nullopt, 0));
   const json::Value* ids = json::Find(v, "hash_ids");
-  if (ids == nullptr || ids->kind_case() != json::Value::kListValue) {
+  if (ids == nullptr || !ids->is_array()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": \"hash_ids\" must be an array"));
   }
   const int64_t want = (r.input_length + block_tokens - 1) / block_tokens;
-  if (ids->list_value().values_size() != want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", ids->list_value().values_size(),
-                     " hash_ids for input_length ", r.input_length, " (want ",
-                     want, ", one per ", block_tokens, "-token block)"));
+  if (static_cast<int64_t>(ids->size()) != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", ids->size(), " hash_ids for input_length ", r.input_length,
+        " (want ", want, ", one per ", block_tokens, "-token block)"));
   }
   r.hash_ids.reserve(want);
-  for (const json::Value& id : ids->list_value().values()) {
+  for (const json::Value& id : *ids) {
     ASSIGN_OR_RETURN(const int64_t h,
                      json::AsInt(id, absl::StrCat(what, ": hash_ids"), 0));
     r.hash_ids.push_back(h);

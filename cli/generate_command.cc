@@ -104,18 +104,16 @@ int RunGenerate(const std::vector<std::string>&) {
     if (!(*engine)->HasWork()) done = true;
   }
   if (as_json) {
-    std::string id_list;
-    for (size_t i = 0; i < ids.size(); ++i)
-      absl::StrAppend(&id_list, i ? "," : "", ids[i]);
-    std::printf(
-        "{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, "
-        "\"finish_reason\": \"%s\", "
-        "\"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %zu, "
-        "\"cached_prompt_tokens\": %d}}\n",
-        json::Quote(req.id).c_str(), id_list.c_str(),
-        json::Quote(all_text).c_str(), engine::FinishReasonName(last.finish),
-        static_cast<int>(req.prompt.size()), ids.size(),
-        last.cached_prompt_tokens);
+    const json::OrderedValue out = {
+        {"request_id", req.id},
+        {"token_ids", ids},
+        {"text", all_text},
+        {"finish_reason", engine::FinishReasonName(last.finish)},
+        {"usage",
+         {{"prompt_tokens", req.prompt.size()},
+          {"completion_tokens", ids.size()},
+          {"cached_prompt_tokens", last.cached_prompt_tokens}}}};
+    std::printf("%s\n", json::Dump(out, json::ArraySpacing::kCompact).c_str());
   } else {
     std::fflush(stdout);
   }

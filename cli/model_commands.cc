@@ -108,18 +108,21 @@ int RunModelLogits(const std::vector<std::string>&) {
   std::vector<float> logits;
   if (auto s = model.Forward({&in, 1}, pool->get(), &logits); !s.ok())
     return ReportError(s);
-  std::string out = "{\"logits\": ";
+  // Each float is written as the double it converts to exactly (shortest
+  // round-trip text), so a reader recovers the bits pdserve computed.
+  auto row = [&](size_t p) {
+    const float* begin = logits.data() + p * c.vocab_size;
+    return json::OrderedValue(std::vector<double>(begin, begin + c.vocab_size));
+  };
+  json::OrderedValue rows;
   if (all) {
-    out += "[";
-    for (size_t p = 0; p < tokens->size(); ++p) {
-      if (p) out += ", ";
-      out += json::FloatArray(&logits[p * c.vocab_size], c.vocab_size);
-    }
-    out += "]";
+    rows = json::OrderedValue::array();
+    for (size_t p = 0; p < tokens->size(); ++p) rows.push_back(row(p));
   } else {
-    out += json::FloatArray(logits.data(), c.vocab_size);
+    rows = row(0);
   }
-  out += "}\n";
+  const std::string out =
+      json::Dump(json::OrderedValue{{"logits", std::move(rows)}}) + "\n";
   std::fwrite(out.data(), 1, out.size(), stdout);
   return 0;
 }
@@ -138,12 +141,13 @@ int RunKvBudget(const std::vector<std::string>&) {
         absl::InvalidArgumentError("--dtype must be fp32, bf16, fp16 or int8"));
   spec.dtype = *dtype;
   if (auto s = spec.Validate(); !s.ok()) return ReportError(s);
-  std::string out = absl::StrCat(
-      "{\"layers\": ", spec.num_layers, ", \"kv_heads\": ", spec.num_kv_heads,
-      ", \"head_dim\": ", spec.head_dim, ", \"dtype\": \"",
-      DTypeName(spec.dtype), "\", \"block_size\": ", spec.block_size,
-      ", \"bytes_per_token\": ", spec.BytesPerToken(),
-      ", \"bytes_per_block\": ", spec.BytesPerBlock());
+  json::OrderedValue out = {{"layers", spec.num_layers},
+                            {"kv_heads", spec.num_kv_heads},
+                            {"head_dim", spec.head_dim},
+                            {"dtype", DTypeName(spec.dtype)},
+                            {"block_size", spec.block_size},
+                            {"bytes_per_token", spec.BytesPerToken()},
+                            {"bytes_per_block", spec.BytesPerBlock()}};
   int64_t tokens = 0;
   if (!absl::GetFlag(FLAGS_tokens).empty() &&
       (!absl::SimpleAtoi(absl::GetFlag(FLAGS_tokens), &tokens) ||
@@ -153,20 +157,20 @@ int RunKvBudget(const std::vector<std::string>&) {
   }
   if (tokens > 0) {
     const int64_t blocks = (tokens + spec.block_size - 1) / spec.block_size;
-    absl::StrAppend(&out, ", \"tokens\": ", tokens,
-                    ", \"bytes\": ", tokens * spec.BytesPerToken(),
-                    ", \"blocks\": ", blocks,
-                    ", \"block_bytes\": ", blocks * spec.BytesPerBlock());
+    out["tokens"] = tokens;
+    out["bytes"] = tokens * spec.BytesPerToken();
+    out["blocks"] = blocks;
+    out["block_bytes"] = blocks * spec.BytesPerBlock();
   }
   if (!absl::GetFlag(FLAGS_memory).empty()) {
     auto mem = ParseBytes(absl::GetFlag(FLAGS_memory));
     if (!mem.ok()) return ReportError(mem.status());
     const int64_t fit = spec.BlocksForMemory(*mem);
-    absl::StrAppend(&out, ", \"memory\": ", *mem, ", \"blocks_fit\": ", fit,
-                    ", \"tokens_fit\": ", fit * spec.block_size);
+    out["memory"] = *mem;
+    out["blocks_fit"] = fit;
+    out["tokens_fit"] = fit * spec.block_size;
   }
-  out += "}\n";
-  std::fwrite(out.data(), 1, out.size(), stdout);
+  std::printf("%s\n", json::Dump(out).c_str());
   return 0;
 }
 

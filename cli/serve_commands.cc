@@ -535,16 +535,19 @@ int RunGenerateRemote() {
     return st.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? 2 : 1;
   }
   if (as_json) {
-    std::printf(
-        "{\"request_id\": %s, \"token_ids\": [%s], \"text\": %s, "
-        "\"finish_reason\": \"%s\", "
-        "\"usage\": {\"prompt_tokens\": %u, \"completion_tokens\": %u, "
-        "\"cached_prompt_tokens\": %u}, "
-        "\"prefill_worker\": %s, \"decode_worker\": %s}\n",
-        json::Quote(request_id).c_str(), absl::StrJoin(ids, ",").c_str(),
-        json::Quote(text).c_str(), finish.c_str(), usage.prompt_tokens(),
-        usage.completion_tokens(), usage.cached_prompt_tokens(),
-        json::Quote(pw).c_str(), json::Quote(dw).c_str());
+    // finish_reason comes from the server: escaped like every other string.
+    const json::OrderedValue out = {
+        {"request_id", request_id},
+        {"token_ids", ids},
+        {"text", text},
+        {"finish_reason", finish},
+        {"usage",
+         {{"prompt_tokens", usage.prompt_tokens()},
+          {"completion_tokens", usage.completion_tokens()},
+          {"cached_prompt_tokens", usage.cached_prompt_tokens()}}},
+        {"prefill_worker", pw},
+        {"decode_worker", dw}};
+    std::printf("%s\n", json::Dump(out, json::ArraySpacing::kCompact).c_str());
   }
   return 0;
 }

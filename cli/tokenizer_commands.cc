@@ -60,23 +60,15 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
   return ss.str();
 }
 
-// The tokens as written in tokenizer.json, when the tokenizer has such names.
-std::string TokensJson(const engine::Tokenizer& tokenizer,
-                       const std::vector<int32_t>& ids) {
+// The tokens as written in tokenizer.json, when the tokenizer has such names:
+// adds "tokens" to `out`.
+void AddTokenTexts(const engine::Tokenizer& tokenizer,
+                   const std::vector<int32_t>& ids, json::OrderedValue* out) {
   const auto* bpe = dynamic_cast<const engine::BpeTokenizer*>(&tokenizer);
-  if (bpe == nullptr) return "";
-  std::string out = ", \"tokens\": [";
-  for (size_t i = 0; i < ids.size(); ++i) {
-    absl::StrAppend(&out, i ? ", " : "", json::Quote(bpe->TokenText(ids[i])));
-  }
-  return out + "]";
-}
-
-std::string IdsJson(const std::vector<int32_t>& ids) {
-  std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i)
-    absl::StrAppend(&out, i ? ", " : "", ids[i]);
-  return out + "]";
+  if (bpe == nullptr) return;
+  json::OrderedValue tokens = json::OrderedValue::array();
+  for (int32_t id : ids) tokens.push_back(bpe->TokenText(id));
+  (*out)["tokens"] = std::move(tokens);
 }
 
 }  // namespace
@@ -93,7 +85,7 @@ int RunTokenize(const std::vector<std::string>&) {
   }
   std::string text = absl::GetFlag(FLAGS_text);
   bool add_special = absl::GetFlag(FLAGS_add_special_tokens);
-  std::string prompt_json;
+  json::OrderedValue chat_json;  // "chat_template" and "prompt" with --messages
   if (has_file) {
     auto read = ReadText(absl::GetFlag(FLAGS_file));
     if (!read.ok()) return ReportError(read.status());
@@ -108,16 +100,15 @@ int RunTokenize(const std::vector<std::string>&) {
     if (!prompt.ok()) return ReportError(prompt.status());
     text = std::move(*prompt);
     add_special = false;  // the template writes BOS itself
-    prompt_json =
-        absl::StrCat(", \"chat_template\": ", json::Quote(chat->FamilyName()),
-                     ", \"prompt\": ", json::Quote(text));
+    chat_json = {{"chat_template", chat->FamilyName()}, {"prompt", text}};
   }
   auto tokenizer = engine::Tokenizer::Load(*dir);
   if (!tokenizer.ok()) return ReportError(tokenizer.status());
   const std::vector<int32_t> ids = (*tokenizer)->Encode(text, add_special);
-  std::printf("{\"ids\": %s, \"count\": %zu%s%s}\n", IdsJson(ids).c_str(),
-              ids.size(), TokensJson(**tokenizer, ids).c_str(),
-              prompt_json.c_str());
+  json::OrderedValue out = {{"ids", ids}, {"count", ids.size()}};
+  AddTokenTexts(**tokenizer, ids, &out);
+  if (!chat_json.is_null()) out.update(chat_json);
+  std::printf("%s\n", json::Dump(out).c_str());
   return 0;
 }
 
@@ -146,8 +137,9 @@ int RunDetokenize(const std::vector<std::string>&) {
   }
   const std::string text =
       (*tokenizer)->Decode(ids, absl::GetFlag(FLAGS_skip_special_tokens));
-  std::printf("{\"text\": %s%s}\n", json::Quote(text).c_str(),
-              TokensJson(**tokenizer, ids).c_str());
+  json::OrderedValue out = {{"text", text}};
+  AddTokenTexts(**tokenizer, ids, &out);
+  std::printf("%s\n", json::Dump(out).c_str());
   return 0;
 }
 

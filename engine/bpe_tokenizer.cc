@@ -15,7 +15,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -25,6 +27,7 @@
 namespace pdserve::engine {
 namespace {
 
+using json::StringOrNull;
 using json::Value;
 
 constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581 "▁"
@@ -284,39 +287,43 @@ struct NormalizerStep {
 };
 
 // tokenizer.json field readers with the file named in errors.
+absl::Status Bad(const std::string& where, absl::string_view msg) {
+  return absl::InvalidArgumentError(absl::StrCat(where, ": ", msg));
+}
+
+absl::Status Unsupported(const std::string& where, absl::string_view what,
+                         absl::string_view type) {
+  return absl::UnimplementedError(
+      absl::StrCat(where, ": ", what, " \"", type, "\" is not supported"));
+}
+
 absl::StatusOr<std::string> PatternOf(const Value& v, bool* literal,
                                       const std::string& where) {
   const Value* p = json::Find(v, "pattern");
-  if (p == nullptr)
-    return absl::InvalidArgumentError(absl::StrCat(where, ": missing pattern"));
-  if (const Value* re = json::Find(*p, "Regex");
-      re && re->kind_case() == Value::kStringValue) {
+  if (p == nullptr) return Bad(where, "missing pattern");
+  if (const std::string* re = StringOrNull(json::Find(*p, "Regex"))) {
     *literal = false;
-    return re->string_value();
+    return *re;
   }
-  if (const Value* str = json::Find(*p, "String");
-      str && str->kind_case() == Value::kStringValue) {
+  if (const std::string* str = StringOrNull(json::Find(*p, "String"))) {
     *literal = true;
-    return str->string_value();
+    return *str;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(where, ": pattern needs \"Regex\" or \"String\""));
+  return Bad(where, "pattern needs \"Regex\" or \"String\"");
 }
 
 std::string TypeOf(const Value& v) {
-  const Value* t = json::Find(v, "type");
-  return t != nullptr && t->kind_case() == Value::kStringValue
-             ? t->string_value()
-             : "";
+  const std::string* t = StringOrNull(json::Find(v, "type"));
+  return t != nullptr ? *t : "";
 }
 
-// The steps of a "Sequence" (under `list_key`) or the object itself.
+// The steps of a "Sequence" (under `list_key`) or the object itself. The
+// recursion is bounded by json::kMaxDepth.
 std::vector<const Value*> Flatten(const Value& v, const char* list_key) {
   std::vector<const Value*> out;
   if (TypeOf(v) == "Sequence") {
-    if (const Value* list = json::Find(v, list_key);
-        list && list->kind_case() == Value::kListValue) {
-      for (const Value& item : list->list_value().values()) {
+    if (const Value* list = json::Find(v, list_key); list && list->is_array()) {
+      for (const Value& item : *list) {
         for (const Value* inner : Flatten(item, list_key)) out.push_back(inner);
       }
     }
@@ -329,23 +336,19 @@ std::vector<const Value*> Flatten(const Value& v, const char* list_key) {
 // The text of a token entry in tokenizer_config.json: a string, or an
 // AddedToken object with "content".
 std::string TokenName(const Value* v) {
+  if (const std::string* s = StringOrNull(v)) return *s;
   if (v == nullptr) return "";
-  if (v->kind_case() == Value::kStringValue) return v->string_value();
-  if (const Value* c = json::Find(*v, "content");
-      c && c->kind_case() == Value::kStringValue) {
-    return c->string_value();
-  }
-  return "";
+  const std::string* c = StringOrNull(json::Find(*v, "content"));
+  return c != nullptr ? *c : "";
 }
 
+// A token id in generation_config.json: a number or a list whose first entry
+// is one; -1 when absent or not a valid id.
 int64_t FirstId(const Value* v) {
   if (v == nullptr) return -1;
-  if (v->kind_case() == Value::kListValue &&
-      v->list_value().values_size() > 0) {
-    v = &v->list_value().values(0);
-  }
-  if (v->kind_case() != Value::kNumberValue) return -1;
-  return static_cast<int64_t>(v->number_value());
+  if (v->is_array() && !v->empty()) v = &v->front();
+  auto id = json::AsInt(*v, "", 0, (int64_t{1} << 31) - 1);
+  return id.ok() ? *id : -1;
 }
 
 // Leftmost-longest matching of the added tokens' contents (a byte trie).
@@ -421,18 +424,553 @@ std::string_view TrimStart(std::string_view s) {
   return s;
 }
 
+// ---------------------------------------------------------------------------
+// The steps of BpeTokenizer::FromJson. Each reads one part of tokenizer.json
+// (null when the file has none) into what the tokenizer keeps of it, and
+// names `where` (the file) in its errors: INVALID_ARGUMENT for malformed
+// input, UNIMPLEMENTED for components pdserve does not support.
+
+// model.*: options of the BPE algorithm itself.
+struct ModelOptions {
+  bool ignore_merges = false;  // a piece that is a whole token is not merged
+  bool byte_fallback = false;  // unknown characters become <0xNN> tokens
+  bool fuse_unk = false;       // a run of unknown characters is one unk
+};
+
+absl::StatusOr<ModelOptions> ParseModelOptions(const Value& model,
+                                               const std::string& where) {
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    ASSIGN_OR_RETURN(std::string affix, json::GetString(model, key, where, ""));
+    if (!affix.empty())
+      return Unsupported(where, absl::StrCat("model.", key), affix);
+  }
+  ModelOptions options;
+  ASSIGN_OR_RETURN(options.ignore_merges,
+                   json::GetBool(model, "ignore_merges", where, false));
+  ASSIGN_OR_RETURN(options.byte_fallback,
+                   json::GetBool(model, "byte_fallback", where, false));
+  ASSIGN_OR_RETURN(options.fuse_unk,
+                   json::GetBool(model, "fuse_unk", where, false));
+  return options;
+}
+
+constexpr int64_t kMaxTokenId = (int64_t{1} << 31) - 1;
+
+// added_tokens: in file order (the order the matcher indexes them by).
+absl::StatusOr<std::vector<AddedToken>> ParseAddedTokens(
+    const Value* added, const std::string& where) {
+  std::vector<AddedToken> out;
+  if (added == nullptr) return out;
+  if (!added->is_array()) return Bad(where, "added_tokens must be a list");
+  out.reserve(added->size());
+  for (const Value& a : *added) {
+    AddedToken tok;
+    ASSIGN_OR_RETURN(
+        int64_t id, json::GetInt(a, "id", where, std::nullopt, 0, kMaxTokenId));
+    tok.id = static_cast<int32_t>(id);
+    ASSIGN_OR_RETURN(tok.content, json::GetString(a, "content", where));
+    ASSIGN_OR_RETURN(tok.special, json::GetBool(a, "special", where, false));
+    ASSIGN_OR_RETURN(tok.lstrip, json::GetBool(a, "lstrip", where, false));
+    ASSIGN_OR_RETURN(tok.rstrip, json::GetBool(a, "rstrip", where, false));
+    out.push_back(std::move(tok));
+  }
+  return out;
+}
+
+// model.vocab: id -> text and text -> id. The table spans the added tokens'
+// ids too (they may reuse vocabulary ids or extend them), but holds only
+// the vocabulary's texts: merges and the model's pieces see those alone.
+struct Vocabulary {
+  std::vector<std::string> tokens;                // id -> text, "" if unused
+  absl::flat_hash_map<std::string, int32_t> ids;  // text -> id
+};
+
+// Takes the token texts out of `vocab`.
+absl::StatusOr<Vocabulary> ParseVocabulary(
+    std::vector<std::pair<std::string, Value>>& vocab,
+    const std::vector<AddedToken>& added, const std::string& where) {
+  std::vector<int32_t> entry_ids;
+  entry_ids.reserve(vocab.size());
+  int64_t max_id = -1;
+  for (const auto& [token, id_value] : vocab) {
+    auto id = json::AsInt(id_value, where, 0, kMaxTokenId);
+    if (!id.ok()) {  // again, naming the token (not built for every entry)
+      return json::AsInt(id_value,
+                         absl::StrCat(where, ": vocab id of \"", token, "\""),
+                         0, kMaxTokenId)
+          .status();
+    }
+    max_id = std::max(max_id, *id);
+    entry_ids.push_back(static_cast<int32_t>(*id));
+  }
+  for (const AddedToken& a : added) max_id = std::max<int64_t>(max_id, a.id);
+  if (max_id < 0) return Bad(where, "empty vocabulary");
+  const size_t count = vocab.size() + added.size();
+  if (static_cast<size_t>(max_id) > 2 * count + 1024) {
+    return Bad(where, absl::StrCat("token id ", max_id, " is far beyond the ",
+                                   count, " tokens: ids must be dense"));
+  }
+  Vocabulary out;
+  out.tokens.resize(max_id + 1);
+  out.ids.reserve(count);
+  for (size_t i = 0; i < vocab.size(); ++i) {
+    std::string& token = vocab[i].first;
+    const int32_t id = entry_ids[i];
+    out.ids[token] = id;
+    out.tokens[id] = std::move(token);
+  }
+  return out;
+}
+
+// pre_tokenizer: one optional transform of each section (spaces to the
+// metaspace, a prefix), then splits applied in order to every piece.
+enum class PrefixScheme { kNever, kFirst, kAlways };
+
+struct PreTokenizer {
+  bool byte_level = false;  // a ByteLevel step: pieces merge from their bytes
+  // Where a section gets `prefix_text` ("first": only the text's first).
+  PrefixScheme prefix = PrefixScheme::kNever;
+  std::string prefix_text;      // " " (ByteLevel add_prefix_space) or "▁"
+  bool replace_spaces = false;  // Metaspace: ' ' -> "▁"
+  std::vector<SplitStep> splits;
+};
+
+std::optional<SplitBehavior> SplitBehaviorNamed(const std::string& name) {
+  if (name == "Isolated") return SplitBehavior::kIsolated;
+  if (name == "Removed") return SplitBehavior::kRemoved;
+  if (name == "MergedWithPrevious") return SplitBehavior::kMergedWithPrevious;
+  if (name == "MergedWithNext") return SplitBehavior::kMergedWithNext;
+  if (name == "Contiguous") return SplitBehavior::kContiguous;
+  return std::nullopt;
+}
+
+absl::StatusOr<SplitStep> ParseSplit(const Value& step,
+                                     const std::string& where) {
+  SplitStep s;
+  bool literal = false;
+  ASSIGN_OR_RETURN(std::string pattern, PatternOf(step, &literal, where));
+  ASSIGN_OR_RETURN(s.regex, Regex::Compile(pattern, literal, where));
+  ASSIGN_OR_RETURN(std::string behavior,
+                   json::GetString(step, "behavior", where, "Isolated"));
+  ASSIGN_OR_RETURN(s.invert, json::GetBool(step, "invert", where, false));
+  const std::optional<SplitBehavior> b = SplitBehaviorNamed(behavior);
+  if (!b) return Unsupported(where, "Split behavior", behavior);
+  s.behavior = *b;
+  return s;
+}
+
+// A ByteLevel pre-tokenizer step; `first`: it is the first step.
+absl::Status ApplyByteLevel(const Value& step, bool first,
+                            const std::string& where, PreTokenizer* pre) {
+  pre->byte_level = true;
+  ASSIGN_OR_RETURN(bool prefix,
+                   json::GetBool(step, "add_prefix_space", where, true));
+  ASSIGN_OR_RETURN(bool use_regex,
+                   json::GetBool(step, "use_regex", where, true));
+  if (prefix) {
+    if (!first) {
+      return Bad(where,
+                 "ByteLevel add_prefix_space is supported only as the first "
+                 "pre-tokenizer");
+    }
+    pre->prefix = PrefixScheme::kAlways;
+    pre->prefix_text = " ";
+  }
+  if (use_regex) {
+    // GPT-2's split, which ByteLevel applies when use_regex is set.
+    SplitStep s;
+    ASSIGN_OR_RETURN(
+        s.regex, Regex::Compile("'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| "
+                                "?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+                                false, where));
+    pre->splits.push_back(std::move(s));
+  }
+  return absl::OkStatus();
+}
+
+// A Metaspace pre-tokenizer step (supported only as the first).
+absl::Status ApplyMetaspace(const Value& step, bool first,
+                            const std::string& where, PreTokenizer* pre) {
+  if (!first)
+    return Bad(where, "Metaspace is supported only as the first pre-tokenizer");
+  ASSIGN_OR_RETURN(
+      std::string replacement,
+      json::GetString(step, "replacement", where, std::string(kMetaspace)));
+  if (replacement != kMetaspace)
+    return Unsupported(where, "Metaspace replacement", replacement);
+  pre->replace_spaces = true;
+  pre->prefix_text = std::string(kMetaspace);
+  ASSIGN_OR_RETURN(bool add_prefix,
+                   json::GetBool(step, "add_prefix_space", where, true));
+  ASSIGN_OR_RETURN(std::string scheme,
+                   json::GetString(step, "prepend_scheme", where,
+                                   add_prefix ? "always" : "never"));
+  if (scheme == "always") {
+    pre->prefix = PrefixScheme::kAlways;
+  } else if (scheme == "first") {
+    pre->prefix = PrefixScheme::kFirst;
+  } else if (scheme == "never") {
+    pre->prefix = PrefixScheme::kNever;
+  } else {
+    return Unsupported(where, "Metaspace prepend_scheme", scheme);
+  }
+  ASSIGN_OR_RETURN(bool split, json::GetBool(step, "split", where, true));
+  if (split) {
+    SplitStep s;
+    ASSIGN_OR_RETURN(s.regex,
+                     Regex::Compile(std::string(kMetaspace), true, where));
+    s.behavior = SplitBehavior::kMergedWithNext;
+    pre->splits.push_back(std::move(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PreTokenizer> ParsePreTokenizer(const Value* pre_json,
+                                               const std::string& where) {
+  PreTokenizer pre;
+  if (pre_json == nullptr) return pre;
+  const std::vector<const Value*> steps = Flatten(*pre_json, "pretokenizers");
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Value& step = *steps[i];
+    const std::string type = TypeOf(step);
+    if (type == "ByteLevel") {
+      RETURN_IF_ERROR(ApplyByteLevel(step, i == 0, where, &pre));
+    } else if (type == "Split") {
+      ASSIGN_OR_RETURN(SplitStep s, ParseSplit(step, where));
+      pre.splits.push_back(std::move(s));
+    } else if (type == "Digits") {
+      SplitStep s;
+      ASSIGN_OR_RETURN(bool individual,
+                       json::GetBool(step, "individual_digits", where, false));
+      ASSIGN_OR_RETURN(
+          s.regex,
+          Regex::Compile(individual ? "\\p{Nd}" : "\\p{Nd}+", false, where));
+      pre.splits.push_back(std::move(s));
+    } else if (type == "Metaspace") {
+      RETURN_IF_ERROR(ApplyMetaspace(step, i == 0, where, &pre));
+    } else {
+      return Unsupported(where, "pre-tokenizer", type);
+    }
+  }
+  return pre;
+}
+
+// normalizer: steps applied in order to each section before pre-tokenizing.
+absl::StatusOr<NormalizerStep> ParseNormalizerStep(const Value& step,
+                                                   const std::string& where) {
+  const std::string type = TypeOf(step);
+  NormalizerStep n;
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    UErrorCode status = U_ZERO_ERROR;
+    n.kind = NormalizerStep::kUnicode;
+    n.unicode = type == "NFC"    ? icu::Normalizer2::getNFCInstance(status)
+                : type == "NFD"  ? icu::Normalizer2::getNFDInstance(status)
+                : type == "NFKC" ? icu::Normalizer2::getNFKCInstance(status)
+                                 : icu::Normalizer2::getNFKDInstance(status);
+    if (U_FAILURE(status))
+      return Bad(where, absl::StrCat("ICU ", type, ": ", u_errorName(status)));
+  } else if (type == "Prepend") {
+    n.kind = NormalizerStep::kPrepend;
+    ASSIGN_OR_RETURN(n.text, json::GetString(step, "prepend", where));
+  } else if (type == "Replace") {
+    n.kind = NormalizerStep::kReplace;
+    bool literal = false;
+    ASSIGN_OR_RETURN(std::string pattern, PatternOf(step, &literal, where));
+    ASSIGN_OR_RETURN(n.pattern, Regex::Compile(pattern, literal, where));
+    ASSIGN_OR_RETURN(n.text, json::GetString(step, "content", where));
+  } else if (type == "Lowercase") {
+    n.kind = NormalizerStep::kLowercase;
+  } else {
+    return Unsupported(where, "normalizer", type);
+  }
+  return n;
+}
+
+absl::StatusOr<std::vector<NormalizerStep>> ParseNormalizer(
+    const Value* norm, const std::string& where) {
+  std::vector<NormalizerStep> out;
+  if (norm == nullptr) return out;
+  for (const Value* step : Flatten(*norm, "normalizers")) {
+    ASSIGN_OR_RETURN(NormalizerStep n, ParseNormalizerStep(*step, where));
+    out.push_back(std::move(n));
+  }
+  return out;
+}
+
+// decoder: only what TokenBytes and Decode need to know.
+struct DecoderOptions {
+  bool byte_fallback = false;    // <0xNN> tokens decode to their byte
+  int strip_leading_spaces = 0;  // removed from the start of Decode's text
+};
+
+absl::StatusOr<DecoderOptions> ParseDecoder(const Value* dec, bool byte_level,
+                                            const std::string& where) {
+  DecoderOptions out;
+  if (dec == nullptr) return out;
+  for (const Value* step : Flatten(*dec, "decoders")) {
+    const std::string type = TypeOf(*step);
+    if (type == "ByteLevel") {
+      if (!byte_level)
+        return Bad(where,
+                   "a ByteLevel decoder needs a ByteLevel pre-tokenizer");
+    } else if (type == "ByteFallback") {
+      out.byte_fallback = true;
+    } else if (type == "Strip") {
+      ASSIGN_OR_RETURN(std::string content,
+                       json::GetString(*step, "content", where, " "));
+      ASSIGN_OR_RETURN(int64_t start,
+                       json::GetInt(*step, "start", where, 0, 0, 16));
+      if (content == " ") out.strip_leading_spaces = static_cast<int>(start);
+    } else if (type == "Metaspace") {
+      ASSIGN_OR_RETURN(bool add_prefix,
+                       json::GetBool(*step, "add_prefix_space", where, true));
+      ASSIGN_OR_RETURN(std::string scheme,
+                       json::GetString(*step, "prepend_scheme", where,
+                                       add_prefix ? "always" : "never"));
+      if (scheme != "never") out.strip_leading_spaces = 1;
+    } else if (type != "Replace" && type != "Fuse") {
+      return Unsupported(where, "decoder", type);
+    }
+  }
+  return out;
+}
+
+// How the model sees each vocabulary token: its raw bytes, and the text BPE
+// starts from and ignore_merges looks up (the bytes for byte-level models,
+// the token text otherwise).
+struct ModelSpace {
+  std::vector<std::string> token_bytes;  // id -> raw bytes
+  absl::flat_hash_map<std::string, int32_t> piece_ids;
+  std::array<int32_t, 256> byte_ids;           // byte-level: each byte's token
+  std::array<int32_t, 256> byte_fallback_ids;  // <0xNN> tokens, -1 if absent
+};
+
+// `byte_fallback`: <0xNN> tokens stand for their byte (model or decoder).
+// `piece_ids`: build ModelSpace::piece_ids, which byte-level models look up
+// only for ignore_merges (their initial symbols are bytes).
+absl::StatusOr<ModelSpace> BuildModelSpace(const Vocabulary& vocab,
+                                           bool byte_level, bool byte_fallback,
+                                           bool piece_ids,
+                                           const std::string& where) {
+  ModelSpace out;
+  out.token_bytes.resize(vocab.tokens.size());
+  out.byte_ids.fill(-1);
+  out.byte_fallback_ids.fill(-1);
+  const std::array<char32_t, 256> alphabet = ByteAlphabet();
+  // Character -> byte; the alphabet's characters are all below U+0200.
+  std::array<int16_t, 0x200> alphabet_byte;
+  alphabet_byte.fill(-1);
+  for (int b = 0; b < 256; ++b)
+    alphabet_byte[alphabet[b]] = static_cast<int16_t>(b);
+  if (piece_ids) out.piece_ids.reserve(vocab.ids.size());
+  for (const auto& [token, id] : vocab.ids) {
+    std::string bytes;
+    if (byte_level) {
+      bool in_alphabet = true;
+      for (size_t i = 0; i < token.size();
+           i += Utf8Length(static_cast<unsigned char>(token[i]))) {
+        const char32_t c = DecodeUtf8(token, i);
+        if (c >= alphabet_byte.size() || alphabet_byte[c] < 0) {
+          in_alphabet = false;
+          break;
+        }
+        bytes.push_back(static_cast<char>(alphabet_byte[c]));
+      }
+      if (!in_alphabet) bytes = token;
+    } else if (byte_fallback && token.size() == 6 &&
+               token.compare(0, 3, "<0x") == 0 && token[5] == '>' &&
+               isxdigit(static_cast<unsigned char>(token[3])) &&
+               isxdigit(static_cast<unsigned char>(token[4]))) {
+      const int b = std::stoi(token.substr(3, 2), nullptr, 16);
+      bytes.push_back(static_cast<char>(b));
+      out.byte_fallback_ids[b] = id;
+    } else {
+      bytes = absl::StrReplaceAll(token, {{AbslView(kMetaspace), " "}});
+    }
+    if (piece_ids) out.piece_ids[byte_level ? bytes : token] = id;
+    out.token_bytes[id] = std::move(bytes);
+  }
+  if (byte_level) {
+    for (int b = 0; b < 256; ++b) {
+      std::string ch;
+      AppendUtf8(alphabet[b], &ch);
+      auto it = vocab.ids.find(ch);
+      if (it == vocab.ids.end()) {
+        return Bad(
+            where,
+            absl::StrCat("byte-level vocabulary lacks the token for byte ", b));
+      }
+      out.byte_ids[b] = it->second;
+    }
+  }
+  return out;
+}
+
+// model.merges, ranked by position: "left right" strings, or [left, right]
+// pairs (tokenizers >= 0.20). Returns (left id << 32 | right id) ->
+// (rank << 32 | merged id); of a repeated pair the first (best) rank wins.
+absl::StatusOr<absl::flat_hash_map<uint64_t, uint64_t>> ParseMerges(
+    const std::vector<Value>& merges,
+    const absl::flat_hash_map<std::string, int32_t>& ids,
+    const std::string& where) {
+  absl::flat_hash_map<uint64_t, uint64_t> out;
+  out.reserve(merges.size());
+  std::string joined;
+  int32_t rank = 0;
+  for (const Value& m : merges) {
+    absl::string_view left, right;
+    if (m.is_string()) {
+      const std::string& s = m.get_ref<const std::string&>();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos)
+        return Bad(where, absl::StrCat("merge \"", s, "\" has no space"));
+      left = absl::string_view(s).substr(0, sp);
+      right = absl::string_view(s).substr(sp + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() &&
+               m[1].is_string()) {
+      left = m[0].get_ref<const std::string&>();
+      right = m[1].get_ref<const std::string&>();
+    } else {
+      return Bad(where, "merges must be strings or pairs of strings");
+    }
+    joined.assign(left.data(), left.size());
+    joined.append(right.data(), right.size());
+    auto l = ids.find(left), r = ids.find(right), merged = ids.find(joined);
+    if (l == ids.end() || r == ids.end() || merged == ids.end()) {
+      return Bad(where, absl::StrCat("merge \"", left, " ", right,
+                                     "\" uses tokens outside the vocabulary"));
+    }
+    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) |
+                         static_cast<uint32_t>(r->second);
+    const uint64_t value = (static_cast<uint64_t>(rank) << 32) |
+                           static_cast<uint32_t>(merged->second);
+    out.emplace(key, value);  // keeps the first (best-ranked) entry
+    ++rank;
+  }
+  return out;
+}
+
+// BOS/EOS: tokenizer_config.json names them; generation_config.json has
+// ids. -1 where neither gives a token of `t`.
+std::pair<int32_t, int32_t> FindBosEos(const Value& config,
+                                       const Value& generation,
+                                       const BpeTokenizer& t) {
+  auto find = [&](const char* name_key, const char* id_key) {
+    const std::string name = TokenName(json::Find(config, name_key));
+    int64_t id = name.empty() ? -1 : t.TokenId(name);
+    if (id < 0) id = FirstId(json::Find(generation, id_key));
+    return id < t.vocab_size() ? static_cast<int32_t>(id) : -1;
+  };
+  return {find("bos_token", "bos_token_id"), find("eos_token", "eos_token_id")};
+}
+
+// What Encode puts around the text's ids when it adds special tokens.
+struct SpecialAffixes {
+  std::vector<int32_t> prefix;
+  std::vector<int32_t> suffix;
+};
+
+absl::Status AddTemplateProcessing(const Value& step, const BpeTokenizer& t,
+                                   const std::string& where,
+                                   SpecialAffixes* out) {
+  const Value* single = json::Find(step, "single");
+  const Value* specials = json::Find(step, "special_tokens");
+  if (single == nullptr || !single->is_array())
+    return Bad(where, "TemplateProcessing needs a \"single\" list");
+  bool after = false;
+  for (const Value& piece : *single) {
+    if (json::Find(piece, "Sequence") != nullptr) {
+      after = true;
+      continue;
+    }
+    const Value* sp = json::Find(piece, "SpecialToken");
+    const std::string name = sp ? TokenName(json::Find(*sp, "id")) : "";
+    if (name.empty())
+      return Bad(where,
+                 "TemplateProcessing entries need Sequence or SpecialToken");
+    std::vector<int32_t> ids;
+    const Value* entry = specials ? json::Find(*specials, name) : nullptr;
+    if (const Value* list = entry ? json::Find(*entry, "ids") : nullptr;
+        list && list->is_array()) {
+      for (const Value& id : *list) {
+        ASSIGN_OR_RETURN(int64_t i,
+                         json::AsInt(id, where, 0, t.vocab_size() - 1));
+        ids.push_back(static_cast<int32_t>(i));
+      }
+    } else if (int32_t id = t.TokenId(name); id >= 0) {
+      ids.push_back(id);
+    } else {
+      return Bad(where, absl::StrCat("TemplateProcessing token \"", name,
+                                     "\" is not in the vocabulary"));
+    }
+    auto& target = after ? out->suffix : out->prefix;
+    target.insert(target.end(), ids.begin(), ids.end());
+  }
+  return absl::OkStatus();
+}
+
+// post_processor: the special tokens it puts around a single sequence.
+absl::StatusOr<SpecialAffixes> ParsePostProcessor(const Value* post,
+                                                  const BpeTokenizer& t,
+                                                  const std::string& where) {
+  SpecialAffixes out;
+  if (post == nullptr) return out;
+  for (const Value* step : Flatten(*post, "processors")) {
+    const std::string type = TypeOf(*step);
+    if (type == "ByteLevel") continue;
+    if (type == "TemplateProcessing") {
+      RETURN_IF_ERROR(AddTemplateProcessing(*step, t, where, &out));
+    } else if (type == "BertProcessing" || type == "RobertaProcessing") {
+      for (const char* key : {"cls", "sep"}) {
+        const Value* pair = json::Find(*step, key);
+        if (pair == nullptr || !pair->is_array() || pair->size() != 2)
+          return Bad(where,
+                     absl::StrCat(type, " needs \"", key, "\": [token, id]"));
+        ASSIGN_OR_RETURN(int64_t id,
+                         json::AsInt((*pair)[1], where, 0, t.vocab_size() - 1));
+        (std::string(key) == "cls" ? out.prefix : out.suffix)
+            .push_back(static_cast<int32_t>(id));
+      }
+    } else {
+      return Unsupported(where, "post-processor", type);
+    }
+  }
+  return out;
+}
+
+// What Encode adds. transformers rebuilds the post-processor of the Llama
+// tokenizer classes from add_bos_token (default true) / add_eos_token;
+// every other class uses tokenizer.json's post-processor as written.
+absl::StatusOr<SpecialAffixes> ParseSpecialAffixes(const Value* post,
+                                                   const Value& config,
+                                                   const BpeTokenizer& t,
+                                                   const std::string& where) {
+  constexpr absl::string_view kConfig = "tokenizer_config.json";
+  ASSIGN_OR_RETURN(std::string tokenizer_class,
+                   json::GetString(config, "tokenizer_class", kConfig, ""));
+  if (tokenizer_class != "LlamaTokenizer" &&
+      tokenizer_class != "LlamaTokenizerFast" &&
+      tokenizer_class != "CodeLlamaTokenizer" &&
+      tokenizer_class != "CodeLlamaTokenizerFast") {
+    return ParsePostProcessor(post, t, where);
+  }
+  ASSIGN_OR_RETURN(bool add_bos,
+                   json::GetBool(config, "add_bos_token", kConfig, true));
+  ASSIGN_OR_RETURN(bool add_eos,
+                   json::GetBool(config, "add_eos_token", kConfig, false));
+  SpecialAffixes out;
+  if (add_bos && t.bos_id() >= 0) out.prefix.push_back(t.bos_id());
+  if (add_eos && t.eos_id() >= 0) out.suffix.push_back(t.eos_id());
+  return out;
+}
+
 }  // namespace
 
 struct BpeTokenizer::Impl {
   std::vector<AddedToken> added;
   AddedTokenMatcher added_matcher;
   std::vector<NormalizerStep> normalizers;
-  // The section transform: metaspace replacement of spaces, and the prefix
-  // added to a section ("first": only the text's first section).
-  enum class Prefix { kNever, kFirst, kAlways } prefix = Prefix::kNever;
-  std::string prefix_text;        // " " (ByteLevel add_prefix_space) or "▁"
-  bool replace_spaces = false;    // Metaspace: ' ' -> "▁"
-  std::vector<SplitStep> splits;  // applied in order to every piece
+  PreTokenizer pre_tokenizer;
 };
 
 struct BpeTokenizer::Scratch {
@@ -464,359 +1002,57 @@ BpeTokenizer::BpeTokenizer() : impl_(std::make_unique<Impl>()) {
 
 BpeTokenizer::~BpeTokenizer() = default;
 
+absl::StatusOr<BpeTokenizer::ParsedJson> BpeTokenizer::ParseJson(
+    std::string_view text, const std::string& where) {
+  ParsedJson parsed;
+  const std::vector<json::StreamedContainer> streamed = {
+      {{"model", "vocab"},
+       [&](std::string&& token, Value&& id) {
+         parsed.vocab.emplace_back(std::move(token), std::move(id));
+         return absl::OkStatus();
+       }},
+      {{"model", "merges"}, [&](std::string&&, Value&& merge) {
+         parsed.merges.push_back(std::move(merge));
+         return absl::OkStatus();
+       }}};
+  ASSIGN_OR_RETURN(parsed.root, json::Parse(AbslView(text), where, streamed));
+  return parsed;
+}
+
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
     const std::string& dir) {
   const std::string path = dir + "/tokenizer.json";
   ASSIGN_OR_RETURN(std::string text, ReadFileIfExists(path));
   if (text.empty())
     return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  ASSIGN_OR_RETURN(Value root, json::Parse(text, path));
+  ASSIGN_OR_RETURN(ParsedJson parsed, ParseJson(text, path));
+  return Load(dir, std::move(parsed), path);
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
+    const std::string& dir, ParsedJson tokenizer, const std::string& path) {
   ASSIGN_OR_RETURN(std::string config,
                    ReadFileIfExists(dir + "/tokenizer_config.json"));
   ASSIGN_OR_RETURN(std::string generation,
                    ReadFileIfExists(dir + "/generation_config.json"));
-  return FromJson(root, config, generation, path);
+  return FromJson(std::move(tokenizer), config, generation, path);
 }
 
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
-    const Value& root, const std::string& tokenizer_config_json,
+    ParsedJson tokenizer, const std::string& tokenizer_config_json,
     const std::string& generation_config_json, const std::string& where) {
-  auto bad = [&](const std::string& msg) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", msg));
-  };
-  auto unsupported = [&](const std::string& what, const std::string& type) {
-    return absl::UnimplementedError(
-        absl::StrCat(where, ": ", what, " \"", type, "\" is not supported"));
-  };
-  std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
-  Impl& impl = *t->impl_;
-
+  const Value& root = tokenizer.root;
   const Value* model = json::Find(root, "model");
   if (model == nullptr || TypeOf(*model) != "BPE")
-    return bad("model.type must be \"BPE\"");
-  const Value* vocab = json::Find(*model, "vocab");
-  const Value* merges = json::Find(*model, "merges");
-  if (vocab == nullptr || vocab->kind_case() != Value::kStructValue) {
-    return bad("model.vocab must be an object");
-  }
-  if (merges == nullptr || merges->kind_case() != Value::kListValue) {
-    return bad("model.merges must be a list");
-  }
-  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    ASSIGN_OR_RETURN(std::string affix,
-                     json::GetString(*model, key, where, ""));
-    if (!affix.empty()) return unsupported(absl::StrCat("model.", key), affix);
-  }
-  ASSIGN_OR_RETURN(t->ignore_merges_,
-                   json::GetBool(*model, "ignore_merges", where, false));
-  ASSIGN_OR_RETURN(t->byte_fallback_,
-                   json::GetBool(*model, "byte_fallback", where, false));
-  ASSIGN_OR_RETURN(t->fuse_unk_,
-                   json::GetBool(*model, "fuse_unk", where, false));
-
-  // Vocabulary, then added tokens (which may reuse or extend its ids).
-  int64_t max_id = -1;
-  for (const auto& [token, id] : vocab->struct_value().fields()) {
-    ASSIGN_OR_RETURN(
-        int64_t i,
-        json::AsInt(id, absl::StrCat(where, ": vocab id of \"", token, "\""), 0,
-                    (int64_t{1} << 31) - 1));
-    max_id = std::max(max_id, i);
-  }
-  const Value* added = json::Find(root, "added_tokens");
-  if (added != nullptr) {
-    if (added->kind_case() != Value::kListValue)
-      return bad("added_tokens must be a list");
-    for (const Value& a : added->list_value().values()) {
-      AddedToken tok;
-      ASSIGN_OR_RETURN(int64_t id, json::GetInt(a, "id", where, std::nullopt, 0,
-                                                (int64_t{1} << 31) - 1));
-      tok.id = static_cast<int32_t>(id);
-      ASSIGN_OR_RETURN(tok.content, json::GetString(a, "content", where));
-      ASSIGN_OR_RETURN(tok.special, json::GetBool(a, "special", where, false));
-      ASSIGN_OR_RETURN(tok.lstrip, json::GetBool(a, "lstrip", where, false));
-      ASSIGN_OR_RETURN(tok.rstrip, json::GetBool(a, "rstrip", where, false));
-      max_id = std::max<int64_t>(max_id, id);
-      impl.added.push_back(std::move(tok));
-    }
-  }
-  if (max_id < 0) return bad("empty vocabulary");
-  const size_t entries =
-      vocab->struct_value().fields().size() + impl.added.size();
-  if (static_cast<size_t>(max_id) > 2 * entries + 1024) {
-    return bad(absl::StrCat("token id ", max_id, " is far beyond the ", entries,
-                            " tokens: ids must be dense"));
-  }
-  t->tokens_.resize(max_id + 1);
-  t->token_bytes_.resize(max_id + 1);
-  t->special_.assign(max_id + 1, false);
-  t->token_ids_.reserve(vocab->struct_value().fields().size() +
-                        impl.added.size());
-  for (const auto& [token, id] : vocab->struct_value().fields()) {
-    const auto i = static_cast<int32_t>(id.number_value());
-    t->tokens_[i] = token;
-    t->token_ids_[token] = i;
-  }
-
-  // Pre-tokenizer: one optional section transform, then splits.
-  const Value* pre = json::Find(root, "pre_tokenizer");
-  std::vector<const Value*> pre_steps;
-  if (pre != nullptr) pre_steps = Flatten(*pre, "pretokenizers");
-  for (size_t i = 0; i < pre_steps.size(); ++i) {
-    const Value& step = *pre_steps[i];
-    const std::string type = TypeOf(step);
-    if (type == "ByteLevel") {
-      t->byte_level_ = true;
-      ASSIGN_OR_RETURN(bool prefix,
-                       json::GetBool(step, "add_prefix_space", where, true));
-      ASSIGN_OR_RETURN(bool use_regex,
-                       json::GetBool(step, "use_regex", where, true));
-      if (prefix) {
-        if (i != 0)
-          return bad(
-              "ByteLevel add_prefix_space is supported only as the first "
-              "pre-tokenizer");
-        impl.prefix = Impl::Prefix::kAlways;
-        impl.prefix_text = " ";
-      }
-      if (use_regex) {
-        SplitStep s;
-        ASSIGN_OR_RETURN(
-            s.regex,
-            Regex::Compile("'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| "
-                           "?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
-                           false, where));
-        impl.splits.push_back(std::move(s));
-      }
-    } else if (type == "Split") {
-      SplitStep s;
-      bool literal = false;
-      ASSIGN_OR_RETURN(std::string pattern, PatternOf(step, &literal, where));
-      ASSIGN_OR_RETURN(s.regex, Regex::Compile(pattern, literal, where));
-      ASSIGN_OR_RETURN(std::string behavior,
-                       json::GetString(step, "behavior", where, "Isolated"));
-      ASSIGN_OR_RETURN(s.invert, json::GetBool(step, "invert", where, false));
-      if (behavior == "Isolated") {
-        s.behavior = SplitBehavior::kIsolated;
-      } else if (behavior == "Removed") {
-        s.behavior = SplitBehavior::kRemoved;
-      } else if (behavior == "MergedWithPrevious") {
-        s.behavior = SplitBehavior::kMergedWithPrevious;
-      } else if (behavior == "MergedWithNext") {
-        s.behavior = SplitBehavior::kMergedWithNext;
-      } else if (behavior == "Contiguous") {
-        s.behavior = SplitBehavior::kContiguous;
-      } else {
-        return unsupported("Split behavior", behavior);
-      }
-      impl.splits.push_back(std::move(s));
-    } else if (type == "Digits") {
-      SplitStep s;
-      ASSIGN_OR_RETURN(bool individual,
-                       json::GetBool(step, "individual_digits", where, false));
-      ASSIGN_OR_RETURN(
-          s.regex,
-          Regex::Compile(individual ? "\\p{Nd}" : "\\p{Nd}+", false, where));
-      impl.splits.push_back(std::move(s));
-    } else if (type == "Metaspace") {
-      if (i != 0)
-        return bad("Metaspace is supported only as the first pre-tokenizer");
-      ASSIGN_OR_RETURN(
-          std::string replacement,
-          json::GetString(step, "replacement", where, std::string(kMetaspace)));
-      if (replacement != kMetaspace)
-        return unsupported("Metaspace replacement", replacement);
-      impl.replace_spaces = true;
-      impl.prefix_text = std::string(kMetaspace);
-      ASSIGN_OR_RETURN(bool add_prefix,
-                       json::GetBool(step, "add_prefix_space", where, true));
-      ASSIGN_OR_RETURN(std::string scheme,
-                       json::GetString(step, "prepend_scheme", where,
-                                       add_prefix ? "always" : "never"));
-      if (scheme == "always") {
-        impl.prefix = Impl::Prefix::kAlways;
-      } else if (scheme == "first") {
-        impl.prefix = Impl::Prefix::kFirst;
-      } else if (scheme == "never") {
-        impl.prefix = Impl::Prefix::kNever;
-      } else {
-        return unsupported("Metaspace prepend_scheme", scheme);
-      }
-      ASSIGN_OR_RETURN(bool split, json::GetBool(step, "split", where, true));
-      if (split) {
-        SplitStep s;
-        ASSIGN_OR_RETURN(s.regex,
-                         Regex::Compile(std::string(kMetaspace), true, where));
-        s.behavior = SplitBehavior::kMergedWithNext;
-        impl.splits.push_back(std::move(s));
-      }
-    } else {
-      return unsupported("pre-tokenizer", type);
-    }
-  }
-
-  // Normalizers.
-  if (const Value* norm = json::Find(root, "normalizer")) {
-    for (const Value* step : Flatten(*norm, "normalizers")) {
-      const std::string type = TypeOf(*step);
-      NormalizerStep n;
-      UErrorCode status = U_ZERO_ERROR;
-      if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
-        n.kind = NormalizerStep::kUnicode;
-        n.unicode = type == "NFC"   ? icu::Normalizer2::getNFCInstance(status)
-                    : type == "NFD" ? icu::Normalizer2::getNFDInstance(status)
-                    : type == "NFKC"
-                        ? icu::Normalizer2::getNFKCInstance(status)
-                        : icu::Normalizer2::getNFKDInstance(status);
-        if (U_FAILURE(status))
-          return bad(absl::StrCat("ICU ", type, ": ", u_errorName(status)));
-      } else if (type == "Prepend") {
-        n.kind = NormalizerStep::kPrepend;
-        ASSIGN_OR_RETURN(n.text, json::GetString(*step, "prepend", where));
-      } else if (type == "Replace") {
-        n.kind = NormalizerStep::kReplace;
-        bool literal = false;
-        ASSIGN_OR_RETURN(std::string pattern,
-                         PatternOf(*step, &literal, where));
-        ASSIGN_OR_RETURN(n.pattern, Regex::Compile(pattern, literal, where));
-        ASSIGN_OR_RETURN(n.text, json::GetString(*step, "content", where));
-      } else if (type == "Lowercase") {
-        n.kind = NormalizerStep::kLowercase;
-      } else {
-        return unsupported("normalizer", type);
-      }
-      impl.normalizers.push_back(std::move(n));
-    }
-  }
-
-  // Decoder: only what TokenBytes and Decode need to know.
-  bool decoder_byte_fallback = false;
-  if (const Value* dec = json::Find(root, "decoder")) {
-    for (const Value* step : Flatten(*dec, "decoders")) {
-      const std::string type = TypeOf(*step);
-      if (type == "ByteLevel") {
-        if (!t->byte_level_)
-          return bad("a ByteLevel decoder needs a ByteLevel pre-tokenizer");
-      } else if (type == "ByteFallback") {
-        decoder_byte_fallback = true;
-      } else if (type == "Strip") {
-        ASSIGN_OR_RETURN(std::string content,
-                         json::GetString(*step, "content", where, " "));
-        ASSIGN_OR_RETURN(int64_t start,
-                         json::GetInt(*step, "start", where, 0, 0, 16));
-        if (content == " ") t->strip_leading_spaces_ = static_cast<int>(start);
-      } else if (type == "Metaspace") {
-        ASSIGN_OR_RETURN(bool add_prefix,
-                         json::GetBool(*step, "add_prefix_space", where, true));
-        ASSIGN_OR_RETURN(std::string scheme,
-                         json::GetString(*step, "prepend_scheme", where,
-                                         add_prefix ? "always" : "never"));
-        if (scheme != "never") t->strip_leading_spaces_ = 1;
-      } else if (type != "Replace" && type != "Fuse") {
-        return unsupported("decoder", type);
-      }
-    }
-  }
-
-  // Model-space pieces and raw bytes of every vocabulary token.
-  const std::array<char32_t, 256> alphabet = ByteAlphabet();
-  absl::flat_hash_map<char32_t, unsigned char> alphabet_byte;
-  for (int b = 0; b < 256; ++b)
-    alphabet_byte[alphabet[b]] = static_cast<unsigned char>(b);
-  t->piece_ids_.reserve(t->token_ids_.size());
-  for (const auto& [token, id] : t->token_ids_) {
-    std::string bytes;
-    if (t->byte_level_) {
-      bool in_alphabet = true;
-      for (size_t i = 0; i < token.size();
-           i += Utf8Length(static_cast<unsigned char>(token[i]))) {
-        auto it = alphabet_byte.find(DecodeUtf8(token, i));
-        if (it == alphabet_byte.end()) {
-          in_alphabet = false;
-          break;
-        }
-        bytes.push_back(static_cast<char>(it->second));
-      }
-      if (!in_alphabet) bytes = token;
-    } else if ((t->byte_fallback_ || decoder_byte_fallback) &&
-               token.size() == 6 && token.compare(0, 3, "<0x") == 0 &&
-               token[5] == '>' &&
-               isxdigit(static_cast<unsigned char>(token[3])) &&
-               isxdigit(static_cast<unsigned char>(token[4]))) {
-      const int b = std::stoi(token.substr(3, 2), nullptr, 16);
-      bytes.push_back(static_cast<char>(b));
-      t->byte_fallback_ids_[b] = id;
-    } else {
-      bytes = absl::StrReplaceAll(token, {{AbslView(kMetaspace), " "}});
-    }
-    t->token_bytes_[id] = bytes;
-    t->piece_ids_[t->byte_level_ ? bytes : token] = id;
-  }
-  if (t->byte_level_) {
-    for (int b = 0; b < 256; ++b) {
-      std::string ch;
-      AppendUtf8(alphabet[b], &ch);
-      auto it = t->token_ids_.find(ch);
-      if (it == t->token_ids_.end()) {
-        return bad(
-            absl::StrCat("byte-level vocabulary lacks the token for byte ", b));
-      }
-      t->byte_ids_[b] = it->second;
-    }
-  }
-
-  // Merges: "left right" strings, or [left, right] pairs (tokenizers >= 0.20).
-  t->merges_.reserve(merges->list_value().values_size());
-  int32_t rank = 0;
-  for (const Value& m : merges->list_value().values()) {
-    std::string left, right;
-    if (m.kind_case() == Value::kStringValue) {
-      const std::string& s = m.string_value();
-      const size_t sp = s.find(' ');
-      if (sp == std::string::npos)
-        return bad(absl::StrCat("merge \"", s, "\" has no space"));
-      left = s.substr(0, sp);
-      right = s.substr(sp + 1);
-    } else if (m.kind_case() == Value::kListValue &&
-               m.list_value().values_size() == 2 &&
-               m.list_value().values(0).kind_case() == Value::kStringValue &&
-               m.list_value().values(1).kind_case() == Value::kStringValue) {
-      left = m.list_value().values(0).string_value();
-      right = m.list_value().values(1).string_value();
-    } else {
-      return bad("merges must be strings or pairs of strings");
-    }
-    auto l = t->token_ids_.find(left), r = t->token_ids_.find(right),
-         merged = t->token_ids_.find(left + right);
-    if (l == t->token_ids_.end() || r == t->token_ids_.end() ||
-        merged == t->token_ids_.end()) {
-      return bad(absl::StrCat("merge \"", left, " ", right,
-                              "\" uses tokens outside the vocabulary"));
-    }
-    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) |
-                         static_cast<uint32_t>(r->second);
-    const uint64_t value = (static_cast<uint64_t>(rank) << 32) |
-                           static_cast<uint32_t>(merged->second);
-    t->merges_.emplace(key, value);  // the first (best-ranked) entry wins
-    ++rank;
-  }
-
-  // Added tokens override vocabulary entries with the same id.
-  for (size_t i = 0; i < impl.added.size(); ++i) {
-    const AddedToken& a = impl.added[i];
-    t->tokens_[a.id] = a.content;
-    t->token_ids_[a.content] = a.id;
-    t->special_[a.id] = a.special;
-    t->token_bytes_[a.id] = a.special ? "" : a.content;
-    impl.added_matcher.Add(a.content, static_cast<int32_t>(i));
-  }
-  if (const Value* unk = json::Find(*model, "unk_token");
-      unk && unk->kind_case() == Value::kStringValue) {
-    t->unk_id_ = t->TokenId(unk->string_value());
-  }
-
-  // BOS/EOS: tokenizer_config.json names them; generation_config.json has ids.
-  Value config, generation;
+    return Bad(where, "model.type must be \"BPE\"");
+  // ParseJson left model.vocab and model.merges as empty containers.
+  if (const Value* v = json::Find(*model, "vocab");
+      v == nullptr || !v->is_object())
+    return Bad(where, "model.vocab must be an object");
+  if (const Value* m = json::Find(*model, "merges");
+      m == nullptr || !m->is_array())
+    return Bad(where, "model.merges must be a list");
+  Value config, generation;  // null when the file is absent
   if (!tokenizer_config_json.empty()) {
     ASSIGN_OR_RETURN(
         config, json::Parse(tokenizer_config_json, "tokenizer_config.json"));
@@ -825,94 +1061,61 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
     ASSIGN_OR_RETURN(generation, json::Parse(generation_config_json,
                                              "generation_config.json"));
   }
-  const std::string bos_name = TokenName(json::Find(config, "bos_token"));
-  const std::string eos_name = TokenName(json::Find(config, "eos_token"));
-  t->bos_id_ = bos_name.empty() ? -1 : t->TokenId(bos_name);
-  t->eos_id_ = eos_name.empty() ? -1 : t->TokenId(eos_name);
-  if (t->bos_id_ < 0)
-    t->bos_id_ =
-        static_cast<int32_t>(FirstId(json::Find(generation, "bos_token_id")));
-  if (t->eos_id_ < 0)
-    t->eos_id_ =
-        static_cast<int32_t>(FirstId(json::Find(generation, "eos_token_id")));
-  if (t->bos_id_ >= t->vocab_size()) t->bos_id_ = -1;
-  if (t->eos_id_ >= t->vocab_size()) t->eos_id_ = -1;
 
-  // What Encode adds. transformers rebuilds the post-processor of the Llama
-  // tokenizer classes from add_bos_token (default true) / add_eos_token;
-  // every other class uses tokenizer.json's post-processor as written.
+  std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
+  Impl& impl = *t->impl_;
+  ASSIGN_OR_RETURN(const ModelOptions options,
+                   ParseModelOptions(*model, where));
+  t->ignore_merges_ = options.ignore_merges;
+  t->byte_fallback_ = options.byte_fallback;
+  t->fuse_unk_ = options.fuse_unk;
+  ASSIGN_OR_RETURN(impl.added,
+                   ParseAddedTokens(json::Find(root, "added_tokens"), where));
+  ASSIGN_OR_RETURN(Vocabulary vocab,
+                   ParseVocabulary(tokenizer.vocab, impl.added, where));
+  ASSIGN_OR_RETURN(impl.pre_tokenizer,
+                   ParsePreTokenizer(json::Find(root, "pre_tokenizer"), where));
+  t->byte_level_ = impl.pre_tokenizer.byte_level;
+  ASSIGN_OR_RETURN(impl.normalizers,
+                   ParseNormalizer(json::Find(root, "normalizer"), where));
   ASSIGN_OR_RETURN(
-      std::string tokenizer_class,
-      json::GetString(config, "tokenizer_class", "tokenizer_config.json", ""));
-  if (tokenizer_class == "LlamaTokenizer" ||
-      tokenizer_class == "LlamaTokenizerFast" ||
-      tokenizer_class == "CodeLlamaTokenizer" ||
-      tokenizer_class == "CodeLlamaTokenizerFast") {
-    ASSIGN_OR_RETURN(
-        bool add_bos,
-        json::GetBool(config, "add_bos_token", "tokenizer_config.json", true));
-    ASSIGN_OR_RETURN(
-        bool add_eos,
-        json::GetBool(config, "add_eos_token", "tokenizer_config.json", false));
-    if (add_bos && t->bos_id_ >= 0) t->prefix_ids_.push_back(t->bos_id_);
-    if (add_eos && t->eos_id_ >= 0) t->suffix_ids_.push_back(t->eos_id_);
-  } else if (const Value* post = json::Find(root, "post_processor")) {
-    for (const Value* step : Flatten(*post, "processors")) {
-      const std::string type = TypeOf(*step);
-      if (type == "ByteLevel") continue;
-      if (type == "TemplateProcessing") {
-        const Value* single = json::Find(*step, "single");
-        const Value* specials = json::Find(*step, "special_tokens");
-        if (single == nullptr || single->kind_case() != Value::kListValue) {
-          return bad("TemplateProcessing needs a \"single\" list");
-        }
-        bool after = false;
-        for (const Value& piece : single->list_value().values()) {
-          if (json::Find(piece, "Sequence") != nullptr) {
-            after = true;
-            continue;
-          }
-          const Value* sp = json::Find(piece, "SpecialToken");
-          const std::string name = sp ? TokenName(json::Find(*sp, "id")) : "";
-          if (name.empty())
-            return bad(
-                "TemplateProcessing entries need Sequence or SpecialToken");
-          std::vector<int32_t> ids;
-          const Value* entry = specials ? json::Find(*specials, name) : nullptr;
-          if (const Value* list = entry ? json::Find(*entry, "ids") : nullptr;
-              list && list->kind_case() == Value::kListValue) {
-            for (const Value& id : list->list_value().values()) {
-              ASSIGN_OR_RETURN(int64_t i,
-                               json::AsInt(id, where, 0, t->vocab_size() - 1));
-              ids.push_back(static_cast<int32_t>(i));
-            }
-          } else if (int32_t id = t->TokenId(name); id >= 0) {
-            ids.push_back(id);
-          } else {
-            return bad(absl::StrCat("TemplateProcessing token \"", name,
-                                    "\" is not in the vocabulary"));
-          }
-          auto& target = after ? t->suffix_ids_ : t->prefix_ids_;
-          target.insert(target.end(), ids.begin(), ids.end());
-        }
-      } else if (type == "BertProcessing" || type == "RobertaProcessing") {
-        for (const char* key : {"cls", "sep"}) {
-          const Value* pair = json::Find(*step, key);
-          if (pair == nullptr || pair->kind_case() != Value::kListValue ||
-              pair->list_value().values_size() != 2) {
-            return bad(absl::StrCat(type, " needs \"", key, "\": [token, id]"));
-          }
-          ASSIGN_OR_RETURN(int64_t id,
-                           json::AsInt(pair->list_value().values(1), where, 0,
-                                       t->vocab_size() - 1));
-          (std::string(key) == "cls" ? t->prefix_ids_ : t->suffix_ids_)
-              .push_back(static_cast<int32_t>(id));
-        }
-      } else {
-        return unsupported("post-processor", type);
-      }
-    }
+      const DecoderOptions decoder,
+      ParseDecoder(json::Find(root, "decoder"), t->byte_level_, where));
+  t->strip_leading_spaces_ = decoder.strip_leading_spaces;
+
+  ASSIGN_OR_RETURN(
+      ModelSpace space,
+      BuildModelSpace(vocab, t->byte_level_,
+                      options.byte_fallback || decoder.byte_fallback,
+                      !t->byte_level_ || t->ignore_merges_, where));
+  std::copy(space.byte_ids.begin(), space.byte_ids.end(), t->byte_ids_);
+  std::copy(space.byte_fallback_ids.begin(), space.byte_fallback_ids.end(),
+            t->byte_fallback_ids_);
+  t->piece_ids_ = std::move(space.piece_ids);
+  t->token_bytes_ = std::move(space.token_bytes);
+  ASSIGN_OR_RETURN(t->merges_, ParseMerges(tokenizer.merges, vocab.ids, where));
+  t->tokens_ = std::move(vocab.tokens);
+  t->token_ids_ = std::move(vocab.ids);
+
+  // Added tokens override vocabulary entries with the same id.
+  t->special_.assign(t->tokens_.size(), false);
+  for (size_t i = 0; i < impl.added.size(); ++i) {
+    const AddedToken& a = impl.added[i];
+    t->tokens_[a.id] = a.content;
+    t->token_ids_[a.content] = a.id;
+    t->special_[a.id] = a.special;
+    t->token_bytes_[a.id] = a.special ? "" : a.content;
+    impl.added_matcher.Add(a.content, static_cast<int32_t>(i));
   }
+  if (const std::string* unk = StringOrNull(json::Find(*model, "unk_token")))
+    t->unk_id_ = t->TokenId(*unk);
+
+  std::tie(t->bos_id_, t->eos_id_) = FindBosEos(config, generation, *t);
+  ASSIGN_OR_RETURN(SpecialAffixes affixes,
+                   ParseSpecialAffixes(json::Find(root, "post_processor"),
+                                       config, *t, where));
+  t->prefix_ids_ = std::move(affixes.prefix);
+  t->suffix_ids_ = std::move(affixes.suffix);
   return t;
 }
 
@@ -1016,6 +1219,7 @@ void BpeTokenizer::EncodeSection(std::string_view section, bool first_section,
                                  Scratch* scratch,
                                  std::vector<int32_t>* out) const {
   const Impl& impl = *impl_;
+  const PreTokenizer& pre = impl.pre_tokenizer;
   std::string normalized;
   if (!impl.normalizers.empty()) {
     normalized.assign(section);
@@ -1060,16 +1264,16 @@ void BpeTokenizer::EncodeSection(std::string_view section, bool first_section,
   }
 
   std::string transformed;
-  if (impl.replace_spaces || impl.prefix != Impl::Prefix::kNever) {
-    const bool prepend = impl.prefix == Impl::Prefix::kAlways ||
-                         (impl.prefix == Impl::Prefix::kFirst && first_section);
+  if (pre.replace_spaces || pre.prefix != PrefixScheme::kNever) {
+    const bool prepend = pre.prefix == PrefixScheme::kAlways ||
+                         (pre.prefix == PrefixScheme::kFirst && first_section);
     const std::string_view space_char =
-        impl.replace_spaces ? kMetaspace : std::string_view(" ");
+        pre.replace_spaces ? kMetaspace : std::string_view(" ");
     if (prepend && section.substr(0, space_char.size()) != space_char &&
-        !(impl.replace_spaces && !section.empty() && section[0] == ' ')) {
-      transformed = impl.prefix_text;
+        !(pre.replace_spaces && !section.empty() && section[0] == ' ')) {
+      transformed = pre.prefix_text;
     }
-    if (impl.replace_spaces) {
+    if (pre.replace_spaces) {
       transformed +=
           absl::StrReplaceAll(AbslView(section), {{" ", AbslView(kMetaspace)}});
     } else {
@@ -1081,7 +1285,7 @@ void BpeTokenizer::EncodeSection(std::string_view section, bool first_section,
   auto& pieces = scratch->pieces;
   auto& next = scratch->next_pieces;
   pieces.assign(1, section);
-  for (const SplitStep& step : impl.splits) {
+  for (const SplitStep& step : pre.splits) {
     next.clear();
     for (std::string_view piece : pieces) {
       // The piece alternates between text and matches; `delimiter` marks the

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -31,14 +32,32 @@ namespace pdserve::engine {
 
 class BpeTokenizer : public Tokenizer {
  public:
+  // tokenizer.json, parsed. model.vocab and model.merges, nearly all of a
+  // large file, are streamed into flat lists instead of the document (where
+  // they stay as empty containers): a JSON document of 150k-entry containers
+  // costs more to build and free than the rest of loading.
+  struct ParsedJson {
+    json::Value root;
+    std::vector<std::pair<std::string, json::Value>> vocab;  // token, id
+    std::vector<json::Value> merges;  // "left right" or [left, right]
+  };
+  // `where` names the file in errors.
+  static absl::StatusOr<ParsedJson> ParseJson(std::string_view text,
+                                              const std::string& where);
+
   // Reads tokenizer.json (required), tokenizer_config.json and
   // generation_config.json (optional) from `dir`.
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(
       const std::string& dir);
+  // As Load, with tokenizer.json (at `path`) already parsed.
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(
+      const std::string& dir, ParsedJson tokenizer, const std::string& path);
   // From a parsed tokenizer.json and the texts of the two config files (empty
-  // when absent). `where` names tokenizer.json in errors.
+  // when absent). `where` names tokenizer.json in errors. Errors:
+  // INVALID_ARGUMENT for malformed files, UNIMPLEMENTED for components
+  // pdserve does not support (named in the message).
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> FromJson(
-      const json::Value& tokenizer, const std::string& tokenizer_config_json,
+      ParsedJson tokenizer, const std::string& tokenizer_config_json,
       const std::string& generation_config_json, const std::string& where);
   ~BpeTokenizer() override;
 
@@ -98,7 +117,8 @@ class BpeTokenizer : public Tokenizer {
   absl::flat_hash_map<std::string, int32_t>
       token_ids_;  // tokenizer.json text -> id
   // Model-space text -> id: raw bytes for byte-level models, the token text
-  // otherwise. Used for the initial symbols and for ignore_merges.
+  // otherwise. Used for the initial symbols (not byte-level) and for
+  // ignore_merges; empty for byte-level models without ignore_merges.
   absl::flat_hash_map<std::string, int32_t> piece_ids_;
   // (left id << 32 | right id) -> (rank << 32 | merged id).
   absl::flat_hash_map<uint64_t, uint64_t> merges_;

@@ -75,14 +75,13 @@ std::string RStrip(const std::string& s, char c) {
   return s.substr(0, e);
 }
 
+// A token as tokenizer_config.json writes it: a string, or an AddedToken
+// object with "content"; "" otherwise.
 std::string TokenName(const json::Value* v) {
+  if (const std::string* s = json::StringOrNull(v)) return *s;
   if (v == nullptr) return "";
-  if (v->kind_case() == json::Value::kStringValue) return v->string_value();
-  if (const json::Value* c = json::Find(*v, "content");
-      c && c->kind_case() == json::Value::kStringValue) {
-    return c->string_value();
-  }
-  return "";
+  const std::string* c = json::StringOrNull(json::Find(*v, "content"));
+  return c != nullptr ? *c : "";
 }
 
 absl::Status BadRole(const ChatTemplate& t, const std::string& role) {
@@ -292,15 +291,15 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
   }
   std::string jinja;
   if (const json::Value* ct = json::Find(config, "chat_template")) {
-    if (ct->kind_case() == json::Value::kStringValue) {
-      jinja = ct->string_value();
-    } else if (ct->kind_case() == json::Value::kListValue) {
+    if (const std::string* text = json::StringOrNull(ct)) {
+      jinja = *text;
+    } else if (ct->is_array()) {
       // [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-      for (const json::Value& named : ct->list_value().values()) {
+      for (const json::Value& named : *ct) {
         if (TokenName(json::Find(named, "name")) == "default") {
-          const json::Value* tmpl = json::Find(named, "template");
-          if (tmpl != nullptr && tmpl->kind_case() == json::Value::kStringValue)
-            jinja = tmpl->string_value();
+          const std::string* tmpl =
+              json::StringOrNull(json::Find(named, "template"));
+          if (tmpl != nullptr) jinja = *tmpl;
         }
       }
     }
@@ -323,9 +322,8 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
       ASSIGN_OR_RETURN(json::Value model,
                        json::Parse(model_text, model_config_path));
       const json::Value* archs = json::Find(model, "architectures");
-      if (archs != nullptr && archs->kind_case() == json::Value::kListValue &&
-          archs->list_value().values_size() > 0) {
-        arch = TokenName(&archs->list_value().values(0));
+      if (archs != nullptr && archs->is_array() && !archs->empty()) {
+        arch = TokenName(&archs->front());
       }
     }
     if (arch == "Qwen3ForCausalLM") {
@@ -381,12 +379,12 @@ absl::StatusOr<std::string> ApplyChatTemplate(
 absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(
     const std::string& json_text) {
   ASSIGN_OR_RETURN(json::Value root, json::Parse(json_text, "messages"));
-  if (root.kind_case() != json::Value::kListValue) {
+  if (!root.is_array()) {
     return absl::InvalidArgumentError(
         "messages: expected a JSON list of {\"role\", \"content\"} objects");
   }
   std::vector<ChatMessage> out;
-  for (const json::Value& m : root.list_value().values()) {
+  for (const json::Value& m : root) {
     ChatMessage msg;
     ASSIGN_OR_RETURN(msg.role, json::GetString(m, "role", "messages"));
     ASSIGN_OR_RETURN(msg.content,

@@ -1,7 +1,6 @@
 #include "engine/model_config.h"
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/json.h"
 #include "common/status_macros.h"
 
@@ -11,8 +10,8 @@ namespace {
 absl::StatusOr<std::vector<int64_t>> EosIds(const json::Value& value,
                                             const std::string& what) {
   std::vector<int64_t> ids;
-  if (value.kind_case() == json::Value::kListValue) {
-    for (const json::Value& v : value.list_value().values()) {
+  if (value.is_array()) {
+    for (const json::Value& v : value) {
       ASSIGN_OR_RETURN(int64_t id,
                        json::AsInt(v, absl::StrCat(what, ": eos_token_id")));
       ids.push_back(id);
@@ -77,20 +76,20 @@ bool ModelConfig::IsEos(int64_t token) const {
 absl::StatusOr<ModelConfig> ModelConfig::FromJson(const std::string& text,
                                                   const std::string& path) {
   ASSIGN_OR_RETURN(json::Value root, json::Parse(text, path));
-  if (root.kind_case() != json::Value::kStructValue) {
+  if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": expected a JSON object"));
   }
   ModelConfig c;
   if (const json::Value* archs = json::Find(root, "architectures")) {
-    if (archs->kind_case() != json::Value::kListValue ||
-        archs->list_value().values_size() == 0 ||
-        archs->list_value().values(0).kind_case() !=
-            json::Value::kStringValue) {
+    const std::string* first = archs->is_array() && !archs->empty()
+                                   ? json::StringOrNull(&archs->front())
+                                   : nullptr;
+    if (first == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": \"architectures\" must be a list of strings"));
     }
-    c.architecture = archs->list_value().values(0).string_value();
+    c.architecture = *first;
   }
   if (c.architecture != "LlamaForCausalLM" &&
       c.architecture != "MistralForCausalLM" &&
@@ -208,41 +207,46 @@ absl::Status ModelConfig::AddGenerationConfig(const std::string& text,
 }
 
 std::string ModelConfig::ToJson() const {
-  std::string rope = "null";
+  json::OrderedValue rope;  // null without rope scaling
   if (rope_scaling.factor > 0) {
-    rope = absl::StrCat(
-        "{\"rope_type\": \"llama3\", \"factor\": ",
-        json::Number(rope_scaling.factor),
-        ", \"low_freq_factor\": ", json::Number(rope_scaling.low_freq_factor),
-        ", \"high_freq_factor\": ", json::Number(rope_scaling.high_freq_factor),
-        ", \"original_max_position_embeddings\": ",
-        rope_scaling.original_max_position_embeddings, "}");
+    rope = {{"rope_type", "llama3"},
+            {"factor", rope_scaling.factor},
+            {"low_freq_factor", rope_scaling.low_freq_factor},
+            {"high_freq_factor", rope_scaling.high_freq_factor},
+            {"original_max_position_embeddings",
+             rope_scaling.original_max_position_embeddings}};
   }
   const char* model_type = architecture == "Qwen2ForCausalLM"     ? "qwen2"
                            : architecture == "Qwen3ForCausalLM"   ? "qwen3"
                            : architecture == "MistralForCausalLM" ? "mistral"
                                                                   : "llama";
   // No EOS is written as null: -1 would read back as an out-of-vocabulary id.
-  std::string eos = eos_token_id < 0 ? "null" : absl::StrCat(eos_token_id);
-  if (eos_token_ids.size() > 1)
-    eos = absl::StrCat("[", absl::StrJoin(eos_token_ids, ", "), "]");
-  return absl::StrCat(
-      "{\n  \"architectures\": [", json::Quote(architecture), "],\n",
-      "  \"model_type\": \"", model_type, "\",\n",
-      "  \"vocab_size\": ", vocab_size, ",\n  \"hidden_size\": ", hidden_size,
-      ",\n  \"intermediate_size\": ", intermediate_size,
-      ",\n  \"num_hidden_layers\": ", num_layers,
-      ",\n  \"num_attention_heads\": ", num_heads,
-      ",\n  \"num_key_value_heads\": ", num_kv_heads,
-      ",\n  \"head_dim\": ", head_dim,
-      ",\n  \"max_position_embeddings\": ", max_position_embeddings,
-      ",\n  \"rms_norm_eps\": ", json::Number(rms_norm_eps),
-      ",\n  \"rope_theta\": ", json::Number(rope_theta),
-      ",\n  \"rope_scaling\": ", rope,
-      ",\n  \"attention_bias\": ", attention_bias ? "true" : "false",
-      ",\n  \"tie_word_embeddings\": ", tie_word_embeddings ? "true" : "false",
-      ",\n  \"bos_token_id\": ", bos_token_id, ",\n  \"eos_token_id\": ", eos,
-      ",\n  \"torch_dtype\": \"float32\"\n}\n");
+  json::OrderedValue eos;
+  if (eos_token_ids.size() > 1) {
+    eos = eos_token_ids;
+  } else if (eos_token_id >= 0) {
+    eos = eos_token_id;
+  }
+  const json::OrderedValue config = {
+      {"architectures", json::OrderedValue::array({architecture})},
+      {"model_type", model_type},
+      {"vocab_size", vocab_size},
+      {"hidden_size", hidden_size},
+      {"intermediate_size", intermediate_size},
+      {"num_hidden_layers", num_layers},
+      {"num_attention_heads", num_heads},
+      {"num_key_value_heads", num_kv_heads},
+      {"head_dim", head_dim},
+      {"max_position_embeddings", max_position_embeddings},
+      {"rms_norm_eps", rms_norm_eps},
+      {"rope_theta", rope_theta},
+      {"rope_scaling", rope},
+      {"attention_bias", attention_bias},
+      {"tie_word_embeddings", tie_word_embeddings},
+      {"bos_token_id", bos_token_id},
+      {"eos_token_id", eos},
+      {"torch_dtype", "float32"}};
+  return json::DumpLines(config) + "\n";
 }
 
 }  // namespace pdserve::engine

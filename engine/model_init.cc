@@ -205,10 +205,11 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
       "{% endif %}";
   RETURN_IF_ERROR(WriteText(dir + "/tokenizer_config.json",
                             json::Dump(tokenizer_config) + "\n"));
-  RETURN_IF_ERROR(
-      WriteText(dir + "/generation_config.json",
-                absl::StrCat("{\"bos_token_id\": ", c.bos_token_id,
-                             ", \"eos_token_id\": ", c.eos_token_id, "}\n")));
+  RETURN_IF_ERROR(WriteText(
+      dir + "/generation_config.json",
+      json::Dump(json::OrderedValue{{"bos_token_id", c.bos_token_id},
+                                    {"eos_token_id", c.eos_token_id}}) +
+          "\n"));
   return absl::OkStatus();
 }
 

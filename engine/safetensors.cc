@@ -101,16 +101,15 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
   const std::string header(reinterpret_cast<const char*>(data + 8), header_len);
   auto root = json::Parse(header, absl::StrCat(path, " header"));
   if (!root.ok()) return corrupt(std::string(root.status().message()));
-  if (root->kind_case() != json::Value::kStructValue)
-    return corrupt("header is not a JSON object");
+  if (!root->is_object()) return corrupt("header is not a JSON object");
   const uint8_t* buffer = data + 8 + header_len;
   const uint64_t buffer_len = size - 8 - header_len;
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  for (const auto& [name, entry] : root->struct_value().fields()) {
+  for (const auto& [name, entry] : root->items()) {
     if (name == "__metadata__") continue;
     const std::string what = absl::StrCat(path, ": tensor \"", name, "\"");
-    if (entry.kind_case() != json::Value::kStructValue)
+    if (!entry.is_object())
       return corrupt(absl::StrCat("tensor \"", name, "\" is not an object"));
     TensorView t;
     t.name = name;
@@ -122,25 +121,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
     t.dtype = *parsed;
     const json::Value* shape = json::Find(entry, "shape");
     const json::Value* offsets = json::Find(entry, "data_offsets");
-    if (shape == nullptr || shape->kind_case() != json::Value::kListValue ||
-        offsets == nullptr || offsets->kind_case() != json::Value::kListValue ||
-        offsets->list_value().values_size() != 2 ||
-        shape->list_value().values_size() > 8) {
+    if (shape == nullptr || !shape->is_array() || offsets == nullptr ||
+        !offsets->is_array() || offsets->size() != 2 || shape->size() > 8) {
       return corrupt(absl::StrCat(
           "tensor \"", name, "\" needs a shape list and two data_offsets"));
     }
     int64_t numel = 1;
-    for (const auto& d : shape->list_value().values()) {
+    for (const json::Value& d : *shape) {
       ASSIGN_OR_RETURN(int64_t dim, json::AsInt(d, what, 0, int64_t{1} << 40));
       t.shape.push_back(dim);
       if (dim != 0 && numel > (int64_t{1} << 50) / dim)
         return corrupt(absl::StrCat("tensor \"", name, "\" is too large"));
       numel *= dim;
     }
-    ASSIGN_OR_RETURN(int64_t begin,
-                     json::AsInt(offsets->list_value().values(0), what, 0));
-    ASSIGN_OR_RETURN(int64_t end,
-                     json::AsInt(offsets->list_value().values(1), what, 0));
+    ASSIGN_OR_RETURN(int64_t begin, json::AsInt((*offsets)[0], what, 0));
+    ASSIGN_OR_RETURN(int64_t end, json::AsInt((*offsets)[1], what, 0));
     if (begin > end || static_cast<uint64_t>(end) > buffer_len) {
       return corrupt(absl::StrCat("tensor \"", name, "\" data_offsets [", begin,
                                   ", ", end, "] lie outside the ", buffer_len,
@@ -193,22 +188,19 @@ void TensorToFloat(const TensorView& t, std::vector<float>* out) {
 
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<TensorToWrite>& tensors) {
-  std::string header = "{\"__metadata__\":{\"format\":\"pt\"}";
+  json::OrderedValue root;
+  root["__metadata__"] = {{"format", "pt"}};
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     int64_t n = 1;
-    std::string shape;
-    for (int64_t d : t.shape) {
-      n *= d;
-      absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
-    }
+    for (int64_t d : t.shape) n *= d;
     const uint64_t bytes = n * DTypeBytes(t.dtype);
-    absl::StrAppend(&header, ",", json::Quote(t.name), ":{\"dtype\":\"",
-                    StDTypeName(t.dtype), "\",\"shape\":[", shape,
-                    "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
+    root[t.name] = {{"dtype", StDTypeName(t.dtype)},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  header += "}";
+  std::string header = json::Dump(root);
   while ((header.size() + 8) % 8 != 0)
     header += ' ';  // keep the data 8-byte aligned
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -68,8 +68,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::stringstream ss;
   ss << in.rdbuf();
-  ASSIGN_OR_RETURN(json::Value root, json::Parse(ss.str(), path));
-  const json::Value* model = json::Find(root, "model");
+  ASSIGN_OR_RETURN(BpeTokenizer::ParsedJson parsed,
+                   BpeTokenizer::ParseJson(ss.str(), path));
+  const json::Value* model = json::Find(parsed.root, "model");
   std::string type;
   if (model != nullptr) {
     ASSIGN_OR_RETURN(type, json::GetString(*model, "type", path, ""));
@@ -77,7 +78,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(
   if (type == "pdserve-bytes") return std::make_unique<ByteTokenizer>();
   if (type == "BPE") {
     ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> bpe,
-                     BpeTokenizer::Load(model_dir));
+                     BpeTokenizer::Load(model_dir, std::move(parsed), path));
     return std::unique_ptr<Tokenizer>(std::move(bpe));
   }
   return absl::UnimplementedError(

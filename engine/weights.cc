@@ -35,17 +35,17 @@ class TensorSource {
       ASSIGN_OR_RETURN(std::string text, ReadFile(index_path));
       ASSIGN_OR_RETURN(json::Value index, json::Parse(text, index_path));
       const json::Value* map = json::Find(index, "weight_map");
-      if (map == nullptr || map->kind_case() != json::Value::kStructValue) {
+      if (map == nullptr || !map->is_object()) {
         return absl::InvalidArgumentError(
             absl::StrCat(index_path, ": missing \"weight_map\" object"));
       }
-      for (const auto& [name, file] : map->struct_value().fields()) {
-        if (file.kind_case() != json::Value::kStringValue ||
-            file.string_value().find('/') != std::string::npos) {
+      for (const auto& [name, file_value] : map->items()) {
+        const std::string* file = json::StringOrNull(&file_value);
+        if (file == nullptr || file->find('/') != std::string::npos) {
           return absl::InvalidArgumentError(absl::StrCat(
               index_path, ": bad file name for tensor \"", name, "\""));
         }
-        const std::string path = dir + "/" + file.string_value();
+        const std::string path = dir + "/" + *file;
         if (!src.files_.count(path)) {
           ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path));
           src.files_.emplace(path, std::move(f));

@@ -1,5 +1,6 @@
 // Fuzzes the tokenizer.json loader (engine/bpe_tokenizer.h, the same
-// BpeTokenizer::FromJson that Tokenizer::Load calls after reading the files)
+// BpeTokenizer::ParseJson and FromJson that Tokenizer::Load calls after
+// reading the files)
 // and then the loaded tokenizer itself. Input: tokenizer.json, then
 // kPartSeparator-separated tokenizer_config.json, generation_config.json and
 // a text to encode. A tokenizer that loads must encode to in-vocabulary ids,
@@ -10,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "common/json.h"
 #include "engine/bpe_tokenizer.h"
 #include "engine/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -27,10 +27,11 @@ bool ValidUtf8(const std::string& s) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size > 1 << 20) return 0;
   const auto parts = pdserve::fuzz::SplitParts(data, size, 4);
-  auto root = pdserve::json::Parse(parts[0], "tokenizer.json");
-  if (!root.ok()) return 0;
+  auto parsed =
+      pdserve::engine::BpeTokenizer::ParseJson(parts[0], "tokenizer.json");
+  if (!parsed.ok()) return 0;
   auto tokenizer = pdserve::engine::BpeTokenizer::FromJson(
-      *root, parts[1], parts[2], "tokenizer.json");
+      *parsed, parts[1], parts[2], "tokenizer.json");
   if (!tokenizer.ok()) return 0;
   const pdserve::engine::BpeTokenizer& t = **tokenizer;
   const std::string text = parts[3].empty() ? "Hello wörld 123 ▁a\n" : parts[3];
