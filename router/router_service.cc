@@ -6,8 +6,10 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -15,9 +17,9 @@
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
+#include "router/tenant_limiter.h"
 #include "wire/enums.h"
 #include "wire/sampling_convert.h"
-#include "router/tenant_limiter.h"
 
 namespace pdserve::router {
 namespace {
@@ -313,12 +315,56 @@ struct RouterServer::Impl final : public v1::Router::Service,
     return grpc::Status::OK;
   }
 
-  grpc::Status GenerateImpl(grpc::ServerContext* ctx,
-                            const v1::GenerateRequest& req,
-                            grpc::ServerWriter<v1::GenerateResponse>* writer,
-                            absl::Time start, const Tenant& tenant) {
-    // Validate and tokenize.
-    std::vector<int32_t> prompt;
+  // One Generate call's state across its attempts (retries before the first
+  // token, migrations after it). Lives on the stack of the gRPC thread that
+  // serves the call; nothing else touches it.
+  struct Call {
+    grpc::ServerContext* ctx = nullptr;
+    grpc::ServerWriter<v1::GenerateResponse>* writer = nullptr;
+    const v1::GenerateRequest* req = nullptr;
+    const Tenant* tenant = nullptr;
+    absl::Time start;
+    // Fixed at intake.
+    std::string id;               // the client's, or req-N
+    std::vector<int32_t> prompt;  // token ids
+    engine::SamplingParams sampling;
+    std::string cache_salt;  // with the tenant folded in
+    absl::Time deadline;     // the client's, capped by --request-timeout-ms
+    // Progress, kept across attempts so a migration continues the stream.
+    std::vector<int32_t> generated;  // tokens already sent to the client
+    std::optional<engine::TextStream> text;
+    std::vector<WorkerIndex> exclude;  // workers that failed this call
+    std::string prefill_worker, decode_worker;
+    uint32_t cached = 0;  // prompt tokens the first attempt found cached
+    bool cached_known = false;
+    absl::Time last_token;
+  };
+
+  // Where one attempt runs. The views are copies taken at routing time.
+  struct Route {
+    WorkerView decode;
+    std::optional<WorkerView> prefill;  // none: the decode worker prefills
+    std::vector<int32_t> tokens;        // prompt + tokens generated so far
+    int64_t uncached = 0;  // prefill tokens charged to the prefill side
+  };
+
+  // How one attempt ended.
+  struct Attempt {
+    enum Outcome {
+      kFinished,         // a finish reason: `final` is the last message
+      kClientCancelled,  // the client went away
+      kWorkerFailed,     // the stream ended early with `status`
+    } outcome = kWorkerFailed;
+    std::string finish;  // kFinished: the public finish reason
+    v1::GenerateResponse final;
+    grpc::Status status;
+  };
+
+  // Tokenizes the prompt (or checks the token ids) and validates sampling
+  // and the request limits into `call`. INVALID_ARGUMENT (or the limit's
+  // code) on bad input; touches no worker.
+  grpc::Status TokenizeAndValidate(const v1::GenerateRequest& req, Call& call) {
+    std::vector<int32_t>& prompt = call.prompt;
     if (req.input_case() == v1::GenerateRequest::kPrompt) {
       if (req.prompt().empty())
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -340,231 +386,294 @@ struct RouterServer::Impl final : public v1::Router::Service,
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "set prompt or token_ids");
     }
-    engine::SamplingParams sampling = SamplingFromProto(req.sampling());
-    if (absl::Status s = sampling.Validate(); !s.ok()) return ToGrpc(s);
-    if (grpc::Status st = CheckRequestLimits(sampling, prompt.size()); !st.ok())
-      return st;
+    call.sampling = SamplingFromProto(req.sampling());
+    if (absl::Status s = call.sampling.Validate(); !s.ok()) return ToGrpc(s);
+    return CheckRequestLimits(call.sampling, prompt.size());
+  }
+
+  // Fills the call's fixed fields that follow admission: salt, id, deadline.
+  void StartCall(Call& call) {
+    const v1::GenerateRequest& req = *call.req;
+    const Tenant& tenant = *call.tenant;
+    // Tenants never share prefix blocks (nor prefix-hit timing) unless the
+    // router is told they may: the tenant is part of every block hash.
+    call.cache_salt = tenant.name.empty() || config.shared_prefix_cache
+                          ? req.cache_salt()
+                          : absl::StrCat("tenant:", tenant.name.size(), ":",
+                                         tenant.name, "|", req.cache_salt());
+    call.id = req.request_id().empty() ? absl::StrCat("req-", next_id++)
+                                       : req.request_id();
+    call.deadline = std::min(
+        call.start + config.request_timeout,
+        call.ctx->deadline() == std::chrono::system_clock::time_point::max()
+            ? absl::InfiniteFuture()
+            : absl::FromChrono(call.ctx->deadline()));
+    call.last_token = call.start;
+    call.text.emplace(tokenizer.get(), call.sampling.stop);
+  }
+
+  // Picks the workers for the next attempt from the up, non-draining ones,
+  // minus those excluded, and records speculative index entries for them.
+  // INVALID_ARGUMENT when the request cannot fit any decode worker's
+  // max_model_len; else the policy's status (UNAVAILABLE: nobody can decode).
+  absl::StatusOr<Route> ChooseWorkers(const Call& call) {
+    std::vector<WorkerView> workers = registry->UpWorkers();
+    // A draining worker finishes what it has but takes nothing new.
+    std::erase_if(workers,
+                  [](const WorkerView& w) { return w.status.draining(); });
+    uint32_t max_len = 0;
+    for (const auto& w : workers) {
+      if (w.role != v1::WORKER_ROLE_PREFILL)
+        max_len = max_len ? std::min(max_len, w.status.max_model_len())
+                          : w.status.max_model_len();
+    }
+    if (max_len > 0 &&
+        call.prompt.size() + call.sampling.max_tokens > max_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt (", call.prompt.size(), " tokens) + max_tokens (",
+          call.sampling.max_tokens, ") exceeds max_model_len ", max_len));
+    }
+    Route route;
+    // The sequence so far: prompt, plus tokens already streamed (migration).
+    route.tokens = call.prompt;
+    route.tokens.insert(route.tokens.end(), call.generated.begin(),
+                        call.generated.end());
+    // Hashed once here, for the decision and the speculative entries.
+    PromptHashes hashes(&route.tokens, call.cache_salt);
+    RouteRequest request{static_cast<int64_t>(route.tokens.size()),
+                         call.cache_salt, &route.tokens, call.exclude, &hashes};
+    ASSIGN_OR_RETURN(RouteDecision decision, policy->Choose(request, workers));
+    route.decode = *decision.decode;
+    if (decision.prefill != nullptr) route.prefill = *decision.prefill;
+    route.uncached = request.num_tokens - decision.prefill_cached_tokens;
+    (route.prefill ? m->remote : m->local)->Increment();
+    auto hashes_for = [&](const WorkerView& w) {
+      return hashes.For(w.fingerprint,
+                        static_cast<int32_t>(w.status.layout().block_size()));
+    };
+    if (route.prefill) {
+      index.Speculate(route.prefill->index, hashes_for(*route.prefill),
+                      config.speculative_ttl);
+    }
+    index.Speculate(route.decode.index, hashes_for(route.decode),
+                    config.speculative_ttl);
+    return route;
+  }
+
+  // The decode worker's request for this attempt: the sequence so far, the
+  // tokens still owed, and where to prefill. Stop strings stay here (the
+  // router applies them to the text it streams).
+  v1::WorkerGenerateRequest WorkerRequest(const Call& call,
+                                          const Route& route) {
+    v1::WorkerGenerateRequest wreq;
+    wreq.set_request_id(
+        absl::StrCat(call.id, "@", instance, ".", next_attempt++));
+    for (int32_t t : route.tokens) wreq.add_token_ids(static_cast<uint32_t>(t));
+    *wreq.mutable_sampling() = call.req->sampling();
+    wreq.mutable_sampling()->set_max_tokens(
+        call.sampling.max_tokens -
+        static_cast<uint32_t>(call.generated.size()));
+    wreq.mutable_sampling()->clear_stop();
+    wreq.set_cache_salt(call.cache_salt);
+    if (route.prefill) wreq.set_prefill_address(route.prefill->address);
+    wreq.set_original_prompt_len(static_cast<uint32_t>(call.prompt.size()));
+    return wreq;
+  }
+
+  // Runs one attempt on `route`, streaming tokens to the client as they
+  // arrive (every message but the last is written here; the last one is
+  // returned in Attempt::final). Router-side load is charged while it runs
+  // and undone however it ends.
+  Attempt RunAttempt(Call& call, const Route& route) {
+    const WorkerIndex prefill_at =
+        route.prefill ? route.prefill->index : route.decode.index;
+    registry->AddLoad(prefill_at, route.uncached, 0);
+    registry->AddLoad(route.decode.index, 0, 1);
+    // Undone when the first token arrives (prefill done) and when the
+    // stream ends (decode done), whichever way it ends.
+    bool prefill_pending = true;
+    auto prefill_done = [&] {
+      if (prefill_pending) registry->AddLoad(prefill_at, -route.uncached, 0);
+      prefill_pending = false;
+    };
+    absl::Cleanup decode_done = [&] {
+      prefill_done();
+      registry->AddLoad(route.decode.index, 0, -1);
+    };
+
+    // Propagates the client's cancellation to the worker call.
+    std::unique_ptr<grpc::ClientContext> wctx_owner =
+        grpc::ClientContext::FromServerContext(*call.ctx);
+    grpc::ClientContext& wctx = *wctx_owner;
+    if (call.deadline != absl::InfiniteFuture())
+      wctx.set_deadline(absl::ToChronoTime(call.deadline));
+    auto reader =
+        route.decode.stub->Generate(&wctx, WorkerRequest(call, route));
+    Attempt a;
+    v1::WorkerGenerateResponse resp;
+    v1::GenerateResponse& out = a.final;
+    while (reader->Read(&resp)) {
+      if (call.ctx->IsCancelled()) {
+        wctx.TryCancel();
+        break;
+      }
+      prefill_done();
+      if (!call.cached_known) {
+        call.cached = resp.cached_prompt_tokens();
+        call.cached_known = true;
+      }
+      call.prefill_worker = resp.prefill_worker();
+      call.decode_worker = resp.decode_worker();
+      out.Clear();
+      out.set_request_id(call.id);
+      const absl::Time now = absl::Now();
+      for (uint32_t t : resp.token_ids()) {
+        if (call.generated.empty()) {
+          m->ttft->Observe(absl::ToDoubleSeconds(now - call.start));
+        } else {
+          m->itl->Observe(absl::ToDoubleSeconds(now - call.last_token));
+        }
+        call.last_token = now;
+        call.generated.push_back(static_cast<int32_t>(t));
+        out.add_token_ids(t);
+      }
+      m->generation_tokens->Increment(resp.token_ids_size());
+      limiter.Charge(*call.tenant, resp.token_ids_size(), now);
+      auto delta =
+          call.text->Push({out.token_ids().begin(), out.token_ids().end()});
+      std::string piece = delta.text;
+      if (delta.stopped) {
+        a.finish = "stop";
+        wctx.TryCancel();
+      } else if (resp.finish_reason() != v1::FINISH_REASON_NONE) {
+        a.finish = wire::FinishReasonName(resp.finish_reason());
+        if (a.finish.empty()) a.finish = "error";  // a number we do not know
+        piece += call.text->Finish().text;
+      }
+      out.set_text(piece);
+      if (!a.finish.empty()) break;
+      if (!call.writer->Write(out)) {
+        wctx.TryCancel();
+        break;
+      }
+    }
+    if (call.ctx->IsCancelled()) {
+      reader->Finish();
+      a.outcome = Attempt::kClientCancelled;
+    } else if (!a.finish.empty()) {
+      wctx.TryCancel();
+      reader->Finish();
+      a.outcome = Attempt::kFinished;
+    } else {
+      a.outcome = Attempt::kWorkerFailed;
+      a.status = reader->Finish();
+      if (a.status.ok()) {
+        a.status = grpc::Status(
+            grpc::StatusCode::INTERNAL,
+            "decode worker ended the stream without a finish reason");
+      }
+    }
+    return a;
+  }
+
+  // Sends the last message (the last tokens, their text and the usage) and
+  // counts the request as finished with `finish`.
+  grpc::Status FinishCall(Call& call, const std::string& finish,
+                          v1::GenerateResponse& last) {
+    last.set_request_id(call.id);
+    last.set_finish_reason(finish);
+    last.set_prefill_worker(call.prefill_worker);
+    last.set_decode_worker(call.decode_worker);
+    auto* usage = last.mutable_usage();
+    usage->set_prompt_tokens(static_cast<uint32_t>(call.prompt.size()));
+    usage->set_completion_tokens(static_cast<uint32_t>(call.generated.size()));
+    usage->set_cached_prompt_tokens(call.cached);
+    call.writer->Write(last);
+    Finish(finish, call.start);
+    return grpc::Status::OK;
+  }
+
+  // After a failed attempt: OK to try again elsewhere (the failed worker is
+  // excluded and marked down), or the status that ends the call.
+  grpc::Status DecideRetry(Call& call, const Route& route,
+                           const grpc::Status& failure) {
+    if (failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        call.deadline == call.start + config.request_timeout) {
+      m->LimitRejection("deadline");
+      return grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          absl::StrCat("request ran past the router's ceiling of ",
+                       absl::FormatDuration(config.request_timeout),
+                       " (--request-timeout-ms) after ", call.generated.size(),
+                       " tokens"));
+    }
+    if (!Retryable(failure.error_code())) return failure;
+    PDSERVE_LOG(WARNING) << "request " << call.id << " on "
+                         << route.decode.address << " failed after "
+                         << call.generated.size()
+                         << " tokens: " << failure.error_message()
+                         << "; retrying elsewhere";
+    // A prefill failure is the prefill worker's fault, not the decode's.
+    const bool prefill_failed =
+        route.prefill && CauseOf(failure) == StatusCause::kPrefillFailed;
+    const WorkerIndex failed =
+        prefill_failed ? route.prefill->index : route.decode.index;
+    call.exclude.push_back(failed);
+    registry->ReportFailure(failed);
+    return grpc::Status::OK;
+  }
+
+  // Validate, admit, then attempt on chosen workers until one finishes the
+  // stream, the client leaves, a failure is final, or max_retries runs out.
+  grpc::Status GenerateImpl(grpc::ServerContext* ctx,
+                            const v1::GenerateRequest& req,
+                            grpc::ServerWriter<v1::GenerateResponse>* writer,
+                            absl::Time start, const Tenant& tenant) {
+    Call call;
+    call.ctx = ctx;
+    call.writer = writer;
+    call.req = &req;
+    call.tenant = &tenant;
+    call.start = start;
+    if (grpc::Status st = TokenizeAndValidate(req, call); !st.ok()) return st;
     // Per-tenant admission; the lease ends with this call, however it ends.
-    if (auto no = limiter.Admit(tenant, static_cast<int64_t>(prompt.size()),
-                                absl::Now())) {
+    if (auto no = limiter.Admit(
+            tenant, static_cast<int64_t>(call.prompt.size()), absl::Now())) {
       metrics::Must(m->tenant_rejections->WithLabels({tenant.name, no->limit}))
           ->Increment();
       return RetryLater(ctx, no->retry_after, no->message);
     }
-    struct Lease {
-      TenantLimiter* l;
-      const Tenant& t;
-      ~Lease() { l->Release(t); }
-    } lease{&limiter, tenant};
-    // Tenants never share prefix blocks (nor prefix-hit timing) unless the
-    // router is told they may: the tenant is part of every block hash.
-    const std::string cache_salt =
-        tenant.name.empty() || config.shared_prefix_cache
-            ? req.cache_salt()
-            : absl::StrCat("tenant:", tenant.name.size(), ":", tenant.name, "|",
-                           req.cache_salt());
-    const std::string id = req.request_id().empty()
-                               ? absl::StrCat("req-", next_id++)
-                               : req.request_id();
-    const absl::Time deadline =
-        std::min(start + config.request_timeout,
-                 ctx->deadline() == std::chrono::system_clock::time_point::max()
-                     ? absl::InfiniteFuture()
-                     : absl::FromChrono(ctx->deadline()));
-    m->prompt_tokens->Increment(static_cast<double>(prompt.size()));
+    absl::Cleanup lease = [&] { limiter.Release(tenant); };
+    StartCall(call);
+    m->prompt_tokens->Increment(static_cast<double>(call.prompt.size()));
 
-    engine::TextStream text(tokenizer.get(), sampling.stop);
-    std::vector<int32_t> generated;
-    std::vector<WorkerIndex> exclude;
-    std::string finish, prefill_worker, decode_worker;
-    uint32_t cached = 0;
-    bool cached_known = false;
-    absl::Time last_token = start;
-    int attempts = 0;
     grpc::Status last_error(grpc::StatusCode::UNAVAILABLE,
                             "no worker could serve the request");
-
-    while (finish.empty()) {
+    for (int attempts = 0;; ++attempts) {
       if (attempts > config.max_retries) return last_error;
       if (attempts > 0) m->retries->Increment();
-      ++attempts;
-      std::vector<WorkerView> workers = registry->UpWorkers();
-      // A draining worker finishes what it has but takes nothing new.
-      std::erase_if(workers,
-                    [](const WorkerView& w) { return w.status.draining(); });
-      uint32_t max_len = 0;
-      for (const auto& w : workers) {
-        if (w.role != v1::WORKER_ROLE_PREFILL)
-          max_len = max_len ? std::min(max_len, w.status.max_model_len())
-                            : w.status.max_model_len();
-      }
-      if (max_len > 0 && prompt.size() + sampling.max_tokens > max_len) {
-        return grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("prompt (", prompt.size(), " tokens) + max_tokens (",
-                         sampling.max_tokens, ") exceeds max_model_len ",
-                         max_len));
-      }
-      // The sequence so far: prompt, plus tokens already streamed (migration).
-      std::vector<int32_t> tokens = prompt;
-      tokens.insert(tokens.end(), generated.begin(), generated.end());
-      // Hashed once here, for the decision and the speculative entries.
-      PromptHashes hashes(&tokens, cache_salt);
-      RouteRequest route{static_cast<int64_t>(tokens.size()), cache_salt,
-                         &tokens, exclude, &hashes};
-      auto decision = policy->Choose(route, workers);
-      if (!decision.ok()) {
-        if (attempts == 1 || exclude.empty()) return ToGrpc(decision.status());
+      absl::StatusOr<Route> route = ChooseWorkers(call);
+      if (!route.ok()) {
+        // Bad input, or nobody to try (again): the first error is the
+        // policy's; after failures, the last worker's is more telling.
+        if (absl::IsInvalidArgument(route.status()) || attempts == 0 ||
+            call.exclude.empty())
+          return ToGrpc(route.status());
         return last_error;
       }
-      const WorkerView* dec = decision->decode;
-      const WorkerView* pre = decision->prefill;
-      (pre ? m->remote : m->local)->Increment();
-      const int64_t uncached =
-          route.num_tokens - decision->prefill_cached_tokens;
-      const WorkerIndex prefill_at = pre ? pre->index : dec->index;
-      registry->AddLoad(prefill_at, uncached, 0);
-      registry->AddLoad(dec->index, 0, 1);
-      // Undone when the first token arrives (prefill done) and when the
-      // stream ends (decode done), whichever way it ends.
-      bool prefill_pending = true;
-      auto prefill_done = [&] {
-        if (prefill_pending) registry->AddLoad(prefill_at, -uncached, 0);
-        prefill_pending = false;
-      };
-      struct DecodeDone {
-        WorkerRegistry* r;
-        WorkerIndex i;
-        std::function<void()> prefill_done;
-        ~DecodeDone() {
-          prefill_done();
-          r->AddLoad(i, 0, -1);
-        }
-      } decode_done{registry.get(), dec->index, prefill_done};
-      auto hashes_for = [&](const WorkerView& w) {
-        return hashes.For(w.fingerprint,
-                          static_cast<int32_t>(w.status.layout().block_size()));
-      };
-      if (pre) {
-        index.Speculate(pre->index, hashes_for(*pre), config.speculative_ttl);
-      }
-      index.Speculate(dec->index, hashes_for(*dec), config.speculative_ttl);
-
-      v1::WorkerGenerateRequest wreq;
-      wreq.set_request_id(absl::StrCat(id, "@", instance, ".", next_attempt++));
-      for (int32_t t : tokens) wreq.add_token_ids(static_cast<uint32_t>(t));
-      *wreq.mutable_sampling() = req.sampling();
-      wreq.mutable_sampling()->set_max_tokens(
-          sampling.max_tokens - static_cast<uint32_t>(generated.size()));
-      wreq.mutable_sampling()->clear_stop();
-      wreq.set_cache_salt(cache_salt);
-      if (pre) wreq.set_prefill_address(pre->address);
-      wreq.set_original_prompt_len(static_cast<uint32_t>(prompt.size()));
-
-      // Propagates the client's cancellation to the worker call.
-      std::unique_ptr<grpc::ClientContext> wctx_owner =
-          grpc::ClientContext::FromServerContext(*ctx);
-      grpc::ClientContext& wctx = *wctx_owner;
-      if (deadline != absl::InfiniteFuture())
-        wctx.set_deadline(absl::ToChronoTime(deadline));
-      auto reader = dec->stub->Generate(&wctx, wreq);
-      v1::WorkerGenerateResponse resp;
-      v1::GenerateResponse out;
-      while (reader->Read(&resp)) {
-        if (ctx->IsCancelled()) {
-          wctx.TryCancel();
+      Attempt a = RunAttempt(call, *route);
+      switch (a.outcome) {
+        case Attempt::kClientCancelled:
+          return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+        case Attempt::kFinished:
+          return FinishCall(call, a.finish, a.final);
+        case Attempt::kWorkerFailed:
+          last_error = a.status;
+          if (grpc::Status st = DecideRetry(call, *route, a.status); !st.ok())
+            return st;
           break;
-        }
-        prefill_done();
-        if (!cached_known) {
-          cached = resp.cached_prompt_tokens();
-          cached_known = true;
-        }
-        prefill_worker = resp.prefill_worker();
-        decode_worker = resp.decode_worker();
-        out.Clear();
-        out.set_request_id(id);
-        const absl::Time now = absl::Now();
-        for (uint32_t t : resp.token_ids()) {
-          if (generated.empty()) {
-            m->ttft->Observe(absl::ToDoubleSeconds(now - start));
-          } else {
-            m->itl->Observe(absl::ToDoubleSeconds(now - last_token));
-          }
-          last_token = now;
-          generated.push_back(static_cast<int32_t>(t));
-          out.add_token_ids(t);
-        }
-        m->generation_tokens->Increment(resp.token_ids_size());
-        limiter.Charge(tenant, resp.token_ids_size(), now);
-        auto delta =
-            text.Push({out.token_ids().begin(), out.token_ids().end()});
-        std::string piece = delta.text;
-        if (delta.stopped) {
-          finish = "stop";
-          wctx.TryCancel();
-        } else if (resp.finish_reason() != v1::FINISH_REASON_NONE) {
-          finish = wire::FinishReasonName(resp.finish_reason());
-          if (finish.empty()) finish = "error";  // a number we do not know
-          piece += text.Finish().text;
-        }
-        out.set_text(piece);
-        if (!finish.empty()) break;
-        if (!writer->Write(out)) {
-          wctx.TryCancel();
-          break;
-        }
       }
-      if (ctx->IsCancelled()) {
-        reader->Finish();
-        return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
-      }
-      if (!finish.empty()) {
-        wctx.TryCancel();
-        reader->Finish();
-        // The final message carries the last tokens, their text and the usage.
-        v1::GenerateResponse& last = out;
-        last.set_request_id(id);
-        last.set_finish_reason(finish);
-        last.set_prefill_worker(prefill_worker);
-        last.set_decode_worker(decode_worker);
-        auto* usage = last.mutable_usage();
-        usage->set_prompt_tokens(static_cast<uint32_t>(prompt.size()));
-        usage->set_completion_tokens(static_cast<uint32_t>(generated.size()));
-        usage->set_cached_prompt_tokens(cached);
-        writer->Write(last);
-        Finish(finish, start);
-        return grpc::Status::OK;
-      }
-      const grpc::Status wst = reader->Finish();
-      if (wst.ok()) {
-        last_error = grpc::Status(
-            grpc::StatusCode::INTERNAL,
-            "decode worker ended the stream without a finish reason");
-      } else if (wst.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                 deadline == start + config.request_timeout) {
-        m->LimitRejection("deadline");
-        return grpc::Status(
-            grpc::StatusCode::DEADLINE_EXCEEDED,
-            absl::StrCat("request ran past the router's ceiling of ",
-                         absl::FormatDuration(config.request_timeout),
-                         " (--request-timeout-ms) after ", generated.size(),
-                         " tokens"));
-      } else {
-        last_error = wst;
-      }
-      if (!Retryable(last_error.error_code())) return last_error;
-      PDSERVE_LOG(WARNING) << "request " << id << " on " << dec->address
-                           << " failed after " << generated.size()
-                           << " tokens: " << last_error.error_message()
-                           << "; retrying elsewhere";
-      const bool prefill_failed =
-          pre && CauseOf(last_error) == StatusCause::kPrefillFailed;
-      const WorkerIndex failed = prefill_failed ? pre->index : dec->index;
-      exclude.push_back(failed);
-      registry->ReportFailure(failed);
     }
-    return last_error;
   }
 };
 
@@ -581,8 +690,7 @@ std::shared_ptr<grpc::Channel> RouterServer::InProcessChannel() {
   return impl_->server->InProcessChannel(grpc::ChannelArguments());
 }
 
-absl::Status RouterServer::CheckAuthorization(
-    absl::string_view authorization) {
+absl::Status RouterServer::CheckAuthorization(absl::string_view authorization) {
   if (impl_->auth == nullptr) return absl::OkStatus();
   return impl_->auth->Authenticate(authorization).status();
 }
