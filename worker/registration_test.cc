@@ -15,15 +15,18 @@ class FakeRouterControl final : public v1::RouterControl::Service {
   grpc::Status RegisterWorker(grpc::ServerContext* ctx,
                               const v1::RegisterWorkerRequest* req,
                               v1::RegisterWorkerResponse*) override {
-    absl::MutexLock l(&mu_);
-    ++calls_;
-    last_ = *req;
-    if (hang_) {
+    bool hang;
+    {
+      absl::MutexLock l(&mu_);
+      ++calls_;
+      last_ = *req;
+      hang = hang_;
+    }
+    if (hang) {
       // Holds the call until the client cancels it (or 30 s pass).
-      mu_.AwaitWithTimeout(absl::Condition(
-                               +[](grpc::ServerContext* c) { return c->IsCancelled(); },
-                               ctx),
-                           absl::Seconds(30));
+      const absl::Time until = absl::Now() + absl::Seconds(30);
+      while (!ctx->IsCancelled() && absl::Now() < until)
+        absl::SleepFor(absl::Milliseconds(5));
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     }
     return grpc::Status::OK;
@@ -85,9 +88,13 @@ TEST_F(RouterRegistrationTest, RegistersAtOnceAndRepeatsAsHeartbeat) {
   ASSERT_TRUE(router_.WaitForCalls(3, absl::Seconds(20)));
   EXPECT_EQ(router_.last().address(), "10.0.0.7:4000");
   EXPECT_EQ(router_.last().role(), v1::WORKER_ROLE_DECODE);
-  (*r)->Stop();
+  // The worker side saw them accepted (bounded wait: replies are async).
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while ((*r)->accepted() < 3 && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(5));
   EXPECT_GE((*r)->accepted(), 3);
-  EXPECT_TRUE((*r)->last_status().ok());
+  EXPECT_TRUE((*r)->last_status().ok()) << (*r)->last_status();
+  (*r)->Stop();
   const int after_stop = router_.calls();
   // No heartbeat after Stop returned.
   absl::SleepFor(absl::Milliseconds(100));

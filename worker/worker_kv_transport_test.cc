@@ -82,6 +82,31 @@ class WorkerKvTransportTest : public ::testing::Test {
     return r;
   }
 
+  static v1::WorkerStatus Status(const std::string& worker) {
+    auto stub = v1::Worker::NewStub(
+        grpc::CreateChannel(worker, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
+    v1::WorkerStatus status;
+    const grpc::Status s =
+        stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return status;
+  }
+  // The worker's stats trail the engine by one loop iteration: waits (20 s at
+  // most) until `free` blocks are free or cached, i.e. none is referenced.
+  static bool FreeBlocksReturnTo(const std::string& worker, uint32_t free) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (Status(worker).free_blocks() != free) {
+      if (absl::Now() >= until) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
+  // The tiny preset's KV shape (engine/model_init.cc).
+  static constexpr int64_t kTinyLayers = 2, kTinyKvHeads = 2, kTinyHeadDim = 16;
   kv_transfer::nccl::FakeCommunicatorFactory comms_;
   static std::string* dir_;
 };
@@ -134,11 +159,12 @@ TEST_F(WorkerKvTransportTest, NcclWithoutAGpuOrCudaBuildFailsAtStart) {
 }
 
 TEST_F(WorkerKvTransportTest, UnknownTransportIsInvalidArgument) {
-  metrics::Registry reg;
-  auto worker =
-      WorkerServer::Start(Config("decode", "rdma", DType::kF32), &reg);
-  ASSERT_FALSE(worker.ok());
-  EXPECT_EQ(worker.status().code(), absl::StatusCode::kInvalidArgument);
+  // The transport is an enum in WorkerConfig; a name is refused where it is
+  // parsed (--kv-transport), naming the choices.
+  const auto parsed = kv_transfer::ParseKvTransport("rdma");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("grpc"));
 }
 
 TEST_F(WorkerKvTransportTest, NcclPrefillToAGrpcOnlyDecodeWorkerFailsCleanly) {
@@ -146,13 +172,27 @@ TEST_F(WorkerKvTransportTest, NcclPrefillToAGrpcOnlyDecodeWorkerFailsCleanly) {
   auto prefill =
       WorkerServer::Start(Config("prefill", "nccl", DType::kF32), &r1);
   ASSERT_TRUE(prefill.ok()) << prefill.status();
-  auto decode = WorkerServer::Start(Config("decode", "grpc", DType::kF32), &r2);
+  // A pool of 30 blocks, where one request takes 25 (90 + 8 tokens, blocks
+  // of 4): a leaked reservation (23 blocks) would starve the next request.
+  WorkerConfig dc = Config("decode", "grpc", DType::kF32);
+  dc.engine.kv_cache_bytes = 30 * dc.engine.block_size * 2 *
+                             kTinyLayers * kTinyKvHeads * kTinyHeadDim *
+                             static_cast<int64_t>(sizeof(float));
+  dc.admission_timeout = absl::Seconds(2);
+  auto decode = WorkerServer::Start(dc, &r2);
   ASSERT_TRUE(decode.ok()) << decode.status();
+  const v1::WorkerStatus start = Status((*decode)->address());
+  ASSERT_EQ(start.total_blocks(), 30u);
+  ASSERT_EQ(start.free_blocks(), start.total_blocks());
+
   const Result got = Generate((*decode)->address(), (*prefill)->address(), "x");
   EXPECT_FALSE(got.status.ok());
-  // The decode worker freed its reservation: the same request runs locally.
+  // Every reserved block came back (free or cached, none active)...
+  EXPECT_TRUE(FreeBlocksReturnTo((*decode)->address(), start.total_blocks()));
+  // ...so the same request fits and runs locally, and again gives back all.
   const Result again = Generate((*decode)->address(), "", "y");
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_TRUE(FreeBlocksReturnTo((*decode)->address(), start.total_blocks()));
 }
 
 }  // namespace
