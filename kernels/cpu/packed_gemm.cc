@@ -546,10 +546,16 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
   const int64_t pb = w.panel_bytes();
-  // With many rows, k is cut in blocks so a tile's weights stay in L1 while
-  // every row tile passes over them; the fp32 partial sums wait in y. Few rows
-  // stream each panel once, front to back.
-  const int64_t kc = m > 16 ? 256 : std::max<int64_t>(2, (k + 1) & ~int64_t{1});
+  // k is cut in blocks so that this thread's packed x (m x kc floats) stays
+  // in L2 while a tile's weights pass every row tile: up to 64 rows (decode
+  // batches) that is usually all of k, so each panel streams from memory
+  // once, front to back; prefill chunks use 256 (a bf16 tile is then 24 KiB,
+  // L1). The fp32 partial sums wait in y between blocks.
+  const int64_t kc =
+      m > 64 ? 256
+             : std::max<int64_t>(256, std::min<int64_t>(
+                                          (k + 1) & ~int64_t{1},
+                                          ((int64_t{128} << 10) / m) & ~int64_t{1}));
   const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
   const float* scales = w.scales();
