@@ -273,11 +273,16 @@ function checkWiring(name, objs, ctx) {
       if (gpus === 0 && !(kvBytes < quantityBytes(c.resources?.limits?.memory ?? "0"))) {
         fail(cw, `KV cache (${kvVar ? cm[kvVar] : "?"}) must fit in the memory limit ${c.resources?.limits?.memory}`);
       }
+      if (!ctx.gpu && flagValue(c.args, "--device") === "cuda") fail(cw, "--device=cuda outside the GPU overlay");
       if (ctx.gpu) {
         if (gpus < 1) fail(cw, "GPU overlay: limits nvidia.com/gpu missing");
         if (String(c.resources?.requests?.["nvidia.com/gpu"] ?? gpus) !== String(gpus)) fail(cw, "nvidia.com/gpu requests must equal limits");
         const transport = cm[flagValue(c.args, "--kv-transport")?.match(/^\$\((\w+)\)$/)?.[1]];
         if (transport !== "nccl") fail(cw, `GPU overlay: --kv-transport resolves to ${transport}, want nccl`);
+        // Without it a GPU pod runs the CPU engine and a host KV pool.
+        if (flagValue(c.args, "--device") !== "cuda") fail(cw, "GPU overlay: workers need --device=cuda");
+        const util = cm[flagValue(c.args, "--gpu-memory-utilization")?.match(/^\$\((\w+)\)$/)?.[1]];
+        if (!(Number(util) > 0 && Number(util) <= 1)) fail(cw, `GPU overlay: --gpu-memory-utilization resolves to ${util}, want (0, 1]`);
         if (!c._defined.has("NCCL_SOCKET_IFNAME")) fail(cw, "GPU overlay: NCCL_SOCKET_IFNAME not set");
         if (!(c.volumeMounts ?? []).some((m) => m.mountPath === "/dev/shm")) fail(cw, "GPU overlay: no /dev/shm volume for NCCL");
       }
@@ -399,6 +404,27 @@ for (const file of files) {
     imageTag: gpu ? "gpu" : "cpu",
     adapterMetrics,
   });
+  if (gpu) {
+    // The check itself must fail on a GPU rendering whose workers lack
+    // --device=cuda (they would run the CPU engine on a GPU node).
+    const mutated = structuredClone(objs);
+    for (const o of mutated) {
+      if (o.kind !== "Deployment" || !/pdserve-(prefill|decode)/.test(o.metadata?.name ?? "")) continue;
+      const c = o.spec.template.spec.containers[0];
+      c.args = c.args.filter((a) => !a.startsWith("--device"));
+    }
+    const before = failures;
+    const log = console.log;
+    let caught = false;
+    console.log = (m) => { if (String(m).includes("--device=cuda")) caught = true; };
+    try {
+      checkWiring(`${name} without --device`, mutated, { overlay: true, gpu, imageTag: "gpu", adapterMetrics });
+    } finally {
+      console.log = log;
+      failures = before;
+    }
+    if (!caught) fail(name, "the validator accepted GPU workers without --device=cuda");
+  }
   console.log(`checked ${name}: ${objs.length} objects (${[...new Set(objs.map((o) => o.kind))].join(", ")})`);
 }
 if (failures) {
