@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -72,11 +73,34 @@ inline Proc StartProcess(const std::string& role,
   return p;
 }
 
-inline void Kill(Proc* p, int sig = SIGKILL) {
-  if (p->pid <= 0) return;
+// Polls `done` every 20 ms until it holds or `timeout` passes; returns
+// whether it held. For states visible from outside (ListWorkers, /metrics,
+// a client's stream), instead of sleeping for a guessed time.
+inline bool WaitUntil(const std::function<bool()>& done,
+                      std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// Sends `sig` and waits for the process to exit. A process still alive after
+// `timeout` is SIGKILLed and false is returned (a hung drain fails the caller
+// instead of hanging the test).
+inline bool Kill(Proc* p, int sig = SIGKILL,
+                 std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  if (p->pid <= 0) return true;
   kill(p->pid, sig);
-  waitpid(p->pid, nullptr, 0);
+  const bool exited = WaitUntil(
+      [&] { return waitpid(p->pid, nullptr, WNOHANG) == p->pid; }, timeout);
+  if (!exited) {
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, nullptr, 0);
+  }
   p->pid = -1;
+  return exited;
 }
 
 // HTTP GET of /metrics over a raw socket.
@@ -137,18 +161,22 @@ struct Cluster {
     return c;
   }
 
+  // Workers the router lists as "up", or -1 if ListWorkers failed.
+  int UpWorkers() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    v1::ListWorkersResponse resp;
+    if (!stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok())
+      return -1;
+    int up = 0;
+    for (const auto& w : resp.workers()) up += w.state() == "up";
+    return up;
+  }
+
   void WaitForWorkers(int n) {
-    for (int i = 0; i < 100; ++i) {
-      grpc::ClientContext ctx;
-      v1::ListWorkersResponse resp;
-      if (stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) {
-        int up = 0;
-        for (const auto& w : resp.workers()) up += w.state() == "up";
-        if (up >= n) return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    ADD_FAILURE() << "workers did not come up";
+    if (!WaitUntil([&] { return UpWorkers() >= n; }, std::chrono::seconds(20)))
+      ADD_FAILURE() << "workers did not come up";
   }
 
   std::vector<Proc*> All() {
