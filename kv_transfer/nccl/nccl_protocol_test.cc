@@ -614,7 +614,7 @@ TEST_F(NcclProtocolTest, ShutdownEndsOpenTransfersAndSendersSeeTheLinkGo) {
 }
 
 TEST(ControlMessagesTest, EveryMessageRoundTripsAndEveryTruncationIsRejected) {
-  const KvLayout layout{"fp", 3, 2, 8, 4, "int8"};
+  const KvLayout layout{"fp", 3, 2, 8, 4, DType::kI8};
   const std::vector<ControlMessage> messages = {
       HelloMessage{std::string(128, '\x01'), "prefill-0"},
       BeginMessage{7, 9, "req-1", layout},
@@ -663,6 +663,98 @@ TEST(NcclConfigTest, RejectsZeroLimitsAndTimeouts) {
   EXPECT_FALSE((NcclTransportConfig{1, absl::ZeroDuration()}.Validate().ok()));
   EXPECT_FALSE((NcclReceiverConfig{0, absl::Seconds(1)}.Validate().ok()));
   EXPECT_FALSE((NcclReceiverConfig{1, absl::Seconds(-1)}.Validate().ok()));
+}
+
+
+// One decode worker of the LRU test: its own pool, receiver and endpoint,
+// listening on `name` of the shared fake network.
+struct DecodeEnd {
+  DecodeEnd(const std::string& name, const engine::KvCacheSpec& spec,
+            FakeControlNetwork* network, CommunicatorFactory* comms)
+      : name(name), network(network) {
+    pool = *engine::KvPool::Create(spec, 16);
+    receiver = std::make_unique<KvReceiver>(pool.get(),
+                                            KvLayout::FromSpec(spec, kModel));
+    NcclReceiverConfig config;
+    config.timeout = absl::Seconds(10);
+    endpoint = std::make_unique<NcclKvReceiveEndpoint>(receiver.get(), comms,
+                                                       config);
+    network->Listen(name, [this](std::unique_ptr<ControlChannel> channel) {
+      endpoint->Serve(std::move(channel));
+    });
+  }
+  ~DecodeEnd() {
+    network->StopListening(name);
+    endpoint->Shutdown();
+  }
+  // Sends a 4-block request (1 cached) from a fresh prefill pool and checks
+  // every byte arrived.
+  void Transfer(NcclKvTransport* transport, const engine::KvCacheSpec& spec,
+                uint64_t seed) {
+    std::vector<int32_t> reserved = {next, next - 1, next - 2, next - 3};
+    next -= 4;
+    const uint64_t id = receiver->Expect("req", reserved, 1);
+    Prefill prefill(spec, id, "req", 4, 1, seed);
+    prefill.plan.destination = name;
+    auto session = transport->Open(prefill.plan, prefill.pool.get());
+    ASSERT_TRUE(session.ok()) << name << ": " << session.status();
+    ASSERT_TRUE((*session)->SendLayers(0, spec.num_layers).ok());
+    ASSERT_TRUE((*session)->Finish().ok());
+    ASSERT_TRUE(
+        receiver->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30))
+            .ok());
+    for (int i = 1; i < 4; ++i) {
+      for (int l = 0; l < spec.num_layers; ++l)
+        EXPECT_TRUE(Holds(pool.get(), seed, l, i, reserved[i])) << name;
+    }
+  }
+  std::string name;
+  FakeControlNetwork* network;
+  std::unique_ptr<engine::KvPool> pool;
+  std::unique_ptr<KvReceiver> receiver;
+  std::unique_ptr<NcclKvReceiveEndpoint> endpoint;
+  int32_t next = 15;
+};
+
+TEST(NcclLinkCacheTest, LeastRecentlyUsedIdleLinkIsDroppedAndRebuiltOnUse) {
+  FakeCommunicatorFactory comms;
+  FakeControlNetwork network;
+  const engine::KvCacheSpec spec = Spec(DType::kBF16);
+  DecodeEnd a("decode-a", spec, &network, &comms),
+      b("decode-b", spec, &network, &comms),
+      c("decode-c", spec, &network, &comms);
+  NcclTransportConfig config;
+  config.timeout = absl::Seconds(10);
+  config.max_links = 2;
+  NcclKvTransport transport(&network, &comms, nullptr, config);
+
+  a.Transfer(&transport, spec, 1);
+  b.Transfer(&transport, spec, 2);
+  a.Transfer(&transport, spec, 3);  // a is now the most recently used
+  EXPECT_EQ(transport.num_links(), 2);
+  EXPECT_EQ(network.connections(), 2);  // reused, not reconnected
+  EXPECT_EQ(transport.num_evicted_links(), 0);
+
+  c.Transfer(&transport, spec, 4);  // over the cap: b (LRU) goes
+  EXPECT_EQ(transport.num_links(), 2);
+  EXPECT_EQ(transport.num_evicted_links(), 1);
+  EXPECT_EQ(network.connections(), 3);
+
+  a.Transfer(&transport, spec, 5);  // a survived: no new connection
+  EXPECT_EQ(network.connections(), 3);
+  b.Transfer(&transport, spec, 6);  // b is rebuilt; c (LRU) goes
+  EXPECT_EQ(network.connections(), 4);
+  EXPECT_EQ(transport.num_links(), 2);
+  EXPECT_EQ(transport.num_evicted_links(), 2);
+  EXPECT_EQ(a.receiver->num_reservations(), 0);
+  EXPECT_EQ(b.receiver->num_reservations(), 0);
+  EXPECT_EQ(c.receiver->num_reservations(), 0);
+}
+
+TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
+  NcclTransportConfig config;
+  config.max_links = 0;
+  EXPECT_FALSE(config.Validate().ok());
 }
 
 }  // namespace

@@ -21,6 +21,10 @@ absl::Status NcclTransportConfig::Validate() const {
     return absl::InvalidArgumentError(
         "nccl transport: timeout must be positive");
   }
+  if (max_links < 1) {
+    return absl::InvalidArgumentError(
+        "nccl transport: max_links must be at least 1");
+  }
   return absl::OkStatus();
 }
 
@@ -328,14 +332,24 @@ NcclKvTransport::~NcclKvTransport() = default;
 absl::StatusOr<std::shared_ptr<NcclLink>> NcclKvTransport::LinkTo(
     const std::string& destination, const std::string& sender_id) {
   std::shared_ptr<NcclLink> link;
+  std::vector<std::shared_ptr<NcclLink>> dropped;  // destroyed outside mu_
   {
     absl::MutexLock l(&mu_);
-    std::shared_ptr<NcclLink>& slot = links_[destination];
-    if (!slot || slot->broken()) {
-      slot = std::make_shared<NcclLink>(destination, config_);
+    auto it = links_.find(destination);
+    if (it == links_.end() || it->second.link->broken()) {
+      if (it == links_.end()) {
+        dropped = EvictForNewLink(destination);
+      } else {
+        dropped.push_back(std::move(it->second.link));
+      }
+      it = links_.insert_or_assign(destination, LinkSlot{}).first;
+      it->second.link = std::make_shared<NcclLink>(destination, config_);
     }
-    link = slot;
+    it->second.last_used = ++use_clock_;
+    link = it->second.link;
   }
+  // Evicted links tear their communicators down here, without mu_.
+  dropped.clear();
   // Connecting waits on the peer, so it holds only this link's lock: other
   // destinations are not held up, and concurrent Opens to this one wait for
   // the same connection.
@@ -396,11 +410,44 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> NcclKvTransport::Open(
       static_cast<size_t>(max_batch / span_bytes), metrics_));
 }
 
+std::vector<std::shared_ptr<NcclLink>> NcclKvTransport::EvictForNewLink(
+    const std::string& keep) {
+  std::vector<std::shared_ptr<NcclLink>> evicted;
+  while (static_cast<int>(links_.size()) >= config_.max_links) {
+    // The idle link (held only by this map) used least recently, or a
+    // broken one first.
+    auto victim = links_.end();
+    for (auto it = links_.begin(); it != links_.end(); ++it) {
+      if (it->first == keep || it->second.link.use_count() > 1) continue;
+      const bool better =
+          victim == links_.end() ||
+          (it->second.link->broken() && !victim->second.link->broken()) ||
+          (it->second.link->broken() == victim->second.link->broken() &&
+           it->second.last_used < victim->second.last_used);
+      if (better) victim = it;
+    }
+    if (victim == links_.end()) break;  // every link is in use
+    ++evicted_;
+    // Destroying the link (by the caller) destroys its communicator and
+    // closes its control channel: the receiver ends whatever was open on it
+    // (nothing, as it was idle) and forgets the link.
+    evicted.push_back(std::move(victim->second.link));
+    links_.erase(victim);
+  }
+  return evicted;
+}
+
 int NcclKvTransport::num_links() const {
   absl::MutexLock l(&mu_);
   int n = 0;
-  for (const auto& [destination, link] : links_) n += link->broken() ? 0 : 1;
+  for (const auto& [destination, slot] : links_)
+    n += slot.link->broken() ? 0 : 1;
   return n;
+}
+
+int64_t NcclKvTransport::num_evicted_links() const {
+  absl::MutexLock l(&mu_);
+  return evicted_;
 }
 
 }  // namespace pdserve::kv_transfer::nccl

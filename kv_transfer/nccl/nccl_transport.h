@@ -24,6 +24,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
@@ -42,6 +43,13 @@ struct NcclTransportConfig {
   // Bound on each wait for the receiver: a control reply, joining the
   // communicator, a batch's completion.
   absl::Duration timeout = absl::Seconds(60);
+  // Live links (one NCCL communicator each: tens of MB of NCCL buffers plus
+  // 2 x max_batch_bytes of staging) kept at most. Opening a link to a new
+  // decode worker beyond the cap first drops the least recently used link
+  // that no transfer is using (its communicator is destroyed, its control
+  // channel closed; the next transfer to that worker rebuilds it). While every
+  // link is busy the cap is exceeded rather than a transfer refused.
+  int max_links = 8;
 
   absl::Status Validate() const;
 };
@@ -65,6 +73,8 @@ class NcclKvTransport : public KvTransport {
 
   // Links that are connected or connecting and not broken.
   int num_links() const;
+  // Links dropped by the LRU cap so far.
+  int64_t num_evicted_links() const;
 
  private:
   absl::StatusOr<std::shared_ptr<NcclLink>> LinkTo(
@@ -75,8 +85,17 @@ class NcclKvTransport : public KvTransport {
   TransferMetrics* const metrics_;
   const NcclTransportConfig config_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<NcclLink>> links_
-      ABSL_GUARDED_BY(mu_);
+  struct LinkSlot {
+    std::shared_ptr<NcclLink> link;
+    uint64_t last_used = 0;  // use_clock_ at the last Open
+  };
+  // Drops least recently used idle links until fewer than max_links remain
+  // (or none is idle), keeping `keep`.
+  std::vector<std::shared_ptr<NcclLink>> EvictForNewLink(
+      const std::string& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::flat_hash_map<std::string, LinkSlot> links_ ABSL_GUARDED_BY(mu_);
+  uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace pdserve::kv_transfer::nccl
