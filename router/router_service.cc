@@ -3,11 +3,13 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <map>
 #include <optional>
 #include <random>
+#include <string_view>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
@@ -54,6 +56,7 @@ absl::Status RouterConfig::Validate() const {
         "--max-message-bytes must be in [1KiB, 2GiB)");
   if (limits.max_prompt_tokens < 0 || limits.max_output_tokens < 0 ||
       limits.max_stop_strings < 0 || limits.max_stop_string_bytes < 1 ||
+      limits.max_cache_salt_bytes < 0 || limits.max_request_id_bytes < 0 ||
       limits.max_streams_per_connection < 1 || limits.max_inflight_requests < 0)
     return absl::InvalidArgumentError(
         "request limits must not be negative (streams per connection and "
@@ -108,16 +111,28 @@ struct RouterMetrics {
             {"limit"}))) {
     for (const char* reason : {"missing", "invalid", "no_client_cert"})
       metrics::Must(auth_failures->WithLabels({reason}));
-    for (const char* limit : {"overload", "prompt_tokens", "max_tokens",
-                              "stop_strings", "stop_string_bytes", "deadline"})
+    for (const char* limit :
+         {"overload", "prompt_tokens", "max_tokens", "stop_strings",
+          "stop_string_bytes", "cache_salt_bytes", "request_id_bytes",
+          "deadline"})
       metrics::Must(limit_rejections->WithLabels({limit}));
-    for (const char* reason : {"length", "stop", "eos", "cancelled", "error"}) {
-      metrics::Must(requests->WithLabels({reason}));
-    }
+    for (size_t i = 0; i < kFinishReasons.size(); ++i)
+      finished[i] = metrics::Must(requests->WithLabels({kFinishReasons[i]}));
     remote = metrics::Must(decisions->WithLabels({"remote"}));
     local = metrics::Must(decisions->WithLabels({"local"}));
   }
   metrics::CounterFamily* requests;
+  // Every finish_reason label value; "error" (the last) also stands for any
+  // reason not listed, so no input can make a new label or fail a lookup.
+  static constexpr std::array<const char*, 5> kFinishReasons = {
+      "length", "stop", "eos", "cancelled", "error"};
+  std::array<metrics::Counter*, kFinishReasons.size()> finished{};
+  metrics::Counter* Finished(std::string_view reason) {
+    for (size_t i = 0; i < kFinishReasons.size(); ++i) {
+      if (reason == kFinishReasons[i]) return finished[i];
+    }
+    return finished.back();
+  }
   metrics::Histogram* ttft;
   metrics::Histogram* itl;
   metrics::Histogram* duration;
@@ -217,7 +232,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
   }
 
   void Finish(const std::string& reason, absl::Time start) {
-    metrics::Must(m->requests->WithLabels({reason}))->Increment();
+    m->Finished(reason)->Increment();
     m->duration->Observe(absl::ToDoubleSeconds(absl::Now() - start));
   }
 
@@ -364,6 +379,18 @@ struct RouterServer::Impl final : public v1::Router::Service,
   // and the request limits into `call`. INVALID_ARGUMENT (or the limit's
   // code) on bad input; touches no worker.
   grpc::Status TokenizeAndValidate(const v1::GenerateRequest& req, Call& call) {
+    // Bounded before anything hashes or logs them.
+    const RequestLimits& l = config.limits;
+    if (req.cache_salt().size() > static_cast<size_t>(l.max_cache_salt_bytes))
+      return OverLimit(
+          "cache_salt_bytes",
+          absl::StrCat("cache_salt has ", req.cache_salt().size(),
+                       " bytes; at most ", l.max_cache_salt_bytes, " allowed"));
+    if (req.request_id().size() > static_cast<size_t>(l.max_request_id_bytes))
+      return OverLimit(
+          "request_id_bytes",
+          absl::StrCat("request_id has ", req.request_id().size(),
+                       " bytes; at most ", l.max_request_id_bytes, " allowed"));
     std::vector<int32_t>& prompt = call.prompt;
     if (req.input_case() == v1::GenerateRequest::kPrompt) {
       if (req.prompt().empty())
@@ -470,9 +497,11 @@ struct RouterServer::Impl final : public v1::Router::Service,
         absl::StrCat(call.id, "@", instance, ".", next_attempt++));
     for (int32_t t : route.tokens) wreq.add_token_ids(static_cast<uint32_t>(t));
     *wreq.mutable_sampling() = call.req->sampling();
-    wreq.mutable_sampling()->set_max_tokens(
+    // RunAttempt finishes a call once it has max_tokens, so this is >= 1.
+    const size_t owed =
         call.sampling.max_tokens -
-        static_cast<uint32_t>(call.generated.size()));
+        std::min<size_t>(call.generated.size(), call.sampling.max_tokens);
+    wreq.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(owed));
     wreq.mutable_sampling()->clear_stop();
     wreq.set_cache_salt(call.cache_salt);
     if (route.prefill) wreq.set_prefill_address(route.prefill->address);
@@ -527,7 +556,15 @@ struct RouterServer::Impl final : public v1::Router::Service,
       out.Clear();
       out.set_request_id(call.id);
       const absl::Time now = absl::Now();
+      // A worker that sends more than it was asked for is cut off at
+      // max_tokens: the client never sees more, and the tokens still owed
+      // (WorkerRequest) never go below zero.
+      bool reached_max = false;
       for (uint32_t t : resp.token_ids()) {
+        if (call.generated.size() >= call.sampling.max_tokens) {
+          reached_max = true;
+          break;
+        }
         if (call.generated.empty()) {
           m->ttft->Observe(absl::ToDoubleSeconds(now - call.start));
         } else {
@@ -537,8 +574,9 @@ struct RouterServer::Impl final : public v1::Router::Service,
         call.generated.push_back(static_cast<int32_t>(t));
         out.add_token_ids(t);
       }
-      m->generation_tokens->Increment(resp.token_ids_size());
-      limiter.Charge(*call.tenant, resp.token_ids_size(), now);
+      reached_max |= call.generated.size() >= call.sampling.max_tokens;
+      m->generation_tokens->Increment(out.token_ids_size());
+      limiter.Charge(*call.tenant, out.token_ids_size(), now);
       auto delta =
           call.text->Push({out.token_ids().begin(), out.token_ids().end()});
       std::string piece = delta.text;
@@ -548,6 +586,10 @@ struct RouterServer::Impl final : public v1::Router::Service,
       } else if (resp.finish_reason() != v1::FINISH_REASON_NONE) {
         a.finish = wire::FinishReasonName(resp.finish_reason());
         if (a.finish.empty()) a.finish = "error";  // a number we do not know
+        piece += call.text->Finish().text;
+      } else if (reached_max) {
+        a.finish = "length";
+        wctx.TryCancel();
         piece += call.text->Finish().text;
       }
       out.set_text(piece);

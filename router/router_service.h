@@ -30,6 +30,10 @@ struct RequestLimits {
   int32_t max_output_tokens = 0;        // ceiling on max_tokens; 0: none
   int32_t max_stop_strings = 16;
   int32_t max_stop_string_bytes = 256;
+  // Client-chosen strings hashed into every block (cache_salt) or carried in
+  // every message and log line (request_id).
+  int32_t max_cache_salt_bytes = 256;
+  int32_t max_request_id_bytes = 128;
   int32_t max_streams_per_connection = 100;  // HTTP/2 concurrent streams
   // Generate calls in flight on this router; beyond it new ones are shed
   // with RESOURCE_EXHAUSTED at once (the router never queues). 0: no limit.

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -58,57 +59,195 @@ class RecordingWorker final : public v1::Worker::Service {
   std::vector<std::string> ids ABSL_GUARDED_BY(mu);
 };
 
+// A router on port 0 in front of one fake decode worker.
+class RouterServiceTest : public ::testing::Test {
+ protected:
+  void StartRouter(v1::Worker::Service* worker) {
+    const std::string dir = ::testing::TempDir() + "/router_service_test";
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/tokenizer.json")
+        << engine::ByteTokenizer::TokenizerJson();
+    std::ofstream(dir + "/tokenizer_config.json")
+        << engine::ByteTokenizer::TokenizerConfigJson();
+    int port = 0;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
+    builder.RegisterService(worker);
+    worker_server_ = builder.BuildAndStart();
+    ASSERT_NE(port, 0);
+
+    RouterConfig config;
+    config.model_dir = dir;
+    config.workers.decode = {absl::StrCat("127.0.0.1:", port)};
+    config.workers.heartbeat = absl::Milliseconds(50);
+    auto router = RouterServer::Create(config, &metrics_);
+    ASSERT_TRUE(router.ok()) << router.status();
+    router_ = *std::move(router);
+    auto router_port = router_->Serve("127.0.0.1", 0);
+    ASSERT_TRUE(router_port.ok()) << router_port.status();
+    ASSERT_TRUE(router_->workers().WaitForWorkers(1, absl::Seconds(10)));
+    stub_ = v1::Router::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", *router_port),
+                            grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (router_) router_->Shutdown();
+    if (worker_server_) worker_server_->Shutdown();
+  }
+
+  // Runs one Generate; the messages land in `out`.
+  grpc::Status Generate(const v1::GenerateRequest& req,
+                        std::vector<v1::GenerateResponse>* out = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(30));
+    auto reader = stub_->Generate(&ctx, req);
+    v1::GenerateResponse resp;
+    while (reader->Read(&resp)) {
+      if (out != nullptr) out->push_back(resp);
+    }
+    return reader->Finish();
+  }
+
+  static v1::GenerateRequest Request(uint32_t max_tokens) {
+    v1::GenerateRequest req;
+    req.set_prompt("hi");
+    req.mutable_sampling()->set_max_tokens(max_tokens);
+    return req;
+  }
+
+  metrics::Registry metrics_;
+  std::unique_ptr<grpc::Server> worker_server_;
+  std::unique_ptr<RouterServer> router_;
+  std::unique_ptr<v1::Router::Stub> stub_;
+};
+
 // Found by the fault soak (tests/soak): request ids restart at req-1 with
 // the router, and workers abort by id, so a worker's stale handler from
 // before a router restart cancelled a new request that reused its id (which
 // then "finished" with reason cancelled and no tokens). Client-chosen ids
 // collide the same way.
-TEST(RouterServiceTest, WorkersSeeADistinctIdForEveryRequest) {
-  const std::string dir = ::testing::TempDir() + "/router_service_test";
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir + "/tokenizer.json")
-      << engine::ByteTokenizer::TokenizerJson();
-  std::ofstream(dir + "/tokenizer_config.json")
-      << engine::ByteTokenizer::TokenizerConfigJson();
-
+TEST_F(RouterServiceTest, WorkersSeeADistinctIdForEveryRequest) {
   RecordingWorker worker;
-  int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &port);
-  builder.RegisterService(&worker);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-
-  metrics::Registry metrics;
-  RouterConfig config;
-  config.model_dir = dir;
-  config.workers.decode = {absl::StrCat("127.0.0.1:", port)};
-  config.workers.heartbeat = absl::Milliseconds(50);
-  auto router = RouterServer::Create(config, &metrics);
-  ASSERT_TRUE(router.ok()) << router.status();
-  auto router_port = (*router)->Serve("127.0.0.1", 0);
-  ASSERT_TRUE(router_port.ok()) << router_port.status();
-  ASSERT_TRUE((*router)->workers().WaitForWorkers(1, absl::Seconds(10)));
-  auto stub = v1::Router::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", *router_port),
-                          grpc::InsecureChannelCredentials()));
+  StartRouter(&worker);
   for (int i = 0; i < 2; ++i) {
-    v1::GenerateRequest req;
+    v1::GenerateRequest req = Request(1);
     req.set_request_id("same");
-    req.set_prompt("hi");
-    req.mutable_sampling()->set_max_tokens(1);
-    grpc::ClientContext ctx;
-    auto reader = stub->Generate(&ctx, req);
-    v1::GenerateResponse resp;
-    while (reader->Read(&resp)) EXPECT_EQ(resp.request_id(), "same");
-    ASSERT_TRUE(reader->Finish().ok());
+    std::vector<v1::GenerateResponse> out;
+    ASSERT_TRUE(Generate(req, &out).ok());
+    for (const auto& resp : out) EXPECT_EQ(resp.request_id(), "same");
   }
   absl::MutexLock l(&worker.mu);
   ASSERT_EQ(worker.ids.size(), 2u);
   EXPECT_NE(worker.ids[0], worker.ids[1]);
   EXPECT_TRUE(absl::StartsWith(worker.ids[0], "same"));  // readable in logs
-  (*router)->Shutdown();
-  server->Shutdown();
+}
+
+// cache_salt is hashed into every block and request_id rides on every
+// message and log line: both are bounded.
+TEST_F(RouterServiceTest, OverlongCacheSaltAndRequestIdAreRefused) {
+  RecordingWorker worker;
+  StartRouter(&worker);
+  v1::GenerateRequest req = Request(1);
+  req.set_cache_salt(std::string(256, 's'));
+  req.set_request_id(std::string(128, 'r'));
+  EXPECT_TRUE(Generate(req).ok());
+
+  req.set_cache_salt(std::string(257, 's'));
+  grpc::Status st = Generate(req);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "cache_salt"))
+      << st.error_message();
+
+  req.set_cache_salt("");
+  req.set_request_id(std::string(129, 'r'));
+  st = Generate(req);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "request_id"))
+      << st.error_message();
+  absl::MutexLock l(&worker.mu);
+  EXPECT_EQ(worker.ids.size(), 1u) << "refused requests reached a worker";
+}
+
+// A worker that streams more tokens than asked for and then fails. The
+// router used to pass them all on, then migrate with max_tokens =
+// max_tokens - generated, which wrapped around to ~4 billion.
+class OverrunningWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    status->set_id("overrunning");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    status->set_max_model_len(1024);
+    return grpc::Status::OK;
+  }
+  grpc::Status Generate(
+      grpc::ServerContext*, const v1::WorkerGenerateRequest* req,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
+    {
+      absl::MutexLock l(&mu);
+      max_tokens.push_back(req->sampling().max_tokens());
+    }
+    v1::WorkerGenerateResponse resp;
+    for (int i = 0; i < 5; ++i) resp.add_token_ids('a' + i);
+    writer->Write(resp);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "died");
+  }
+  absl::Mutex mu;
+  std::vector<uint32_t> max_tokens ABSL_GUARDED_BY(mu);
+};
+
+TEST_F(RouterServiceTest, AWorkerThatOverrunsMaxTokensIsCutOff) {
+  OverrunningWorker worker;
+  StartRouter(&worker);
+  std::vector<v1::GenerateResponse> out;
+  ASSERT_TRUE(Generate(Request(2), &out).ok());
+  size_t tokens = 0;
+  for (const auto& resp : out) tokens += resp.token_ids_size();
+  EXPECT_EQ(tokens, 2u);
+  ASSERT_FALSE(out.empty());
+  EXPECT_EQ(out.back().finish_reason(), "length");
+  EXPECT_EQ(out.back().usage().completion_tokens(), 2u);
+  absl::MutexLock l(&worker.mu);
+  for (uint32_t asked : worker.max_tokens) EXPECT_LE(asked, 2u);
+}
+
+// The finish reason comes from the worker; a number this router does not
+// know ends the request as "error" and is counted under that label, never as
+// a new label (nor a failed lookup: metric lookups used to abort).
+class UnknownFinishWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    status->set_id("unknown-finish");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    status->set_max_model_len(1024);
+    return grpc::Status::OK;
+  }
+  grpc::Status Generate(
+      grpc::ServerContext*, const v1::WorkerGenerateRequest*,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
+    v1::WorkerGenerateResponse resp;
+    resp.add_token_ids('a');
+    resp.set_finish_reason(static_cast<v1::FinishReason>(97));
+    writer->Write(resp);
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
+  UnknownFinishWorker worker;
+  StartRouter(&worker);
+  std::vector<v1::GenerateResponse> out;
+  ASSERT_TRUE(Generate(Request(4), &out).ok());
+  ASSERT_FALSE(out.empty());
+  EXPECT_EQ(out.back().finish_reason(), "error");
+  const std::string text = metrics_.Render();
+  EXPECT_TRUE(absl::StrContains(
+      text, "pdserve_requests_total{finish_reason=\"error\"} 1"))
+      << text;
+  EXPECT_FALSE(absl::StrContains(text, "finish_reason=\"97\""));
 }
 
 }  // namespace
