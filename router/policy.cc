@@ -1,7 +1,5 @@
 #include "router/policy.h"
 
-#include "wire/enums.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -10,18 +8,20 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "wire/enums.h"
 
 namespace pdserve::router {
 namespace {
 
+// Failed this request already, or draining (it finishes what it has but
+// takes nothing new; the router filters those too, this keeps every policy
+// safe on its own).
 bool Excluded(const RouteRequest& r, const WorkerView& w) {
-  return std::find(r.exclude.begin(), r.exclude.end(), w.index) !=
-         r.exclude.end();
+  return w.status.draining() || std::find(r.exclude.begin(), r.exclude.end(),
+                                          w.index) != r.exclude.end();
 }
 
-bool CanDecode(const WorkerView& w) {
-  return wire::ServesDecode(w.role);
-}
+bool CanDecode(const WorkerView& w) { return wire::ServesDecode(w.role); }
 bool CanPrefill(const WorkerView& w) {
   return w.role == v1::WORKER_ROLE_PREFILL;
 }
@@ -151,7 +151,8 @@ const WorkerView* LeastLoadedPrefill(
 void SetPrefill(const RouteRequest& request, const WorkerView* prefill,
                 const PolicyConfig& config, RouteDecision* d) {
   if (prefill == nullptr) {
-    d->reason = d->decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
+    d->reason = d->decode->role == v1::WORKER_ROLE_BOTH ? "colocated"
+                                                        : "local:no_prefill";
   } else if (request.num_tokens <= config.local_prefill_threshold) {
     d->reason = "local:short";
   } else {
@@ -226,7 +227,8 @@ class CacheAwarePolicy : public Policy {
       }
     }
     if (pick == nullptr) {
-      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
+      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated"
+                                                        : "local:no_prefill";
       d.prefill_cached_tokens = d.decode_cached_tokens;
     } else if (uncached_at_decode <= config_.local_prefill_threshold) {
       d.reason = "local:short";
@@ -359,7 +361,8 @@ class RoundRobinPolicy : public Policy {
     RouteDecision d;
     d.decode = decoders[n % decoders.size()];
     if (prefillers.empty()) {
-      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated" : "local:no_prefill";
+      d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated"
+                                                        : "local:no_prefill";
     } else if (request.num_tokens <= config_.local_prefill_threshold) {
       d.reason = "local:short";
     } else {

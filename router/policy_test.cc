@@ -1,0 +1,266 @@
+#include "router/policy.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "router/prefix_index.h"
+
+namespace pdserve::router {
+namespace {
+
+constexpr int32_t kBlockSize = 16;
+const engine::ModelFingerprint kFingerprint = {0x1234, 0x5678};
+
+WorkerView Worker(WorkerIndex index, v1::WorkerRole role) {
+  WorkerView w;
+  w.index = index;
+  w.address = "w" + std::to_string(index);
+  w.role = role;
+  w.up = true;
+  w.fingerprint = kFingerprint;
+  w.status.mutable_layout()->set_block_size(kBlockSize);
+  w.status.set_total_blocks(100);
+  w.status.set_free_blocks(100);
+  w.status.set_max_model_len(4096);
+  return w;
+}
+
+std::vector<int32_t> Tokens(int n, int salt = 0) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(1 + (i * 31 + salt) % 250);
+  return t;
+}
+
+class PolicyTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Policy> Make(const std::string& name) {
+    auto p = Policy::Create(name, config_, &index_);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *std::move(p) : nullptr;
+  }
+  // The index says `worker` holds the first `blocks` blocks of `tokens`.
+  void Cache(WorkerIndex worker, const std::vector<int32_t>& tokens,
+             size_t blocks) {
+    PromptHashes hashes(&tokens, "");
+    const auto& all = hashes.For(kFingerprint, kBlockSize);
+    index_.Stored(worker, std::span(all).first(blocks));
+  }
+  absl::StatusOr<RouteDecision> Choose(Policy& p,
+                                       const std::vector<int32_t>& tokens,
+                                       const std::vector<WorkerView>& workers,
+                                       std::vector<WorkerIndex> exclude = {}) {
+    RouteRequest r{static_cast<int64_t>(tokens.size()), "", &tokens,
+                   std::move(exclude), nullptr};
+    return p.Choose(r, workers);
+  }
+
+  PolicyConfig config_;
+  PrefixIndex index_;
+};
+
+const char* const kPolicies[] = {"cache_aware", "round_robin", "least_loaded",
+                                 "cache_threshold"};
+
+TEST_F(PolicyTest, UnknownNameIsRefused) {
+  auto p = Policy::Create("fastest", config_, &index_);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PolicyTest, CacheAwareFollowsThePrefixWhenLoadsAreEqual) {
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);  // 16 blocks
+  Cache(2, tokens, 16);
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Worker(1, v1::WORKER_ROLE_PREFILL),
+                                           Worker(2, v1::WORKER_ROLE_PREFILL)};
+  for (int i = 0; i < 4; ++i) {  // not a tie broken by rotation
+    auto d = Choose(*p, tokens, workers);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_NE(d->prefill, nullptr);
+    EXPECT_EQ(d->prefill->index, 2);
+    EXPECT_EQ(d->prefill_cached_tokens, 256);
+    EXPECT_EQ(d->reason, "remote");
+  }
+}
+
+TEST_F(PolicyTest, CacheAwareLeavesTheCachedWorkerWhenItsQueueCostsMore) {
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  Cache(2, tokens, 16);
+  std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                     Worker(1, v1::WORKER_ROLE_PREFILL),
+                                     Worker(2, v1::WORKER_ROLE_PREFILL)};
+  // Cost at 2: w_prefill x (0 uncached + 10000 queued); at 1: 256 uncached.
+  workers[2].status.set_queued_prefill_tokens(10000);
+  auto d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  ASSERT_NE(d->prefill, nullptr);
+  EXPECT_EQ(d->prefill->index, 1);
+  EXPECT_EQ(d->prefill_cached_tokens, 0);
+}
+
+TEST_F(PolicyTest, CacheAwareDecodesWhereTheLoadIsLowest) {
+  auto p = Make("cache_aware");
+  std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                     Worker(1, v1::WORKER_ROLE_DECODE)};
+  workers[0].status.set_num_running(5);
+  for (int i = 0; i < 3; ++i) {
+    auto d = Choose(*p, Tokens(64), workers);
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(d->decode->index, 1);
+  }
+}
+
+TEST_F(PolicyTest, ShortUncachedPromptsPrefillOnTheDecodeWorker) {
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Worker(1, v1::WORKER_ROLE_PREFILL)};
+  for (const char* name : kPolicies) {
+    SCOPED_TRACE(name);
+    auto p = Make(name);
+    auto at = Choose(*p, Tokens(config_.local_prefill_threshold), workers);
+    ASSERT_TRUE(at.ok());
+    EXPECT_EQ(at->prefill, nullptr);
+    EXPECT_EQ(at->reason, "local:short");
+    auto above =
+        Choose(*p, Tokens(config_.local_prefill_threshold + 1), workers);
+    ASSERT_TRUE(above.ok());
+    ASSERT_NE(above->prefill, nullptr);
+    EXPECT_EQ(above->prefill->index, 1);
+    EXPECT_EQ(above->reason, "remote");
+  }
+}
+
+TEST_F(PolicyTest, CacheAwareCountsOnlyWhatTheDecodeWorkerLacks) {
+  // 256 tokens, 240 of them cached at the decode worker: 16 uncached is
+  // under the threshold, so the decode worker prefills the rest itself.
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  Cache(0, tokens, 15);
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Worker(1, v1::WORKER_ROLE_PREFILL)};
+  auto d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->prefill, nullptr);
+  EXPECT_EQ(d->reason, "local:short");
+  EXPECT_EQ(d->decode_cached_tokens, 240);
+}
+
+TEST_F(PolicyTest, NoPrefillWorkerMeansLocalPrefill) {
+  for (const char* name : kPolicies) {
+    SCOPED_TRACE(name);
+    auto p = Make(name);
+    // The decision points into the worker list: keep it alive.
+    const std::vector<WorkerView> decode_only = {
+        Worker(0, v1::WORKER_ROLE_DECODE)};
+    const std::vector<WorkerView> colocated = {Worker(3, v1::WORKER_ROLE_BOTH)};
+    auto d = Choose(*p, Tokens(512), decode_only);
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(d->prefill, nullptr);
+    EXPECT_EQ(d->reason, "local:no_prefill");
+    auto both = Choose(*p, Tokens(512), colocated);
+    ASSERT_TRUE(both.ok());
+    EXPECT_EQ(both->prefill, nullptr);
+    EXPECT_EQ(both->decode->index, 3);
+    EXPECT_EQ(both->reason, "colocated");
+  }
+}
+
+TEST_F(PolicyTest, DrainingAndExcludedWorkersAreNeverChosen) {
+  std::vector<WorkerView> workers = {
+      Worker(0, v1::WORKER_ROLE_DECODE), Worker(1, v1::WORKER_ROLE_DECODE),
+      Worker(2, v1::WORKER_ROLE_PREFILL), Worker(3, v1::WORKER_ROLE_PREFILL)};
+  workers[0].status.set_draining(true);
+  workers[2].status.set_draining(true);
+  // The draining workers look best on every count.
+  workers[1].status.set_num_running(50);
+  workers[3].status.set_queued_prefill_tokens(50000);
+  const auto tokens = Tokens(256);
+  Cache(2, tokens, 16);
+  for (const char* name : kPolicies) {
+    SCOPED_TRACE(name);
+    auto p = Make(name);
+    for (int i = 0; i < 4; ++i) {
+      auto d = Choose(*p, tokens, workers);
+      ASSERT_TRUE(d.ok());
+      EXPECT_EQ(d->decode->index, 1);
+      ASSERT_NE(d->prefill, nullptr);
+      EXPECT_EQ(d->prefill->index, 3);
+    }
+    auto none = Choose(*p, tokens, workers, /*exclude=*/{1});
+    EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable);
+    auto local = Choose(*p, tokens, workers, /*exclude=*/{3});
+    ASSERT_TRUE(local.ok());
+    EXPECT_EQ(local->prefill, nullptr);
+  }
+}
+
+TEST_F(PolicyTest, NoDecodeWorkerIsUnavailable) {
+  for (const char* name : kPolicies) {
+    SCOPED_TRACE(name);
+    auto p = Make(name);
+    auto d = Choose(*p, Tokens(64), {Worker(0, v1::WORKER_ROLE_PREFILL)});
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  }
+}
+
+TEST_F(PolicyTest, RoundRobinRotatesOverDecodeWorkers) {
+  auto p = Make("round_robin");
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Worker(1, v1::WORKER_ROLE_DECODE),
+                                           Worker(2, v1::WORKER_ROLE_DECODE)};
+  std::vector<int> seen(3, 0);
+  for (int i = 0; i < 9; ++i) {
+    auto d = Choose(*p, Tokens(8), workers);
+    ASSERT_TRUE(d.ok());
+    ++seen[d->decode->index];
+  }
+  EXPECT_EQ(seen, (std::vector<int>{3, 3, 3}));
+}
+
+TEST_F(PolicyTest, LeastLoadedIgnoresTheCache) {
+  auto p = Make("least_loaded");
+  const auto tokens = Tokens(256);
+  Cache(1, tokens, 16);
+  std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                     Worker(1, v1::WORKER_ROLE_PREFILL),
+                                     Worker(2, v1::WORKER_ROLE_PREFILL)};
+  workers[1].status.set_queued_prefill_tokens(100);
+  // Router-side in-flight tokens count too (the larger of the two figures).
+  workers[2].routed_prefill_tokens = 50;
+  auto d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  ASSERT_NE(d->prefill, nullptr);
+  EXPECT_EQ(d->prefill->index, 2);
+}
+
+TEST_F(PolicyTest, CacheThresholdFollowsAMatchOnlyAboveTheThreshold) {
+  const auto tokens = Tokens(320);  // 20 blocks
+  std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                     Worker(1, v1::WORKER_ROLE_PREFILL),
+                                     Worker(2, v1::WORKER_ROLE_PREFILL)};
+  workers[1].status.set_queued_prefill_tokens(1000);  // busier, but cached
+  {
+    Cache(1, tokens, 11);  // 55% > 50%: follow the match
+    auto p = Make("cache_threshold");
+    auto d = Choose(*p, tokens, workers);
+    ASSERT_TRUE(d.ok());
+    ASSERT_NE(d->prefill, nullptr);
+    EXPECT_EQ(d->prefill->index, 1);
+    EXPECT_EQ(d->prefill_cached_tokens, 176);
+  }
+  {
+    index_.ClearWorker(1);
+    Cache(1, tokens, 9);  // 45%: the least loaded instead
+    auto p = Make("cache_threshold");
+    auto d = Choose(*p, tokens, workers);
+    ASSERT_TRUE(d.ok());
+    ASSERT_NE(d->prefill, nullptr);
+    EXPECT_EQ(d->prefill->index, 2);
+  }
+}
+
+}  // namespace
+}  // namespace pdserve::router
