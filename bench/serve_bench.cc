@@ -1,19 +1,25 @@
 #include "bench/serve_bench.h"
 
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "pdserve/v1/router.grpc.pb.h"
 
@@ -66,13 +72,183 @@ RequestResult RunOne(v1::Router::Stub* stub, const RequestSpec& spec) {
   return r;
 }
 
+// An OpenAI-compatible server: "http://host:port" and the API's base path.
+struct OpenAiTarget {
+  std::string origin;     // scheme://host:port
+  std::string base_path;  // "/v1"
+  std::string model;
+  std::string api_key;    // $OPENAI_API_KEY
+
+  static absl::StatusOr<OpenAiTarget> Parse(const std::string& url) {
+    const size_t scheme = url.find("://");
+    if (scheme == std::string::npos ||
+        !(absl::StartsWith(url, "http://") || absl::StartsWith(url, "https://")))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--openai-url must look like http://HOST:PORT/v1, got ", url));
+    OpenAiTarget t;
+    const size_t path = url.find('/', scheme + 3);
+    t.origin = url.substr(0, path);
+    t.base_path = path == std::string::npos ? "" : url.substr(path);
+    while (!t.base_path.empty() && t.base_path.back() == '/')
+      t.base_path.pop_back();
+    if (const char* key = std::getenv("OPENAI_API_KEY")) t.api_key = key;
+    return t;
+  }
+
+  std::unique_ptr<httplib::Client> Connect() const {
+    auto c = std::make_unique<httplib::Client>(origin);
+    c->set_tcp_nodelay(true);
+    c->set_keep_alive(true);
+    c->set_read_timeout(600, 0);
+    c->set_connection_timeout(10, 0);
+    if (!api_key.empty()) c->set_bearer_token_auth(api_key);
+    return c;
+  }
+
+  // The first model of GET /models.
+  absl::Status ResolveModel() {
+    auto c = Connect();
+    auto res = c->Get(base_path + "/models");
+    if (!res || res->status != 200)
+      return absl::UnavailableError(absl::StrCat(
+          "GET ", origin, base_path, "/models failed (",
+          res ? std::to_string(res->status) : httplib::to_string(res.error()),
+          "); pass --model"));
+    ASSIGN_OR_RETURN(json::Value body, json::Parse(res->body, "/models"));
+    const json::Value* data = json::Find(body, "data");
+    if (data == nullptr || !data->is_array() || data->empty())
+      return absl::NotFoundError("/models lists no model; pass --model");
+    ASSIGN_OR_RETURN(model, json::GetString((*data)[0], "id", "/models"));
+    return absl::OkStatus();
+  }
+};
+
+// One streamed completion. TTFT: the first SSE chunk carrying text; ITL: the
+// gaps between later text chunks, each spread evenly over the tokens the
+// chunks carried on average (usage's completion_tokens / text chunks), so
+// a server that batches tokens per chunk is not flattered.
+RequestResult RunOneOpenAi(httplib::Client& client, const OpenAiTarget& t,
+                           const RequestSpec& spec) {
+  RequestResult r;
+  const std::string body = json::Dump(json::OrderedValue{
+      {"model", t.model},
+      {"prompt", spec.prompt},
+      {"max_tokens", spec.max_tokens},
+      {"temperature", 0},
+      {"ignore_eos", true},
+      {"stream", true},
+      {"stream_options", {{"include_usage", true}}}});
+  const auto start = Clock::now();
+  Clock::time_point last = start;
+  std::vector<double> gaps;
+  bool first = true, done = false;
+  std::string buffer, raw;
+  auto on_event = [&](absl::string_view data) {
+    if (data == "[DONE]") {
+      done = true;
+      return;
+    }
+    auto event = json::Parse(data, "SSE event");
+    if (!event.ok()) return;
+    if (const json::Value* err = json::Find(*event, "error")) {
+      r.error = err->dump();
+      return;
+    }
+    const json::Value* choices = json::Find(*event, "choices");
+    if (choices != nullptr && choices->is_array() && !choices->empty()) {
+      const json::Value& c = (*choices)[0];
+      const std::string* text = json::StringOrNull(json::Find(c, "text"));
+      if (const json::Value* delta = json::Find(c, "delta");
+          text == nullptr && delta != nullptr)
+        text = json::StringOrNull(json::Find(*delta, "content"));  // chat
+      if (text != nullptr && !text->empty()) {
+        const auto now = Clock::now();
+        if (first) {
+          r.ttft_s = std::chrono::duration<double>(now - start).count();
+          first = false;
+        } else {
+          gaps.push_back(std::chrono::duration<double>(now - last).count());
+        }
+        last = now;
+      }
+    }
+    if (const json::Value* usage = json::Find(*event, "usage")) {
+      r.prompt_tokens = static_cast<uint32_t>(
+          json::GetInt(*usage, "prompt_tokens", "usage", 0).value_or(0));
+      r.completion_tokens = static_cast<uint32_t>(
+          json::GetInt(*usage, "completion_tokens", "usage", 0).value_or(0));
+      if (const json::Value* details =
+              json::Find(*usage, "prompt_tokens_details")) {
+        r.cached_prompt_tokens = static_cast<uint32_t>(
+            json::GetInt(*details, "cached_tokens", "usage", 0).value_or(0));
+      }
+    }
+  };
+  httplib::Request req;
+  req.method = "POST";
+  req.path = t.base_path + "/completions";
+  req.body = body;
+  req.set_header("Content-Type", "application/json");
+  req.set_header("Accept", "text/event-stream");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (raw.size() < 4096) raw.append(data, std::min(n, 4096 - raw.size()));
+    buffer.append(data, n);
+    size_t end;
+    while ((end = buffer.find("\n\n")) != std::string::npos) {
+      absl::string_view event(buffer.data(), end);
+      for (absl::string_view line : absl::StrSplit(event, '\n')) {
+        if (!absl::ConsumePrefix(&line, "data:")) continue;
+        absl::ConsumePrefix(&line, " ");
+        on_event(line);
+      }
+      buffer.erase(0, end + 2);
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error error = httplib::Error::Success;
+  const bool sent = client.send(req, res, error);
+  r.e2e_s = Since(start);
+  if (!sent) {
+    r.error = absl::StrCat("HTTP request failed: ", httplib::to_string(error));
+  } else if (res.status != 200) {
+    r.error = absl::StrCat("HTTP ", res.status, ": ", raw);
+  } else if (!done && r.error.empty()) {
+    r.error = "stream ended without data: [DONE]";
+  }
+  r.ok = r.error.empty() && sent && res.status == 200;
+  if (!gaps.empty()) {
+    const double per_chunk =
+        r.completion_tokens > 1
+            ? static_cast<double>(r.completion_tokens - 1) /
+                  static_cast<double>(gaps.size())
+            : 1.0;
+    const int copies = std::max(1, static_cast<int>(std::lround(per_chunk)));
+    for (double g : gaps) {
+      for (int i = 0; i < copies; ++i) r.itl_s.push_back(g / per_chunk);
+    }
+  }
+  return r;
+}
+
 // Runs `specs` open loop (arrival times) or closed loop (concurrency).
 std::vector<RequestResult> Execute(const ServeBenchConfig& config,
                                    const std::vector<RequestSpec>& specs,
-                                   double* duration_s) {
-  auto channel =
-      grpc::CreateChannel(config.router, grpc::InsecureChannelCredentials());
-  auto stub = v1::Router::NewStub(channel);
+                                   double* duration_s,
+                                   const OpenAiTarget* openai) {
+  std::unique_ptr<v1::Router::Stub> stub;
+  if (openai == nullptr) {
+    stub = v1::Router::NewStub(
+        grpc::CreateChannel(config.router, grpc::InsecureChannelCredentials()));
+  }
+  // One keep-alive HTTP connection per client thread (closed loop) or per
+  // request (open loop), as an OpenAI SDK client would hold.
+  auto run = [&](std::unique_ptr<httplib::Client>& http,
+                 const RequestSpec& spec) {
+    if (openai == nullptr) return RunOne(stub.get(), spec);
+    if (http == nullptr) http = openai->Connect();
+    return RunOneOpenAi(*http, *openai, spec);
+  };
   std::vector<RequestResult> results(specs.size());
   std::atomic<int> done{0};
   std::atomic<size_t> next{0};
@@ -81,8 +257,9 @@ std::vector<RequestResult> Execute(const ServeBenchConfig& config,
   if (config.concurrency > 0) {
     for (int c = 0; c < config.concurrency; ++c) {
       threads.emplace_back([&] {
+        std::unique_ptr<httplib::Client> http;
         for (size_t i = next++; i < specs.size(); i = next++) {
-          results[i] = RunOne(stub.get(), specs[i]);
+          results[i] = run(http, specs[i]);
           ++done;
         }
       });
@@ -94,7 +271,8 @@ std::vector<RequestResult> Execute(const ServeBenchConfig& config,
                       std::chrono::duration<double>(specs[i].arrival_s));
       std::this_thread::sleep_until(at);
       threads.emplace_back([&, i] {
-        results[i] = RunOne(stub.get(), specs[i]);
+        std::unique_ptr<httplib::Client> http;
+        results[i] = run(http, specs[i]);
         ++done;
       });
     }
@@ -120,7 +298,10 @@ std::vector<RequestResult> Execute(const ServeBenchConfig& config,
 }  // namespace
 
 absl::Status ServeBenchConfig::Validate() const {
-  if (router.empty()) return absl::InvalidArgumentError("--router is required");
+  if (router.empty() == openai_url.empty())
+    return absl::InvalidArgumentError(
+        "give one of --router (pdserve gRPC) or --openai-url (any "
+        "OpenAI-compatible server)");
   if (concurrency < 0)
     return absl::InvalidArgumentError("--concurrency must not be negative");
   if (slo_ttft_s <= 0 || slo_itl_s <= 0)
@@ -207,8 +388,15 @@ absl::StatusOr<ServeReport> RunServeBench(const ServeBenchConfig& config) {
   } else {
     ASSIGN_OR_RETURN(specs, MakeWorkload(config.workload));
   }
+  std::optional<OpenAiTarget> openai;
+  if (!config.openai_url.empty()) {
+    ASSIGN_OR_RETURN(openai, OpenAiTarget::Parse(config.openai_url));
+    openai->model = config.openai_model;
+    if (openai->model.empty()) RETURN_IF_ERROR(openai->ResolveModel());
+  }
+  const OpenAiTarget* target = openai ? &*openai : nullptr;
   double duration = 0;
-  auto results = Execute(config, specs, &duration);
+  auto results = Execute(config, specs, &duration, target);
   ServeReport report =
       Summarise(results, duration, config.slo_ttft_s, config.slo_itl_s);
   report.request_rate = config.concurrency > 0 ? 0 : config.workload.rate;
@@ -234,7 +422,7 @@ absl::StatusOr<ServeReport> RunServeBench(const ServeBenchConfig& config) {
           config.workload.seed + 7919 * static_cast<uint64_t>(it + 1);
       ASSIGN_OR_RETURN(auto probe_specs, MakeWorkload(probe.workload));
       double d = 0;
-      auto res = Execute(probe, probe_specs, &d);
+      auto res = Execute(probe, probe_specs, &d, target);
       const ServeReport pr =
           Summarise(res, d, config.slo_ttft_s, config.slo_itl_s);
       std::fprintf(stderr,

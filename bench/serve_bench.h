@@ -16,7 +16,15 @@
 namespace pdserve::bench {
 
 struct ServeBenchConfig {
-  std::string router;  // host:port
+  std::string router;  // host:port of pdserve's gRPC router
+  // Or any OpenAI-compatible server (pdserve's HTTP front, vLLM, SGLang,
+  // llama.cpp): its base URL, such as http://127.0.0.1:8000/v1. Requests go
+  // to POST {url}/completions with "stream": true and include_usage; TTFT is
+  // the first SSE chunk with text, ITL the gaps between chunks spread over
+  // the tokens that usage reports. $OPENAI_API_KEY, when set, is sent as the
+  // bearer token.
+  std::string openai_url;
+  std::string openai_model;  // "model"; empty: the first of GET {url}/models
   WorkloadConfig workload;
   std::string trace_file;   // replaces the named workload
   int32_t concurrency = 0;  // > 0: closed loop with this many clients

@@ -46,6 +46,10 @@ ABSL_FLAG(bool, goodput, false,
 ABSL_FLAG(double, max_rate, 16, "bench serve: upper end of the goodput search");
 ABSL_FLAG(std::string, cdf_svg, "",
           "bench serve: write the TTFT CDF plot here");
+ABSL_FLAG(std::string, openai_url, "",
+          "bench serve: drive an OpenAI-compatible server at this base URL "
+          "(http://HOST:PORT/v1) instead of --router; --model is then the "
+          "served model name (default: the first of /v1/models)");
 ABSL_FLAG(std::string, transfer_tokens, "1024,4096,16384",
           "bench transfer: sequence lengths in tokens");
 ABSL_FLAG(int32_t, repetitions, 3,
@@ -144,6 +148,8 @@ absl::StatusOr<std::vector<int32_t>> ParseIntList(const std::string& text,
 int RunBenchServe(const std::vector<std::string>&) {
   bench::ServeBenchConfig c;
   c.router = absl::GetFlag(FLAGS_router);
+  c.openai_url = absl::GetFlag(FLAGS_openai_url);
+  if (!c.openai_url.empty()) c.openai_model = absl::GetFlag(FLAGS_model);
   c.workload.name = absl::GetFlag(FLAGS_workload);
   c.workload.num_requests = absl::GetFlag(FLAGS_num_requests);
   c.workload.rate = absl::GetFlag(FLAGS_rate);
@@ -252,7 +258,8 @@ const std::vector<Command>& AllCommands() {
        RunModelInit},
       {"model logits", "print the logits of a token sequence as JSON",
        "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads "
-       "N]\n\n"
+       "N]\n"
+       "             [--weight-dtype auto|fp32|bf16|fp16|int8]\n\n"
        "Prints {\"logits\": [...]} for the last position, or one list per "
        "position\n"
        "with --all-positions. fp32 KV cache: this is the accuracy reference "
@@ -423,7 +430,8 @@ const std::vector<Command>& AllCommands() {
       {"bench serve",
        "load generator against a router: latency percentiles, throughput, "
        "goodput",
-       "bench serve --router ADDR [--workload "
+       "bench serve (--router ADDR | --openai-url http://HOST:PORT/v1 "
+       "[--model NAME]) [--workload "
        "chat|multiturn|longdoc|mixed|synthetic | --trace FILE]\n"
        "            [--num-requests 32] [--rate R | --concurrency C] "
        "[--input-len 128] [--output-len 32]\n"
