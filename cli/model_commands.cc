@@ -82,7 +82,13 @@ int RunModelLogits(const std::vector<std::string>&) {
   auto tokens = ParseTokenList(absl::GetFlag(FLAGS_tokens));
   if (!tokens.ok()) return ReportError(tokens.status());
   kernels::SetKernelThreads(absl::GetFlag(FLAGS_threads));
-  auto weights = engine::ModelWeights::Load(dir);
+  auto weight_dtype =
+      engine::ParseWeightDtype(absl::GetFlag(FLAGS_weight_dtype));
+  if (!weight_dtype) {
+    return ReportError(absl::InvalidArgumentError(
+        "--weight-dtype must be auto, fp32, bf16, fp16 or int8"));
+  }
+  auto weights = engine::ModelWeights::Load(dir, *weight_dtype);
   if (!weights.ok()) return ReportError(weights.status());
   auto shared =
       std::make_shared<const engine::ModelWeights>(std::move(*weights));

@@ -60,6 +60,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=1e-4,
                     help="max allowed max|a-b| / max(max|b|, 1e-6) (default 1e-4)")
     ap.add_argument("--timeout", type=float, default=600, help="pdserve timeout in seconds")
+    ap.add_argument("--weight-dtype", default=None,
+                    help="run pdserve with --weight-dtype D and round the reference's "
+                         "matrices the same way (bf16, fp16, int8)")
+    ap.add_argument("--reference-weight-dtype", default=None,
+                    help="round the reference's matrices as this dtype instead "
+                         "(fp32: compare compact weights with the unrounded model)")
+    ap.add_argument("--allow-argmax-mismatch", action="store_true",
+                    help="report argmax mismatches without failing (rounded weights "
+                         "against the unrounded model can flip near-ties)")
     args = ap.parse_args(argv)
 
     try:
@@ -71,6 +80,8 @@ def main(argv=None) -> int:
     cmd = [args.pdserve, "model", "logits", "--model", args.model, "--tokens", tok_arg]
     if args.all_positions:
         cmd.append("--all-positions")
+    if args.weight_dtype:
+        cmd += ["--weight-dtype", args.weight_dtype]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -84,7 +95,9 @@ def main(argv=None) -> int:
         return fail(f"cannot parse pdserve output ({e}); stdout starts with: {proc.stdout[:300]!r}")
 
     try:
-        ref = np.asarray(llama_ref.reference_logits(args.model, tokens, args.all_positions),
+        ref_dtype = args.reference_weight_dtype or args.weight_dtype
+        ref = np.asarray(llama_ref.reference_logits(args.model, tokens, args.all_positions,
+                                                    ref_dtype),
                          dtype=np.float64)
     except llama_ref.RefError as e:
         return fail(f"reference: {e}")
@@ -117,6 +130,10 @@ def main(argv=None) -> int:
 
     summary = (f"max abs diff {max_abs:.3e}, max relative diff {rel:.3e} (rtol {args.rtol:g}, "
                f"scale max|ref| {scale:.4g}), worst at {worst}")
+    if args.allow_argmax_mismatch and argmax_bad and rel <= args.rtol:
+        print(f"compare_logits: OK: {summary}; argmax differs at {len(argmax_bad)} of "
+              f"{len(pos_ids)} position(s) (allowed)")
+        return 0
     if rel > args.rtol or argmax_bad:
         msg = summary
         if rel > args.rtol:

@@ -158,14 +158,46 @@ class Checkpoint:
         return name in self._where
 
     def get(self, name: str, shape: List[int]) -> torch.Tensor:
-        """Load tensor `name` as float64, checking that it has exactly `shape`."""
+        """Load tensor `name` as float64, checking that it has exactly `shape`.
+
+        With `weight_dtype` set, matrices (2-D tensors) are first rounded the
+        way pdserve stores them for --weight-dtype (round_weights)."""
         if name not in self._where:
             raise RefError(f"tensor '{name}' not found in {self.model_dir}")
         sf = self._files[self._where[name]]
         stored = sf.tensors[name]["shape"]
         if list(stored) != list(shape):
             raise RefError(f"tensor '{name}' has shape {stored}, expected {list(shape)}")
-        return torch.from_numpy(sf.read(name))
+        values = sf.read(name)
+        if self.weight_dtype and len(shape) == 2:
+            values = round_weights(values, self.weight_dtype)
+        return torch.from_numpy(values)
+
+    weight_dtype: Optional[str] = None
+
+
+def round_weights(w: np.ndarray, dtype: str) -> np.ndarray:
+    """What pdserve keeps for a [rows, cols] matrix under --weight-dtype, as
+    float64 values: bf16/fp16 round to nearest even; int8 is symmetric per
+    row, scale = max|row| / 127 and q = rint(w * (1 / scale)) in [-127, 127],
+    all in float32 arithmetic as in kernels/cpu/packed_gemm.cc."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if dtype in ("auto", "fp32"):
+        return w.astype(np.float64)
+    if dtype == "fp16":
+        return w.astype(np.float16).astype(np.float64)
+    if dtype == "bf16":
+        u = w.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype == "int8":
+        amax = np.abs(w).max(axis=1).astype(np.float32)
+        scale = (amax / np.float32(127.0)).astype(np.float32)
+        inv = np.where(scale > 0, np.float32(1.0) / np.where(scale > 0, scale, 1),
+                       0).astype(np.float32)
+        q = np.clip(np.rint(w * inv[:, None]), -127, 127).astype(np.float32)
+        return q.astype(np.float64) * scale.astype(np.float64)[:, None]
+    raise RefError(f"unknown weight dtype '{dtype}'")
 
 
 # --------------------------------------------------------------------------
@@ -371,11 +403,15 @@ def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tens
     return x @ lm_head.T
 
 
-def reference_logits(model_dir: str, tokens: List[int], all_positions: bool = False):
-    """Logits as plain Python lists: [vocab] (last position) or [T][vocab]."""
+def reference_logits(model_dir: str, tokens: List[int], all_positions: bool = False,
+                     weight_dtype: Optional[str] = None):
+    """Logits as plain Python lists: [vocab] (last position) or [T][vocab].
+    weight_dtype: round matrices as pdserve's --weight-dtype does first."""
     cfg = load_config(model_dir)
+    ckpt = Checkpoint(model_dir)
+    ckpt.weight_dtype = weight_dtype
     with torch.no_grad():
-        logits = forward(cfg, Checkpoint(model_dir), tokens)
+        logits = forward(cfg, ckpt, tokens)
     return logits.tolist() if all_positions else logits[-1].tolist()
 
 
