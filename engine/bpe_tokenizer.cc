@@ -17,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -806,18 +807,20 @@ absl::StatusOr<ModelSpace> BuildModelSpace(const Vocabulary& vocab,
   return out;
 }
 
-// model.merges, ranked by position: "left right" strings, or [left, right]
-// pairs (tokenizers >= 0.20). Returns (left id << 32 | right id) ->
-// (rank << 32 | merged id); of a repeated pair the first (best) rank wins.
-absl::StatusOr<absl::flat_hash_map<uint64_t, uint64_t>> ParseMerges(
-    const std::vector<Value>& merges,
-    const absl::flat_hash_map<std::string, int32_t>& ids,
-    const std::string& where) {
-  absl::flat_hash_map<uint64_t, uint64_t> out;
-  out.reserve(merges.size());
+// (left id << 32 | right id) -> (rank << 32 | merged id).
+using MergeTable = absl::flat_hash_map<uint64_t, uint64_t>;
+
+// Resolves merges[begin, end) of model.merges to MergeTable entries, in
+// order; ranks are positions in the whole list.
+absl::Status ResolveMerges(const std::vector<Value>& merges, size_t begin,
+                           size_t end,
+                           const absl::flat_hash_map<std::string, int32_t>& ids,
+                           const std::string& where,
+                           std::vector<std::pair<uint64_t, uint64_t>>* out) {
+  out->reserve(end - begin);
   std::string joined;
-  int32_t rank = 0;
-  for (const Value& m : merges) {
+  for (size_t rank = begin; rank < end; ++rank) {
+    const Value& m = merges[rank];
     absl::string_view left, right;
     if (m.is_string()) {
       const std::string& s = m.get_ref<const std::string&>();
@@ -840,13 +843,42 @@ absl::StatusOr<absl::flat_hash_map<uint64_t, uint64_t>> ParseMerges(
       return Bad(where, absl::StrCat("merge \"", left, " ", right,
                                      "\" uses tokens outside the vocabulary"));
     }
-    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) |
-                         static_cast<uint32_t>(r->second);
-    const uint64_t value = (static_cast<uint64_t>(rank) << 32) |
-                           static_cast<uint32_t>(merged->second);
-    out.emplace(key, value);  // keeps the first (best-ranked) entry
-    ++rank;
+    out->emplace_back((static_cast<uint64_t>(l->second) << 32) |
+                          static_cast<uint32_t>(r->second),
+                      (static_cast<uint64_t>(rank) << 32) |
+                          static_cast<uint32_t>(merged->second));
   }
+  return absl::OkStatus();
+}
+
+// model.merges, ranked by position: "left right" strings, or [left, right]
+// pairs (tokenizers >= 0.20). Of a repeated pair the first (best) rank wins.
+// The string lookups are most of the time it takes to load a large file
+// (Llama-3 has 280k merges), so the two halves of the list are resolved on
+// two threads.
+absl::StatusOr<MergeTable> ParseMerges(
+    const std::vector<Value>& merges,
+    const absl::flat_hash_map<std::string, int32_t>& ids,
+    const std::string& where) {
+  if (merges.size() > static_cast<size_t>(kMaxTokenId))
+    return Bad(where, "too many merges");
+  const size_t half = merges.size() / 2;
+  std::vector<std::pair<uint64_t, uint64_t>> first, second;
+  absl::Status first_status;
+  absl::Status second_status;
+  {
+    std::jthread helper([&] {
+      first_status = ResolveMerges(merges, 0, half, ids, where, &first);
+    });
+    second_status =
+        ResolveMerges(merges, half, merges.size(), ids, where, &second);
+  }                               // joins
+  RETURN_IF_ERROR(first_status);  // the earliest bad merge is reported
+  RETURN_IF_ERROR(second_status);
+  MergeTable out;
+  out.reserve(merges.size());
+  for (const auto& [key, value] : first) out.emplace(key, value);
+  for (const auto& [key, value] : second) out.emplace(key, value);
   return out;
 }
 
@@ -1088,12 +1120,14 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
       BuildModelSpace(vocab, t->byte_level_,
                       options.byte_fallback || decoder.byte_fallback,
                       !t->byte_level_ || t->ignore_merges_, where));
+  ASSIGN_OR_RETURN(MergeTable merges,
+                   ParseMerges(tokenizer.merges, vocab.ids, where));
   std::copy(space.byte_ids.begin(), space.byte_ids.end(), t->byte_ids_);
   std::copy(space.byte_fallback_ids.begin(), space.byte_fallback_ids.end(),
             t->byte_fallback_ids_);
   t->piece_ids_ = std::move(space.piece_ids);
   t->token_bytes_ = std::move(space.token_bytes);
-  ASSIGN_OR_RETURN(t->merges_, ParseMerges(tokenizer.merges, vocab.ids, where));
+  t->merges_ = std::move(merges);
   t->tokens_ = std::move(vocab.tokens);
   t->token_ids_ = std::move(vocab.ids);
 

@@ -1,7 +1,7 @@
 #include "engine/tokenizer.h"
 
+#include <algorithm>
 #include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "common/json.h"
@@ -64,12 +64,16 @@ std::string ByteTokenizer::TokenizerConfigJson() {
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(
     const std::string& model_dir) {
   const std::string path = model_dir + "/tokenizer.json";
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
+  // One read into a buffer of the file's size (tokenizer.json can be 10 MB).
+  std::string text(static_cast<size_t>(std::max<std::streamoff>(in.tellg(), 0)),
+                   '\0');
+  in.seekg(0);
+  if (!in.read(text.data(), static_cast<std::streamsize>(text.size())))
+    return absl::DataLossError(absl::StrCat(path, ": read failed"));
   ASSIGN_OR_RETURN(BpeTokenizer::ParsedJson parsed,
-                   BpeTokenizer::ParseJson(ss.str(), path));
+                   BpeTokenizer::ParseJson(text, path));
   const json::Value* model = json::Find(parsed.root, "model");
   std::string type;
   if (model != nullptr) {
