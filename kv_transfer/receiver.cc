@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace pdserve::kv_transfer {
 namespace {
@@ -95,6 +96,76 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
                std::span<const std::string_view>(&scales, 1));
 }
 
+absl::StatusOr<KvReceiver::Claim> KvReceiver::ClaimSpan(
+    uint64_t reservation_id, Pending* p, int32_t layer, int32_t block_index,
+    size_t data_size, size_t scale_size) {
+  const auto not_open = [&] {
+    if (counters_.on_failure) counters_.on_failure("unknown_reservation");
+    return absl::NotFoundError(
+        absl::StrCat("KV reservation ", reservation_id, " is not open"));
+  };
+  const int32_t nblocks = static_cast<int32_t>(p->blocks.size());
+  absl::MutexLock l(&p->mu);
+  if (p->failed) return absl::AbortedError(p->error);
+  if (p->ended) return not_open();
+  if (layer < 0 || layer >= layout_.num_layers ||
+      block_index < p->skip_blocks || block_index >= nblocks) {
+    const std::string msg =
+        absl::StrCat("chunk (layer ", layer, ", block ", block_index,
+                     ") is outside reservation ", reservation_id, " (layers 0..",
+                     layout_.num_layers - 1, ", blocks ", p->skip_blocks, "..",
+                     nblocks - 1, ")");
+    Fail(p, "out_of_range", msg);
+    return absl::InvalidArgumentError(msg);
+  }
+  const engine::KvCacheSpec& spec = storage_->spec();
+  const size_t want_scales =
+      spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+  if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
+      scale_size != want_scales) {
+    const std::string msg = absl::StrCat(
+        "chunk (layer ", layer, ", block ", block_index, ") has ", data_size,
+        "+", scale_size, " bytes, expected ", spec.LayerBlockBytes(), "+",
+        want_scales);
+    Fail(p, "bad_length", msg);
+    return absl::InvalidArgumentError(msg);
+  }
+  Claim c;
+  c.slot = static_cast<size_t>(layer) * nblocks + block_index;
+  if (p->received[c.slot] == kWriting) {
+    // Two copies into one span at once: only a broken or hostile sender
+    // does that, and the bytes would be a mix of both.
+    const std::string msg =
+        absl::StrCat("chunk (layer ", layer, ", block ", block_index,
+                     ") arrived again while it was being written");
+    Fail(p, "duplicate", msg);
+    return absl::InvalidArgumentError(msg);
+  }
+  c.first_copy = p->received[c.slot] == kMissing;
+  p->received[c.slot] = kWriting;
+  ++p->writers;
+  // The span is this reservation's (checked above) and stays reserved: the
+  // reservation cannot end while `writers` > 0.
+  c.layer = layer;
+  c.physical = p->blocks[block_index];
+  c.bytes = data_size + scale_size;
+  return c;
+}
+
+void KvReceiver::Commit(Pending* p, const Claim& c, const absl::Status& copied) {
+  if (copied.ok() && counters_.on_bytes) counters_.on_bytes(c.bytes);
+  absl::MutexLock l(&p->mu);
+  --p->writers;
+  if (!copied.ok()) {
+    p->received[c.slot] = kMissing;
+    Fail(p, "copy_failed", std::string(copied.message()));
+    return;
+  }
+  p->received[c.slot] = kWritten;
+  if (c.first_copy) --p->remaining;
+  p->last_progress = absl::Now();
+}
+
 absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
                                int32_t block_index,
                                std::span<const std::string_view> data_pieces,
@@ -103,76 +174,60 @@ absl::Status KvReceiver::Write(uint64_t reservation_id, int32_t layer,
   for (std::string_view piece : data_pieces) data_size += piece.size();
   for (std::string_view piece : scale_pieces) scale_size += piece.size();
   std::shared_ptr<Pending> found = Find(reservation_id);
-  Pending* p = found.get();
-  const auto not_open = [&] {
+  if (found == nullptr) {
     if (counters_.on_failure) counters_.on_failure("unknown_reservation");
     return absl::NotFoundError(
         absl::StrCat("KV reservation ", reservation_id, " is not open"));
-  };
-  if (p == nullptr) return not_open();
-  const int32_t nblocks = static_cast<int32_t>(p->blocks.size());
-  size_t slot = 0;
-  bool first_copy = false;
-  {
-    absl::MutexLock l(&p->mu);
-    if (p->failed) return absl::AbortedError(p->error);
-    if (p->ended) return not_open();
-    if (layer < 0 || layer >= layout_.num_layers ||
-        block_index < p->skip_blocks || block_index >= nblocks) {
-      const std::string msg =
-          absl::StrCat("chunk (layer ", layer, ", block ", block_index,
-                       ") is outside reservation ", reservation_id,
-                       " (layers 0..", layout_.num_layers - 1, ", blocks ",
-                       p->skip_blocks, "..", nblocks - 1, ")");
-      Fail(p, "out_of_range", msg);
-      return absl::InvalidArgumentError(msg);
-    }
-    const engine::KvCacheSpec& spec = storage_->spec();
-    const size_t want_scales =
-        spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
-    if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
-        scale_size != want_scales) {
-      const std::string msg =
-          absl::StrCat("chunk (layer ", layer, ", block ", block_index,
-                       ") has ", data_size, "+", scale_size,
-                       " bytes, expected ", spec.LayerBlockBytes(), "+",
-                       want_scales);
-      Fail(p, "bad_length", msg);
-      return absl::InvalidArgumentError(msg);
-    }
-    slot = static_cast<size_t>(layer) * nblocks + block_index;
-    if (p->received[slot] == kWriting) {
-      // Two copies into one span at once: only a broken or hostile sender
-      // does that, and the bytes would be a mix of both.
-      const std::string msg =
-          absl::StrCat("chunk (layer ", layer, ", block ", block_index,
-                       ") arrived again while it was being written");
-      Fail(p, "duplicate", msg);
-      return absl::InvalidArgumentError(msg);
-    }
-    first_copy = p->received[slot] == kMissing;
-    p->received[slot] = kWriting;
-    ++p->writers;
   }
-  // Outside every lock. The span is this reservation's (checked above) and
-  // stays reserved: its reservation cannot end while `writers` > 0.
-  const int32_t physical = p->blocks[block_index];
+  ASSIGN_OR_RETURN(const Claim claim,
+                   ClaimSpan(reservation_id, found.get(), layer, block_index,
+                             data_size, scale_size));
+  // Outside every lock.
   const absl::Status copied =
-      CopyIntoSpan(layer, physical, data_pieces, scale_pieces);
-  if (!copied.ok()) {
-    absl::MutexLock l(&p->mu);
-    p->received[slot] = kMissing;
-    --p->writers;
-    Fail(p, "copy_failed", std::string(copied.message()));
-    return copied;
+      CopyIntoSpan(claim.layer, claim.physical, data_pieces, scale_pieces);
+  Commit(found.get(), claim, copied);
+  return copied;
+}
+
+absl::Status KvReceiver::WriteSpans(
+    uint64_t reservation_id, std::span<const SpanRef> spans,
+    absl::FunctionRef<absl::Status(std::span<const engine::KvSpan>)> copy) {
+  std::shared_ptr<Pending> found = Find(reservation_id);
+  if (found == nullptr) {
+    if (counters_.on_failure) counters_.on_failure("unknown_reservation");
+    return absl::NotFoundError(
+        absl::StrCat("KV reservation ", reservation_id, " is not open"));
   }
-  if (counters_.on_bytes) counters_.on_bytes(data_size + scale_size);
-  absl::MutexLock l(&p->mu);
-  p->received[slot] = kWritten;
-  if (first_copy) --p->remaining;
-  p->last_progress = absl::Now();
-  --p->writers;
-  return absl::OkStatus();
+  const engine::KvCacheSpec& spec = storage_->spec();
+  const size_t data_size = static_cast<size_t>(spec.LayerBlockBytes());
+  const size_t scale_size =
+      spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+  std::vector<Claim> claims;
+  std::vector<engine::KvSpan> targets;
+  claims.reserve(spans.size());
+  targets.reserve(spans.size());
+  absl::Status status;
+  for (const SpanRef& s : spans) {
+    absl::StatusOr<Claim> c = ClaimSpan(reservation_id, found.get(), s.layer,
+                                        s.block_index, data_size, scale_size);
+    if (!c.ok()) {
+      status = c.status();
+      break;
+    }
+    claims.push_back(*c);
+    targets.push_back(storage_->Span(c->layer, c->physical));
+  }
+  // One copy for the whole batch (e.g. one device stream synchronisation),
+  // outside every lock, while every claimed span counts as being written.
+  if (status.ok()) status = copy(targets);
+  for (const Claim& c : claims) {
+    // A claim refused mid-batch fails the reservation; the spans claimed
+    // before it are released unwritten.
+    Commit(found.get(), c,
+           status.ok() ? absl::OkStatus()
+                       : absl::AbortedError(std::string(status.message())));
+  }
+  return status;
 }
 
 absl::Status KvReceiver::CopyIntoSpan(

@@ -27,7 +27,9 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/kv_cache.h"
@@ -54,6 +56,8 @@ class KvReceiver {
              ReceiverCounters counters = {});
 
   const KvLayout& layout() const { return layout_; }
+  // Where the reserved blocks live (host, or a device).
+  engine::KvMemory storage_memory() const { return storage_->memory(); }
 
   // Registers a reservation: `blocks` are the receiver's physical blocks by
   // logical index; indices below `skip_blocks` are already present. Returns
@@ -76,6 +80,21 @@ class KvReceiver {
                      int32_t block_index,
                      std::span<const std::string_view> data,
                      std::span<const std::string_view> scales);
+  // A (layer, logical block index) of a reservation.
+  struct SpanRef {
+    int32_t layer = 0;
+    int32_t block_index = 0;
+  };
+  // For transports that move bytes themselves (e.g. from a device staging
+  // buffer with device copies): validates every span like Write and marks it
+  // as being written, then calls `copy(targets)` once, outside every lock,
+  // with the storage spans to fill, in order. `copy` must have finished
+  // writing (device work synchronised) when it returns. On any refusal or a
+  // failed copy the reservation fails and nothing is marked written.
+  absl::Status WriteSpans(
+      uint64_t reservation_id, std::span<const SpanRef> spans,
+      absl::FunctionRef<absl::Status(std::span<const engine::KvSpan>)> copy);
+
   // The sender ended its stream (ok = it believes everything was sent).
   void End(uint64_t reservation_id, bool ok);
 
@@ -116,6 +135,22 @@ class KvReceiver {
   void Remove(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   void Fail(Pending* p, const std::string& reason, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu);
+  // A span a writer has claimed: validated, marked kWriting, counted in
+  // `writers`.
+  struct Claim {
+    size_t slot = 0;
+    int32_t layer = 0;
+    int32_t physical = 0;
+    size_t bytes = 0;
+    bool first_copy = false;
+  };
+  absl::StatusOr<Claim> ClaimSpan(uint64_t reservation_id, Pending* p,
+                                  int32_t layer, int32_t block_index,
+                                  size_t data_size, size_t scale_size)
+      ABSL_LOCKS_EXCLUDED(p->mu);
+  // Ends a claim: written if `copied` is OK, else the reservation fails.
+  void Commit(Pending* p, const Claim& c, const absl::Status& copied)
+      ABSL_LOCKS_EXCLUDED(p->mu);
   // Copies one validated span's pieces into (layer, physical) of storage_.
   absl::Status CopyIntoSpan(int32_t layer, int32_t physical,
                             std::span<const std::string_view> data,

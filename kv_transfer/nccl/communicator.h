@@ -54,6 +54,14 @@ class Communicator {
   // Stream operations; [offset, offset + bytes) must lie in the reservation.
   virtual absl::Status CopyHostToWire(size_t offset, size_t bytes) = 0;
   virtual absl::Status CopyWireToHost(size_t offset, size_t bytes) = 0;
+  // Copies between wire staging and memory outside it: a KV span of the
+  // worker's storage (a device pointer on this communicator's GPU, or host
+  // memory). This is how device-resident KV is gathered into and scattered
+  // out of wire staging without a trip through the host.
+  virtual absl::Status CopyToWire(size_t offset, const void* src,
+                                  size_t bytes) = 0;
+  virtual absl::Status CopyFromWire(size_t offset, void* dst,
+                                    size_t bytes) = 0;
   // Sends and receives between GroupStart and GroupEnd are issued together
   // (ncclGroupStart/End), so several buffers travel as one operation.
   virtual absl::Status GroupStart() = 0;

@@ -208,6 +208,17 @@ class FakeCommunicator : public Communicator {
                        bytes);
   }
 
+  // Host memory stands in for device memory here.
+  absl::Status CopyToWire(size_t offset, const void* src,
+                          size_t bytes) override {
+    return EnqueueCopy(wire_.data() + offset,
+                       static_cast<const uint8_t*>(src), offset, bytes);
+  }
+  absl::Status CopyFromWire(size_t offset, void* dst, size_t bytes) override {
+    return EnqueueCopy(static_cast<uint8_t*>(dst), wire_.data() + offset,
+                       offset, bytes);
+  }
+
   absl::Status GroupStart() override {
     if (group_depth_++ == 0) group_ = std::make_unique<Op>();
     group_->type = Op::kGroup;

@@ -155,6 +155,25 @@ class NcclCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
+  // cudaMemcpyDefault: with unified addressing the runtime tells device
+  // pointers (device to device, for KV on this GPU) from host ones.
+  absl::Status CopyToWire(size_t offset, const void* src,
+                          size_t bytes) override {
+    RETURN_IF_ERROR(Alive());
+    RETURN_IF_ERROR(InRange(offset, bytes));
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        wire_ + offset, src, bytes, cudaMemcpyDefault, stream_));
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyFromWire(size_t offset, void* dst, size_t bytes) override {
+    RETURN_IF_ERROR(Alive());
+    RETURN_IF_ERROR(InRange(offset, bytes));
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        dst, wire_ + offset, bytes, cudaMemcpyDefault, stream_));
+    return absl::OkStatus();
+  }
+
   absl::Status GroupStart() override {
     RETURN_IF_ERROR(Alive());
     PDSERVE_NCCL_RETURN_IF_ERROR(ncclGroupStart());

@@ -757,5 +757,83 @@ TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
   EXPECT_FALSE(config.Validate().ok());
 }
 
+
+// Host memory that reports itself as device memory and refuses host copies:
+// a transport that moves its spans must use the communicator's device copies
+// (CopyToWire / CopyFromWire, as with KV on a GPU), never host staging.
+class DeviceFacedPool final : public engine::KvStorage {
+ public:
+  explicit DeviceFacedPool(engine::KvPool* pool) : pool_(pool) {}
+  const engine::KvCacheSpec& spec() const override { return pool_->spec(); }
+  int64_t num_blocks() const override { return pool_->num_blocks(); }
+  engine::KvMemory memory() const override {
+    return {engine::MemoryKind::kDevice, 0};
+  }
+  engine::KvSpan Span(int32_t layer, int64_t block) override {
+    engine::KvSpan s = pool_->Span(layer, block);
+    s.memory = memory();
+    return s;
+  }
+  absl::Status CopyToHost(int32_t, int64_t, void*, void*) override {
+    return absl::InternalError("the device path must not copy to host");
+  }
+  absl::Status CopyFromHost(int32_t, int64_t, const void*,
+                            const void*) override {
+    return absl::InternalError("the device path must not copy from host");
+  }
+
+ private:
+  engine::KvPool* pool_;
+};
+
+TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+    FakeCommunicatorFactory comms;
+    FakeControlNetwork network;
+    const engine::KvCacheSpec spec = Spec(dtype);
+    auto decode_pool = *engine::KvPool::Create(spec, 16);
+    DeviceFacedPool decode_storage(decode_pool.get());
+    KvReceiver receiver(&decode_storage, KvLayout::FromSpec(spec, kModel));
+    NcclReceiverConfig rc;
+    rc.timeout = absl::Seconds(10);
+    NcclKvReceiveEndpoint endpoint(&receiver, &comms, rc);
+    network.Listen(kDecode, [&](std::unique_ptr<ControlChannel> channel) {
+      endpoint.Serve(std::move(channel));
+    });
+    NcclTransportConfig sc;
+    sc.timeout = absl::Seconds(10);
+    // Small batches: several manifests, wire staging reused between them.
+    sc.max_batch_bytes = 3 * (spec.LayerBlockBytes() + ScaleBytes(spec));
+    NcclKvTransport transport(&network, &comms, nullptr, sc);
+
+    const std::vector<int32_t> reserved = {14, 12, 10, 8, 6};
+    const uint64_t id = receiver.Expect("req", reserved, 1);
+    Prefill prefill(spec, id, "req", 5, 1, 77);
+    DeviceFacedPool prefill_storage(prefill.pool.get());
+    auto session = transport.Open(prefill.plan, &prefill_storage);
+    ASSERT_TRUE(session.ok()) << session.status();
+    for (int l = 0; l < spec.num_layers; ++l)
+      ASSERT_TRUE((*session)->SendLayers(l, l + 1).ok()) << DTypeName(dtype);
+    ASSERT_TRUE((*session)->Finish().ok()) << DTypeName(dtype);
+    ASSERT_TRUE(
+        receiver.Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30))
+            .ok())
+        << DTypeName(dtype);
+    for (int i = 0; i < 5; ++i) {
+      for (int l = 0; l < spec.num_layers; ++l) {
+        if (i == 0) {
+          EXPECT_TRUE(IsZero(decode_pool.get(), l, reserved[i]));
+        } else {
+          EXPECT_TRUE(Holds(decode_pool.get(), 77, l, i, reserved[i]))
+              << DTypeName(dtype) << " layer " << l << " block " << i;
+        }
+      }
+    }
+    EXPECT_EQ(receiver.num_reservations(), 0);
+    network.StopListening(kDecode);
+    endpoint.Shutdown();
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::kv_transfer::nccl

@@ -144,8 +144,13 @@ class ReceiveLink {
       Reply(ReplyFor(t.status));
       return absl::OkStatus();
     }
+    // Device storage: the bytes stay in (device) wire staging and are
+    // scattered into the reserved blocks by device copies; host storage gets
+    // them through host staging and KvReceiver::Write.
+    const bool device =
+        receiver_->storage_memory().kind == engine::MemoryKind::kDevice;
     absl::StatusOr<std::unique_ptr<Completion>> done =
-        PostReceive(data_total, scale_total);
+        PostReceive(data_total, scale_total, /*to_host=*/!device);
     if (!done.ok()) {
       Reply(ReplyFor(done.status()));
       return done.status();
@@ -156,6 +161,32 @@ class ReceiveLink {
         !s.ok()) {
       comm_->Abort();
       return s;
+    }
+    if (device) {
+      std::vector<KvReceiver::SpanRef> refs;
+      refs.reserve(n);
+      for (const SpanName& name : m.spans)
+        refs.push_back({name.layer, name.block_index});
+      t.status = receiver_->WriteSpans(
+          t.reservation_id, refs,
+          [&](std::span<const engine::KvSpan> targets) -> absl::Status {
+            for (size_t i = 0; i < targets.size(); ++i) {
+              RETURN_IF_ERROR(comm_->CopyFromWire(i * data_bytes_,
+                                                  targets[i].data,
+                                                  data_bytes_));
+              if (scale_bytes_ > 0) {
+                RETURN_IF_ERROR(
+                    comm_->CopyFromWire(data_total + i * scale_bytes_,
+                                        targets[i].scales, scale_bytes_));
+              }
+            }
+            // The blocks must hold the bytes before the claim ends.
+            ASSIGN_OR_RETURN(std::unique_ptr<Completion> copied,
+                             comm_->Record());
+            return AwaitCompletion(*copied, absl::Now() + config_.timeout,
+                                   "KV scatter into the reserved blocks");
+          });
+      return absl::OkStatus();
     }
     const uint8_t* host = comm_->host_staging();
     for (size_t i = 0; i < n && t.status.ok(); ++i) {
@@ -195,7 +226,8 @@ class ReceiveLink {
   // One grouped receive of every span's data then every span's scales into
   // wire staging, then one copy to host staging, then the completion.
   absl::StatusOr<std::unique_ptr<Completion>> PostReceive(size_t data_total,
-                                                          size_t scale_total) {
+                                                          size_t scale_total,
+                                                          bool to_host) {
     RETURN_IF_ERROR(comm_->ReserveStaging(data_total + scale_total));
     RETURN_IF_ERROR(comm_->GroupStart());
     absl::Status s = comm_->Recv(0, data_total);
@@ -203,7 +235,8 @@ class ReceiveLink {
     const absl::Status ended = comm_->GroupEnd();
     RETURN_IF_ERROR(s);
     RETURN_IF_ERROR(ended);
-    RETURN_IF_ERROR(comm_->CopyWireToHost(0, data_total + scale_total));
+    if (to_host)
+      RETURN_IF_ERROR(comm_->CopyWireToHost(0, data_total + scale_total));
     return comm_->Record();
   }
 

@@ -269,22 +269,41 @@ class NcclSendSession : public KvSendSession {
         !s.ok()) {
       return link_->Break(s);
     }
+    // Device storage: the spans are gathered straight into (device) wire
+    // staging after the receiver accepted; host storage goes through host
+    // staging first.
+    const bool device = pool_->memory().kind == engine::MemoryKind::kDevice;
     uint8_t* host = comm->host_staging();
     ManifestMessage manifest{transfer_id_, {}};
     manifest.spans.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       const PlannedSpan& span = batch[i];
-      // Host storage: a memcpy; device storage: a device-to-host copy.
-      RETURN_IF_ERROR(pool_->CopyToHost(
-          span.name.layer, span.physical, host + i * data_bytes_,
-          scale_bytes_ > 0 ? host + data_total + i * scale_bytes_ : nullptr));
+      if (!device) {
+        RETURN_IF_ERROR(pool_->CopyToHost(
+            span.name.layer, span.physical, host + i * data_bytes_,
+            scale_bytes_ > 0 ? host + data_total + i * scale_bytes_
+                             : nullptr));
+      }
       manifest.spans.push_back(span.name);
     }
     ASSIGN_OR_RETURN(const ReplyMessage reply, link_->Call(manifest));
     // Refused: the receiver posted nothing, so nothing is sent; the link is
     // fine.
     RETURN_IF_ERROR(StatusOf(reply));
-    absl::Status s = comm->CopyHostToWire(0, data_total + scale_total);
+    absl::Status s;
+    if (device) {
+      for (size_t i = 0; i < n && s.ok(); ++i) {
+        const engine::KvSpan src =
+            pool_->Span(batch[i].name.layer, batch[i].physical);
+        s = comm->CopyToWire(i * data_bytes_, src.data, data_bytes_);
+        if (s.ok() && scale_bytes_ > 0) {
+          s = comm->CopyToWire(data_total + i * scale_bytes_, src.scales,
+                               scale_bytes_);
+        }
+      }
+    } else {
+      s = comm->CopyHostToWire(0, data_total + scale_total);
+    }
     if (s.ok()) s = comm->GroupStart();
     if (s.ok()) {
       s = comm->Send(0, data_total);
