@@ -20,6 +20,11 @@
 //  - the router's prefix index agrees with each worker's cache (ListWorkers'
 //    indexed_blocks/indexed_digest vs the worker's KV event snapshot).
 // and prints a summary (also as JSON with --json). Exit status 0 = pass.
+//
+// --slow runs the `small` preset with long prompts (1-3.5 K tokens): an
+// engine step over 512 prompt tokens then takes more than a second, which is
+// what exercises the slow paths (a prefill abandoned while its final step
+// runs, decode reservations waiting for blocks). CI runs the tiny soak.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -56,6 +61,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "nlohmann/json.hpp"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
 
@@ -65,10 +71,19 @@ ABSL_FLAG(std::string, work_dir, "",
           "model, process logs and summary (default /tmp/pdserve-soak-PID)");
 ABSL_FLAG(std::string, preset, "tiny", "model preset: tiny or small");
 ABSL_FLAG(int32_t, clients, 3, "concurrent client threads");
-ABSL_FLAG(double, fault_interval, 5,
-          "mean seconds between injected faults (0: no faults)");
+ABSL_FLAG(double, fault_interval, -1,
+          "mean seconds between injected faults (0: no faults; default 5, or "
+          "20 with --slow, where a request takes tens of seconds)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the load and fault schedule");
 ABSL_FLAG(std::string, json, "", "also write the summary as JSON here");
+ABSL_FLAG(bool, long_prompts, false,
+          "prompts of 1-3.5 KB (tokens) instead of 10-900 bytes, and KV pools "
+          "sized for them");
+ABSL_FLAG(bool, slow, false,
+          "the slow-model soak: --preset=small --long_prompts, so that an "
+          "engine step (512 prompt tokens) takes over a second and the slow "
+          "paths run (prefill abandoned mid-step, reservations waiting for "
+          "blocks)");
 
 namespace pdserve::soak {
 namespace {
@@ -337,8 +352,16 @@ std::string Words(std::mt19937_64& rng, int bytes) {
   return out;
 }
 
-std::vector<Spec> MakeSpecs(uint64_t seed) {
+// Prompt lengths in bytes (= tokens with the byte tokenizer) are multiplied
+// by `scale` and capped at kMaxLongPromptBytes, which with max_tokens stays
+// under the small preset's 4096-token context.
+constexpr int kMaxLongPromptBytes = 3500;
+
+std::vector<Spec> MakeSpecs(uint64_t seed, int scale) {
   std::mt19937_64 rng(seed);
+  auto len = [scale](int bytes) {
+    return scale == 1 ? bytes : std::min(bytes * scale, kMaxLongPromptBytes);
+  };
   std::vector<Spec> specs;
   auto add = [&](Spec s) {
     s.id = static_cast<int>(specs.size());
@@ -346,19 +369,19 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   };
   // chat: a few long shared system prompts, many users.
   std::vector<std::string> systems;
-  for (int g = 0; g < 3; ++g) systems.push_back(Words(rng, 160 + 40 * g));
+  for (int g = 0; g < 3; ++g) systems.push_back(Words(rng, len(160 + 40 * g)));
   for (int i = 0; i < 9; ++i) {
     Spec s;
     s.kind = "chat";
-    s.prompt = systems[i % 3] + "User: " + Words(rng, 20 + rng() % 40);
+    s.prompt = systems[i % 3] + "User: " + Words(rng, len(20 + rng() % 40));
     s.max_tokens = 6 + rng() % 12;
     add(s);
   }
   // multiturn: each turn extends the previous prompt.
   for (int conv = 0; conv < 2; ++conv) {
-    std::string p = Words(rng, 60);
+    std::string p = Words(rng, len(60));
     for (int turn = 0; turn < 4; ++turn) {
-      p += " Turn " + std::to_string(turn) + ": " + Words(rng, 40);
+      p += " Turn " + std::to_string(turn) + ": " + Words(rng, len(40));
       Spec s;
       s.kind = "multiturn";
       s.prompt = p;
@@ -370,7 +393,7 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   for (int i = 0; i < 3; ++i) {
     Spec s;
     s.kind = "longdoc";
-    s.prompt = Words(rng, 700 + 250 * i);
+    s.prompt = Words(rng, len(700 + 250 * i));
     s.max_tokens = 4;
     add(s);
   }
@@ -379,7 +402,7 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   for (int i = 0; i < 6; ++i) {
     Spec s;
     s.kind = "synthetic";
-    s.prompt = Words(rng, 8 + rng() % 120);
+    s.prompt = Words(rng, len(8 + rng() % 120));
     s.max_tokens = 4 + rng() % 20;
     add(s);
   }
@@ -387,7 +410,7 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   for (int i = 0; i < 5; ++i) {
     Spec s;
     s.kind = "sampled";
-    s.prompt = systems[i % 3] + Words(rng, 30);
+    s.prompt = systems[i % 3] + Words(rng, len(30));
     s.max_tokens = 12;
     s.temperature = 0.6f + 0.1f * i;
     s.top_p = i % 2 ? 0.9f : 1.0f;
@@ -399,7 +422,7 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   for (int i = 0; i < 4; ++i) {
     Spec s;
     s.kind = "stop";
-    s.prompt = Words(rng, 50 + 30 * i);
+    s.prompt = Words(rng, len(50 + 30 * i));
     s.max_tokens = 24;
     s.stop = {std::string(1, "etao"[i]), "th"};
     s.temperature = i % 2 ? 0.8f : 0;
@@ -409,7 +432,7 @@ std::vector<Spec> MakeSpecs(uint64_t seed) {
   for (int i = 0; i < 3; ++i) {
     Spec s;
     s.kind = "eos";
-    s.prompt = Words(rng, 40 + 20 * i);
+    s.prompt = Words(rng, len(40 + 20 * i));
     s.max_tokens = 48;
     s.ignore_eos = false;
     s.temperature = 1.0f;
@@ -476,21 +499,24 @@ Reference ComputeReference(const std::string& bin, const std::string& model,
   int status = 0;
   const std::string out = Run(args, &status);
   Reference r;
-  const size_t at = out.find("\"token_ids\": [");
-  if (status != 0 || at == std::string::npos) {
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  const bool shaped = !j.is_discarded() && j.is_object() &&
+                      j.contains("token_ids") && j["token_ids"].is_array() &&
+                      j.contains("finish_reason") &&
+                      j["finish_reason"].is_string();
+  if (status != 0 || !shaped) {
     r.error = absl::StrCat("reference failed (status ", status, "): ", out);
     return r;
   }
-  const size_t end = out.find(']', at);
-  for (absl::string_view t : absl::StrSplit(out.substr(at + 14, end - at - 14),
-                                            ',', absl::SkipEmpty())) {
-    uint32_t id;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(t), &id))
-      r.tokens.push_back(id);
+  for (const auto& id : j["token_ids"]) {
+    if (!id.is_number_unsigned()) {
+      r.error = "reference token_ids are not unsigned integers: " + out;
+      r.tokens.clear();
+      return r;
+    }
+    r.tokens.push_back(id.get<uint32_t>());
   }
-  const size_t fr = out.find("\"finish_reason\": \"");
-  if (fr != std::string::npos)
-    r.finish_reason = out.substr(fr + 18, out.find('"', fr + 18) - fr - 18);
+  r.finish_reason = j["finish_reason"].get<std::string>();
   r.ok = true;
   return r;
 }
@@ -505,6 +531,7 @@ struct Outcome {
   std::string message;
   std::vector<uint32_t> tokens;
   std::string finish_reason;
+  double first_token_s = -1;  // send to the first message; -1: none came
 };
 
 const char* CodeName(grpc::StatusCode c) {
@@ -562,16 +589,24 @@ class Soak {
 
   int Main() {
     const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    const bool slow = absl::GetFlag(FLAGS_slow);
+    const bool long_prompts = slow || absl::GetFlag(FLAGS_long_prompts);
+    preset_ = slow ? "small" : absl::GetFlag(FLAGS_preset);
+    const std::string& preset = preset_;
     model_ = dir_ + "/model";
     int status = 0;
-    Run({cluster_.bin, "model", "init",
-         "--preset=" + absl::GetFlag(FLAGS_preset), "--out=" + model_},
+    Run({cluster_.bin, "model", "init", "--preset=" + preset,
+         "--out=" + model_},
         &status);
     if (status != 0) {
       Log("model init failed");
       return 2;
     }
-    specs_ = MakeSpecs(seed);
+    specs_ = MakeSpecs(seed, long_prompts ? 12 : 1);
+    size_t longest = 0;
+    for (const Spec& sp : specs_) longest = std::max(longest, sp.prompt.size());
+    Log(absl::StrCat("model ", preset, ", ", specs_.size(),
+                     " prompts, longest ", longest, " bytes"));
     refs_.resize(specs_.size());
     std::thread ref_thread([this] {
       for (size_t i = 0; i < specs_.size() && !abort_; ++i) {
@@ -581,10 +616,15 @@ class Soak {
       }
     });
 
-    // Workers: small KV pools so admission, eviction and reuse happen; a
-    // short drain so SIGTERM finishes within the run.
+    // Workers: small KV pools so admission, eviction and reuse happen (512
+    // tokens; 6144 with long prompts: one or two of them per worker); a
+    // short drain so SIGTERM finishes within the run. fp32 KV bytes per
+    // token: 2 x layers x kv_heads x head_dim x 4 (tiny 512 B, small 8 KiB).
+    const int64_t kv_bytes_per_token = preset == "small" ? 8192 : 512;
+    const std::string kv_memory = absl::StrCat(
+        kv_bytes_per_token * (long_prompts ? 6144 : 512) / 1024, "KiB");
     std::vector<std::string> worker_flags = {"--model=" + model_, "--threads=1",
-                                             "--kv-cache-memory=4MiB",
+                                             "--kv-cache-memory=" + kv_memory,
                                              "--drain-timeout-ms=5000"};
     // Plaintext on loopback: binaries that demand TLS or an explicit choice
     // get --insecure.
@@ -728,9 +768,11 @@ class Soak {
       Outcome o;
       o.spec = s.id;
       o.variant = variant;
+      const double sent = Now();
       auto reader = stub->Generate(&ctx, req);
       v1::GenerateResponse resp;
       while (reader->Read(&resp)) {
+        if (o.first_token_s < 0) o.first_token_s = Now() - sent;
         o.tokens.insert(o.tokens.end(), resp.token_ids().begin(),
                         resp.token_ids().end());
         if (!resp.finish_reason().empty())
@@ -859,7 +901,8 @@ class Soak {
   }
 
   void Chaos(uint64_t seed, double end) {
-    const double interval = absl::GetFlag(FLAGS_fault_interval);
+    double interval = absl::GetFlag(FLAGS_fault_interval);
+    if (interval < 0) interval = absl::GetFlag(FLAGS_slow) ? 20 : 5;
     if (interval <= 0) return;
     std::mt19937_64 rng(seed);
     std::exponential_distribution<double> gap(1.0 / interval);
@@ -928,7 +971,8 @@ class Soak {
     }
     // Active blocks drain once in-flight requests end (KV stall timeout and
     // admission timeout are 10 s each).
-    const double until = Now() + 60;
+    // Slow steps: abandoned prefills and cancelled decodes end later.
+    const double until = Now() + (absl::GetFlag(FLAGS_slow) ? 180 : 60);
     std::map<std::string, double> active;
     while (true) {
       active.clear();
@@ -1037,6 +1081,7 @@ class Soak {
       }
       ++requests_;
       if (o.code != grpc::StatusCode::OK) continue;
+      if (o.first_token_s >= 0) first_token_s_.push_back(o.first_token_s);
       if (o.variant == "cancel" || o.variant == "deadline") {
         ++completed_;  // finished before the cancel/deadline hit
       } else {
@@ -1098,10 +1143,26 @@ class Soak {
     absl::StrAppendFormat(&s,
                           "duration            %.1f min load, %.1f s total\n",
                           absl::GetFlag(FLAGS_minutes), Now());
+    absl::StrAppend(
+        &s, "model               ", preset_,
+        absl::GetFlag(FLAGS_slow) || absl::GetFlag(FLAGS_long_prompts)
+            ? " (long prompts)\n"
+            : "\n");
     absl::StrAppend(&s, "requests            ", requests_, " (", completed_,
                     " completed OK, ", matched_, " equal to the reference, ",
                     mismatches_, " mismatched, ", unchecked_,
                     " without reference)\n");
+    std::sort(first_token_s_.begin(), first_token_s_.end());
+    auto quantile = [&](double q) {
+      return first_token_s_.empty() ? -1.0
+                                    : first_token_s_[static_cast<size_t>(
+                                          q * (first_token_s_.size() - 1))];
+    };
+    absl::StrAppendFormat(&s,
+                          "first token (s)      p50 %.2f, p90 %.2f, max %.2f "
+                          "over %d OK requests\n",
+                          quantile(0.5), quantile(0.9), quantile(1.0),
+                          static_cast<int>(first_token_s_.size()));
     absl::StrAppend(&s, "malformed           ", malformed_, " refused (",
                     malformed_accepted_, " wrongly accepted)\n");
     absl::StrAppend(&s, "faults injected    ");
@@ -1134,40 +1195,34 @@ class Soak {
     std::fflush(stdout);
     const std::string json_path = absl::GetFlag(FLAGS_json);
     if (!json_path.empty()) {
-      std::ofstream out(json_path);
-      out << "{\"pass\": " << (all ? "true" : "false")
-          << ", \"minutes\": " << absl::GetFlag(FLAGS_minutes)
-          << ", \"requests\": " << requests_
-          << ", \"completed\": " << completed_ << ", \"matched\": " << matched_
-          << ", \"mismatched\": " << mismatches_
-          << ", \"malformed\": " << malformed_
-          << ", \"blocks_leaked\": " << blocks_leaked_
-          << ", \"index_agrees\": " << (index_agrees_ ? "true" : "false")
-          << ", \"crashes\": " << cluster_.crashes.size() << ", \"faults\": {";
-      bool first = true;
-      for (const auto& [k, v] : faults_) {
-        out << (first ? "" : ", ") << "\"" << k << "\": " << v;
-        first = false;
-      }
-      out << "}, \"statuses\": {";
-      first = true;
-      for (const auto& [k, v] : errors_) {
-        out << (first ? "" : ", ") << "\"" << k << "\": " << v;
-        first = false;
-      }
-      out << "}, \"peak_rss_mib\": {";
-      first = true;
-      for (const auto& [k, v] : peak_rss) {
-        out << (first ? "" : ", ") << "\"" << k << "\": " << v / 1024.0;
-        first = false;
-      }
-      out << "}}\n";
+      nlohmann::ordered_json out = {
+          {"pass", all},
+          {"minutes", absl::GetFlag(FLAGS_minutes)},
+          {"model", preset_},
+          {"requests", requests_},
+          {"completed", completed_},
+          {"matched", matched_},
+          {"mismatched", mismatches_},
+          {"unchecked", unchecked_},
+          {"malformed", malformed_},
+          {"blocks_leaked", blocks_leaked_},
+          {"first_token_s",
+           {{"p50", quantile(0.5)},
+            {"p90", quantile(0.9)},
+            {"max", quantile(1.0)}}},
+          {"index_agrees", index_agrees_},
+          {"crashes", cluster_.crashes.size()},
+          {"faults", faults_},
+          {"statuses", errors_},
+          {"peak_rss_mib", nlohmann::ordered_json::object()}};
+      for (const auto& [k, v] : peak_rss) out["peak_rss_mib"][k] = v / 1024.0;
+      std::ofstream(json_path) << out.dump() << "\n";
     }
     return all;
   }
 
   const std::string dir_;
-  std::string model_;
+  std::string model_, preset_;
   Cluster cluster_;
   std::vector<Proc*> prefill_, decode_;
   Proc* router_ = nullptr;
@@ -1182,6 +1237,7 @@ class Soak {
   std::map<std::string, int> errors_ ABSL_GUARDED_BY(mu_);
   int requests_ = 0, completed_ = 0, matched_ = 0, mismatches_ = 0,
       unchecked_ = 0, malformed_ = 0, malformed_accepted_ = 0, unclear_ = 0;
+  std::vector<double> first_token_s_ ABSL_GUARDED_BY(mu_);  // OK requests
   double blocks_leaked_ = 0;
   bool index_agrees_ = false;
   std::map<std::string, std::string> index_report_;
