@@ -37,11 +37,14 @@ ABSL_FLAG(std::string, weight_dtype, "auto",
 ABSL_FLAG(int32_t, threads, 0, "kernel threads (0: all cores)");
 ABSL_FLAG(
     std::string, device, "cpu",
-    "where the forward pass runs: cpu, or cuda (one GPU; KV pool sized by "
-    "--gpu-memory-utilization; --role both and local generate only)");
+    "where the forward pass and the KV pool live: cpu, or cuda (one GPU; KV "
+    "pool sized by --gpu-memory-utilization; every worker role)");
 ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "--device cuda: fraction of GPU memory for weights, activations and "
           "the KV pool (which takes the rest)");
+ABSL_FLAG(bool, gpu_reference_math, false,
+          "--device cuda: fp32 GEMMs (no TF32) and fp32 attention, so GPU "
+          "tokens follow the CPU reference (slower; for equivalence checks)");
 ABSL_FLAG(bool, json, false, "print JSON instead of text");
 
 namespace pdserve::cli {
@@ -115,6 +118,7 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   }
   c.device = *device;
   c.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
+  c.gpu_reference_math = absl::GetFlag(FLAGS_gpu_reference_math);
 #if defined(PDSERVE_HAVE_CUDA_BACKEND)
   if (c.device == engine::Device::kCuda) engine::RegisterCudaBackend();
 #endif

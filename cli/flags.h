@@ -20,6 +20,9 @@ ABSL_DECLARE_FLAG(bool, enable_prefix_caching);
 ABSL_DECLARE_FLAG(std::string, matmul);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(int32_t, threads);
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(double, gpu_memory_utilization);
+ABSL_DECLARE_FLAG(bool, gpu_reference_math);
 ABSL_DECLARE_FLAG(bool, json);
 
 namespace pdserve::cli {

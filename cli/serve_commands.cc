@@ -370,6 +370,15 @@ int RunUp(const std::vector<std::string>&) {
       std::string("--enable-prefix-caching=") +
           (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
       "--kv-transport=" + absl::GetFlag(FLAGS_kv_transport),
+      "--device=" + absl::GetFlag(FLAGS_device),
+      // One GPU shared by every worker: each takes an equal part of the
+      // fraction asked for (NCCL cannot join two ranks on one GPU, so `up`
+      // on a GPU moves KV with the default grpc transport).
+      "--gpu-memory-utilization=" +
+          std::to_string(absl::GetFlag(FLAGS_gpu_memory_utilization) /
+                         std::max(1, n_prefill + n_decode)),
+      std::string("--gpu-reference-math=") +
+          (absl::GetFlag(FLAGS_gpu_reference_math) ? "true" : "false"),
       std::string("--kv-layerwise=") +
           (absl::GetFlag(FLAGS_kv_layerwise) ? "true" : "false"),
   };
