@@ -137,16 +137,19 @@ grpc::Status DecodeHandler::Generate(
         StatusCause::kPrefillFailed);
   }
   if (absl::Status s =
-          receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline);
+          receiver_->Wait(reservation_id, options_.kv_stall_timeout, deadline,
+                          [context] { return context->IsCancelled(); });
       !s.ok()) {
     // Wait has ended the reservation: nothing writes into its blocks now.
     loop_->Abort(req.id);
-    // The request's own deadline stays DEADLINE_EXCEEDED; a failed or stalled
-    // transfer is UNAVAILABLE (the router may retry it elsewhere).
-    return grpc::Status(s.code() == absl::StatusCode::kDeadlineExceeded
-                            ? grpc::StatusCode::DEADLINE_EXCEEDED
-                            : grpc::StatusCode::UNAVAILABLE,
-                        std::string(s.message()));
+    // The request's own deadline and cancel keep their codes; a failed or
+    // stalled transfer is UNAVAILABLE (the router may retry it elsewhere).
+    grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE;
+    if (s.code() == absl::StatusCode::kDeadlineExceeded)
+      code = grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (s.code() == absl::StatusCode::kCancelled)
+      code = grpc::StatusCode::CANCELLED;
+    return grpc::Status(code, std::string(s.message()));
   }
 
   // 3. First token to the client at once, then decode here.

@@ -299,6 +299,25 @@ TEST_F(DecodeHandlerTest, DeadlineWhileWaitingForKvFreesEveryBlock) {
   ExpectNothingLeft();
 }
 
+// The client goes away while the KV is still awaited (here it never comes):
+// the blocks come back at once, not after the 60 s stall timeout.
+TEST_F(DecodeHandlerTest, CancelWhileWaitingForKvFreesEveryBlockAtOnce) {
+  Start(64, absl::Seconds(30), /*kv_stall_timeout=*/absl::Seconds(60));
+  prefill_->mode = FakePrefillService::Mode::kSendNothing;
+  grpc::ClientContext ctx;
+  Result r;
+  std::thread call([&] { r = Generate(&ctx, Request()); });
+  ASSERT_TRUE(prefill_->called.WaitForNotificationWithTimeout(
+      absl::Seconds(30)));
+  ASSERT_TRUE(
+      WaitUntil([&] { return receiver_->num_reservations() == 1; }));
+  ctx.TryCancel();
+  call.join();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(decode_->returned.Await(1));
+  ExpectNothingLeft();
+}
+
 TEST_F(DecodeHandlerTest, FailedPrefillWorkerIsNamedAndFreesEveryBlock) {
   Start();
   prefill_->mode = FakePrefillService::Mode::kFail;

@@ -279,7 +279,8 @@ void KvReceiver::End(uint64_t reservation_id, bool ok) {
 
 absl::Status KvReceiver::Wait(uint64_t reservation_id,
                               absl::Duration stall_timeout,
-                              absl::Time deadline) {
+                              absl::Time deadline,
+                              const std::function<bool()>& cancelled) {
   std::shared_ptr<Pending> found = Find(reservation_id);
   if (found == nullptr)
     return absl::NotFoundError("KV reservation is not open");
@@ -315,8 +316,12 @@ absl::Status KvReceiver::Wait(uint64_t reservation_id,
             "KV transfer stalled for ", absl::FormatDuration(stall_timeout)));
         break;
       }
-      const absl::Time wake =
-          std::min(deadline, p->last_progress + stall_timeout);
+      if (cancelled && cancelled()) {
+        result = absl::CancelledError("cancelled while receiving KV");
+        break;
+      }
+      absl::Time wake = std::min(deadline, p->last_progress + stall_timeout);
+      if (cancelled) wake = std::min(wake, now + absl::Milliseconds(50));
       p->mu.AwaitWithDeadline(
           absl::Condition(
               +[](Pending* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {

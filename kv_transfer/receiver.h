@@ -99,11 +99,15 @@ class KvReceiver {
   void End(uint64_t reservation_id, bool ok);
 
   // Blocks until every expected (layer, block) arrived, or the reservation
-  // failed, or no progress for `stall_timeout`, or `deadline` passed. Always
-  // ends the reservation, and returns only once no copy into its blocks is
-  // in progress.
+  // failed, or no progress for `stall_timeout`, or `deadline` passed, or
+  // `cancelled` (may be null; polled every 50 ms, must not block) returns
+  // true: then CANCELLED, so that a request whose client went away gives its
+  // blocks back at once rather than after the stall timeout. Always ends the
+  // reservation, and returns only once no copy into its blocks is in
+  // progress.
   absl::Status Wait(uint64_t reservation_id, absl::Duration stall_timeout,
-                    absl::Time deadline);
+                    absl::Time deadline,
+                    const std::function<bool()>& cancelled = {});
   // Ends a reservation early; returns once no copy into its blocks is in
   // progress (a copy is one span: this waits microseconds, not for a sender).
   // Idempotent; unknown ids are ignored.
