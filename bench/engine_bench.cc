@@ -185,7 +185,7 @@ absl::Status EngineBenchConfig::Validate() const {
   return engine.Validate();
 }
 
-double MeasureTriadBandwidth(int64_t bytes) {
+double MeasureTriadBandwidth(int64_t bytes, int passes) {
   const int64_t n = std::max<int64_t>(bytes / 12, 1 << 16);
   std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
 #pragma omp parallel for schedule(static)
@@ -195,7 +195,7 @@ double MeasureTriadBandwidth(int64_t bytes) {
     c[i] = 2;
   }
   double best = 1e30;
-  for (int pass = 0; pass < 6; ++pass) {
+  for (int pass = 0; pass < passes; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
     const float s = 0.5f + pass;
 #pragma omp parallel for schedule(static)
@@ -266,6 +266,9 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     const double p = config.prefill_tokens;
     const double flops = p * LayerMatrixFlops(mc) + OutputFlops(mc) +
                          AttentionFlops(mc, (p + 1) / 2) * p;
+    const double peak_after =
+        kernels::MeasureFmaPeakGflops(peak_isa, result.threads);
+    result.fma_peak_gflops = std::max(result.fma_peak_gflops, peak_after);
     result.prefill_tokens = config.prefill_tokens;
     result.prefill_tokens_per_s = p / best;
     result.prefill_gflops = flops / best / 1e9;
@@ -282,13 +285,24 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                           config.engine.block_size, config.engine.kv_dtype};
     return s.BytesPerToken();
   }();
+  // Decode: one engine per batch size, all warmed up first; then the timed
+  // steps go round-robin over the batch sizes, each round starting with a
+  // short triad and FMA-peak measurement. On a shared machine the load moves
+  // during a run; interleaving puts every batch size and both limits under
+  // the same conditions, so their ratios stay meaningful.
+  struct Running {
+    int32_t batch;
+    std::unique_ptr<engine::Engine> eng;
+    double secs = 0;
+  };
+  std::vector<Running> running;
   for (int32_t batch : config.batch_sizes) {
     engine::EngineConfig ec = config.engine;
     ec.max_num_seqs = std::max(ec.max_num_seqs, batch);
     ec.max_num_batched_tokens =
         std::max(ec.max_num_batched_tokens, batch * config.decode_context);
     ASSIGN_OR_RETURN(auto eng, engine::Engine::Create(weights, ec));
-    std::fprintf(stderr, "[bench] decode batch %d...\n", batch);
+    std::fprintf(stderr, "[bench] decode batch %d: warm-up...\n", batch);
     for (int32_t i = 0; i < batch; ++i) {
       RETURN_IF_ERROR(
           eng->AddRequest(Request(absl::StrCat("d", i), config.decode_context,
@@ -301,10 +315,26 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
           "batch ", batch,
           " does not fit in the KV cache; raise --kv-cache-memory"));
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int32_t s = 0; s < config.decode_steps; ++s)
-      RETURN_IF_ERROR(eng->Step().status());
-    const double secs = Seconds(t0);
+    running.push_back({batch, std::move(eng)});
+  }
+  double triad_sum = 0, peak_sum = 0;
+  for (int32_t s = 0; s < config.decode_steps; ++s) {
+    std::fprintf(stderr, "[bench] decode round %d/%d\n", s + 1,
+                 config.decode_steps);
+    triad_sum += MeasureTriadBandwidth(result.stream_bytes, 3);
+    peak_sum +=
+        kernels::MeasureFmaPeakGflops(peak_isa, result.threads, 0.15);
+    for (Running& r : running) {
+      const auto t0 = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(r.eng->Step().status());
+      r.secs += Seconds(t0);
+    }
+  }
+  result.decode_stream_gb_per_s = triad_sum / config.decode_steps;
+  result.decode_fma_peak_gflops = peak_sum / config.decode_steps;
+  for (Running& r : running) {
+    const double secs = r.secs;
+    const int32_t batch = r.batch;
     DecodeFigure f;
     f.batch = batch;
     f.step_ms = secs / config.decode_steps * 1e3;
@@ -316,25 +346,19 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     f.bytes_per_step = static_cast<double>(result.weight_bytes) +
                        batch * avg_ctx * bytes_per_token;
     f.roofline_ratio = f.bytes_per_step / (secs / config.decode_steps) /
-                       (result.stream_gb_per_s * 1e9);
+                       (result.decode_stream_gb_per_s * 1e9);
     f.flops_per_step =
         batch * (LayerMatrixFlops(mc) + OutputFlops(mc) +
                  AttentionFlops(mc, avg_ctx + 1));
     f.gflops = f.flops_per_step / (secs / config.decode_steps) / 1e9;
-    f.fma_peak_fraction =
-        result.fma_peak_gflops > 0 ? f.gflops / result.fma_peak_gflops : 0;
+    f.fma_peak_fraction = result.decode_fma_peak_gflops > 0
+                              ? f.gflops / result.decode_fma_peak_gflops
+                              : 0;
     result.decode.push_back(f);
   }
-  // The peak again after the timed work: the machine may be shared, and the
-  // higher of the two (the more conservative fraction) is the one used.
-  const double peak_after =
-      kernels::MeasureFmaPeakGflops(peak_isa, result.threads);
-  if (peak_after > result.fma_peak_gflops) {
-    const double scale = result.fma_peak_gflops / peak_after;
-    result.fma_peak_gflops = peak_after;
-    result.prefill_fma_peak_fraction *= scale;
-    for (DecodeFigure& d : result.decode) d.fma_peak_fraction *= scale;
-  }
+  running.clear();
+  // Prefill's peak: the higher of the measurements taken before and after
+  // it (the more conservative fraction).
   for (const DecodeFigure& one : result.decode) {
     if (one.batch != 1) continue;
     for (DecodeFigure& d : result.decode)
@@ -357,11 +381,14 @@ std::string EngineBenchResult::ToJson() const {
       "\"stream_triad_gb_per_s\": %.3f, \"fma_peak_gflops\": %.1f, "
       "\"weight_bytes\": %d, \"prefill_tokens\": %d, "
       "\"prefill_tokens_per_s\": %.1f, \"prefill_gflops\": %.1f, "
-      "\"prefill_fma_peak_fraction\": %.3f, \"decode\": [",
+      "\"prefill_fma_peak_fraction\": %.3f, "
+      "\"decode_stream_triad_gb_per_s\": %.3f, "
+      "\"decode_fma_peak_gflops\": %.1f, \"decode\": [",
       weight_dtype, gemm_path, cpu_features, threads, load_average_1m,
       llc_bytes, stream_bytes, stream_gb_per_s, fma_peak_gflops, weight_bytes,
       prefill_tokens, prefill_tokens_per_s, prefill_gflops,
-      prefill_fma_peak_fraction);
+      prefill_fma_peak_fraction, decode_stream_gb_per_s,
+      decode_fma_peak_gflops);
   for (size_t i = 0; i < decode.size(); ++i) {
     const auto& d = decode[i];
     absl::StrAppendFormat(
@@ -394,13 +421,15 @@ std::string EngineBenchResult::ToTable() const {
       "load average (1 min)   : %.2f\n"
       "STREAM triad           : %8.2f GB/s over %lld MiB (LLC %lld MiB)\n"
       "FMA peak               : %8.1f GFLOP/s\n"
-      "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n\n"
+      "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n"
+      "decode rounds          : triad %.2f GB/s, FMA peak %.1f GFLOP/s (means)\n\n"
       "%6s %10s %10s %10s %9s %9s %9s %8s\n",
       weight_dtype, weight_bytes / 1e6, gemm_path, threads, cpu_features,
       load_average_1m, stream_gb_per_s,
       static_cast<long long>(stream_bytes >> 20),
       static_cast<long long>(llc_bytes >> 20), fma_peak_gflops, prefill_tokens,
-      prefill_tokens_per_s, prefill_gflops, prefill_fma_peak_fraction, "batch",
+      prefill_tokens_per_s, prefill_gflops, prefill_fma_peak_fraction,
+      decode_stream_gb_per_s, decode_fma_peak_gflops, "batch",
       "tokens/s", "step ms", "GB/s", "roofline", "GFLOP/s", "of peak",
       "x b=1");
   for (const auto& d : decode) {
