@@ -48,9 +48,8 @@ class Returned {
   }
   bool Await(int n) {
     absl::MutexLock l(&mu_);
-    auto done = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return n_ >= n;
-    };
+    auto done = [this, n]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return n_ >= n; };
     return mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(30));
   }
 
@@ -102,8 +101,7 @@ class FakePrefillService : public v1::Worker::Service {
     const uint64_t id = request->reservation_id();
     absl::Status s = receiver_->Begin(id, request->request_id(), layout);
     const int blocks =
-        (request->token_ids_size() + layout.block_size - 1) /
-        layout.block_size;
+        (request->token_ids_size() + layout.block_size - 1) / layout.block_size;
     const std::string span(
         static_cast<size_t>(2 * layout.kv_heads * layout.block_size *
                             layout.head_dim * 4),  // fp32
@@ -165,8 +163,8 @@ class DecodeHandlerTest : public ::testing::Test {
           {prefill_.get(), &prefill_server_, &prefill_address_}}) {
       grpc::ServerBuilder builder;
       int port = 0;
-      builder.AddListeningPort("127.0.0.1:0",
-                               grpc::InsecureServerCredentials(), &port);
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                               &port);
       builder.RegisterService(service);
       *server = builder.BuildAndStart();
       ASSERT_NE(port, 0);
@@ -188,8 +186,7 @@ class DecodeHandlerTest : public ::testing::Test {
                                     bool remote = true) const {
     v1::WorkerGenerateRequest r;
     r.set_request_id("req-1");
-    for (int i = 0; i < prompt_tokens; ++i)
-      r.add_token_ids(1 + (i * 13) % 250);
+    for (int i = 0; i < prompt_tokens; ++i) r.add_token_ids(1 + (i * 13) % 250);
     r.mutable_sampling()->set_max_tokens(max_tokens);
     r.mutable_sampling()->set_ignore_eos(true);
     if (remote) r.set_prefill_address(prefill_address_);
@@ -257,8 +254,8 @@ TEST_F(DecodeHandlerTest, CancelBeforeTheFirstTokenFreesEveryBlock) {
   grpc::ClientContext ctx;
   Result r;
   std::thread call([&] { r = Generate(&ctx, Request(20, 200)); });
-  ASSERT_TRUE(prefill_->called.WaitForNotificationWithTimeout(
-      absl::Seconds(30)));
+  ASSERT_TRUE(
+      prefill_->called.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_GT(Stats().blocks_active, 0);  // the reservation
   ctx.TryCancel();
   call.join();
@@ -274,13 +271,15 @@ TEST_F(DecodeHandlerTest, CancelWhileQueuedForBlocksLeavesTheQueue) {
   grpc::ClientContext ctx;
   Result r;
   std::thread call([&] { r = Generate(&ctx, Request(8, 4)); });
-  ASSERT_TRUE(WaitUntil([&] { return loop_->num_pending_reservations() == 1; }));
+  ASSERT_TRUE(
+      WaitUntil([&] { return loop_->num_pending_reservations() == 1; }));
   ctx.TryCancel();
   call.join();
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
   ASSERT_TRUE(decode_->returned.Await(1));
   // The waiter leaves the engine-side queue (right after the handler).
-  ASSERT_TRUE(WaitUntil([&] { return loop_->num_pending_reservations() == 0; }));
+  ASSERT_TRUE(
+      WaitUntil([&] { return loop_->num_pending_reservations() == 0; }));
   EXPECT_FALSE(prefill_->called.HasBeenNotified());
   loop_->Abort("holder");
   ASSERT_TRUE(WaitUntil([&] { return Stats().blocks_active == 0; }));
@@ -307,10 +306,9 @@ TEST_F(DecodeHandlerTest, CancelWhileWaitingForKvFreesEveryBlockAtOnce) {
   grpc::ClientContext ctx;
   Result r;
   std::thread call([&] { r = Generate(&ctx, Request()); });
-  ASSERT_TRUE(prefill_->called.WaitForNotificationWithTimeout(
-      absl::Seconds(30)));
   ASSERT_TRUE(
-      WaitUntil([&] { return receiver_->num_reservations() == 1; }));
+      prefill_->called.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(WaitUntil([&] { return receiver_->num_reservations() == 1; }));
   ctx.TryCancel();
   call.join();
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
@@ -351,7 +349,8 @@ TEST_F(DecodeHandlerTest, StalledTransferTimesOutAndFreesEveryBlock) {
   ExpectNothingLeft();
 }
 
-TEST_F(DecodeHandlerTest, ReservationTimeoutIsResourceExhaustedAndTakesNothing) {
+TEST_F(DecodeHandlerTest,
+       ReservationTimeoutIsResourceExhaustedAndTakesNothing) {
   Start(/*blocks=*/8, /*admission_timeout=*/absl::Milliseconds(300));
   Hold(7);
   grpc::ClientContext ctx;
@@ -371,7 +370,8 @@ TEST_F(DecodeHandlerTest, ReservationWokenByReleasedBlocksProceeds) {
   grpc::ClientContext ctx;
   Result r;
   std::thread call([&] { r = Generate(&ctx, Request(8, 4)); });
-  ASSERT_TRUE(WaitUntil([&] { return loop_->num_pending_reservations() == 1; }));
+  ASSERT_TRUE(
+      WaitUntil([&] { return loop_->num_pending_reservations() == 1; }));
   loop_->Abort("holder");  // the release wakes the waiting reservation
   call.join();
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();

@@ -71,10 +71,10 @@ absl::Status EngineLoop::Post(Task task, bool new_work) {
   if (stop_) return Stopped();
   if (new_work) {
     if (queued_new_work_ >= max_queued_calls_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "engine loop busy: ", queued_new_work_,
-          " new requests already queued for the engine thread "
-          "(max_queued_calls)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("engine loop busy: ", queued_new_work_,
+                       " new requests already queued for the engine thread "
+                       "(max_queued_calls)"));
     }
     ++queued_new_work_;
   }
@@ -86,8 +86,8 @@ absl::Status EngineLoop::Post(Task task, bool new_work) {
 absl::StatusOr<std::shared_ptr<RequestStream>> EngineLoop::Submit(
     EngineRequest request) {
   return CallImpl(
-      [this, req = std::move(request)](Engine& e) mutable
-      -> absl::StatusOr<std::shared_ptr<RequestStream>> {
+      [this, req = std::move(request)](
+          Engine& e) mutable -> absl::StatusOr<std::shared_ptr<RequestStream>> {
         const std::string id = req.id;
         if (absl::Status s = e.AddRequest(std::move(req)); !s.ok()) return s;
         return AttachStream(id);
@@ -149,8 +149,8 @@ absl::StatusOr<Reservation> EngineLoop::Reserve(
     if (it == reservations_.end()) return;
     if (it == reservations_.begin()) free_at_last_try_ = -1;
     reservations_.erase(it);
-    num_pending_reservations_.store(
-        static_cast<int64_t>(reservations_.size()), std::memory_order_relaxed);
+    num_pending_reservations_.store(static_cast<int64_t>(reservations_.size()),
+                                    std::memory_order_relaxed);
   };
   Post(std::move(remove), /*new_work=*/false).IgnoreError();
   return gave_up;

@@ -90,7 +90,8 @@ class EngineLoop {
   // (then CANCELLED; polled every 50 ms, may be null). A request that could
   // never fit is refused at once (RESOURCE_EXHAUSTED, cause kNeverFits); so
   // is one beyond max_pending_reservations. Blocks the calling thread.
-  absl::StatusOr<Reservation> Reserve(EngineRequest request, absl::Time admit_by,
+  absl::StatusOr<Reservation> Reserve(EngineRequest request,
+                                      absl::Time admit_by,
                                       std::function<bool()> cancelled = {});
 
   // Routes outputs of an existing (e.g. reserved) request to a new stream.
@@ -126,7 +127,6 @@ class EngineLoop {
   // them (held or reserved blocks are never written by the engine thread).
   // The engine's KV storage, for transports (host or device spans).
   KvStorage& kv_storage_for_transfer() { return engine_->kv_storage(); }
-
 
  private:
   struct Task {

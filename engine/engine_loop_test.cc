@@ -92,10 +92,9 @@ TEST_F(EngineLoopTest, StopFailsQueuedCallsAndRefusesLaterOnes) {
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(loop->Submit(Req("late", 2)).status().code(),
             absl::StatusCode::kUnavailable);
-  EXPECT_EQ(loop->Reserve(Req("late", 2), absl::InfiniteFuture())
-                .status()
-                .code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(
+      loop->Reserve(Req("late", 2), absl::InfiniteFuture()).status().code(),
+      absl::StatusCode::kUnavailable);
   loop->Abort("late");  // harmless after Stop
 }
 
@@ -126,13 +125,12 @@ TEST_F(EngineLoopTest, DetachReturnsBlocksHeldByAnOutputNobodyRead) {
   ASSERT_TRUE(stream.ok()) << stream.status();
   // The request finishes (one step); its output, holding 3 blocks, waits in
   // the stream unread, as when a prefill handler gave up on it.
-  ASSERT_TRUE(WaitUntil([&] {
-    return !*loop->Call([](Engine& e) { return e.Has("held"); });
-  }));
+  ASSERT_TRUE(WaitUntil(
+      [&] { return !*loop->Call([](Engine& e) { return e.Has("held"); }); }));
   EXPECT_EQ(Stats(*loop).blocks_active, 3);
-  ASSERT_TRUE(loop->Call([&](Engine&) {
-                    loop->DetachStream("held", stream->get());
-                  }).ok());
+  ASSERT_TRUE(
+      loop->Call([&](Engine&) { loop->DetachStream("held", stream->get()); })
+          .ok());
   EXPECT_EQ(Stats(*loop).blocks_active, 0);
 }
 
@@ -142,9 +140,9 @@ TEST_F(EngineLoopTest, DetachAbortsALiveRequestAndItsBlocksReturn) {
   req.hold_blocks_on_finish = true;
   auto stream = loop->Submit(req);
   ASSERT_TRUE(stream.ok()) << stream.status();
-  ASSERT_TRUE(loop->Call([&](Engine&) {
-                    loop->DetachStream("live", stream->get());
-                  }).ok());
+  ASSERT_TRUE(
+      loop->Call([&](Engine&) { loop->DetachStream("live", stream->get()); })
+          .ok());
   ASSERT_TRUE(WaitUntil([&] { return Stats(*loop).blocks_active == 0; }));
   EXPECT_FALSE(*loop->Call([](Engine& e) { return e.Has("live"); }));
 }
@@ -243,7 +241,8 @@ TEST_F(EngineLoopTest, NewWorkBeyondTheQueueCapsIsRefused) {
     EXPECT_TRUE(loop->Call([&](Engine&) {
                       running.Notify();
                       release.WaitForNotification();
-                    }).ok());
+                    })
+                    .ok());
   });
   ASSERT_TRUE(running.WaitForNotificationWithTimeout(absl::Seconds(20)));
   auto queued = std::async(std::launch::async,

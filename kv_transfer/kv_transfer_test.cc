@@ -262,7 +262,8 @@ TEST_F(KvReceiverConcurrencyTest, ACopyHeldMidwayDoesNotBlockAnotherTransfer) {
   const std::string span(spec_.LayerBlockBytes(), '\1');
   hold_next_copy_ = true;
   absl::Status a_written;
-  threads_.emplace_back([&] { a_written = receiver_->Write(a, 0, 0, span, ""); });
+  threads_.emplace_back(
+      [&] { a_written = receiver_->Write(a, 0, 0, span, ""); });
   ASSERT_TRUE(copy_held_.WaitForNotificationWithTimeout(absl::Seconds(10)));
 
   // Transfer b writes, completes and ends while a's copy is still held.
@@ -290,12 +291,14 @@ TEST_F(KvReceiverConcurrencyTest, ACopyHeldMidwayDoesNotBlockAnotherTransfer) {
   EXPECT_EQ(receiver_->num_reservations(), 0);
 }
 
-TEST_F(KvReceiverConcurrencyTest, CancelWaitsForACopyInProgressThenRefusesMore) {
+TEST_F(KvReceiverConcurrencyTest,
+       CancelWaitsForACopyInProgressThenRefusesMore) {
   const uint64_t a = receiver_->Expect("a", {4, 5}, 0);
   const std::string span(spec_.LayerBlockBytes(), '\2');
   hold_next_copy_ = true;
   absl::Status a_written;
-  threads_.emplace_back([&] { a_written = receiver_->Write(a, 2, 1, span, ""); });
+  threads_.emplace_back(
+      [&] { a_written = receiver_->Write(a, 2, 1, span, ""); });
   ASSERT_TRUE(copy_held_.WaitForNotificationWithTimeout(absl::Seconds(10)));
   absl::Notification cancelled;
   threads_.emplace_back([&] {
@@ -304,7 +307,8 @@ TEST_F(KvReceiverConcurrencyTest, CancelWaitsForACopyInProgressThenRefusesMore) 
   });
   // The engine frees the blocks as soon as Cancel returns, so Cancel must
   // not return while bytes are still being copied into them.
-  EXPECT_FALSE(cancelled.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  EXPECT_FALSE(
+      cancelled.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
   release_copy_.Notify();
   EXPECT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(10)));
   for (auto& t : threads_) t.join();
@@ -329,9 +333,10 @@ TEST_F(KvReceiverConcurrencyTest, TwoCopiesIntoOneSpanAtOnceFailTheTransfer) {
   release_copy_.Notify();
   for (auto& t : threads_) t.join();
   threads_.clear();
-  EXPECT_EQ(receiver_->Wait(a, absl::Seconds(10), absl::Now() + absl::Seconds(10))
-                .code(),
-            absl::StatusCode::kAborted);
+  EXPECT_EQ(
+      receiver_->Wait(a, absl::Seconds(10), absl::Now() + absl::Seconds(10))
+          .code(),
+      absl::StatusCode::kAborted);
   EXPECT_EQ(receiver_->num_reservations(), 0);
 }
 

@@ -66,7 +66,8 @@ void KvReceiver::Fail(Pending* p, const std::string& reason,
 void KvReceiver::EndWrites(Pending* p) {
   p->ended = true;
   p->mu.Await(absl::Condition(
-      +[](Pending* q) ABSL_NO_THREAD_SAFETY_ANALYSIS { return q->writers == 0; },
+      +[](Pending* q)
+           ABSL_NO_THREAD_SAFETY_ANALYSIS { return q->writers == 0; },
       p));
 }
 
@@ -112,9 +113,9 @@ absl::StatusOr<KvReceiver::Claim> KvReceiver::ClaimSpan(
       block_index < p->skip_blocks || block_index >= nblocks) {
     const std::string msg =
         absl::StrCat("chunk (layer ", layer, ", block ", block_index,
-                     ") is outside reservation ", reservation_id, " (layers 0..",
-                     layout_.num_layers - 1, ", blocks ", p->skip_blocks, "..",
-                     nblocks - 1, ")");
+                     ") is outside reservation ", reservation_id,
+                     " (layers 0..", layout_.num_layers - 1, ", blocks ",
+                     p->skip_blocks, "..", nblocks - 1, ")");
     Fail(p, "out_of_range", msg);
     return absl::InvalidArgumentError(msg);
   }
@@ -123,10 +124,10 @@ absl::StatusOr<KvReceiver::Claim> KvReceiver::ClaimSpan(
       spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
   if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
       scale_size != want_scales) {
-    const std::string msg = absl::StrCat(
-        "chunk (layer ", layer, ", block ", block_index, ") has ", data_size,
-        "+", scale_size, " bytes, expected ", spec.LayerBlockBytes(), "+",
-        want_scales);
+    const std::string msg =
+        absl::StrCat("chunk (layer ", layer, ", block ", block_index, ") has ",
+                     data_size, "+", scale_size, " bytes, expected ",
+                     spec.LayerBlockBytes(), "+", want_scales);
     Fail(p, "bad_length", msg);
     return absl::InvalidArgumentError(msg);
   }
@@ -152,7 +153,8 @@ absl::StatusOr<KvReceiver::Claim> KvReceiver::ClaimSpan(
   return c;
 }
 
-void KvReceiver::Commit(Pending* p, const Claim& c, const absl::Status& copied) {
+void KvReceiver::Commit(Pending* p, const Claim& c,
+                        const absl::Status& copied) {
   if (copied.ok() && counters_.on_bytes) counters_.on_bytes(c.bytes);
   absl::MutexLock l(&p->mu);
   --p->writers;
@@ -278,8 +280,7 @@ void KvReceiver::End(uint64_t reservation_id, bool ok) {
 }
 
 absl::Status KvReceiver::Wait(uint64_t reservation_id,
-                              absl::Duration stall_timeout,
-                              absl::Time deadline,
+                              absl::Duration stall_timeout, absl::Time deadline,
                               const std::function<bool()>& cancelled) {
   std::shared_ptr<Pending> found = Find(reservation_id);
   if (found == nullptr)

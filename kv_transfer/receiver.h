@@ -43,8 +43,8 @@ struct ReceiverCounters {
   std::function<void(const std::string& reason)> on_failure;  // may be null
   // Runs after a span's bytes were copied, while the span still counts as
   // being written (its reservation cannot end until this returns).
-  std::function<void(uint64_t bytes)> on_bytes;  // may be null
-  std::function<void(double seconds)> on_complete;            // may be null
+  std::function<void(uint64_t bytes)> on_bytes;     // may be null
+  std::function<void(double seconds)> on_complete;  // may be null
 };
 
 class KvReceiver {

@@ -251,7 +251,8 @@ TEST_F(LayerStreamerEngineTest, LayersLeaveWhileTheChunkedPrefillStillRuns) {
   ASSERT_TRUE(loop.Call([&](engine::Engine& e) {
                     e.ReleaseBlocks(streamer->Close());
                     e.ReleaseBlocks(done.held_blocks);
-                  }).ok());
+                  })
+                  .ok());
   const absl::StatusOr<engine::EngineStats> after =
       loop.Call([](engine::Engine& e) { return e.Stats(); });
   ASSERT_TRUE(after.ok()) << after.status();

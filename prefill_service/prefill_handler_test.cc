@@ -101,23 +101,23 @@ class PrefillHandlerTest : public ::testing::Test {
   void Start(bool layerwise = true) {
     engine::EngineConfig config;
     config.block_size = 4;
-    auto eng = engine::Engine::Create(
-        engine::testing::TinyWeights(), config,
-        [this](const engine::KvEvent& e) {
-          if (e.type != engine::KvEvent::Type::kStored) return;
-          if (!hold_step_.exchange(false)) return;
-          step_held_.Notify();
-          release_step_.WaitForNotification();
-        });
+    auto eng =
+        engine::Engine::Create(engine::testing::TinyWeights(), config,
+                               [this](const engine::KvEvent& e) {
+                                 if (e.type != engine::KvEvent::Type::kStored)
+                                   return;
+                                 if (!hold_step_.exchange(false)) return;
+                                 step_held_.Notify();
+                                 release_step_.WaitForNotification();
+                               });
     ASSERT_TRUE(eng.ok()) << eng.status();
     loop_ = std::make_unique<engine::EngineLoop>(std::move(*eng));
     layout_ = kv_transfer::KvLayout::FromSpec(loop_->kv_spec(), "test-model");
     transport_ = std::make_unique<FakeTransport>(&link_);
     PrefillOptions options;
     options.layerwise = layerwise;
-    handler_ = std::make_unique<PrefillHandler>(loop_.get(), transport_.get(),
-                                                layout_, "prefill-test",
-                                                options);
+    handler_ = std::make_unique<PrefillHandler>(
+        loop_.get(), transport_.get(), layout_, "prefill-test", options);
     service_ = std::make_unique<PrefillOnlyService>(handler_.get());
     grpc::ServerBuilder builder;
     int port = 0;
@@ -126,9 +126,9 @@ class PrefillHandlerTest : public ::testing::Test {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(port, 0);
-    stub_ = v1::Worker::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(port),
-        grpc::InsecureChannelCredentials()));
+    stub_ = v1::Worker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                            grpc::InsecureChannelCredentials()));
   }
   void TearDown() override {
     if (!release_step_.HasBeenNotified()) release_step_.Notify();
@@ -188,7 +188,8 @@ TEST_F(PrefillHandlerTest, CancelWhileTheFinalStepRunsLongLeavesNoBlocks) {
   ASSERT_TRUE(step_held_.WaitForNotificationWithTimeout(absl::Seconds(30)));
   ctx.TryCancel();
   // The handler gave up (it cancels the transfer first)...
-  ASSERT_TRUE(link_.cancelled.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(
+      link_.cancelled.WaitForNotificationWithTimeout(absl::Seconds(30)));
   // ...while the final step still runs, for longer than the one second an
   // earlier handler waited for it before leaving its held blocks behind.
   // This models a slow step; nothing here waits on it to synchronise.
@@ -215,7 +216,8 @@ TEST_F(PrefillHandlerTest, DeadlineDuringThePrefillLeavesNoBlocks) {
   call.join();  // the client gives up at its deadline, step still held
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   // The handler sees the deadline too and gives up while the step runs.
-  ASSERT_TRUE(link_.cancelled.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(
+      link_.cancelled.WaitForNotificationWithTimeout(absl::Seconds(30)));
   release_step_.Notify();
   ASSERT_TRUE(service_->AwaitReturned(1));
   EXPECT_EQ(ActiveBlocks(), 0);

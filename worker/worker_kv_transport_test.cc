@@ -13,11 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
-#include "worker/worker_server.h"
-#include "wire/enums.h"
 #include "engine/model_init.h"
 #include "kv_transfer/nccl/fake_communicator.h"
 #include "pdserve/v1/internal.grpc.pb.h"
+#include "wire/enums.h"
+#include "worker/worker_server.h"
 
 namespace pdserve::worker {
 namespace {
@@ -175,8 +175,8 @@ TEST_F(WorkerKvTransportTest, NcclPrefillToAGrpcOnlyDecodeWorkerFailsCleanly) {
   // A pool of 30 blocks, where one request takes 25 (90 + 8 tokens, blocks
   // of 4): a leaked reservation (23 blocks) would starve the next request.
   WorkerConfig dc = Config("decode", "grpc", DType::kF32);
-  dc.engine.kv_cache_bytes = 30 * dc.engine.block_size * 2 *
-                             kTinyLayers * kTinyKvHeads * kTinyHeadDim *
+  dc.engine.kv_cache_bytes = 30 * dc.engine.block_size * 2 * kTinyLayers *
+                             kTinyKvHeads * kTinyHeadDim *
                              static_cast<int64_t>(sizeof(float));
   dc.admission_timeout = absl::Seconds(2);
   auto decode = WorkerServer::Start(dc, &r2);
