@@ -21,6 +21,10 @@ ABSL_FLAG(uint32_t, top_k, 0, "keep the k most likely tokens (0 = off)");
 ABSL_FLAG(std::string, stop, "", "stop string (repeatable)");
 ABSL_FLAG(bool, ignore_eos, false, "keep generating after EOS");
 ABSL_FLAG(std::string, cache_salt, "", "prefix-cache isolation salt");
+ABSL_FLAG(bool, logprobs, false,
+          "with --json: each generated token's log-probability");
+ABSL_FLAG(uint32_t, top_logprobs, 0,
+          "with --logprobs: also the N (<= 5) most likely alternatives");
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, router);
 
@@ -34,6 +38,8 @@ engine::SamplingParams SamplingParamsFromFlags() {
   p.top_k = absl::GetFlag(FLAGS_top_k);
   p.seed = absl::GetFlag(FLAGS_seed);
   p.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
+  p.logprobs = absl::GetFlag(FLAGS_logprobs);
+  p.top_logprobs = absl::GetFlag(FLAGS_top_logprobs);
   if (!absl::GetFlag(FLAGS_stop).empty()) {
     p.stop = absl::StrSplit(absl::GetFlag(FLAGS_stop), '\x1f');
   }
@@ -72,6 +78,7 @@ int RunGenerate(const std::vector<std::string>&) {
   std::vector<int32_t> ids;
   std::string all_text;
   engine::StepOutput last;
+  json::OrderedValue logprobs = json::OrderedValue::array();
   auto emit = [&](const std::string& t) {
     all_text += t;
     if (!as_json && !t.empty()) {
@@ -85,6 +92,14 @@ int RunGenerate(const std::vector<std::string>&) {
     if (!step.ok()) return ReportError(step.status());
     for (const auto& out : *step) {
       ids.insert(ids.end(), out.new_tokens.begin(), out.new_tokens.end());
+      for (const engine::TokenLogprobs& lp : out.logprobs) {
+        json::OrderedValue top = json::OrderedValue::array();
+        for (const auto& [token, logprob] : lp.top)
+          top.push_back({{"token_id", token}, {"logprob", logprob}});
+        logprobs.push_back({{"token_id", lp.token},
+                            {"logprob", lp.logprob},
+                            {"top", std::move(top)}});
+      }
       last.prompt_tokens = std::max(last.prompt_tokens, out.prompt_tokens);
       last.cached_prompt_tokens =
           std::max(last.cached_prompt_tokens, out.cached_prompt_tokens);
@@ -104,7 +119,7 @@ int RunGenerate(const std::vector<std::string>&) {
     if (!(*engine)->HasWork()) done = true;
   }
   if (as_json) {
-    const json::OrderedValue out = {
+    json::OrderedValue out = {
         {"request_id", req.id},
         {"token_ids", ids},
         {"text", all_text},
@@ -113,6 +128,7 @@ int RunGenerate(const std::vector<std::string>&) {
          {{"prompt_tokens", req.prompt.size()},
           {"completion_tokens", ids.size()},
           {"cached_prompt_tokens", last.cached_prompt_tokens}}}};
+    if (sampling.logprobs) out["logprobs"] = std::move(logprobs);
     std::printf("%s\n", json::Dump(out, json::ArraySpacing::kCompact).c_str());
   } else {
     std::fflush(stdout);

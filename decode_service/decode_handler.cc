@@ -173,6 +173,9 @@ grpc::Status DecodeHandler::Generate(
   if (!started.finish.ok()) return ToGrpc(started.finish.status());
   v1::WorkerGenerateResponse msg = base;
   msg.add_token_ids(static_cast<uint32_t>(first));
+  // The prefill worker sampled the first token: its logprobs come from there.
+  if (prefilled.has_first_token_logprobs())
+    *msg.add_logprobs() = prefilled.first_token_logprobs();
   if (*started.finish != engine::FinishReason::kNone) {
     msg.set_finish_reason(FinishToProto(*started.finish));
     writer->Write(msg);
@@ -221,6 +224,8 @@ grpc::Status DecodeHandler::StreamOutputs(
       v1::WorkerGenerateResponse msg = base;
       for (int32_t t : out.new_tokens)
         msg.add_token_ids(static_cast<uint32_t>(t));
+      for (const engine::TokenLogprobs& lp : out.logprobs)
+        LogprobsToProto(lp, msg.add_logprobs());
       if (out.cached_prompt_tokens > 0 && base.cached_prompt_tokens() == 0) {
         msg.set_cached_prompt_tokens(
             static_cast<uint32_t>(out.cached_prompt_tokens));

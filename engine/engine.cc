@@ -346,14 +346,18 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     CommitFullBlocks(seq);
     if (inputs[i].logits == LlamaModel::Logits::kNone) continue;
     const int64_t position = static_cast<int64_t>(seq->tokens.size());
-    const int32_t token =
-        SampleToken(&logits_[logit_row * mc.vocab_size], mc.vocab_size,
-                    seq->req.sampling, position, &sample_scratch_);
+    const float* row = &logits_[logit_row * mc.vocab_size];
+    const int32_t token = SampleToken(row, mc.vocab_size, seq->req.sampling,
+                                      position, &sample_scratch_);
     ++logit_row;
     seq->tokens.push_back(token);
     StepOutput out;
     out.id = seq->req.id;
     out.new_tokens.push_back(token);
+    if (seq->req.sampling.logprobs) {
+      out.logprobs.push_back(ComputeLogprobs(row, mc.vocab_size, token,
+                                             seq->req.sampling.top_logprobs));
+    }
     out.prompt_tokens = seq->num_prompt;
     out.cached_prompt_tokens = std::max(0, seq->cached_prompt_tokens);
     out.completion_tokens =

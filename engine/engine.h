@@ -108,6 +108,8 @@ struct StepOutput {
       0;  // prompt tokens served from the prefix cache
   int32_t completion_tokens = 0;
   std::vector<int32_t> held_blocks;  // see EngineRequest::hold_blocks_on_finish
+  // With sampling.logprobs: one per new_tokens entry.
+  std::vector<TokenLogprobs> logprobs;
 };
 
 // Blocks reserved on a decode worker for a prompt whose KV another worker

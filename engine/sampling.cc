@@ -22,7 +22,35 @@ absl::Status SamplingParams::Validate() const {
     if (s.empty())
       return absl::InvalidArgumentError("stop strings must not be empty");
   }
+  if (top_logprobs > kMaxTopLogprobs)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "top_logprobs must be at most ", kMaxTopLogprobs, ", got ",
+        top_logprobs));
   return absl::OkStatus();
+}
+
+TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab,
+                              int32_t token, uint32_t top_n) {
+  float max = logits[0];
+  for (int64_t i = 1; i < vocab; ++i) max = std::max(max, logits[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(double{logits[i]} - max);
+  const double log_z = double{max} + std::log(sum);
+  TokenLogprobs out;
+  out.token = token;
+  out.logprob = static_cast<float>(double{logits[token]} - log_z);
+  const int64_t n = std::min<int64_t>(top_n, vocab);
+  std::vector<int32_t> ids(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i < vocab; ++i) ids[i] = static_cast<int32_t>(i);
+  auto higher = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), higher);
+  for (int64_t i = 0; i < n; ++i) {
+    out.top.emplace_back(ids[i],
+                         static_cast<float>(double{logits[ids[i]]} - log_z));
+  }
+  return out;
 }
 
 std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> ctr,

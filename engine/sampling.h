@@ -21,11 +21,33 @@ struct SamplingParams {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool ignore_eos = false;
+  // Report each sampled token's log-probability and the top_logprobs most
+  // likely alternatives (ComputeLogprobs).
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;  // <= kMaxTopLogprobs
 
   // INVALID_ARGUMENT for max_tokens 0, temperature outside [0, 100], top_p
-  // outside [0, 1], NaNs, or empty stop strings.
+  // outside [0, 1], NaNs, empty stop strings, or top_logprobs above
+  // kMaxTopLogprobs.
   absl::Status Validate() const;
 };
+
+inline constexpr uint32_t kMaxTopLogprobs = 5;
+
+// A sampled token's log-probability and the most likely alternatives.
+struct TokenLogprobs {
+  int32_t token = 0;
+  float logprob = 0;
+  // (token, logprob), highest first, ties by lower id.
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+// Log-softmax of the raw fp32 logits [vocab] (before temperature, top-k and
+// top-p, as OpenAI and vLLM report them) at `token`, and the `top_n` largest.
+// The normaliser is summed in double in index order, so equal logits give
+// bit-identical results on every path.
+TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab,
+                              int32_t token, uint32_t top_n);
 
 // Philox4x32 with 10 rounds (Salmon et al., SC'11).
 std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> counter,

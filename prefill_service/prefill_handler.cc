@@ -144,6 +144,8 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   release(done.held_blocks);
   if (!sent.ok()) return ToGrpc(sent);
   response->set_first_token(static_cast<uint32_t>(done.new_tokens[0]));
+  if (!done.logprobs.empty())
+    LogprobsToProto(done.logprobs[0], response->mutable_first_token_logprobs());
   response->set_cached_prompt_tokens(
       static_cast<uint32_t>(done.cached_prompt_tokens));
   response->set_bytes_sent(bytes);

@@ -574,6 +574,9 @@ struct RouterServer::Impl final : public v1::Router::Service,
         call.generated.push_back(static_cast<int32_t>(t));
         out.add_token_ids(t);
       }
+      // Logprobs travel with their tokens (those past max_tokens dropped).
+      for (int i = 0; i < out.token_ids_size() && i < resp.logprobs_size(); ++i)
+        *out.add_logprobs() = resp.logprobs(i);
       reached_max |= call.generated.size() >= call.sampling.max_tokens;
       m->generation_tokens->Increment(out.token_ids_size());
       limiter.Charge(*call.tenant, out.token_ids_size(), now);

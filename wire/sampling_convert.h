@@ -17,6 +17,8 @@ inline engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
   s.seed = p.seed();
   s.stop.assign(p.stop().begin(), p.stop().end());
   s.ignore_eos = p.ignore_eos();
+  s.logprobs = p.logprobs();
+  s.top_logprobs = p.top_logprobs();
   return s;
 }
 
@@ -29,7 +31,29 @@ inline v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
   p.set_seed(s.seed);
   for (const auto& stop : s.stop) p.add_stop(stop);
   p.set_ignore_eos(s.ignore_eos);
+  p.set_logprobs(s.logprobs);
+  p.set_top_logprobs(s.top_logprobs);
   return p;
+}
+
+inline void LogprobsToProto(const engine::TokenLogprobs& lp,
+                            v1::TokenLogprobs* out) {
+  out->set_token_id(static_cast<uint32_t>(lp.token));
+  out->set_logprob(lp.logprob);
+  for (const auto& [token, logprob] : lp.top) {
+    v1::TopLogprob* t = out->add_top();
+    t->set_token_id(static_cast<uint32_t>(token));
+    t->set_logprob(logprob);
+  }
+}
+
+inline engine::TokenLogprobs LogprobsFromProto(const v1::TokenLogprobs& p) {
+  engine::TokenLogprobs lp;
+  lp.token = static_cast<int32_t>(p.token_id());
+  lp.logprob = p.logprob();
+  for (const v1::TopLogprob& t : p.top())
+    lp.top.emplace_back(static_cast<int32_t>(t.token_id()), t.logprob());
+  return lp;
 }
 
 }  // namespace pdserve

@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 #include <variant>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -147,6 +148,66 @@ struct OpenAiServer::Impl {
     return rng();
   }
 
+  // OpenAI's logprobs object for `lps`: completions' parallel lists
+  // (tokens, token_logprobs, top_logprobs, text_offset from *text_offset on,
+  // in bytes) or chat's {"content": [{token, logprob, bytes, top_logprobs}]}.
+  // A token's text is its raw bytes (invalid UTF-8 shown as U+FFFD; chat
+  // also gives the exact bytes).
+  OrderedValue LogprobsJson(const CompletionRequest& r,
+                            const std::vector<v1::TokenLogprobs>& lps,
+                            size_t* text_offset) const {
+    // The token's bytes as valid UTF-8 (ill-formed bytes -> U+FFFD).
+    auto text_of = [&](uint32_t id) {
+      engine::Utf8Stream utf8;
+      std::string text =
+          utf8.Push(tokenizer->TokenBytes(static_cast<int32_t>(id)));
+      return text + utf8.Finish();
+    };
+    auto bytes_of = [&](uint32_t id) {
+      OrderedValue b = OrderedValue::array();
+      for (unsigned char c : tokenizer->TokenBytes(static_cast<int32_t>(id)))
+        b.push_back(static_cast<int>(c));
+      return b;
+    };
+    if (r.endpoint == Endpoint::kChatCompletions) {
+      OrderedValue content = OrderedValue::array();
+      for (const v1::TokenLogprobs& lp : lps) {
+        OrderedValue top = OrderedValue::array();
+        for (const v1::TopLogprob& t : lp.top()) {
+          top.push_back(
+              {{"token", text_of(t.token_id())},
+               {"logprob", t.logprob()},
+               {"bytes", bytes_of(t.token_id())}});
+        }
+        content.push_back(
+            {{"token", text_of(lp.token_id())},
+             {"logprob", lp.logprob()},
+             {"bytes", bytes_of(lp.token_id())},
+             {"top_logprobs", std::move(top)}});
+      }
+      return OrderedValue{{"content", std::move(content)}};
+    }
+    OrderedValue tokens = OrderedValue::array(),
+                 token_logprobs = OrderedValue::array(),
+                 top_logprobs = OrderedValue::array(),
+                 offsets = OrderedValue::array();
+    for (const v1::TokenLogprobs& lp : lps) {
+      tokens.push_back(text_of(lp.token_id()));
+      token_logprobs.push_back(lp.logprob());
+      OrderedValue top = OrderedValue::object();
+      // Highest first: a later token with the same text keeps the first.
+      for (const v1::TopLogprob& t : lp.top())
+        top.emplace(text_of(t.token_id()), t.logprob());
+      top_logprobs.push_back(std::move(top));
+      offsets.push_back(*text_offset);
+      *text_offset += tokenizer->TokenBytes(static_cast<int32_t>(lp.token_id())).size();
+    }
+    return OrderedValue{{"tokens", std::move(tokens)},
+                        {"token_logprobs", std::move(token_logprobs)},
+                        {"top_logprobs", std::move(top_logprobs)},
+                        {"text_offset", std::move(offsets)}};
+  }
+
   // The chunk/response envelope both endpoints share.
   OrderedValue Envelope(const CompletionRequest& r, const std::string& id,
                         int64_t created, bool chunk) const {
@@ -191,6 +252,10 @@ struct OpenAiServer::Impl {
     s->set_seed(r.seed.has_value() ? *r.seed : 0);
     for (const std::string& stop : r.stop) s->add_stop(stop);
     s->set_ignore_eos(r.ignore_eos);
+    if (r.logprobs.has_value()) {
+      s->set_logprobs(true);
+      s->set_top_logprobs(static_cast<uint32_t>(*r.logprobs));
+    }
     g.set_cache_salt(r.cache_salt);
     return g;
   }
@@ -207,9 +272,6 @@ struct OpenAiServer::Impl {
                                               "serves `",
                                               config.served_model_name, "`"),
                                  "model_not_found"));
-    if (r.logprobs.has_value())
-      return Reply(res, BadRequest("logprobs are not supported yet",
-                                   "logprobs"));
     // Unseeded sampling is random, as OpenAI's is; greedy ignores the seed.
     if (!r.seed.has_value() && r.temperature > 0) r.seed = RandomSeed();
     auto g = ToGenerate(r);
@@ -253,8 +315,10 @@ struct OpenAiServer::Impl {
     const std::string id = msg.request_id();
     std::string text, finish;
     v1::Usage usage;
+    std::vector<v1::TokenLogprobs> lps;
     do {
       text += msg.text();
+      lps.insert(lps.end(), msg.logprobs().begin(), msg.logprobs().end());
       if (!msg.finish_reason().empty()) {
         finish = msg.finish_reason();
         usage = msg.usage();
@@ -276,7 +340,10 @@ struct OpenAiServer::Impl {
     } else {
       choice["text"] = text;
     }
-    choice["logprobs"] = nullptr;
+    size_t offset = 0;
+    choice["logprobs"] = r.logprobs.has_value()
+                             ? LogprobsJson(r, lps, &offset)
+                             : OrderedValue();
     choice["finish_reason"] = FinishReason(finish);
     body["choices"] = OrderedValue::array({std::move(choice)});
     body["usage"] = Usage(usage);
@@ -303,6 +370,8 @@ struct OpenAiServer::Impl {
       if (r.include_usage) c["usage"] = nullptr;
       return send(json::Dump(c));
     };
+    size_t offset = 0;
+    std::vector<v1::TokenLogprobs> lps;  // of the piece being sent
     auto piece = [&](const std::string& text, const OrderedValue& finish) {
       OrderedValue choice = {{"index", 0}};
       if (chat) {
@@ -312,7 +381,9 @@ struct OpenAiServer::Impl {
       } else {
         choice["text"] = text;
       }
-      choice["logprobs"] = nullptr;
+      choice["logprobs"] = r.logprobs.has_value() && !lps.empty()
+                               ? LogprobsJson(r, lps, &offset)
+                               : OrderedValue();
       choice["finish_reason"] = finish;
       return chunk(std::move(choice));
     };
@@ -326,7 +397,11 @@ struct OpenAiServer::Impl {
     std::string finish;
     v1::Usage usage;
     do {
-      if (!msg.text().empty() && !piece(msg.text(), nullptr)) return false;
+      lps.assign(msg.logprobs().begin(), msg.logprobs().end());
+      // With logprobs, tokens without text of their own (EOS, a split UTF-8
+      // character) still get a chunk for their logprobs.
+      if ((!msg.text().empty() || !lps.empty()) && !piece(msg.text(), nullptr))
+        return false;
       if (!msg.finish_reason().empty()) {
         finish = msg.finish_reason();
         usage = msg.usage();
@@ -341,6 +416,7 @@ struct OpenAiServer::Impl {
                   : st,
           RetryAfterMs(call.ctx))));
     } else {
+      lps.clear();
       if (!piece("", FinishReason(finish))) return false;
       if (r.include_usage) {
         OrderedValue c = Envelope(r, id, created, true);

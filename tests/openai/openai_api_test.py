@@ -307,6 +307,62 @@ class OpenAiCompletionsTest(unittest.TestCase):
         self.assertEqual([m["id"] for m in models["data"]], [MODEL_NAME])
 
 
+class OpenAiLogprobsTest(unittest.TestCase):
+    def test_logprobs_equal_on_disaggregated_colocated_and_local(self):
+        want = local("Logprobs of", 12, "--temperature=0.8", "--seed=5",
+                     "--logprobs", "--top-logprobs=3")
+        want_lp = [t["logprob"] for t in want["logprobs"]]
+        want_top = [sorted(x["logprob"] for x in t["top"])
+                    for t in want["logprobs"]]
+        self.assertEqual(len(want_lp), 12)
+        for cluster in ("disagg", "coloc"):
+            out = completion(cluster, prompt="Logprobs of", max_tokens=12,
+                             temperature=0.8, seed=5, logprobs=3)
+            lp = out["choices"][0]["logprobs"]
+            self.assertEqual(lp["token_logprobs"], want_lp, cluster)
+            # Keyed by token text, so byte tokens that are not valid UTF-8
+            # on their own (all U+FFFD) share a key.
+            for top, want_values in zip(lp["top_logprobs"], want_top):
+                self.assertTrue(set(top.values()) <= set(want_values))
+                self.assertEqual(max(top.values()), max(want_values))
+            self.assertEqual(len(lp["tokens"]), 12)
+            # Streamed: the same values, chunk by chunk.
+            events, done = stream(cluster, "/v1/completions", {
+                "model": MODEL_NAME, "prompt": "Logprobs of", "max_tokens": 12,
+                "temperature": 0.8, "seed": 5, "logprobs": 3})
+            self.assertTrue(done)
+            streamed = [v for e in events if e["choices"]
+                        and e["choices"][0]["logprobs"]
+                        for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+            self.assertEqual(streamed, want_lp, cluster)
+        # Without the field there are none.
+        out = completion("coloc", prompt="Logprobs of", max_tokens=2)
+        self.assertIsNone(out["choices"][0]["logprobs"])
+
+    def test_chat_logprobs_with_top_alternatives(self):
+        body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+        results = []
+        for cluster in ("disagg", "coloc"):
+            status, _, out = post(cluster, "/v1/chat/completions", body)
+            self.assertEqual(status, 200, out)
+            content = out["choices"][0]["logprobs"]["content"]
+            self.assertEqual(len(content), 6)
+            for t in content:
+                self.assertEqual(len(t["top_logprobs"]), 2)
+                self.assertLessEqual(t["logprob"], 0)
+                # Greedy: the chosen token is the most likely one.
+                self.assertEqual(t["logprob"], t["top_logprobs"][0]["logprob"])
+                self.assertEqual(bytes(t["bytes"]).decode(errors="replace"),
+                                 t["token"])
+            results.append(content)
+        self.assertEqual(results[0], results[1])
+        status, _, out = post("coloc", "/v1/chat/completions",
+                              {**body, "top_logprobs": 6})
+        self.assertEqual(status, 400, out)
+
+
 class OpenAiChatTest(unittest.TestCase):
     MESSAGES = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Say something."}]
