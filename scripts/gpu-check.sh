@@ -21,9 +21,11 @@ cd "$(dirname "$0")/.."
 BUNDLE=.gpu-check
 BUILD_DIR=${BUILD_DIR:-build-gpu}
 # kernels_cuda_test: every CUDA kernel vs its CPU reference + kernel benchmarks.
-# engine_cuda_test: the CUDA backend's greedy tokens vs the CPU backend's.
+# engine_cuda_test: the CUDA backend's greedy tokens vs the CPU backend's, and
+#   the GPU sampler vs the engine's (engine/cuda_sampling_test.cc).
 # nccl_transport_gpu_test: the NCCL KV transport (kv_transfer/nccl).
-TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test)
+# worker_gpu_test: GPU prefill + decode workers on one GPU over grpc vs colocated.
+TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test worker_gpu_test)
 
 build_targets() {
   if [ "$BUILD_DIR" != build ]; then
