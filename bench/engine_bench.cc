@@ -223,9 +223,13 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const engine::ModelConfig& mc = weights->config;
   result.weight_dtype = DTypeName(weights->dtype);
-  result.gemm_path = config.engine.matmul == kernels::MatMulMode::kBlas
-                         ? "blas"
-                         : kernels::GemmIsaName(kernels::ActiveGemmIsa());
+  const bool bf16dot = config.engine.matmul == kernels::MatMulMode::kBf16Dot &&
+                       kernels::DetectCpuFeatures().avx512bf16;
+  result.gemm_path =
+      config.engine.matmul == kernels::MatMulMode::kBlas
+          ? "blas"
+          : absl::StrCat(kernels::GemmIsaName(kernels::ActiveGemmIsa()),
+                         bf16dot ? "-bf16dot" : "");
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
   result.threads = kernels::KernelThreads();
   result.weight_bytes = weights->ParameterBytes();
@@ -239,9 +243,15 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                static_cast<long long>(result.llc_bytes >> 20));
   result.stream_gb_per_s = MeasureTriadBandwidth(result.stream_bytes);
   // The peak of the path the matrices run on (blas: the best vector ISA).
+  // (--matmul bf16dot: the VDPBF16PS peak.)
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
-  result.fma_peak_gflops =
-      kernels::MeasureFmaPeakGflops(peak_isa, result.threads);
+  auto measure_peak = [&](double seconds) {
+    return bf16dot
+               ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
+               : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
+                                               seconds);
+  };
+  result.fma_peak_gflops = measure_peak(0.3);
   std::fprintf(stderr, "[bench] %s FMA peak %.1f GFLOP/s on %d threads\n",
                kernels::GemmIsaName(peak_isa), result.fma_peak_gflops,
                result.threads);
@@ -266,8 +276,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     const double p = config.prefill_tokens;
     const double flops = p * LayerMatrixFlops(mc) + OutputFlops(mc) +
                          AttentionFlops(mc, (p + 1) / 2) * p;
-    const double peak_after =
-        kernels::MeasureFmaPeakGflops(peak_isa, result.threads);
+    const double peak_after = measure_peak(0.3);
     result.fma_peak_gflops = std::max(result.fma_peak_gflops, peak_after);
     result.prefill_tokens = config.prefill_tokens;
     result.prefill_tokens_per_s = p / best;
@@ -322,8 +331,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     std::fprintf(stderr, "[bench] decode round %d/%d\n", s + 1,
                  config.decode_steps);
     triad_sum += MeasureTriadBandwidth(result.stream_bytes, 3);
-    peak_sum +=
-        kernels::MeasureFmaPeakGflops(peak_isa, result.threads, 0.15);
+    peak_sum += measure_peak(0.15);
     for (Running& r : running) {
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(r.eng->Step().status());

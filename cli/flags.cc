@@ -28,8 +28,9 @@ ABSL_FLAG(int32_t, max_model_len, 0,
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "reuse cached prefix blocks across requests");
 ABSL_FLAG(std::string, matmul, "deterministic",
-          "linear-layer kernel: deterministic (batch-invariant, default) or "
-          "blas (OpenBLAS)");
+          "linear-layer kernel: deterministic (batch-invariant, default), "
+          "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
+          "batch-invariant, other numbers) or blas (OpenBLAS)");
 ABSL_FLAG(std::string, weight_dtype, "auto",
           "how weight matrices are kept in memory: auto (the checkpoint's "
           "dtype), fp32, bf16, fp16 or int8 (quantized at load, one scale per "
@@ -97,7 +98,7 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   auto mode = kernels::ParseMatMulMode(absl::GetFlag(FLAGS_matmul));
   if (!mode) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--matmul must be deterministic or blas, got \"",
+        absl::StrCat("--matmul must be deterministic, bf16dot or blas, got \"",
                      absl::GetFlag(FLAGS_matmul), "\""));
   }
   c.matmul = *mode;

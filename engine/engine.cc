@@ -52,6 +52,12 @@ absl::Status EngineConfig::Validate() const {
         absl::StrCat("--matmul blas needs --weight-dtype fp32 or auto, got ",
                      WeightDtypeName(weight_dtype)));
   }
+  if (matmul == kernels::MatMulMode::kBf16Dot &&
+      weight_dtype != WeightDtype::kAuto && weight_dtype != WeightDtype::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul bf16dot needs --weight-dtype bf16 or auto, got ",
+                     WeightDtypeName(weight_dtype)));
+  }
   if (kv_cache_bytes <= 0)
     return absl::InvalidArgumentError("kv cache memory must be positive");
   if (max_num_seqs < 1)

@@ -4,6 +4,7 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -65,18 +66,22 @@ class ModelTest : public ::testing::Test {
   std::unique_ptr<KvPool> pool_;
 };
 
-// The invariance tests run once per weight dtype (the fixture's weights_).
+// The invariance tests run once per weight dtype (the fixture's weights_),
+// and for bf16 also with --matmul bf16dot (bf16 activations).
+using DtypeAndMode = std::tuple<WeightDtype, kernels::MatMulMode>;
 class ModelDtypeTest : public ModelTest,
-                       public ::testing::WithParamInterface<WeightDtype> {
+                       public ::testing::WithParamInterface<DtypeAndMode> {
  protected:
   void SetUp() override {
     ModelTest::SetUp();
-    weights_ = LoadTiny(GetParam());
+    weights_ = LoadTiny(Dtype(), DType::kF32, Mode());
   }
+  static WeightDtype Dtype() { return std::get<0>(GetParam()); }
+  static kernels::MatMulMode Mode() { return std::get<1>(GetParam()); }
 };
 
 TEST_P(ModelDtypeTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
-  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  LlamaModel model(weights_, Mode());
   const auto prompt = Prompt(45);
   auto table = Table(0, 3);
   std::vector<float> cold, warm;
@@ -92,7 +97,7 @@ TEST_P(ModelDtypeTest, PrefixCacheHitGivesTheSameLogitsAsAColdPrefill) {
 }
 
 TEST_P(ModelDtypeTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
-  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  LlamaModel model(weights_, Mode());
   const auto a = Prompt(40, 1), b = Prompt(7, 2);
   auto ta = Table(0, 4), tb = Table(20, 4);
   // Reference: each prompt alone with all-position logits.
@@ -129,17 +134,17 @@ TEST_P(ModelDtypeTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
 TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
   auto fp32 = LoadTiny(WeightDtype::kF32);
   EXPECT_EQ(weights_->dtype,
-            GetParam() == WeightDtype::kAuto ? DType::kF32
-            : GetParam() == WeightDtype::kBF16 ? DType::kBF16
-            : GetParam() == WeightDtype::kF16  ? DType::kF16
-            : GetParam() == WeightDtype::kI8   ? DType::kI8
-                                               : DType::kF32);
+            Dtype() == WeightDtype::kAuto   ? DType::kF32
+            : Dtype() == WeightDtype::kBF16 ? DType::kBF16
+            : Dtype() == WeightDtype::kF16  ? DType::kF16
+            : Dtype() == WeightDtype::kI8   ? DType::kI8
+                                            : DType::kF32);
   const auto prompt = Prompt(50);
   auto table = Table(0, 4);
   LlamaModel::SeqInput in{prompt, 0, table, Logits::kAll};
   std::vector<float> ref, got;
   LlamaModel a(fp32, kernels::MatMulMode::kDeterministic);
-  LlamaModel b(weights_, kernels::MatMulMode::kDeterministic);
+  LlamaModel b(weights_, Mode());
   ASSERT_TRUE(a.Forward({&in, 1}, pool_.get(), &ref).ok());
   ASSERT_TRUE(b.Forward({&in, 1}, pool_.get(), &got).ok());
   double err = 0, mag = 0;
@@ -147,22 +152,37 @@ TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
     err = std::max(err, std::fabs(double(ref[i]) - got[i]));
     mag = std::max(mag, std::fabs(double(ref[i])));
   }
-  const double tol = GetParam() == WeightDtype::kBF16  ? 3e-2
-                     : GetParam() == WeightDtype::kF16 ? 5e-3
-                     : GetParam() == WeightDtype::kI8  ? 6e-2
-                                                       : 0.0;
-  EXPECT_LE(err / mag, tol) << WeightDtypeName(GetParam());
+  const bool bf16dot = Mode() == kernels::MatMulMode::kBf16Dot;
+  const double tol = bf16dot                     ? 5e-2
+                     : Dtype() == WeightDtype::kBF16 ? 3e-2
+                     : Dtype() == WeightDtype::kF16  ? 5e-3
+                     : Dtype() == WeightDtype::kI8   ? 6e-2
+                                                     : 0.0;
+  EXPECT_LE(err / mag, tol) << WeightDtypeName(Dtype());
+  if (bf16dot) {  // other arithmetic than the same weights' fp32 chain
+    auto chain = LoadTiny(WeightDtype::kBF16);
+    EXPECT_NE(weights_->fingerprint, chain->fingerprint);
+  }
   // A different storage is a different model for the prefix cache.
   if (weights_->dtype != DType::kF32)
     EXPECT_NE(weights_->fingerprint, fp32->fingerprint);
 }
 
+constexpr auto kChain = kernels::MatMulMode::kDeterministic;
 INSTANTIATE_TEST_SUITE_P(
     EveryWeightDtype, ModelDtypeTest,
-    ::testing::Values(WeightDtype::kAuto, WeightDtype::kF32, WeightDtype::kBF16,
-                      WeightDtype::kF16, WeightDtype::kI8),
-    [](const ::testing::TestParamInfo<WeightDtype>& info) {
-      return std::string(WeightDtypeName(info.param));
+    ::testing::Values(DtypeAndMode{WeightDtype::kAuto, kChain},
+                      DtypeAndMode{WeightDtype::kF32, kChain},
+                      DtypeAndMode{WeightDtype::kBF16, kChain},
+                      DtypeAndMode{WeightDtype::kF16, kChain},
+                      DtypeAndMode{WeightDtype::kI8, kChain},
+                      DtypeAndMode{WeightDtype::kBF16,
+                                   kernels::MatMulMode::kBf16Dot}),
+    [](const ::testing::TestParamInfo<DtypeAndMode>& info) {
+      return std::string(WeightDtypeName(std::get<0>(info.param))) +
+             (std::get<1>(info.param) == kernels::MatMulMode::kBf16Dot
+                  ? "_bf16dot"
+                  : "");
     });
 
 // A bf16 checkpoint widened to fp32 or kept in bf16 computes the same chain
@@ -183,12 +203,17 @@ TEST_F(ModelTest, Bf16CheckpointKeptAsBf16EqualsItWidenedToFp32) {
   EXPECT_EQ(a, b);
 }
 
-TEST_F(ModelTest, BlasModeNeedsFp32Weights) {
+TEST_F(ModelTest, BlasModeNeedsFp32WeightsAndBf16DotNeedsBf16) {
   EXPECT_EQ(ModelWeights::Load(TinyDir(), WeightDtype::kBF16,
                                kernels::MatMulMode::kBlas)
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ModelWeights::Load(TinyDir(), WeightDtype::kAuto,
+                               kernels::MatMulMode::kBf16Dot)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);  // the checkpoint is fp32
 }
 
 TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {

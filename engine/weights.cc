@@ -194,9 +194,18 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
       w.dtype = DType::kI8;
       break;
   }
-  // Different storage gives different logits, so it is part of the identity.
-  const std::string storage =
-      absl::StrCat(DTypeName(w.dtype), blas ? "/rowmajor" : "/panel16");
+  const bool bf16dot = mode == kernels::MatMulMode::kBf16Dot;
+  if (bf16dot && w.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--matmul bf16dot needs bf16 weights (--weight-dtype bf16, or auto "
+        "with a bf16 checkpoint), not ",
+        DTypeName(w.dtype)));
+  }
+  // Different storage or arithmetic gives different logits, so both are
+  // part of the identity.
+  const std::string storage = absl::StrCat(
+      DTypeName(w.dtype),
+      blas ? "/rowmajor" : (bf16dot ? "/panel16/bf16dot" : "/panel16"));
   XXH3_128bits_update(src.hash(), storage.data(), storage.size());
   // Matrices are read as fp32 one (fused) tensor at a time, then packed.
   std::vector<float> tmp;

@@ -1,11 +1,17 @@
 #include "kernels/cpu/fma_peak.h"
 
+// GCC 12's avx512fintrin.h (_mm512_reduce_add_ps) trips -Wuninitialized on
+// its own placeholders.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 #include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+
+#include "kernels/cpu/cpu_features.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -68,6 +74,26 @@ double RunPortable(int64_t iters) {
   return c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11;
 }
 
+__attribute__((target("avx512f,avx512bf16"))) double RunBf16Dot(int64_t iters) {
+  __m512 c0 = _mm512_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+         c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);  // ~0.996 pairs
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // ~1e-7 pairs
+#define PDSERVE_DPBF16(c, x, y) _mm512_dpbf16_ps(c, x, y)
+  for (int64_t it = 0; it < iters; ++it) {
+    PDSERVE_FMA12(PDSERVE_DPBF16);
+    __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
+                     "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
+                     "+v"(c10), "+v"(c11));
+  }
+  const __m512 s = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                    _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
+      _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
+  return _mm512_reduce_add_ps(s);
+}
+
+#undef PDSERVE_DPBF16
 #undef PDSERVE_FMA12
 
 int Lanes(GemmIsa isa) {
@@ -86,16 +112,15 @@ double Run(GemmIsa isa, int64_t iters) {
   return 0;
 }
 
-}  // namespace
-
-double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds) {
-  if (!GemmIsaSupported(isa)) return 0;
+// GFLOP/s of `run` (flops_per_iter per thread per iteration) on `threads`.
+template <typename Run>
+double Measure(Run run, double flops_per_iter, int threads, double seconds) {
   threads = std::max(1, threads);
   // Calibrate one thread's iterations to ~seconds/3.
   int64_t iters = 1 << 16;
   for (;;) {
     const auto t0 = std::chrono::steady_clock::now();
-    volatile double sink = Run(isa, iters);
+    volatile double sink = run(iters);
     (void)sink;
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
@@ -108,17 +133,30 @@ double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds) {
     const auto t0 = std::chrono::steady_clock::now();
     double sum = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sum)
-    sum += Run(isa, iters);
+    sum += run(iters);
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
             .count();
     volatile double sink = sum;
     (void)sink;
-    const double flops =
-        2.0 * kChains * Lanes(isa) * static_cast<double>(iters) * threads;
-    best = std::max(best, flops / s / 1e9);
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) *
+                              threads / s / 1e9);
   }
   return best;
+}
+
+}  // namespace
+
+double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds) {
+  if (!GemmIsaSupported(isa)) return 0;
+  return Measure([isa](int64_t iters) { return Run(isa, iters); },
+                 2.0 * kChains * Lanes(isa), threads, seconds);
+}
+
+double MeasureBf16DotPeakGflops(int threads, double seconds) {
+  if (!DetectCpuFeatures().avx512bf16) return 0;
+  // One VDPBF16PS: 16 lanes x 2 products x (multiply + add).
+  return Measure(RunBf16Dot, 64.0 * kChains, threads, seconds);
 }
 
 }  // namespace pdserve::kernels

@@ -11,4 +11,8 @@ namespace pdserve::kernels {
 // over about `seconds` of wall time, best of a few repetitions.
 double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds = 0.3);
 
+// The same for AVX512-BF16 VDPBF16PS (GemmNumerics::kBf16Dot): 64 FLOPs per
+// instruction. 0 where the CPU lacks it.
+double MeasureBf16DotPeakGflops(int threads, double seconds = 0.3);
+
 }  // namespace pdserve::kernels

@@ -117,6 +117,7 @@ int& ThreadsSetting() {
 std::optional<MatMulMode> ParseMatMulMode(std::string_view s) {
   if (s == "deterministic") return MatMulMode::kDeterministic;
   if (s == "blas") return MatMulMode::kBlas;
+  if (s == "bf16dot") return MatMulMode::kBf16Dot;
   return std::nullopt;
 }
 
@@ -166,9 +167,12 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
 void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
               const WeightMatrix& w, float* __restrict__ y, MatMulMode mode) {
   if (w.layout() == WeightMatrix::Layout::kRowMajorF32) {
-    MatMulNT(x, m, k, w.row_major(), w.rows(), y, mode);
+    MatMulNT(x, m, k, w.row_major(), w.rows(), y,
+             mode == MatMulMode::kBlas ? mode : MatMulMode::kDeterministic);
   } else {
-    GemmNT(x, m, k, w, y);
+    GemmNT(x, m, k, w, y,
+           mode == MatMulMode::kBf16Dot ? GemmNumerics::kBf16Dot
+                                        : GemmNumerics::kFp32Chain);
   }
 }
 

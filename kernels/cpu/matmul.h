@@ -26,7 +26,10 @@
 
 namespace pdserve::kernels {
 
-enum class MatMulMode { kDeterministic, kBlas };
+// kBf16Dot: bf16 weights with bf16-rounded activations through AVX512-BF16
+// (GemmNumerics::kBf16Dot in packed_gemm.h); batch-invariant, but different
+// numbers from kDeterministic. Other dtypes run as kDeterministic.
+enum class MatMulMode { kDeterministic, kBlas, kBf16Dot };
 std::optional<MatMulMode> ParseMatMulMode(std::string_view s);
 
 // x: [m, k] row-major, w: [n, k] row-major, y: [m, n] row-major (overwritten).
@@ -35,8 +38,9 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
               MatMulMode mode = MatMulMode::kDeterministic);
 
 // A linear layer over a WeightMatrix: row-major fp32 matrices take `mode`
-// (the kernels above); packed ones (any dtype) always run GemmNT, whose order
-// contract is in packed_gemm.h. y: [m, w.rows()].
+// (the kernels above); packed ones (any dtype) run GemmNT, whose order
+// contract is in packed_gemm.h, with kBf16Dot numerics in that mode.
+// y: [m, w.rows()].
 void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
               const WeightMatrix& w, float* __restrict__ y,
               MatMulMode mode = MatMulMode::kDeterministic);

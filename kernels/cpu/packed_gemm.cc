@@ -298,6 +298,72 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
   }
 }
 
+// --- bf16-activation dot products (GemmNumerics::kBf16Dot) -----------------
+// x comes packed as bf16 pairs, xp[(q - k0) / 2 * MR + i] = x[2t] | x[2t+1]
+// << 16, the layout of the weights' words. Per pair, as VDPBF16PS does it
+// (Intel SDM): acc += w[2t+1]*x[2t+1], then acc += w[2t]*x[2t], each an fp32
+// FMA with bf16 denormal inputs read as zero and denormal results flushed.
+
+inline float FlushDenormal(float v) {
+  return std::fabs(v) < 1.17549435e-38f ? std::copysign(0.0f, v) : v;
+}
+inline float Bf16Daz(uint16_t h) { return FlushDenormal(Bf16ToFloat(h)); }
+
+void TileBf16DotPortable(int rows, int nv, const uint32_t* xp,
+                         const uint8_t* w, int64_t panel_bytes, int64_t k0,
+                         int64_t k1, float* io, bool zero) {
+  const int width = nv * kPanel;
+  for (int i = 0; i < rows; ++i) {
+    for (int v = 0; v < nv; ++v) {
+      const uint32_t* panel =
+          reinterpret_cast<const uint32_t*>(w + v * panel_bytes);
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = zero ? 0.0f : io[i * width + v * kPanel + c];
+        for (int64_t q = k0; q < k1; q += 2) {
+          const uint32_t wd = panel[(q >> 1) * kPanel + c];
+          const uint32_t xd = xp[(q - k0) / 2 * rows + i];
+          acc = FlushDenormal(std::fma(Bf16Daz(wd >> 16), Bf16Daz(xd >> 16), acc));
+          acc = FlushDenormal(
+              std::fma(Bf16Daz(wd & 0xffff), Bf16Daz(xd & 0xffff), acc));
+        }
+        io[i * width + v * kPanel + c] = acc;
+      }
+    }
+  }
+}
+
+template <int MR, int NV>
+__attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
+    const float* xpf, const uint8_t* w, int64_t panel_bytes, int64_t k0,
+    int64_t k1, float* io, bool zero) {
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xpf);
+  constexpr int kWidth = NV * 16;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = zero ? _mm512_setzero_ps()
+                       : _mm512_loadu_ps(io + i * kWidth + v * 16);
+    }
+  }
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  for (int64_t q = k0; q < k1; q += 2) {
+    const uint32_t* xq = xp + (q - k0) / 2 * MR;
+    __m512i raw[NV];
+    for (int v = 0; v < NV; ++v) raw[v] = _mm512_loadu_si512(wp[v] + (q >> 1) * 64);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[i]));
+      for (int v = 0; v < NV; ++v) {
+        acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)raw[v], (__m512bh)xb);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t,
                         int64_t, float*, bool);
 
@@ -317,6 +383,18 @@ struct Avx512Table {
       kFns = {Avx512Rows<W, 1>(kSeq), Avx512Rows<W, 2>(kSeq),
               Avx512Rows<W, 3>(kSeq)};
 };
+template <int NV, int... R>
+constexpr std::array<TileFn, sizeof...(R)> Bf16DotRows(
+    std::integer_sequence<int, R...>) {
+  return {&TileBf16Dot<R + 1, NV>...};
+}
+TileFn Bf16DotTile(int rows, int nv) {
+  static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
+  static constexpr std::array<std::array<TileFn, kAvx512Rows>, kAvx512Panels>
+      kFns = {Bf16DotRows<1>(kSeq), Bf16DotRows<2>(kSeq), Bf16DotRows<3>(kSeq)};
+  return kFns[nv - 1][rows - 1];
+}
+
 template <DType W, int... R>
 constexpr std::array<TileFn, sizeof...(R)> Avx2Rows(
     std::integer_sequence<int, R...>) {
@@ -534,15 +612,24 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
 }
 
 void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
-            const WeightMatrix& w, float* __restrict__ y) {
+            const WeightMatrix& w, float* __restrict__ y,
+            GemmNumerics numerics) {
   const int64_t n = w.rows();
   if (m <= 0 || n <= 0) return;
   const GemmIsa isa = ActiveGemmIsa();
   const DType t = w.dtype();
-  const int max_rows = isa == GemmIsa::kAvx512 ? kAvx512Rows
-                       : isa == GemmIsa::kAvx2 ? kAvx2Rows
-                                               : kPortableRows;
-  const int max_nv = isa == GemmIsa::kAvx512 ? kAvx512Panels : 1;
+  const bool bf16dot = numerics == GemmNumerics::kBf16Dot && t == DType::kBF16;
+  // The instruction where the CPU has it (and the AVX-512 path is active),
+  // else the scalar emulation of the same chain.
+  const bool bf16dot_hw =
+      bf16dot && isa == GemmIsa::kAvx512 && DetectCpuFeatures().avx512bf16;
+  const int max_rows = bf16dot     ? (bf16dot_hw ? kAvx512Rows : kPortableRows)
+                       : isa == GemmIsa::kAvx512 ? kAvx512Rows
+                       : isa == GemmIsa::kAvx2   ? kAvx2Rows
+                                                 : kPortableRows;
+  const int max_nv = bf16dot ? (bf16dot_hw ? kAvx512Panels : 1)
+                     : isa == GemmIsa::kAvx512 ? kAvx512Panels
+                                               : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
   const int64_t pb = w.panel_bytes();
@@ -571,7 +658,19 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
     for (int64_t k0 = 0; k0 < k; k0 += kc) {
       const int64_t k1 = std::min(k, k0 + kc);
       const bool first = k0 == 0, last = k1 == k;
-      if (t0 < t1) {
+      if (t0 < t1 && bf16dot) {  // bf16 pairs, the odd tail padded with 0
+        for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
+          const int64_t rows = std::min<int64_t>(max_rows, m - i0);
+          uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
+          for (int64_t q = k0; q < k1; q += 2)
+            for (int64_t i = 0; i < rows; ++i) {
+              const float* xr = x + (i0 + i) * k;
+              const uint32_t lo = FloatToBf16(xr[q]);
+              const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
+              dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
+            }
+        }
+      } else if (t0 < t1) {
         for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
           const int64_t rows = std::min<int64_t>(max_rows, m - i0);
           float* dst = xp.data() + i0 * kc;
@@ -596,7 +695,12 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             }
           }
           const float* xi = xp.data() + i0 * kc;
-          switch (isa) {
+          if (bf16dot_hw) {
+            Bf16DotTile(rows, nv)(xi, wp, pb, k0, k1, io, first);
+          } else if (bf16dot) {
+            TileBf16DotPortable(rows, nv, reinterpret_cast<const uint32_t*>(xi),
+                                wp, pb, k0, k1, io, first);
+          } else switch (isa) {
             case GemmIsa::kAvx512:
               Avx512Tile(t, rows, nv)(xi, wp, pb, k0, k1, io, first);
               break;

@@ -90,10 +90,23 @@ class WeightMatrix {
   std::shared_ptr<float[]> scales_;
 };
 
-// y[m, n] = x[m, k] · Wᵀ under the order contract above. w.cols() == k,
-// w.layout() == kPanel16. y is overwritten.
+// What a GEMM computes. kFp32Chain is the order contract above. kBf16Dot
+// (bf16 weights only; others fall back to kFp32Chain) rounds x to bf16 and
+// runs AVX512-BF16 VDPBF16PS: per pair of k, acc += w[2t+1]x[2t+1] then
+// acc += w[2t]x[2t], fp32 FMAs with bf16 denormals read as 0 and denormal
+// results flushed (the instruction as Intel documents it). Twice the FMA
+// throughput, less accurate activations; still one fixed chain per output, so
+// batch-invariant. CPUs without the instruction run a scalar emulation of the
+// same chain (tested bit-exact against the instruction where present); other
+// vendors' implementations are not assumed to match, so engines put the
+// numerics in the model fingerprint.
+enum class GemmNumerics { kFp32Chain, kBf16Dot };
+
+// y[m, n] = x[m, k] · Wᵀ. w.cols() == k, w.layout() == kPanel16. y is
+// overwritten.
 void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
-            const WeightMatrix& w, float* __restrict__ y);
+            const WeightMatrix& w, float* __restrict__ y,
+            GemmNumerics numerics = GemmNumerics::kFp32Chain);
 
 // The contract written plainly (scalar, unpacked): what every path must equal
 // bit for bit. w: [n, k] as WeightMatrix::Widened() returns it; scales: [n]
