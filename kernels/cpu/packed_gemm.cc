@@ -632,6 +632,10 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                                                : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
+  // Rows are split into equal tiles (32 = 6+6+5+5+5+5, not 6x5+2): a tile
+  // widens its weights once for all its rows, so a 2-row tail would cost as
+  // much widening as a full tile.
+  const int64_t row_tiles = (m + max_rows - 1) / max_rows;
   const int64_t pb = w.panel_bytes();
   // k is cut in blocks so that this thread's packed x (m x kc floats) stays
   // in L2 while a tile's weights pass every row tile: up to 64 rows (decode
@@ -659,8 +663,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       const int64_t k1 = std::min(k, k0 + kc);
       const bool first = k0 == 0, last = k1 == k;
       if (t0 < t1 && bf16dot) {  // bf16 pairs, the odd tail padded with 0
-        for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
-          const int64_t rows = std::min<int64_t>(max_rows, m - i0);
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const int64_t i0 = m * rt / row_tiles;
+          const int64_t rows = m * (rt + 1) / row_tiles - i0;
           uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
           for (int64_t q = k0; q < k1; q += 2)
             for (int64_t i = 0; i < rows; ++i) {
@@ -671,8 +676,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             }
         }
       } else if (t0 < t1) {
-        for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
-          const int64_t rows = std::min<int64_t>(max_rows, m - i0);
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const int64_t i0 = m * rt / row_tiles;
+          const int64_t rows = m * (rt + 1) / row_tiles - i0;
           float* dst = xp.data() + i0 * kc;
           for (int64_t q = k0; q < k1; ++q)
             for (int64_t i = 0; i < rows; ++i)
@@ -686,8 +692,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
         const int width = nv * kPanel;
         const uint8_t* wp = w.data() + p0 * pb;
-        for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
-          const int rows = static_cast<int>(std::min<int64_t>(max_rows, m - i0));
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const int64_t i0 = m * rt / row_tiles;
+          const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
           if (!first) {
             for (int i = 0; i < rows; ++i) {
               std::memcpy(io + i * width, y + (i0 + i) * n + c0,
