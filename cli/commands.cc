@@ -270,6 +270,8 @@ const std::vector<Command>& AllCommands() {
        "default)",
        "up [--model DIR] [--prefill N] [--decode M] [--port 50051] "
        "[--metrics-port 9400]\n"
+       "   [--http-port 8000 (OpenAI API; 0: off)] [--served-model-name "
+       "NAME]\n"
        "   [--policy cache_aware|round_robin|least_loaded|cache_threshold] "
        "[engine flags]\n\n"
        "Starts N prefill and M decode workers (or, with --prefill 0, M "
@@ -286,6 +288,8 @@ const std::vector<Command>& AllCommands() {
       {"router", "the public Router service",
        "router --model DIR [--port 50051] [--metrics-port 9400] [--host "
        "127.0.0.1]\n"
+       "       [--http-port PORT (OpenAI API, HTTPS with --tls-cert/--tls-key; "
+       "0: off)] [--served-model-name NAME]\n"
        "       [--prefill-workers A,B] [--decode-workers C,D] [--both-workers "
        "E]\n"
        "       [--policy "
@@ -341,7 +345,7 @@ const std::vector<Command>& AllCommands() {
        "[--temperature T] [--top-p P]\n"
        "         [--top-k K] [--seed S] [--stop STR]... [--ignore-eos] "
        "[--cache-salt S] [--json]\n"
-       "         [engine flags]\n\n"
+       "         [--logprobs [--top-logprobs N]] [engine flags]\n\n"
        "Streams exactly the generated text to stdout; --json prints token ids, "
        "text,\n"
        "finish reason and usage instead. --timeout-ms sets a deadline (router "

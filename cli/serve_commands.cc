@@ -260,8 +260,10 @@ int RunRouter(const std::vector<std::string>&) {
   std::printf("\n");
   std::fflush(stdout);
   WaitForSignal();
-  if (*openai) (*openai)->Stop();
+  // gRPC first: its shutdown deadline cancels the streams the HTTP front's
+  // threads are reading, which lets Stop() join them.
   (*server)->Shutdown();
+  if (*openai) (*openai)->Stop();
   return 0;
 }
 
@@ -518,9 +520,18 @@ int RunGenerateRemote() {
   std::vector<uint32_t> ids;
   std::string text, finish, request_id, pw, dw;
   v1::Usage usage;
+  json::OrderedValue logprobs = json::OrderedValue::array();
   const bool as_json = absl::GetFlag(FLAGS_json);
   while (reader->Read(&resp)) {
     ids.insert(ids.end(), resp.token_ids().begin(), resp.token_ids().end());
+    for (const v1::TokenLogprobs& lp : resp.logprobs()) {
+      json::OrderedValue top = json::OrderedValue::array();
+      for (const v1::TopLogprob& t : lp.top())
+        top.push_back({{"token_id", t.token_id()}, {"logprob", t.logprob()}});
+      logprobs.push_back({{"token_id", lp.token_id()},
+                          {"logprob", lp.logprob()},
+                          {"top", std::move(top)}});
+    }
     text += resp.text();
     request_id = resp.request_id();
     if (!as_json && !resp.text().empty()) {
@@ -545,7 +556,7 @@ int RunGenerateRemote() {
   }
   if (as_json) {
     // finish_reason comes from the server: escaped like every other string.
-    const json::OrderedValue out = {
+    json::OrderedValue out = {
         {"request_id", request_id},
         {"token_ids", ids},
         {"text", text},
@@ -556,6 +567,8 @@ int RunGenerateRemote() {
           {"cached_prompt_tokens", usage.cached_prompt_tokens()}}},
         {"prefill_worker", pw},
         {"decode_worker", dw}};
+    // The same form as `generate --model --logprobs --json`.
+    if (req.sampling().logprobs()) out["logprobs"] = std::move(logprobs);
     std::printf("%s\n", json::Dump(out, json::ArraySpacing::kCompact).c_str());
   }
   return 0;

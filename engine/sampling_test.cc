@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <vector>
 
@@ -89,6 +90,24 @@ TEST_F(SamplingTest, ValidateRejectsOutOfRangeParameters) {
   EXPECT_FALSE(p.Validate().ok());
   p = {};
   p.stop = {""};
+  EXPECT_FALSE(p.Validate().ok());
+}
+
+TEST_F(SamplingTest, LogprobsAreLogSoftmaxOfRawLogitsWithTopByValueThenId) {
+  const std::vector<float> logits = {1.0f, 2.0f, 3.0f, 3.0f};
+  const TokenLogprobs lp = ComputeLogprobs(logits.data(), 4, 1, 3);
+  const double z = std::exp(1.0) + std::exp(2.0) + 2 * std::exp(3.0);
+  EXPECT_EQ(lp.token, 1);
+  EXPECT_NEAR(lp.logprob, 2.0 - std::log(z), 1e-6);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].first, 2);  // tie at 3.0: lower id first
+  EXPECT_EQ(lp.top[1].first, 3);
+  EXPECT_EQ(lp.top[2].first, 1);
+  EXPECT_EQ(lp.top[0].second, lp.top[1].second);
+  EXPECT_EQ(lp.top[2].second, lp.logprob);
+  EXPECT_TRUE(ComputeLogprobs(logits.data(), 4, 0, 0).top.empty());
+  SamplingParams p;
+  p.top_logprobs = kMaxTopLogprobs + 1;
   EXPECT_FALSE(p.Validate().ok());
 }
 

@@ -335,6 +335,15 @@ class OpenAiLogprobsTest(unittest.TestCase):
                         and e["choices"][0]["logprobs"]
                         for v in e["choices"][0]["logprobs"]["token_logprobs"]]
             self.assertEqual(streamed, want_lp, cluster)
+        # The gRPC front carries the same values (generate --router).
+        for cluster in ("disagg", "coloc"):
+            grpc_out = json.loads(subprocess.run(
+                [BIN, "generate", "--router", CLUSTERS[cluster]["grpc"],
+                 "--prompt", "Logprobs of", "--max-tokens", "12",
+                 "--temperature=0.8", "--seed=5", "--logprobs",
+                 "--top-logprobs=3", "--json"],
+                check=True, capture_output=True, text=True).stdout)
+            self.assertEqual(grpc_out["logprobs"], want["logprobs"], cluster)
         # Without the field there are none.
         out = completion("coloc", prompt="Logprobs of", max_tokens=2)
         self.assertIsNone(out["choices"][0]["logprobs"])
