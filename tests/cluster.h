@@ -93,6 +93,7 @@ inline bool Kill(Proc* p, int sig = SIGKILL,
                  std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   if (p->pid <= 0) return true;
   kill(p->pid, sig);
+  if (sig != SIGKILL) kill(p->pid, SIGCONT);  // a stopped process acts on it
   const bool exited = WaitUntil(
       [&] { return waitpid(p->pid, nullptr, WNOHANG) == p->pid; }, timeout);
   if (!exited) {

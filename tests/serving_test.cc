@@ -281,64 +281,103 @@ TEST_F(ServingTest, BadRequestsGetTheirStatusCodes) {
   EXPECT_EQ(code(Request("anyone?", 4)), grpc::StatusCode::UNAVAILABLE);
 }
 
-// Two requests that each need the decode worker's whole KV pool, sent so
-// that the second arrives while the first holds it. When each of the two
-// requests got its first and its last token.
-struct Overlap {
-  Result first, second;
-  SteadyTime first_last_token, second_sent, second_first_token, second_done;
+// The decode worker's pool is full: a request holds all but one block while
+// its prefill worker is SIGSTOPped (the decode worker reserves the prompt's
+// blocks, then waits for the KV). tiny model, fp32 KV: 8 KiB per 16-token
+// block, so 1008 KiB = 126 blocks per worker. The holder's 2000-token prompt
+// reserves 125 (and 2000 + 16 tokens fill all 126); the second request's
+// 61-token prompt needs 4; a 462-token prompt + 1580 tokens needs 128 of the
+// 126, so it never fits.
+constexpr char kPoolMemory[] = "--kv-cache-memory=1008KiB";
+constexpr uint32_t kHolderTokens = 16;
+constexpr uint32_t kSecondTokens = 60;
+constexpr uint32_t kNeverFitsTokens = 1580;
+std::string HolderPrompt() {
+  std::string s;
+  while (s.size() < 1999) s += Family(6);
+  return s.substr(0, 1999);  // + BOS = 2000 tokens
+}
+std::string SecondPrompt() { return Family(7).substr(0, 60); }
+
+class PoolHolder {
+ public:
+  // Stops the prefill worker, sends the holding request and waits until the
+  // decode worker has reserved its blocks.
+  explicit PoolHolder(Cluster& c) : c_(c) {
+    kill(c_.prefill[0].pid, SIGSTOP);
+    thread_ = std::thread([this] {
+      result_ = Generate(c_.stub.get(), Request(HolderPrompt(), kHolderTokens),
+                         [this](const v1::GenerateResponse&) {
+                           last_token_ = std::chrono::steady_clock::now();
+                         });
+    });
+    holding_ = WaitUntil(
+        [&] {
+          return MetricValue(Scrape(c_.decode[0].metrics_port),
+                             "pdserve_kv_cache_blocks{state=\"active\"}") >=
+                 125;
+        },
+        seconds(30));
+  }
+  ~PoolHolder() { Finish(); }
+  bool holding() const { return holding_; }
+  void ContinuePrefill() { kill(c_.prefill[0].pid, SIGCONT); }
+  // Lets the holder finish; its result and when its last token came.
+  const Result& Finish() {
+    ContinuePrefill();
+    if (thread_.joinable()) thread_.join();
+    return result_;
+  }
+  SteadyTime last_token() const { return last_token_; }
+
+ private:
+  Cluster& c_;
+  std::thread thread_;
+  Result result_;
+  SteadyTime last_token_;
+  bool holding_ = false;
 };
 
-Overlap SendWhileTheFirstHoldsThePool(Cluster& c, const std::string& first,
-                                      const std::string& second,
-                                      uint32_t max_tokens) {
-  Overlap o;
-  std::atomic<bool> first_streaming{false};
-  std::thread long_request([&] {
-    o.first = Generate(c.stub.get(), Request(first, max_tokens),
-                       [&](const v1::GenerateResponse&) {
-                         o.first_last_token = std::chrono::steady_clock::now();
-                         first_streaming = true;
-                       });
-    first_streaming = true;
-  });
-  EXPECT_TRUE(WaitUntil([&] { return first_streaming.load(); }, seconds(60)))
-      << "the first request never streamed";
-  o.second_sent = std::chrono::steady_clock::now();
-  bool second_streaming = false;
-  o.second = Generate(c.stub.get(), Request(second, max_tokens),
-                      [&](const v1::GenerateResponse&) {
-                        if (second_streaming) return;
-                        second_streaming = true;
-                        o.second_first_token = std::chrono::steady_clock::now();
-                      });
-  o.second_done = std::chrono::steady_clock::now();
-  long_request.join();
-  return o;
-}
-
-// tiny model, fp32 KV: 8 KiB per 16-token block, so 64 KiB = 8 blocks per
-// worker; a 61-token prompt + 60 tokens needs all 8 of the decode worker's.
-constexpr uint32_t kPoolFillingTokens = 60;
-
 TEST_F(ServingTest, FullKvCacheMakesARequestWaitForFreedBlocksThenRun) {
-  // An admission wait far longer than the first request takes.
-  Cluster c = Cluster::Start(
-      *model_, 1, 1, {"--local-prefill-threshold=-1"},
-      {"--kv-cache-memory=64KiB", "--admission-timeout-ms=60000"});
-  const std::string second = Family(7).substr(0, 60);
-  Overlap o = SendWhileTheFirstHoldsThePool(c, Family(6).substr(0, 60), second,
-                                            kPoolFillingTokens);
-  ASSERT_TRUE(o.first.status.ok()) << o.first.status.error_message();
-  ASSERT_TRUE(o.second.status.ok()) << o.second.status.error_message();
-  EXPECT_EQ(o.first.tokens.size(), kPoolFillingTokens);
-  // It ran only once the first had released the pool: its first token comes
-  // after the first request's last one.
-  EXPECT_GT(o.second_first_token, o.first_last_token);
-  EXPECT_EQ(o.second.tokens, LocalTokens(*model_, second, kPoolFillingTokens));
+  // An admission wait far longer than the test.
+  Cluster c = Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=-1"},
+                             {kPoolMemory, "--admission-timeout-ms=60000"});
+  PoolHolder holder(c);
+  ASSERT_TRUE(holder.holding()) << "the decode worker never reserved the pool";
+  SteadyTime second_first_token;
+  Result second;
+  std::thread waiting([&] {
+    bool seen = false;
+    second = Generate(c.stub.get(), Request(SecondPrompt(), kSecondTokens),
+                      [&](const v1::GenerateResponse&) {
+                        if (!seen)
+                          second_first_token = std::chrono::steady_clock::now();
+                        seen = true;
+                      });
+  });
+  // Once the router has routed the second request (and so is calling the
+  // decode worker), let the holder go on.
+  const bool routed = WaitUntil(
+      [&] {
+        return MetricValue(
+                   Scrape(c.router.metrics_port),
+                   "pdserve_prefill_decisions_total{mode=\"remote\"}") >= 2;
+      },
+      seconds(30));
+  EXPECT_TRUE(routed) << "the router never routed the second request";
+  const Result& first = holder.Finish();
+  waiting.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(first.tokens.size(), kHolderTokens);
+  // It ran only once the holder had released the pool.
+  EXPECT_GT(second_first_token, holder.last_token());
+  EXPECT_EQ(second.tokens, LocalTokens(*model_, SecondPrompt(), kSecondTokens));
   // A request that can never fit is refused at once, without the wait.
+  ASSERT_GT(Family(8).size() + 1 + kNeverFitsTokens, 126u * 16);
+  ASSERT_LE(Family(8).size() + 1 + kNeverFitsTokens, 2048u);  // max_model_len
   const auto sent = std::chrono::steady_clock::now();
-  auto huge = Generate(c.stub.get(), Request(Family(8), 200));
+  auto huge = Generate(c.stub.get(), Request(Family(8), kNeverFitsTokens));
   EXPECT_EQ(huge.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << huge.status.error_message();
   EXPECT_EQ(huge.messages, 0);
@@ -348,36 +387,27 @@ TEST_F(ServingTest, FullKvCacheMakesARequestWaitForFreedBlocksThenRun) {
 
 TEST_F(ServingTest, FullKvCacheEverywhereIsResourceExhaustedAfterABoundedWait) {
   constexpr int kAdmissionMs = 500;
-  Cluster c =
-      Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=-1"},
-                     {"--kv-cache-memory=64KiB",
-                      absl::StrCat("--admission-timeout-ms=", kAdmissionMs)});
-  const std::string second = Family(7).substr(0, 60);
-  Overlap o = SendWhileTheFirstHoldsThePool(c, Family(6).substr(0, 60), second,
-                                            kPoolFillingTokens);
-  ASSERT_TRUE(o.first.status.ok()) << o.first.status.error_message();
-  EXPECT_EQ(o.first.tokens.size(), kPoolFillingTokens);
-  // Whether the first request frees the pool within the admission timeout is
-  // a race; each outcome has its own contract.
-  if (o.second.status.ok()) {
-    std::printf("the second request waited and ran\n");
-    EXPECT_GT(o.second_first_token, o.first_last_token);
-    EXPECT_EQ(o.second.tokens,
-              LocalTokens(*model_, second, kPoolFillingTokens));
-  } else {
-    std::printf("the second request was refused\n");
-    EXPECT_EQ(o.second.status.error_code(),
-              grpc::StatusCode::RESOURCE_EXHAUSTED)
-        << o.second.status.error_message();
-    EXPECT_EQ(o.second.messages, 0);
-    // Refused after waiting out the admission timeout, not at once and not
-    // after an unbounded wait.
-    const auto waited = o.second_done - o.second_sent;
-    EXPECT_GE(waited, milliseconds(kAdmissionMs * 9 / 10));
-    EXPECT_LT(waited, seconds(30));
-  }
+  Cluster c = Cluster::Start(
+      *model_, 1, 1, {"--local-prefill-threshold=-1"},
+      {kPoolMemory, absl::StrCat("--admission-timeout-ms=", kAdmissionMs)});
+  PoolHolder holder(c);
+  ASSERT_TRUE(holder.holding()) << "the decode worker never reserved the pool";
+  // The holder cannot finish while its prefill worker is stopped, so the
+  // second request waits out the admission timeout and is refused.
+  const auto sent = std::chrono::steady_clock::now();
+  auto second = Generate(c.stub.get(), Request(SecondPrompt(), kSecondTokens));
+  const auto waited = std::chrono::steady_clock::now() - sent;
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << second.status.error_message();
+  EXPECT_EQ(second.messages, 0);
+  EXPECT_GE(waited, milliseconds(kAdmissionMs * 9 / 10));
+  EXPECT_LT(waited, seconds(30));
+  // The holder itself is unharmed (stalled well under the KV stall timeout).
+  const Result& first = holder.Finish();
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.tokens.size(), kHolderTokens);
   // A request that can never fit is refused.
-  auto huge = Generate(c.stub.get(), Request(Family(8), 200));
+  auto huge = Generate(c.stub.get(), Request(Family(8), kNeverFitsTokens));
   EXPECT_EQ(huge.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   ExpectNoActiveBlocks(c);
 }
