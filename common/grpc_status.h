@@ -49,9 +49,10 @@ inline StatusCause CauseOf(const grpc::Status& s) {
 
 inline absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
-  return WithCause(absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                                s.error_message()),
-                   CauseOf(s));
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()),
+                   s.error_message());
+  const StatusCause cause = CauseOf(s);
+  return cause == StatusCause::kNone ? out : WithCause(std::move(out), cause);
 }
 
 // Returns `s` with `cause` in its details (keeps code and message).

@@ -112,11 +112,12 @@ grpc::Status DecodeHandler::Generate(
   prefill.set_skip_blocks(static_cast<uint32_t>(reservation->cached_blocks));
   *prefill.mutable_layout() = kv_transfer::ToProto(receiver_->layout());
   v1::PrefillResponse prefilled;
-  grpc::ClientContext pctx;
-  if (deadline != absl::InfiniteFuture())
-    pctx.set_deadline(absl::ToChronoTime(deadline));
+  // A child call: the client's deadline and its cancellation pass on to the
+  // prefill worker, which then stops computing for a request nobody awaits.
+  std::unique_ptr<grpc::ClientContext> pctx =
+      grpc::ClientContext::FromServerContext(*context);
   const grpc::Status pst = PrefillStub(request.prefill_address())
-                               ->Prefill(&pctx, prefill, &prefilled);
+                               ->Prefill(pctx.get(), prefill, &prefilled);
   if (!pst.ok()) {
     release();
     // Name the prefill worker as the culprit (StatusCause::kPrefillFailed), so

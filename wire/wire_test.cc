@@ -61,6 +61,8 @@ TEST(StatusCauseTest, NoCauseMeansNoDetailsAndMessageTextIsNotACause) {
   EXPECT_TRUE(g.error_details().empty());
   EXPECT_EQ(CauseOf(g), StatusCause::kNone);
   EXPECT_EQ(CauseOf(FromGrpc(g)), StatusCause::kNone);
+  // No payload at all when there is no cause.
+  EXPECT_FALSE(FromGrpc(g).GetPayload(kCausePayloadUrl).has_value());
   EXPECT_EQ(CauseOf(absl::OkStatus()), StatusCause::kNone);
   EXPECT_TRUE(WithCause(absl::OkStatus(), StatusCause::kNeverFits).ok());
 }

@@ -61,7 +61,7 @@ TEST(ChunkCodecTest, EncoderOutputIsTheProtobufEncoding) {
   v1::KvTransferHeader header;
   header.set_request_id("r");
   header.set_reservation_id(77);
-  header.mutable_layout()->set_dtype("int8");
+  header.mutable_layout()->set_dtype(v1::KV_DTYPE_INT8);
   encoder.SetHeader(header);
   encoder.AddSpan(0, 0, pool.data(), 1000, scales, 8, &tracker);
   encoder.AddSpan(3, 200, pool.data() + 1000, 2000, nullptr, 0, &tracker);
