@@ -21,14 +21,17 @@ cleanup() { for p in "${PIDS[@]:-}"; do kill "$p" 2>/dev/null || true; done; wai
 trap cleanup EXIT
 "$B" model init --preset "$PRESET" --out "$MODEL" 2>/dev/null
 
-start() {  # start NAME ARGS... -> prints "ADDR [HTTP_PORT]"
+# start NAME ARGS... -> sets ADDR and HTTP from its "listening on" line (in
+# this shell, not a subshell, so PIDS keeps the child for cleanup).
+start() {
   local name=$1; shift
-  local log=$WORK/$name.log
+  local log=$WORK/$name.log line
   "$B" "$@" > "$log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 300); do
     if grep -q "listening on" "$log"; then
-      sed -n 's/.*listening on \([^ ]*\) metrics [0-9]*\( http \([0-9]*\)\)\{0,1\}.*/\1 \3/p' "$log" | head -1
+      line=$(sed -n 's/.*listening on \([^ ]*\) metrics [0-9]*\( http \([0-9]*\)\)\{0,1\}.*/\1 \3/p' "$log" | head -1)
+      read -r ADDR HTTP <<< "$line"
       return
     fi
     sleep 0.1
@@ -36,11 +39,12 @@ start() {  # start NAME ARGS... -> prints "ADDR [HTTP_PORT]"
   echo "$name did not start:" >&2; cat "$log" >&2; exit 1
 }
 ENGINE=(--model "$MODEL" --insecure --port 0 --metrics-port 0 --kv-cache-memory 512MiB --enable-prefix-caching=false)
-read -r PRE _ < <(start prefill worker --role prefill "${ENGINE[@]}")
-read -r DEC _ < <(start decode worker --role decode "${ENGINE[@]}")
+start prefill worker --role prefill "${ENGINE[@]}"; PRE=$ADDR
+start decode worker --role decode "${ENGINE[@]}"; DEC=$ADDR
 HTTP_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-read -r ROUTER HTTP < <(start router router --model "$MODEL" --insecure --port 0 --metrics-port 0 \
-  --http-port "$HTTP_PORT" --served-model-name "$PRESET" --prefill-workers "$PRE" --decode-workers "$DEC")
+start router router --model "$MODEL" --insecure --port 0 --metrics-port 0 \
+  --http-port "$HTTP_PORT" --served-model-name "$PRESET" --prefill-workers "$PRE" --decode-workers "$DEC"
+ROUTER=$ADDR
 sleep 1.5
 LOAD=(--workload synthetic --num-requests 24 --concurrency 2 --input-len 256 --output-len 32)
 for r in $(seq 1 "$ROUNDS"); do

@@ -100,6 +100,15 @@ def wait_healthy(port, want=200, timeout=30):
 
 
 def setUpModule():
+    # unittest skips tearDownModule when this raises: stop what started.
+    try:
+        start_clusters()
+    except BaseException:
+        tearDownModule()
+        raise
+
+
+def start_clusters():
     global MODEL
     shutil.rmtree(WORK, ignore_errors=True)
     os.makedirs(WORK)
@@ -518,6 +527,44 @@ class OpenAiErrorsTest(unittest.TestCase):
         after = metric(port, "pdserve_http_requests_total",
                        'endpoint="/v1/completions",status="404"')
         self.assertEqual(after, before + 1)
+
+
+class OpenAiTlsTest(unittest.TestCase):
+    def test_https_with_the_routers_certificate(self):
+        import ssl
+        d = os.path.join(WORK, "tls")
+        os.makedirs(d, exist_ok=True)
+
+        def openssl(*args):
+            subprocess.run(["openssl"] + list(args), check=True,
+                           capture_output=True, cwd=d)
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=test-ca")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+        with open(os.path.join(d, "ext.cnf"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem",
+                "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+                "-out", "server.pem", "-extfile", "ext.cnf")
+        _, _, http_port = spawn("router_tls", [
+            "router", "--model=" + MODEL, "--port=0", "--metrics-port=0",
+            "--http-port=%d" % free_port(), "--served-model-name=" + MODEL_NAME,
+            "--both-workers=127.0.0.1:1",
+            "--tls-cert=" + os.path.join(d, "server.pem"),
+            "--tls-key=" + os.path.join(d, "server.key"),
+            "--tls-ca=" + os.path.join(d, "ca.pem")], want_http=True)
+        ctx = ssl.create_default_context(cafile=os.path.join(d, "ca.pem"))
+        with urllib.request.urlopen(
+                f"https://127.0.0.1:{http_port}/v1/models", context=ctx,
+                timeout=10) as r:
+            self.assertEqual(json.loads(r.read())["data"][0]["id"],
+                             MODEL_NAME)
+        # Plaintext HTTP on the TLS port gets no HTTP response.
+        with self.assertRaises((urllib.error.URLError, ConnectionError,
+                                http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models",
+                                   timeout=10).read()
 
 
 class OpenAiDisconnectTest(unittest.TestCase):
