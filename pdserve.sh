@@ -12,7 +12,7 @@ DEB_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
-  prometheus-cpp-dev nlohmann-json3-dev
+  prometheus-cpp-dev nlohmann-json3-dev libcpp-httplib-dev
   prometheus python3-torch python3-numpy openssl
 )
 # Only for the fuzz targets (tests/fuzz): clang and its libFuzzer runtime.
