@@ -53,6 +53,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -1065,6 +1066,15 @@ class Soak {
     for (const Outcome& o : outcomes_) {
       const std::string code = CodeName(o.code);
       ++errors_[code];
+      if (o.code != grpc::StatusCode::OK) {
+        // Digits (ports, counts, ids) dropped so that one cause is one line.
+        std::string cause = absl::StrCat(code, ": ", o.message.substr(0, 90));
+        cause.erase(
+            std::remove_if(cause.begin(), cause.end(),
+                           [](char ch) { return absl::ascii_isdigit(ch); }),
+            cause.end());
+        ++causes_[cause];
+      }
       if (UnclearStatus(o.code)) {
         ++unclear_;
         if (unclear_ <= 10)
@@ -1175,6 +1185,12 @@ class Soak {
     absl::StrAppend(&s, "statuses           ");
     for (const auto& [k, v] : errors_) absl::StrAppend(&s, " ", k, "=", v);
     absl::StrAppend(&s, "  (unclear: ", unclear_, ")\n");
+    std::vector<std::pair<int, std::string>> top;
+    for (const auto& [k, v] : causes_) top.push_back({v, k});
+    std::sort(top.rbegin(), top.rend());
+    if (top.size() > 6) top.resize(6);
+    absl::StrAppend(&s, "top error causes\n");
+    for (const auto& [v, k] : top) absl::StrAppend(&s, "  ", v, "x ", k, "\n");
     absl::StrAppend(&s, "crashes             ",
                     cluster_.crashes.empty() ? "none" : "");
     for (const auto& [k, v] : cluster_.crashes)
@@ -1214,6 +1230,7 @@ class Soak {
           {"crashes", cluster_.crashes.size()},
           {"faults", faults_},
           {"statuses", errors_},
+          {"error_causes", causes_},
           {"peak_rss_mib", nlohmann::ordered_json::object()}};
       for (const auto& [k, v] : peak_rss) out["peak_rss_mib"][k] = v / 1024.0;
       std::ofstream(json_path) << out.dump() << "\n";
@@ -1235,6 +1252,7 @@ class Soak {
   std::vector<Outcome> outcomes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> faults_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> errors_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> causes_ ABSL_GUARDED_BY(mu_);  // code: message
   int requests_ = 0, completed_ = 0, matched_ = 0, mismatches_ = 0,
       unchecked_ = 0, malformed_ = 0, malformed_accepted_ = 0, unclear_ = 0;
   std::vector<double> first_token_s_ ABSL_GUARDED_BY(mu_);  // OK requests
