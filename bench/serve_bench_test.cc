@@ -3,6 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "tests/cluster.h"
@@ -117,6 +122,63 @@ TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
       std::filesystem::temp_directory_path() / "pdserve_cdf_test.svg";
   ASSERT_TRUE(WriteCdfSvg(*open, svg).ok());
   EXPECT_GT(std::filesystem::file_size(svg), 200u);
+}
+
+// A free TCP port on loopback (bound and released; the router takes it
+// right after).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(ServeBenchTest, OpenAiModeCountsTheSameAsGrpcMode) {
+  const std::string model =
+      std::filesystem::temp_directory_path() /
+      ("pdserve_bench_openai_" + std::to_string(::getpid()));
+  ASSERT_EQ(
+      std::system((std::string(PDSERVE_BIN) +
+                   " model init --preset tiny --out " + model + " 2>/dev/null")
+                      .c_str()),
+      0);
+  const int http_port = FreePort();
+  auto cluster = testing::Cluster::Start(
+      model, 1, 1,
+      {"--http-port=" + std::to_string(http_port), "--served-model-name=m"});
+  ServeBenchConfig c;
+  c.workload.name = "synthetic";
+  c.workload.num_requests = 9;
+  c.workload.input_len = 40;
+  c.workload.output_len = 7;
+  c.concurrency = 3;
+  c.progress = false;
+  c.router = cluster.router.address;
+  auto grpc = RunServeBench(c);
+  ASSERT_TRUE(grpc.ok()) << grpc.status();
+  c.router.clear();
+  c.openai_url = "http://127.0.0.1:" + std::to_string(http_port) + "/v1";
+  auto http = RunServeBench(c);  // the model name comes from /v1/models
+  ASSERT_TRUE(http.ok()) << http.status();
+  EXPECT_EQ(http->succeeded, 9);
+  EXPECT_EQ(http->completion_tokens, grpc->completion_tokens);
+  EXPECT_EQ(http->prompt_tokens, grpc->prompt_tokens);
+  EXPECT_GT(http->ttft.p50, 0);
+  // 7 tokens per request: 6 inter-token gaps each.
+  EXPECT_GT(http->itl.p50, 0);
+  // A model the server does not serve fails every request (404).
+  c.openai_model = "not-served";
+  auto wrong = RunServeBench(c);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  EXPECT_EQ(wrong->failed, 9);
+  c.openai_url = "127.0.0.1:1";
+  EXPECT_FALSE(RunServeBench(c).ok());
 }
 
 }  // namespace
