@@ -52,8 +52,9 @@ struct RouterConfig {
 
   // Security and limits (README "Security"). The public port's credentials;
   // RouterControl (worker registration, ListWorkers) then requires a verified
-  // client certificate.
-  tls::TlsConfig tls = tls::TlsConfig::Plaintext();
+  // client certificate. The default is neither plaintext nor valid: a caller
+  // must choose certificates or TlsConfig::Plaintext() (fails closed).
+  tls::TlsConfig tls;
   // Bearer tokens ("TOKEN TENANT [overrides]" lines); empty: no auth, and
   // every request belongs to the unnamed tenant.
   std::string auth_tokens_file;

@@ -1,6 +1,7 @@
 #include "router/router_service.h"
 
 #include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -17,6 +18,8 @@
 
 namespace pdserve::router {
 namespace {
+
+using ::testing::HasSubstr;
 
 // A decode worker that records the request ids it is asked to run and
 // answers each with one token.
@@ -78,6 +81,7 @@ class RouterServiceTest : public ::testing::Test {
     ASSERT_NE(port, 0);
 
     RouterConfig config;
+    config.tls = tls::TlsConfig::Plaintext();
     config.model_dir = dir;
     config.workers.decode = {absl::StrCat("127.0.0.1:", port)};
     config.workers.heartbeat = absl::Milliseconds(50);
@@ -86,6 +90,7 @@ class RouterServiceTest : public ::testing::Test {
     router_ = *std::move(router);
     auto router_port = router_->Serve("127.0.0.1", 0);
     ASSERT_TRUE(router_port.ok()) << router_port.status();
+    router_port_ = *router_port;
     ASSERT_TRUE(router_->workers().WaitForWorkers(1, absl::Seconds(10)));
     stub_ = v1::Router::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", *router_port),
@@ -121,6 +126,7 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> worker_server_;
   std::unique_ptr<RouterServer> router_;
   std::unique_ptr<v1::Router::Stub> stub_;
+  int router_port_ = 0;
 };
 
 // Found by the fault soak (tests/soak): request ids restart at req-1 with
@@ -248,6 +254,36 @@ TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
       text, "pdserve_requests_total{finish_reason=\"error\"} 1"))
       << text;
   EXPECT_FALSE(absl::StrContains(text, "finish_reason=\"97\""));
+}
+
+TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
+  // Before roles were enums such a worker registered and was never routed to.
+  RecordingWorker worker;
+  StartRouter(&worker);
+  auto control = v1::RouterControl::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials()));
+  auto register_as = [&](v1::WorkerRole role) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::RegisterWorkerRequest req;
+    req.set_address("127.0.0.1:1");
+    req.set_role(role);
+    v1::RegisterWorkerResponse resp;
+    return control->RegisterWorker(&ctx, req, &resp);
+  };
+  for (auto role : {v1::WORKER_ROLE_UNSPECIFIED, static_cast<v1::WorkerRole>(42)}) {
+    const grpc::Status st = register_as(role);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("unknown worker role"));
+  }
+  EXPECT_TRUE(register_as(v1::WORKER_ROLE_PREFILL).ok());
+}
+
+TEST(RouterConfigTest, DefaultTlsIsNotPlaintext) {
+  RouterConfig config;
+  config.model_dir = "/nonexistent";
+  EXPECT_FALSE(config.tls.insecure);
+  EXPECT_FALSE(config.Validate().ok());
 }
 
 }  // namespace
