@@ -27,6 +27,12 @@ ABSL_FLAG(int32_t, max_model_len, 0,
           "maximum prompt + output tokens (0: model's limit)");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "reuse cached prefix blocks across requests");
+ABSL_FLAG(std::string, kv_offload_dir, "",
+          "CPU workers: a directory (one per worker) for a local-file KV tier: "
+          "prefix blocks evicted from the pool are written there and read "
+          "back on a prefix hit; emptied at start-up. Off when empty");
+ABSL_FLAG(std::string, kv_offload_bytes, "1GiB",
+          "with --kv-offload-dir: the tier's byte cap (e.g. 4GiB)");
 ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default), "
           "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
@@ -95,6 +101,11 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   c.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   c.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   c.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+  c.kv_offload.dir = absl::GetFlag(FLAGS_kv_offload_dir);
+  if (!c.kv_offload.dir.empty()) {
+    ASSIGN_OR_RETURN(c.kv_offload.capacity_bytes,
+                     ParseBytes(absl::GetFlag(FLAGS_kv_offload_bytes)));
+  }
   auto mode = kernels::ParseMatMulMode(absl::GetFlag(FLAGS_matmul));
   if (!mode) {
     return absl::InvalidArgumentError(

@@ -109,6 +109,7 @@ bool BlockManager::Allocate(int64_t n, std::vector<int32_t>* out) {
 }
 
 void BlockManager::Evict(int32_t block, std::vector<BlockHash>* removed) {
+  if (tier_hooks_.on_evict) tier_hooks_.on_evict(block, *hash_of_[block]);
   cached_.erase(*hash_of_[block]);
   removed->push_back(*hash_of_[block]);
   hash_of_[block].reset();
@@ -148,6 +149,7 @@ void BlockManager::ClearCache() {
   }
   cached_.clear();
   lru_.clear();
+  if (tier_hooks_.on_clear) tier_hooks_.on_clear();
   Publish(KvEvent::Type::kCleared, {}, {});
 }
 

@@ -104,6 +104,16 @@ class BlockManager {
   // Hashes of every cached block (for a subscriber's resync snapshot).
   std::vector<BlockHash> CachedHashes() const;
 
+  // A lower tier below the pool (engine/kv_tier.h). on_evict runs for each
+  // cached block the LRU evicts for reuse, before Allocate hands it out (its
+  // data still intact); on_clear runs on ClearCache. The pool's own KV
+  // events are unchanged.
+  struct TierHooks {
+    std::function<void(int32_t block, const BlockHash& hash)> on_evict;
+    std::function<void()> on_clear;
+  };
+  void set_tier_hooks(TierHooks hooks) { tier_hooks_ = std::move(hooks); }
+
  private:
   void Publish(KvEvent::Type type, const BlockHash& parent,
                std::vector<BlockHash> hashes);
@@ -116,6 +126,7 @@ class BlockManager {
   std::vector<std::list<int32_t>::iterator> lru_pos_;
   absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> cached_;
   KvEventSink sink_;
+  TierHooks tier_hooks_;
   uint64_t event_seq_ = 0;
 };
 

@@ -76,7 +76,11 @@ absl::Status EngineConfig::Validate() const {
         ") and max_pending_reservations (", max_pending_reservations,
         ") must be at least 1"));
   }
-  return absl::OkStatus();
+  if (!kv_offload.dir.empty() && device != Device::kCpu) {
+    return absl::InvalidArgumentError(
+        "--kv-offload-dir is a tier for CPU workers; --device cuda has none");
+  }
+  return kv_offload.Validate();
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
@@ -102,8 +106,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     c.max_model_len = static_cast<int32_t>(
         std::min<int64_t>(mc.max_position_embeddings, 1 << 30));
   }
-  return std::unique_ptr<Engine>(
+  std::unique_ptr<Engine> engine(
       new Engine(std::move(weights), c, std::move(backend), std::move(events)));
+  if (!c.kv_offload.dir.empty()) {
+    ASSIGN_OR_RETURN(engine->tier_,
+                     KvFileTier::Create(c.kv_offload, engine->fingerprint_,
+                                        engine->kv_spec()));
+    Engine* e = engine.get();
+    e->blocks_.set_tier_hooks(
+        {[e](int32_t block, const BlockHash& hash) {
+           e->tier_->Offer(hash, e->kv_storage(), block);
+         },
+         [e] { e->tier_->Clear(); }});
+  }
+  return engine;
 }
 
 Engine::Engine(std::shared_ptr<const ModelWeights> weights,
@@ -244,19 +260,45 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
     hits = blocks_.Lookup(std::span<const BlockHash>(seq->hashes)
                               .first(std::min(usable, seq->hashes.size())));
   }
-  const int32_t computed =
-      static_cast<int32_t>(hits.size()) * config_.block_size;
-  const int32_t n = std::min(len - computed, budget);
-  const int64_t need =
-      BlocksFor(computed + n) - static_cast<int64_t>(hits.size());
+  // Blocks after the pool's hits that the file tier holds: read back below
+  // instead of recomputed, if the pool has room for them and this chunk.
+  int32_t from_tier = 0;
+  if (tier_ && config_.enable_prefix_caching) {
+    const size_t usable = static_cast<size_t>((len - 1) / config_.block_size);
+    if (usable > hits.size()) {
+      from_tier = static_cast<int32_t>(
+          tier_->Match(std::span<const BlockHash>(seq->hashes)
+                           .subspan(hits.size(), usable - hits.size())));
+    }
+  }
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
+  const int32_t num_hits = static_cast<int32_t>(hits.size());
+  auto need_for = [&](int32_t tier_blocks) {
+    const int32_t c = (num_hits + tier_blocks) * config_.block_size;
+    return BlocksFor(c + std::min(len - c, budget)) - num_hits;
+  };
+  if (from_tier > 0 && need_for(from_tier) + hits_idle > blocks_.num_free())
+    from_tier = 0;
+  const int64_t need = need_for(from_tier);
   if (need + hits_idle > blocks_.num_free()) return false;
   blocks_.Acquire(hits);
   seq->blocks = hits;
   blocks_.Allocate(need, &seq->blocks);
+  const int32_t loaded =
+      from_tier > 0 ? LoadFromTier(seq, num_hits, from_tier) : 0;
+  const int32_t computed = (num_hits + loaded) * config_.block_size;
+  // A failed load leaves fewer tokens computed: the chunk stays within the
+  // blocks just allocated.
+  const int32_t n = std::min(
+      {len - computed, budget,
+       static_cast<int32_t>(seq->blocks.size()) * config_.block_size -
+           computed});
   seq->num_computed = computed;
-  seq->num_committed = static_cast<int32_t>(hits.size());
+  seq->num_committed = num_hits;
+  // Loaded blocks join the prefix cache at once (stored events), so that a
+  // request admitted next in this step shares them instead of loading again.
+  if (loaded > 0) CommitFullBlocks(seq);
   if (seq->cached_prompt_tokens < 0) {
     seq->cached_prompt_tokens = computed;
     prefix_queried_ += seq->num_prompt;
@@ -264,6 +306,18 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
   }
   *scheduled_tokens = n;
   return true;
+}
+
+int32_t Engine::LoadFromTier(Sequence* seq, int32_t first, int32_t n) {
+  int32_t loaded = 0;
+  while (loaded < n &&
+         tier_
+             ->Load(seq->hashes[first + loaded], kv_storage(),
+                    seq->blocks[first + loaded])
+             .ok()) {
+    ++loaded;
+  }
+  return loaded;
 }
 
 absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
@@ -486,6 +540,10 @@ EngineStats Engine::Stats() const {
   s.preemptions = preemptions_;
   s.steps = steps_;
   s.num_reserved = static_cast<int64_t>(reserved_.size());
+  if (tier_) {
+    s.has_kv_tier = true;
+    s.kv_tier = tier_->Stats();
+  }
   for (const Sequence* seq : waiting_)
     s.queued_prefill_tokens +=
         seq->num_prompt - std::min(seq->num_prompt, seq->num_computed);

@@ -26,6 +26,7 @@
 #include "engine/backend.h"
 #include "engine/block_manager.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_tier.h"
 #include "engine/llama_model.h"
 #include "engine/sampling.h"
 #include "engine/weights.h"
@@ -56,6 +57,9 @@ struct EngineConfig {
   int32_t max_waiting_requests = 1024;  // admitted, waiting for blocks
   int32_t max_queued_calls = 4096;      // EngineLoop: Submit/Reserve queued
   int32_t max_pending_reservations = 1024;  // EngineLoop: waiting for blocks
+  // CPU only: a local-file tier below the pool (engine/kv_tier.h); evicted
+  // prefix blocks go there and come back on a prefix hit. Off when empty.
+  KvTierConfig kv_offload;
 
   absl::Status Validate() const;
 };
@@ -133,6 +137,8 @@ struct EngineStats {
   int64_t num_reserved = 0;  // awaiting remote KV
   int64_t queued_prefill_tokens =
       0;  // prompt tokens admitted but not yet computed
+  bool has_kv_tier = false;
+  KvTierStats kv_tier;  // with has_kv_tier; its hits are in prefix_hit_tokens
 };
 
 class Engine {
@@ -186,6 +192,8 @@ class Engine {
   // for transfer code: spans of pinned or reserved blocks only.
   KvStorage& kv_storage() { return *backend_->kv_storage(); }
   const Backend& backend() const { return *backend_; }
+  // The file tier, or null when EngineConfig::kv_offload is off.
+  KvFileTier* kv_tier() { return tier_.get(); }
 
  private:
   struct Sequence {
@@ -211,6 +219,10 @@ class Engine {
   void Preempt(Sequence* seq);
   void ReleaseSequenceBlocks(Sequence* seq);
   void CommitFullBlocks(Sequence* seq);
+  // Reads up to `n` blocks after the first `first` of seq->hashes from the
+  // tier into seq->blocks[first...]; returns how many loaded (stops at the
+  // first failure: the rest is recomputed).
+  int32_t LoadFromTier(Sequence* seq, int32_t first, int32_t n);
 
   EngineConfig config_;
   std::shared_ptr<const ModelWeights> weights_;
@@ -219,6 +231,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   BlockManager blocks_;
   ModelFingerprint fingerprint_;
+  std::unique_ptr<KvFileTier> tier_;  // blocks_'s tier hooks call it
   FinishReason CheckFinish(const Sequence& seq) const;
 
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;

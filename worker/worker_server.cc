@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 
+#include <array>
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
@@ -218,6 +219,29 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     auto* preempt = metrics::CounterChild(
         r, "pdserve_preemptions_total",
         "Sequences preempted (recomputed later) for lack of KV blocks");
+    // The file tier below the pool (engine/kv_tier.h); zero when it is off.
+    auto* tier_hit = metrics::CounterChild(
+        r, "pdserve_kv_tier_hit_tokens_total",
+        "Prompt tokens read back from the KV tier instead of recomputed");
+    auto* tier_blocks = metrics::Must(r.AddGauge(
+        "pdserve_kv_tier_blocks", "KV tier blocks by state", {"state"}));
+    auto* tier_stored = metrics::Must(tier_blocks->WithLabels({"stored"}));
+    auto* tier_writing = metrics::Must(tier_blocks->WithLabels({"writing"}));
+    auto* tier_bytes = metrics::Must(
+        r.AddCounter("pdserve_kv_tier_bytes_total",
+                     "Bytes written to and read from the KV tier",
+                     {"direction"}));
+    auto* tier_written = metrics::Must(tier_bytes->WithLabels({"written"}));
+    auto* tier_read = metrics::Must(tier_bytes->WithLabels({"read"}));
+    auto* tier_failures_family = metrics::Must(r.AddCounter(
+        "pdserve_kv_tier_failures_total",
+        "KV tier blocks not offloaded or not loaded (then recomputed)",
+        {"reason"}));
+    std::array<metrics::Counter*, engine::kNumKvTierFailures> tier_failures;
+    for (int f = 0; f < engine::kNumKvTierFailures; ++f) {
+      tier_failures[f] = metrics::Must(tier_failures_family->WithLabels(
+          {engine::KvTierFailureName(static_cast<engine::KvTierFailure>(f))}));
+    }
     auto last = std::make_shared<engine::EngineStats>();
     collector = r.AddCollector([=, this] {
       const engine::EngineStats s = loop->stats();
@@ -232,6 +256,18 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
           static_cast<double>(s.prefix_hit_tokens - last->prefix_hit_tokens));
       preempt->Increment(
           static_cast<double>(s.preemptions - last->preemptions));
+      tier_hit->Increment(
+          static_cast<double>(s.kv_tier.hit_tokens - last->kv_tier.hit_tokens));
+      tier_stored->Set(static_cast<double>(s.kv_tier.blocks_stored));
+      tier_writing->Set(static_cast<double>(s.kv_tier.blocks_writing));
+      tier_written->Increment(static_cast<double>(
+          s.kv_tier.bytes_written - last->kv_tier.bytes_written));
+      tier_read->Increment(
+          static_cast<double>(s.kv_tier.bytes_read - last->kv_tier.bytes_read));
+      for (int f = 0; f < engine::kNumKvTierFailures; ++f) {
+        tier_failures[f]->Increment(static_cast<double>(
+            s.kv_tier.failures[f] - last->kv_tier.failures[f]));
+      }
       *last = s;
     });
   }
