@@ -15,8 +15,8 @@
 #include <sstream>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/json.h"
@@ -77,12 +77,12 @@ struct OpenAiTarget {
   std::string origin;     // scheme://host:port
   std::string base_path;  // "/v1"
   std::string model;
-  std::string api_key;    // $OPENAI_API_KEY
+  std::string api_key;  // $OPENAI_API_KEY
 
   static absl::StatusOr<OpenAiTarget> Parse(const std::string& url) {
     const size_t scheme = url.find("://");
-    if (scheme == std::string::npos ||
-        !(absl::StartsWith(url, "http://") || absl::StartsWith(url, "https://")))
+    if (scheme == std::string::npos || !(absl::StartsWith(url, "http://") ||
+                                         absl::StartsWith(url, "https://")))
       return absl::InvalidArgumentError(absl::StrCat(
           "--openai-url must look like http://HOST:PORT/v1, got ", url));
     OpenAiTarget t;
@@ -130,14 +130,14 @@ struct OpenAiTarget {
 RequestResult RunOneOpenAi(httplib::Client& client, const OpenAiTarget& t,
                            const RequestSpec& spec) {
   RequestResult r;
-  const std::string body = json::Dump(json::OrderedValue{
-      {"model", t.model},
-      {"prompt", spec.prompt},
-      {"max_tokens", spec.max_tokens},
-      {"temperature", 0},
-      {"ignore_eos", true},
-      {"stream", true},
-      {"stream_options", {{"include_usage", true}}}});
+  const std::string body = json::Dump(
+      json::OrderedValue{{"model", t.model},
+                         {"prompt", spec.prompt},
+                         {"max_tokens", spec.max_tokens},
+                         {"temperature", 0},
+                         {"ignore_eos", true},
+                         {"stream", true},
+                         {"stream_options", {{"include_usage", true}}}});
   const auto start = Clock::now();
   Clock::time_point last = start;
   std::vector<double> gaps;
@@ -219,10 +219,9 @@ RequestResult RunOneOpenAi(httplib::Client& client, const OpenAiTarget& t,
   r.ok = r.error.empty() && sent && res.status == 200;
   if (!gaps.empty()) {
     const double per_chunk =
-        r.completion_tokens > 1
-            ? static_cast<double>(r.completion_tokens - 1) /
-                  static_cast<double>(gaps.size())
-            : 1.0;
+        r.completion_tokens > 1 ? static_cast<double>(r.completion_tokens - 1) /
+                                      static_cast<double>(gaps.size())
+                                : 1.0;
     const int copies = std::max(1, static_cast<int>(std::lround(per_chunk)));
     for (double g : gaps) {
       for (int i = 0; i < copies; ++i) r.itl_s.push_back(g / per_chunk);

@@ -7,13 +7,14 @@
 namespace pdserve::router::openai {
 
 HttpError BadRequest(std::string message, std::string param) {
-  return HttpError{400, "invalid_request_error", "", std::move(message),
-                   std::move(param), 0};
+  return HttpError{
+      400, "invalid_request_error", "", std::move(message), std::move(param),
+      0};
 }
 
 HttpError NotFound(std::string message, std::string code) {
-  return HttpError{404, "invalid_request_error", std::move(code),
-                   std::move(message), "", 0};
+  return HttpError{
+      404, "invalid_request_error", std::move(code), std::move(message), "", 0};
 }
 
 HttpError FromGrpc(const grpc::Status& status, int64_t retry_after_ms) {
@@ -71,12 +72,11 @@ std::string ErrorJson(const HttpError& error) {
   auto or_null = [](const std::string& s) {
     return s.empty() ? json::OrderedValue() : json::OrderedValue(s);
   };
-  return json::Dump(json::OrderedValue{
-      {"error",
-       {{"message", error.message},
-        {"type", error.type},
-        {"param", or_null(error.param)},
-        {"code", or_null(error.code)}}}});
+  return json::Dump(json::OrderedValue{{"error",
+                                        {{"message", error.message},
+                                         {"type", error.type},
+                                         {"param", or_null(error.param)},
+                                         {"code", or_null(error.code)}}}});
 }
 
 }  // namespace pdserve::router::openai

@@ -20,10 +20,10 @@ namespace pdserve::router::openai {
 
 struct HttpError {
   int status = 500;
-  std::string type;     // OpenAI's error "type"
-  std::string code;     // OpenAI's error "code"; empty -> null
+  std::string type;  // OpenAI's error "type"
+  std::string code;  // OpenAI's error "code"; empty -> null
   std::string message;
-  std::string param;    // empty -> null
+  std::string param;  // empty -> null
   // Seconds for the Retry-After header; 0: no header.
   int64_t retry_after_s = 0;
 };

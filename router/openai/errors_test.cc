@@ -39,9 +39,8 @@ TEST(OpenAiErrorsTest, BodyHasOpenAisShape) {
   EXPECT_EQ(e["type"], "invalid_request_error");
   EXPECT_EQ(e["param"], "n");
   EXPECT_TRUE(e["code"].is_null());
-  EXPECT_EQ(nlohmann::json::parse(
-                ErrorJson(NotFound("no such model", "model_not_found")))
-                ["error"]["code"],
+  EXPECT_EQ(nlohmann::json::parse(ErrorJson(
+                NotFound("no such model", "model_not_found")))["error"]["code"],
             "model_not_found");
 }
 

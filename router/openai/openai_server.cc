@@ -47,7 +47,8 @@ struct HttpMetrics {
       for (size_t s = 0; s <= kStatuses.size(); ++s) {
         const std::string status =
             s < kStatuses.size() ? std::to_string(kStatuses[s]) : "other";
-        requests[e][s] = metrics::Must(family->WithLabels({kEndpoints[e], status}));
+        requests[e][s] =
+            metrics::Must(family->WithLabels({kEndpoints[e], status}));
       }
     }
   }
@@ -174,16 +175,14 @@ struct OpenAiServer::Impl {
       for (const v1::TokenLogprobs& lp : lps) {
         OrderedValue top = OrderedValue::array();
         for (const v1::TopLogprob& t : lp.top()) {
-          top.push_back(
-              {{"token", text_of(t.token_id())},
-               {"logprob", t.logprob()},
-               {"bytes", bytes_of(t.token_id())}});
+          top.push_back({{"token", text_of(t.token_id())},
+                         {"logprob", t.logprob()},
+                         {"bytes", bytes_of(t.token_id())}});
         }
-        content.push_back(
-            {{"token", text_of(lp.token_id())},
-             {"logprob", lp.logprob()},
-             {"bytes", bytes_of(lp.token_id())},
-             {"top_logprobs", std::move(top)}});
+        content.push_back({{"token", text_of(lp.token_id())},
+                           {"logprob", lp.logprob()},
+                           {"bytes", bytes_of(lp.token_id())},
+                           {"top_logprobs", std::move(top)}});
       }
       return OrderedValue{{"content", std::move(content)}};
     }
@@ -200,7 +199,8 @@ struct OpenAiServer::Impl {
         top.emplace(text_of(t.token_id()), t.logprob());
       top_logprobs.push_back(std::move(top));
       offsets.push_back(*text_offset);
-      *text_offset += tokenizer->TokenBytes(static_cast<int32_t>(lp.token_id())).size();
+      *text_offset +=
+          tokenizer->TokenBytes(static_cast<int32_t>(lp.token_id())).size();
     }
     return OrderedValue{{"tokens", std::move(tokens)},
                         {"token_logprobs", std::move(token_logprobs)},
@@ -233,8 +233,8 @@ struct OpenAiServer::Impl {
                          chat_template.status().message()),
             "messages");
       auto text = engine::ApplyChatTemplate(*chat_template, r.messages, true);
-      if (!text.ok()) return BadRequest(std::string(text.status().message()),
-                                        "messages");
+      if (!text.ok())
+        return BadRequest(std::string(text.status().message()), "messages");
       // The rendered prompt spells out its own special tokens.
       for (int32_t t : tokenizer->Encode(*text, false))
         g.mutable_token_ids()->add_ids(static_cast<uint32_t>(t));
@@ -326,12 +326,12 @@ struct OpenAiServer::Impl {
     } while (finish.empty() && call.reader->Read(&msg));
     const grpc::Status st = call.Finish();
     if (finish.empty()) {
-      return Reply(res, FromGrpc(st.ok() ? grpc::Status(
-                                               grpc::StatusCode::INTERNAL,
-                                               "stream ended without a "
-                                               "finish reason")
-                                         : st,
-                                 RetryAfterMs(call.ctx)));
+      return Reply(res,
+                   FromGrpc(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
+                                                   "stream ended without a "
+                                                   "finish reason")
+                                    : st,
+                            RetryAfterMs(call.ctx)));
     }
     OrderedValue body = Envelope(r, id, created, false);
     OrderedValue choice = {{"index", 0}};
@@ -341,9 +341,8 @@ struct OpenAiServer::Impl {
       choice["text"] = text;
     }
     size_t offset = 0;
-    choice["logprobs"] = r.logprobs.has_value()
-                             ? LogprobsJson(r, lps, &offset)
-                             : OrderedValue();
+    choice["logprobs"] =
+        r.logprobs.has_value() ? LogprobsJson(r, lps, &offset) : OrderedValue();
     choice["finish_reason"] = FinishReason(finish);
     body["choices"] = OrderedValue::array({std::move(choice)});
     body["usage"] = Usage(usage);
@@ -388,11 +387,11 @@ struct OpenAiServer::Impl {
       return chunk(std::move(choice));
     };
     // Chat: the role comes first, in a delta of its own.
-    if (chat && !chunk(OrderedValue{{"index", 0},
-                                    {"delta", {{"role", "assistant"},
-                                               {"content", ""}}},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", nullptr}}))
+    if (chat &&
+        !chunk(OrderedValue{{"index", 0},
+                            {"delta", {{"role", "assistant"}, {"content", ""}}},
+                            {"logprobs", nullptr},
+                            {"finish_reason", nullptr}}))
       return false;
     std::string finish;
     v1::Usage usage;
@@ -432,12 +431,13 @@ struct OpenAiServer::Impl {
 
   void HandleModels(const httplib::Request& req, httplib::Response& res) {
     if (hooks.authenticate) {
-      absl::Status s = hooks.authenticate(req.get_header_value("Authorization"));
+      absl::Status s =
+          hooks.authenticate(req.get_header_value("Authorization"));
       if (!s.ok())
-        return Reply(res, FromGrpc(grpc::Status(
-                                       static_cast<grpc::StatusCode>(s.code()),
+        return Reply(
+            res, FromGrpc(grpc::Status(static_cast<grpc::StatusCode>(s.code()),
                                        std::string(s.message())),
-                                   0));
+                          0));
     }
     const OrderedValue body = {
         {"object", "list"},
@@ -549,30 +549,31 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // httplib's own refusals (bad request line, 413, ...) in OpenAI's shape.
   http.set_error_handler(httplib::Server::HandlerWithResponse(
       [](const httplib::Request&, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    HttpError e = res.status == 404 ? NotFound("not found", "unknown_url")
-                                    : BadRequest("malformed HTTP request");
-    e.status = res.status;
-    if (res.status == 413) e.message = "request body too large";
-    res.set_content(ErrorJson(e), "application/json");
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  http.set_exception_handler([](const httplib::Request&,
-                                httplib::Response& res, std::exception_ptr) {
-    Reply(res, HttpError{500, "server_error", "", "internal error", "", 0});
-  });
-  http.set_logger([self](const httplib::Request& req,
-                         const httplib::Response& res) {
-    self->m->Count(req.path, res.status);
-  });
+        if (!res.body.empty())
+          return httplib::Server::HandlerResponse::Unhandled;
+        HttpError e = res.status == 404 ? NotFound("not found", "unknown_url")
+                                        : BadRequest("malformed HTTP request");
+        e.status = res.status;
+        if (res.status == 413) e.message = "request body too large";
+        res.set_content(ErrorJson(e), "application/json");
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  http.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        Reply(res, HttpError{500, "server_error", "", "internal error", "", 0});
+      });
+  http.set_logger(
+      [self](const httplib::Request& req, const httplib::Response& res) {
+        self->m->Count(req.path, res.status);
+      });
   if (config.port == 0) {
     impl->port = http.bind_to_any_port(config.host);
   } else if (http.bind_to_port(config.host, config.port)) {
     impl->port = config.port;
   }
   if (impl->port <= 0)
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", config.host, ":", config.port, " (HTTP)"));
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.host,
+                                               ":", config.port, " (HTTP)"));
   impl->listener = std::thread([self] { self->http->listen_after_bind(); });
   return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }

@@ -280,7 +280,8 @@ std::variant<CompletionRequest, ApiError> ParseCompletionRequest(
       r.logprobs = static_cast<int32_t>(*lp);
   } else {
     const std::optional<bool> lp = f.Bool("logprobs");
-    const std::optional<int64_t> top = f.Int("top_logprobs", 0, kMaxTopLogprobs);
+    const std::optional<int64_t> top =
+        f.Int("top_logprobs", 0, kMaxTopLogprobs);
     if (lp && *lp) r.logprobs = static_cast<int32_t>(top.value_or(0));
     if (!f.failed() && top && !(lp && *lp))
       f.Fail("top_logprobs", "'top_logprobs' needs 'logprobs': true");

@@ -31,13 +31,13 @@ struct CompletionRequest {
   uint32_t max_tokens = 16;
   float temperature = 1.0f;  // OpenAI's default
   float top_p = 1.0f;
-  uint32_t top_k = 0;                 // vLLM extra; 0 = off
-  std::optional<uint64_t> seed;       // absent: the server picks one
+  uint32_t top_k = 0;            // vLLM extra; 0 = off
+  std::optional<uint64_t> seed;  // absent: the server picks one
   std::vector<std::string> stop;
-  bool ignore_eos = false;            // vLLM extra
-  std::string cache_salt;             // vLLM extra
+  bool ignore_eos = false;  // vLLM extra
+  std::string cache_salt;   // vLLM extra
   bool stream = false;
-  bool include_usage = false;         // stream_options.include_usage
+  bool include_usage = false;  // stream_options.include_usage
   // Top alternatives per generated token (0..kMaxTopLogprobs), or absent for
   // no logprobs. Completions: "logprobs": N. Chat: "logprobs": true with
   // "top_logprobs": N (0 when absent).

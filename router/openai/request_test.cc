@@ -81,7 +81,9 @@ TEST(OpenAiRequestTest, ChatMessagesAndMaxCompletionTokens) {
   EXPECT_EQ(r.max_tokens, 9u);
   EXPECT_EQ(*r.logprobs, 2);
   EXPECT_EQ(Ok(kChat, R"({"model": "m", "messages": [{"role": "user",
-      "content": "x"}]})").max_tokens, kDefaultChatMaxTokens);
+      "content": "x"}]})")
+                .max_tokens,
+            kDefaultChatMaxTokens);
 }
 
 TEST(OpenAiRequestTest, BadValuesNameTheirField) {
@@ -112,9 +114,13 @@ TEST(OpenAiRequestTest, BadValuesNameTheirField) {
   }
   EXPECT_EQ(Bad(kChat, R"({"model": "m", "messages": []})").param, "messages");
   EXPECT_EQ(Bad(kChat, R"({"model": "m", "messages": [{"role": "wizard",
-      "content": "x"}]})").param, "messages");
+      "content": "x"}]})")
+                .param,
+            "messages");
   EXPECT_EQ(Bad(kChat, R"({"model": "m", "messages": [{"role": "user",
-      "content": "x"}], "top_logprobs": 2})").param, "top_logprobs");
+      "content": "x"}], "top_logprobs": 2})")
+                .param,
+            "top_logprobs");
 }
 
 TEST(OpenAiRequestTest, MalformedJsonIsAnErrorNotACrash) {
@@ -126,8 +132,8 @@ TEST(OpenAiRequestTest, MalformedJsonIsAnErrorNotACrash) {
     }
   }
   std::string deep(10000, '[');
-  EXPECT_TRUE(std::holds_alternative<ApiError>(
-      ParseCompletionRequest(kCmpl, deep)));
+  EXPECT_TRUE(
+      std::holds_alternative<ApiError>(ParseCompletionRequest(kCmpl, deep)));
 }
 
 }  // namespace
