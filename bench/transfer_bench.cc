@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/json.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
 #include "kv_transfer/grpc/grpc_transport.h"
@@ -444,20 +445,6 @@ absl::StatusOr<TransferFigure> MeasureOne(
   return f;
 }
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      absl::StrAppendFormat(&out, "\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 }  // namespace
 
@@ -550,26 +537,29 @@ bool TransferBenchResult::MeetsGoal() const {
 }
 
 std::string TransferBenchResult::ToJson() const {
-  std::string out = absl::StrFormat(
-      "{\"repetitions\": %d, \"statistic\": \"best\", \"goal_ratio\": %.2f, "
-      "\"goal_min_tokens\": %d, \"meets_goal\": %s, \"figures\": [",
-      repetitions, kTransferGoalRatio, kTransferGoalMinTokens,
-      MeetsGoal() ? "true" : "false");
-  for (size_t i = 0; i < figures.size(); ++i) {
-    const TransferFigure& f = figures[i];
-    absl::StrAppendFormat(
-        &out,
-        "%s{\"layout\": %s, \"tokens\": %d, \"blocks\": %d, \"bytes\": %d, "
-        "\"grpc_gb_per_s\": %.4f, \"grpc_median_gb_per_s\": %.4f, "
-        "\"tcp_gb_per_s\": %.4f, \"tcp_median_gb_per_s\": %.4f, "
-        "\"ratio\": %.4f, \"grpc_cpu_s_per_gb\": %.4f, "
-        "\"tcp_cpu_s_per_gb\": %.4f}",
-        i ? ", " : "", JsonString(f.layout), f.tokens, f.blocks, f.bytes,
-        f.grpc_gb_per_s, f.grpc_median_gb_per_s, f.tcp_gb_per_s,
-        f.tcp_median_gb_per_s, f.ratio, f.grpc_cpu_s_per_gb,
-        f.tcp_cpu_s_per_gb);
+  json::OrderedValue out;
+  out["repetitions"] = repetitions;
+  out["statistic"] = "best";
+  out["goal_ratio"] = kTransferGoalRatio;
+  out["goal_min_tokens"] = kTransferGoalMinTokens;
+  out["meets_goal"] = MeetsGoal();
+  out["figures"] = json::OrderedValue::array();
+  for (const TransferFigure& f : figures) {
+    json::OrderedValue v;
+    v["layout"] = f.layout;
+    v["tokens"] = f.tokens;
+    v["blocks"] = f.blocks;
+    v["bytes"] = f.bytes;
+    v["grpc_gb_per_s"] = f.grpc_gb_per_s;
+    v["grpc_median_gb_per_s"] = f.grpc_median_gb_per_s;
+    v["tcp_gb_per_s"] = f.tcp_gb_per_s;
+    v["tcp_median_gb_per_s"] = f.tcp_median_gb_per_s;
+    v["ratio"] = f.ratio;
+    v["grpc_cpu_s_per_gb"] = f.grpc_cpu_s_per_gb;
+    v["tcp_cpu_s_per_gb"] = f.tcp_cpu_s_per_gb;
+    out["figures"].push_back(std::move(v));
   }
-  return out + "]}";
+  return json::Dump(out);
 }
 
 std::string TransferBenchResult::ToTable() const {
