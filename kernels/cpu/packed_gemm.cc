@@ -650,11 +650,29 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
   const float* scales = w.scales();
+  // With a single k block tiles are independent, so threads claim them in
+  // small chunks: on a shared machine a preempted thread's share is taken
+  // over instead of stalling the step. (Which thread computes a tile never
+  // changes its numbers.) With several k blocks each thread keeps its tiles.
+  const bool claim = kc >= k;
+  const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 16));
+  std::atomic<int64_t> next_claim{0};
 
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t t0 = tiles * tid / nth, t1 = tiles * (tid + 1) / nth;
+    const int64_t t0 = claim ? 0 : tiles * tid / nth;
+    const int64_t t1 = claim ? tiles : tiles * (tid + 1) / nth;
+    int64_t cursor = 0, cursor_end = 0;
+    auto next_tile = [&]() -> int64_t {
+      if (cursor < cursor_end) return cursor++;
+      if (!claim) return -1;
+      const int64_t c = next_claim.fetch_add(chunk);
+      if (c >= tiles) return -1;
+      cursor = c;
+      cursor_end = std::min(tiles, c + chunk);
+      return cursor++;
+    };
     alignas(64) float io[kAvx512Rows * kAvx512Panels * kPanel];
     // This thread's copy of x[:, k0:k1], packed per row tile (see the tiles).
     std::vector<float>& xp = PackBuffer();
@@ -685,7 +703,11 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
               dst[(q - k0) * rows + i] = x[(i0 + i) * k + q];
         }
       }
-      for (int64_t tile = t0; tile < t1; ++tile) {
+      if (!claim) {
+        cursor = t0;
+        cursor_end = t1;
+      }
+      for (int64_t tile; (tile = next_tile()) >= 0;) {
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
         const int64_t c0 = p0 * kPanel;
