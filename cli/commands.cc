@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/engine_bench.h"
+#include "bench/kv_tier_sim.h"
 #include "bench/router_sim.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
@@ -62,6 +63,16 @@ ABSL_FLAG(double, time_scale, 1.0,
           "sim route: arrival time multiplier (< 1 raises the load)");
 ABSL_FLAG(int64_t, max_requests, 0,
           "sim route: first N trace requests (0 = all)");
+ABSL_FLAG(bool, tiers, false,
+          "sim route: model the KV tier instead (pool only, pool + tier, "
+          "unbounded) on the trace");
+ABSL_FLAG(double, tier_multiple, 4, "sim route --tiers: tier size / pool size");
+ABSL_FLAG(std::string, pool_fractions, "0.0625,0.125,0.25,0.5",
+          "sim route --tiers: pool sizes as fractions of the working set");
+ABSL_FLAG(double, tier_read_gbps, 2.0,
+          "sim route --tiers: tier read rate in GB/s (1e9 B/s)");
+ABSL_FLAG(int64_t, kv_bytes_per_token, 131072,
+          "sim route --tiers: KV bytes per token (pdserve kv-budget)");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(int32_t, prefill);
@@ -201,11 +212,38 @@ int RunBenchTransfer(const std::vector<std::string>&) {
   return 0;
 }
 
+int RunSimTiers(const std::string& trace_path) {
+  bench::TierSimConfig c;
+  c.pool_fractions.clear();
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_pool_fractions),
+                                            ',', absl::SkipWhitespace())) {
+    double v;
+    if (!absl::SimpleAtod(f, &v)) {
+      return ReportError(absl::InvalidArgumentError(
+          absl::StrCat("--pool-fractions: cannot parse \"", f, "\"")));
+    }
+    c.pool_fractions.push_back(v);
+  }
+  c.tier_multiple = absl::GetFlag(FLAGS_tier_multiple);
+  c.tier_read_gbps = absl::GetFlag(FLAGS_tier_read_gbps);
+  c.kv_bytes_per_token = absl::GetFlag(FLAGS_kv_bytes_per_token);
+  c.max_requests = absl::GetFlag(FLAGS_max_requests);
+  auto trace = bench::LoadMooncakeTrace(trace_path);
+  if (!trace.ok()) return ReportError(trace.status());
+  auto report = bench::RunTierSim(c, *trace);
+  if (!report.ok()) return ReportError(report.status());
+  std::printf("%s", absl::GetFlag(FLAGS_json)
+                        ? (report->ToJson() + "\n").c_str()
+                        : report->ToTable().c_str());
+  return 0;
+}
+
 int RunSimRoute(const std::vector<std::string>&) {
   bench::SimConfig c;
   c.trace_path = absl::GetFlag(FLAGS_trace);
   if (c.trace_path.empty())
     return ReportError(absl::InvalidArgumentError("--trace FILE is required"));
+  if (absl::GetFlag(FLAGS_tiers)) return RunSimTiers(c.trace_path);
   if (!absl::GetFlag(FLAGS_prefill_sweep).empty()) {
     auto sweep =
         ParseIntList(absl::GetFlag(FLAGS_prefill_sweep), "--prefill-sweep");
@@ -423,7 +461,10 @@ const std::vector<Command>& AllCommands() {
        "          [--policy "
        "all|cache_aware,cache_threshold,least_loaded,round_robin,oracle]\n"
        "          [--cache-tokens 900000] [--time-scale 1] [--max-requests N] "
-       "[--out sim.json] [--json]\n\n"
+       "[--out sim.json] [--json]\n"
+       "sim route --trace FILE --tiers [--pool-fractions 0.0625,0.125,0.25,0.5] "
+       "[--tier-multiple 4]\n"
+       "          [--tier-read-gbps 2] [--kv-bytes-per-token 131072]\n\n"
        "A discrete-event simulation of a cluster driving pdserve's own "
        "PrefixIndex, KV event\n"
        "handling and Policy objects. Reports hit ratio, prefill imbalance, "
