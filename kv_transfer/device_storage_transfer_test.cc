@@ -20,39 +20,10 @@
 namespace pdserve::kv_transfer {
 namespace {
 
-// Host memory behind a device-memory face. Span() hands out addresses in an
-// unmapped range: dereferencing one crashes the test.
-class FakeDeviceStorage final : public engine::KvStorage {
+class FakeDeviceStorage : public testing::DeviceFacedStorage {
  public:
-  explicit FakeDeviceStorage(engine::KvPool* pool) : pool_(pool) {}
-  const engine::KvCacheSpec& spec() const override { return pool_->spec(); }
-  int64_t num_blocks() const override { return pool_->num_blocks(); }
-  engine::KvMemory memory() const override {
-    return {engine::MemoryKind::kDevice, 3};
-  }
-  engine::KvSpan Span(int32_t layer, int64_t block) override {
-    engine::KvSpan s = pool_->Span(layer, block);
-    const uintptr_t poison = uintptr_t{0xdead} << 32;  // unmapped
-    s.data = reinterpret_cast<void*>(poison + layer * 4096 + block * 64);
-    if (s.scales != nullptr)
-      s.scales = reinterpret_cast<float*>(poison + (uintptr_t{1} << 30));
-    s.memory = memory();
-    return s;
-  }
-  absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
-                          void* scales) override {
-    ++to_host;
-    return pool_->CopyToHost(layer, block, data, scales);
-  }
-  absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
-                            const void* scales) override {
-    ++from_host;
-    return pool_->CopyFromHost(layer, block, data, scales);
-  }
-  std::atomic<int> to_host{0}, from_host{0};
-
- private:
-  engine::KvPool* pool_;
+  explicit FakeDeviceStorage(engine::KvPool* pool)
+      : DeviceFacedStorage(pool, kPoisonPointers) {}
 };
 
 class DeviceStorageTransferTest : public ::testing::TestWithParam<DType> {

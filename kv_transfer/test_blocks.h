@@ -3,11 +3,14 @@
 // receiver processes agree on what must arrive.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_storage.h"
 
 namespace pdserve::kv_transfer::testing {
 
@@ -47,5 +50,52 @@ inline void FillBlock(engine::KvPool* pool, uint64_t seed, int index,
     }
   }
 }
+
+// Host memory behind a device-memory face, for CPU tests of the transports'
+// device paths. With kPoisonPointers, Span() hands out unmapped addresses, so
+// bytes can only move through CopyToHost / CopyFromHost (the grpc path);
+// with kRefuseHostCopies those fail instead, so bytes can only move through
+// the span pointers, as a communicator's device copies do (the nccl path).
+class DeviceFacedStorage : public engine::KvStorage {
+ public:
+  enum Mode { kPoisonPointers, kRefuseHostCopies };
+  DeviceFacedStorage(engine::KvPool* pool, Mode mode)
+      : pool_(pool), mode_(mode) {}
+  const engine::KvCacheSpec& spec() const override { return pool_->spec(); }
+  int64_t num_blocks() const override { return pool_->num_blocks(); }
+  engine::KvMemory memory() const override {
+    return {engine::MemoryKind::kDevice, 3};
+  }
+  engine::KvSpan Span(int32_t layer, int64_t block) override {
+    engine::KvSpan s = pool_->Span(layer, block);
+    if (mode_ == kPoisonPointers) {
+      const uintptr_t poison = uintptr_t{0xdead} << 32;  // unmapped
+      s.data = reinterpret_cast<void*>(poison + layer * 4096 + block * 64);
+      if (s.scales != nullptr)
+        s.scales = reinterpret_cast<float*>(poison + (uintptr_t{1} << 30));
+    }
+    s.memory = memory();
+    return s;
+  }
+  absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
+                          void* scales) override {
+    if (mode_ == kRefuseHostCopies)
+      return absl::InternalError("the device path must not copy to host");
+    ++to_host;
+    return pool_->CopyToHost(layer, block, data, scales);
+  }
+  absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
+                            const void* scales) override {
+    if (mode_ == kRefuseHostCopies)
+      return absl::InternalError("the device path must not copy from host");
+    ++from_host;
+    return pool_->CopyFromHost(layer, block, data, scales);
+  }
+  std::atomic<int> to_host{0}, from_host{0};
+
+ private:
+  engine::KvPool* pool_;
+  const Mode mode_;
+};
 
 }  // namespace pdserve::kv_transfer::testing

@@ -18,6 +18,7 @@
 #include "kv_transfer/nccl/nccl_receiver.h"
 #include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/nccl/test_util.h"
+#include "kv_transfer/test_blocks.h"
 
 namespace pdserve::kv_transfer::nccl {
 namespace {
@@ -758,41 +759,14 @@ TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
 }
 
 
-// Host memory that reports itself as device memory and refuses host copies:
-// a transport that moves its spans must use the communicator's device copies
-// (CopyToWire / CopyFromWire, as with KV on a GPU), never host staging.
-class DeviceFacedPool final : public engine::KvStorage {
- public:
-  explicit DeviceFacedPool(engine::KvPool* pool) : pool_(pool) {}
-  const engine::KvCacheSpec& spec() const override { return pool_->spec(); }
-  int64_t num_blocks() const override { return pool_->num_blocks(); }
-  engine::KvMemory memory() const override {
-    return {engine::MemoryKind::kDevice, 0};
-  }
-  engine::KvSpan Span(int32_t layer, int64_t block) override {
-    engine::KvSpan s = pool_->Span(layer, block);
-    s.memory = memory();
-    return s;
-  }
-  absl::Status CopyToHost(int32_t, int64_t, void*, void*) override {
-    return absl::InternalError("the device path must not copy to host");
-  }
-  absl::Status CopyFromHost(int32_t, int64_t, const void*,
-                            const void*) override {
-    return absl::InternalError("the device path must not copy from host");
-  }
-
- private:
-  engine::KvPool* pool_;
-};
-
 TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
     FakeCommunicatorFactory comms;
     FakeControlNetwork network;
     const engine::KvCacheSpec spec = Spec(dtype);
     auto decode_pool = *engine::KvPool::Create(spec, 16);
-    DeviceFacedPool decode_storage(decode_pool.get());
+    kv_transfer::testing::DeviceFacedStorage decode_storage(
+        decode_pool.get(), kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
     KvReceiver receiver(&decode_storage, KvLayout::FromSpec(spec, kModel));
     NcclReceiverConfig rc;
     rc.timeout = absl::Seconds(10);
@@ -809,7 +783,8 @@ TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
     const std::vector<int32_t> reserved = {14, 12, 10, 8, 6};
     const uint64_t id = receiver.Expect("req", reserved, 1);
     Prefill prefill(spec, id, "req", 5, 1, 77);
-    DeviceFacedPool prefill_storage(prefill.pool.get());
+    kv_transfer::testing::DeviceFacedStorage prefill_storage(
+        prefill.pool.get(), kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
     auto session = transport.Open(prefill.plan, &prefill_storage);
     ASSERT_TRUE(session.ok()) << session.status();
     for (int l = 0; l < spec.num_layers; ++l)
