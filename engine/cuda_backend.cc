@@ -370,6 +370,11 @@ absl::StatusOr<std::unique_ptr<Backend>> CudaBackend::Create(
     std::shared_ptr<const ModelWeights> weights, const BackendConfig& config) {
   RETURN_IF_ERROR(config.Validate());
   const ModelConfig& c = weights->config;
+  if (c.num_experts > 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        c.architecture, ": Mixture-of-Experts layers run on the CPU backend "
+        "only (no CUDA MoE path yet)"));
+  }
   if (config.kv.num_layers != c.num_layers ||
       config.kv.num_kv_heads != c.num_kv_heads ||
       config.kv.head_dim != c.head_dim) {

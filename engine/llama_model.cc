@@ -119,6 +119,10 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
                       proj_.data(), mode_);
     kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
                      hidden, eps, normed_.data());
+    if (!w.moe.empty()) {
+      moe_.Forward(w.moe, c, normed_.data(), total, mode_, proj_.data());
+      continue;
+    }
     kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up,
                       gate_up_.data(), mode_);
     kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "engine/kv_cache.h"
+#include "engine/moe.h"
 #include "engine/weights.h"
 #include "kernels/cpu/matmul.h"
 
@@ -51,6 +52,7 @@ class LlamaModel {
   std::shared_ptr<const ModelWeights> weights_;
   kernels::MatMulMode mode_;
   std::vector<float> inv_freq_;
+  MoeMlp moe_;  // sparse layers' MLP (Mixtral, Qwen3-MoE)
   // Scratch, grown as needed.
   std::vector<float> residual_, normed_, qkv_, q_, k_, v_, attn_, proj_,
       gate_up_, act_, rows_;

@@ -62,7 +62,31 @@ absl::Status ModelConfig::Validate() const {
     if (id < 0 || id >= vocab_size)
       return bad("eos_token_id out of vocabulary");
   }
+  if (num_experts < 0 || num_experts > 4096) {
+    return bad(absl::StrCat("num_experts must be in [0, 4096], got ",
+                            num_experts));
+  }
+  if (num_experts > 0) {
+    if (num_experts_per_tok < 1 || num_experts_per_tok > num_experts) {
+      return bad(absl::StrCat("num_experts_per_tok must be in [1, num_experts ",
+                              num_experts, "], got ", num_experts_per_tok));
+    }
+    if (moe_intermediate_size <= 0 || moe_intermediate_size > (1 << 22)) {
+      return bad("the experts' intermediate size must be in [1, 2^22]");
+    }
+    if (decoder_sparse_step < 1) {
+      return bad("decoder_sparse_step must be at least 1");
+    }
+  }
   return absl::OkStatus();
+}
+
+bool ModelConfig::IsMoeLayer(int64_t layer) const {
+  if (num_experts <= 0) return false;
+  for (int64_t l : mlp_only_layers) {
+    if (l == layer) return false;
+  }
+  return (layer + 1) % decoder_sparse_step == 0;
 }
 
 bool ModelConfig::IsEos(int64_t token) const {
@@ -94,14 +118,17 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(const std::string& text,
   if (c.architecture != "LlamaForCausalLM" &&
       c.architecture != "MistralForCausalLM" &&
       c.architecture != "Qwen2ForCausalLM" &&
-      c.architecture != "Qwen3ForCausalLM") {
+      c.architecture != "Qwen3ForCausalLM" &&
+      c.architecture != "MixtralForCausalLM" &&
+      c.architecture != "Qwen3MoeForCausalLM") {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": unsupported architecture \"", c.architecture,
                      "\" in \"architectures\" (supported: LlamaForCausalLM, "
-                     "MistralForCausalLM, "
-                     "Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+                     "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                     "MixtralForCausalLM, Qwen3MoeForCausalLM)"));
   }
-  c.qk_norm = c.architecture == "Qwen3ForCausalLM";
+  c.qk_norm = c.architecture == "Qwen3ForCausalLM" ||
+              c.architecture == "Qwen3MoeForCausalLM";
   ASSIGN_OR_RETURN(c.vocab_size, json::GetInt(root, "vocab_size", path));
   ASSIGN_OR_RETURN(c.hidden_size, json::GetInt(root, "hidden_size", path));
   ASSIGN_OR_RETURN(c.intermediate_size,
@@ -119,6 +146,38 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(const std::string& text,
                                             c.hidden_size / c.num_heads));
   ASSIGN_OR_RETURN(c.max_position_embeddings,
                    json::GetInt(root, "max_position_embeddings", path, 2048));
+  // Defaults as transformers' MixtralConfig and Qwen3MoeConfig.
+  if (c.architecture == "MixtralForCausalLM") {
+    ASSIGN_OR_RETURN(c.num_experts,
+                     json::GetInt(root, "num_local_experts", path, 8));
+    ASSIGN_OR_RETURN(c.num_experts_per_tok,
+                     json::GetInt(root, "num_experts_per_tok", path, 2));
+    c.moe_intermediate_size = c.intermediate_size;
+    c.norm_topk_prob = true;
+  } else if (c.architecture == "Qwen3MoeForCausalLM") {
+    ASSIGN_OR_RETURN(c.num_experts,
+                     json::GetInt(root, "num_experts", path, 128));
+    ASSIGN_OR_RETURN(c.num_experts_per_tok,
+                     json::GetInt(root, "num_experts_per_tok", path, 8));
+    ASSIGN_OR_RETURN(c.moe_intermediate_size,
+                     json::GetInt(root, "moe_intermediate_size", path, 768));
+    ASSIGN_OR_RETURN(c.norm_topk_prob,
+                     json::GetBool(root, "norm_topk_prob", path, false));
+    ASSIGN_OR_RETURN(c.decoder_sparse_step,
+                     json::GetInt(root, "decoder_sparse_step", path, 1));
+    if (const json::Value* only = json::Find(root, "mlp_only_layers")) {
+      if (!only->is_array()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": \"mlp_only_layers\" must be a list"));
+      }
+      for (const json::Value& v : *only) {
+        ASSIGN_OR_RETURN(
+            int64_t layer,
+            json::AsInt(v, absl::StrCat(path, ": mlp_only_layers"), 0));
+        c.mlp_only_layers.push_back(layer);
+      }
+    }
+  }
   // Sliding-window attention (Mistral v0.1) equals full attention while a
   // sequence fits in the window, so the context is capped at the window.
   // Qwen2/Qwen3 configs name a window but switch it off (use_sliding_window).
@@ -216,10 +275,13 @@ std::string ModelConfig::ToJson() const {
             {"original_max_position_embeddings",
              rope_scaling.original_max_position_embeddings}};
   }
-  const char* model_type = architecture == "Qwen2ForCausalLM"     ? "qwen2"
-                           : architecture == "Qwen3ForCausalLM"   ? "qwen3"
-                           : architecture == "MistralForCausalLM" ? "mistral"
-                                                                  : "llama";
+  const char* model_type =
+      architecture == "Qwen2ForCausalLM"      ? "qwen2"
+      : architecture == "Qwen3ForCausalLM"    ? "qwen3"
+      : architecture == "MistralForCausalLM"  ? "mistral"
+      : architecture == "MixtralForCausalLM"  ? "mixtral"
+      : architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
+                                              : "llama";
   // No EOS is written as null: -1 would read back as an out-of-vocabulary id.
   json::OrderedValue eos;
   if (eos_token_ids.size() > 1) {
@@ -227,7 +289,7 @@ std::string ModelConfig::ToJson() const {
   } else if (eos_token_id >= 0) {
     eos = eos_token_id;
   }
-  const json::OrderedValue config = {
+  json::OrderedValue config = {
       {"architectures", json::OrderedValue::array({architecture})},
       {"model_type", model_type},
       {"vocab_size", vocab_size},
@@ -246,6 +308,17 @@ std::string ModelConfig::ToJson() const {
       {"bos_token_id", bos_token_id},
       {"eos_token_id", eos},
       {"torch_dtype", "float32"}};
+  if (architecture == "MixtralForCausalLM") {
+    config["num_local_experts"] = num_experts;
+    config["num_experts_per_tok"] = num_experts_per_tok;
+  } else if (architecture == "Qwen3MoeForCausalLM") {
+    config["num_experts"] = num_experts;
+    config["num_experts_per_tok"] = num_experts_per_tok;
+    config["moe_intermediate_size"] = moe_intermediate_size;
+    config["norm_topk_prob"] = norm_topk_prob;
+    config["decoder_sparse_step"] = decoder_sparse_step;
+    config["mlp_only_layers"] = mlp_only_layers;
+  }
   return json::DumpLines(config) + "\n";
 }
 

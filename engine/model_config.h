@@ -1,5 +1,6 @@
 // Llama-family model configuration read from a Hugging Face config.json:
-// Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+// Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), and the
+// Mixture-of-Experts Mixtral and Qwen3-MoE (engine/moe.h).
 // Plain value type; thread-compatible.
 #pragma once
 
@@ -35,7 +36,20 @@ struct ModelConfig {
   // Every id that ends generation (config.json's list, plus
   // generation_config.json's when the weights are loaded).
   std::vector<int64_t> eos_token_ids;
+  // Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: every MLP dense.
+  // Mixtral: num_local_experts, every layer sparse, experts of
+  // intermediate_size, top-k always renormalised. Qwen3-MoE: num_experts,
+  // moe_intermediate_size; layer i is sparse unless it is in mlp_only_layers
+  // or (i + 1) % decoder_sparse_step != 0 (then a dense MLP of
+  // intermediate_size), as transformers' Qwen3MoeDecoderLayer decides.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t moe_intermediate_size = 0;  // per expert
+  bool norm_topk_prob = false;        // divide the chosen k by their sum
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
 
+  bool IsMoeLayer(int64_t layer) const;
   bool IsEos(int64_t token) const;
 
   // Checks internal consistency (heads divide evenly, sizes positive, ...).

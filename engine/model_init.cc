@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/json.h"
 #include "common/status_macros.h"
+#include "engine/moe.h"
 #include "engine/safetensors.h"
 #include "engine/tokenizer.h"
 
@@ -65,6 +66,10 @@ struct PresetShape {
   int64_t vocab = 0;  // 0: the byte vocabulary
   // Written in this dtype unless --dtype says otherwise.
   DType default_dtype = DType::kF32;
+  // Mixture of experts (0: dense); moe_intermediate 0: `intermediate`.
+  int64_t experts = 0, experts_per_tok = 0, moe_intermediate = 0;
+  bool norm_topk_prob = false;
+  int64_t dense_layer = -1;  // Qwen3-MoE mlp_only_layers = [dense_layer]
 };
 
 constexpr PresetShape kPresets[] = {
@@ -90,6 +95,41 @@ constexpr PresetShape kPresets[] = {
     // real 128256-entry vocabulary): for benchmarks and accuracy figures.
     {"llama3.2-1b", "LlamaForCausalLM", 2048, 8192, 16, 32, 8, 64, 131072,
      5e5, 1e-5, false, false, true, false, 128256, DType::kBF16},
+    // Mixtral 8x7B: 8 experts of intermediate_size, softmax top-2
+    // renormalised, GQA 4:1, rope_theta 1e6, untied.
+    {.name = "mixtral",
+     .architecture = "MixtralForCausalLM",
+     .hidden = 64,
+     .intermediate = 96,
+     .layers = 2,
+     .heads = 8,
+     .kv_heads = 2,
+     .head_dim = 8,
+     .max_position = 4096,
+     .rope_theta = 1e6,
+     .rms_norm_eps = 1e-5,
+     .experts = 8,
+     .experts_per_tok = 2},
+    // Qwen3-MoE (30B-A3B's shape): Qwen3 attention (q/k norm), 8 experts of
+    // moe_intermediate_size, top-3 with norm_topk_prob; the middle layer is
+    // dense (mlp_only_layers) with the larger intermediate_size.
+    {.name = "qwen3-moe",
+     .architecture = "Qwen3MoeForCausalLM",
+     .hidden = 64,
+     .intermediate = 192,
+     .layers = 3,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 32,
+     .max_position = 4096,
+     .rope_theta = 1e6,
+     .rms_norm_eps = 1e-6,
+     .qk_norm = true,
+     .experts = 8,
+     .experts_per_tok = 3,
+     .moe_intermediate = 48,
+     .norm_topk_prob = true,
+     .dense_layer = 1},
 };
 
 }  // namespace
@@ -114,6 +154,15 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.attention_bias = p.qkv_bias;
     c.qk_norm = p.qk_norm;
     c.tie_word_embeddings = p.tied;
+    if (p.experts > 0) {
+      c.num_experts = p.experts;
+      c.num_experts_per_tok = p.experts_per_tok;
+      c.moe_intermediate_size =
+          p.moe_intermediate > 0 ? p.moe_intermediate : p.intermediate;
+      c.norm_topk_prob =
+          p.norm_topk_prob || c.architecture == "MixtralForCausalLM";
+      if (p.dense_layer >= 0) c.mlp_only_layers = {p.dense_layer};
+    }
     if (p.llama3_rope) {
       c.rope_scaling.factor = 8.0;
       c.rope_scaling.low_freq_factor = 1.0;
@@ -176,6 +225,22 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
     add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
         1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
     add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
+    if (c.IsMoeLayer(i)) {
+      const int64_t inter = c.moe_intermediate_size;
+      // A wider router spread than in_h, so that the top-k choices are
+      // decisive rather than near-ties.
+      add(MoeRouterTensor(c, i) + ".weight", {c.num_experts, h}, 2.0f * in_h,
+          0.0f);
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        add(MoeExpertTensor(c, i, e, ExpertProj::kGate) + ".weight",
+            {inter, h}, in_h, 0.0f);
+        add(MoeExpertTensor(c, i, e, ExpertProj::kUp) + ".weight", {inter, h},
+            in_h, 0.0f);
+        add(MoeExpertTensor(c, i, e, ExpertProj::kDown) + ".weight",
+            {h, inter}, 1.0f / std::sqrt(static_cast<float>(inter)), 0.0f);
+      }
+      continue;
+    }
     add(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, in_h, 0.0f);
     add(p + "mlp.up_proj.weight", {c.intermediate_size, h}, in_h, 0.0f);
     add(p + "mlp.down_proj.weight", {h, c.intermediate_size},

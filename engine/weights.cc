@@ -148,7 +148,8 @@ int64_t ModelWeights::ParameterBytes() const {
   int64_t n = output_matrix().bytes();
   int64_t floats = static_cast<int64_t>(norm.size());
   for (const auto& l : layers) {
-    n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes();
+    n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() +
+         l.down.bytes() + l.moe.bytes();
     floats += l.input_norm.size() + l.qkv_bias.size() + l.q_norm.size() +
               l.k_norm.size() + l.post_norm.size();
   }
@@ -253,6 +254,24 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
     l.o_proj = pack(h, q_rows);
     RETURN_IF_ERROR(
         src.Append(p + "post_attention_layernorm.weight", {h}, &l.post_norm));
+    if (c.IsMoeLayer(i)) {
+      const int64_t inter = c.moe_intermediate_size;
+      RETURN_IF_ERROR(src.Append(MoeRouterTensor(c, i) + ".weight",
+                                 {c.num_experts, h}, &tmp));
+      l.moe.router = pack(c.num_experts, h);
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        auto name = [&](ExpertProj proj) {
+          return MoeExpertTensor(c, i, e, proj) + ".weight";
+        };
+        RETURN_IF_ERROR(src.Append(name(ExpertProj::kGate), {inter, h}, &tmp));
+        RETURN_IF_ERROR(src.Append(name(ExpertProj::kUp), {inter, h}, &tmp));
+        l.moe.gate_up.push_back(pack(2 * inter, h));
+        RETURN_IF_ERROR(src.Append(name(ExpertProj::kDown), {h, inter}, &tmp));
+        l.moe.down.push_back(pack(h, inter));
+      }
+      w.layers.push_back(std::move(l));
+      continue;
+    }
     RETURN_IF_ERROR(src.Append(p + "mlp.gate_proj.weight",
                                {c.intermediate_size, h}, &tmp));
     RETURN_IF_ERROR(src.Append(p + "mlp.up_proj.weight",

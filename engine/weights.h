@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "engine/model_config.h"
+#include "engine/moe.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
 
@@ -39,6 +40,9 @@ struct LayerWeights {
   std::vector<float> post_norm;  // [hidden]
   kernels::WeightMatrix gate_up;  // [2 * intermediate, hidden]
   kernels::WeightMatrix down;     // [hidden, intermediate]
+  // Sparse layers (ModelConfig::IsMoeLayer): router and experts, and the
+  // dense gate_up/down above stay empty.
+  MoeWeights moe;
 };
 
 // 128-bit identity of the weights, used in the prefix-cache block hash.
