@@ -13,7 +13,9 @@ and prints the logits as JSON, in the same shape as `pdserve model logits`:
 
 Covered: Llama / Llama-3.x (incl. "llama3" rope_scaling), Mistral-style GQA,
 Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE), tied
-embeddings, explicit head_dim; weights stored as
+embeddings, explicit head_dim, and the Mixture-of-Experts Mixtral (softmax
+top-k renormalised) and Qwen3-MoE (norm_topk_prob, decoder_sparse_step,
+mlp_only_layers); weights stored as
 F32 / F16 / BF16 (F64 also accepted). All arithmetic is done in float64.
 No dependency on `safetensors` or `transformers`: the file format is parsed here.
 
@@ -221,6 +223,20 @@ class LlamaConfig:
     o_bias: bool        # o_proj has a bias (Llama attention_bias=true)
     qk_norm: bool       # RMSNorm of each q/k head before RoPE (Qwen3)
     max_position_embeddings: Optional[int]
+    # Mixture of experts: "mixtral" | "qwen3_moe" | None (dense).
+    moe: Optional[str] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    def is_moe_layer(self, i: int) -> bool:
+        # transformers' Qwen3MoeDecoderLayer; Mixtral: every layer.
+        return (self.moe is not None and self.num_experts > 0
+                and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
 
 def load_config(model_dir: str) -> LlamaConfig:
@@ -234,7 +250,11 @@ def load_config(model_dir: str) -> LlamaConfig:
         raise RefError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise RefError(f"{path}: invalid JSON: {e}") from None
+    return load_config_dict(c, path)
 
+
+def load_config_dict(c: dict, path: str = "config.json") -> LlamaConfig:
+    """A parsed config.json; `path` names it in errors."""
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "vocab_size"):
         if key not in c:
@@ -258,8 +278,28 @@ def load_config(model_dir: str) -> LlamaConfig:
 
     archs = c.get("architectures") or []
     is_qwen2 = "Qwen2ForCausalLM" in archs or c.get("model_type") == "qwen2"
-    is_qwen3 = "Qwen3ForCausalLM" in archs or c.get("model_type") == "qwen3"
+    is_mixtral = "MixtralForCausalLM" in archs or c.get("model_type") == "mixtral"
+    is_qwen3_moe = "Qwen3MoeForCausalLM" in archs or c.get("model_type") == "qwen3_moe"
+    is_qwen3 = (is_qwen3_moe or "Qwen3ForCausalLM" in archs
+                or c.get("model_type") == "qwen3")
     attention_bias = bool(c.get("attention_bias", False))
+    moe = {}
+    if is_mixtral:  # defaults as transformers' MixtralConfig
+        moe = dict(moe="mixtral",
+                   num_experts=int(c.get("num_local_experts", 8)),
+                   num_experts_per_tok=int(c.get("num_experts_per_tok", 2)),
+                   moe_intermediate_size=int(c["intermediate_size"]),
+                   norm_topk_prob=True)
+    elif is_qwen3_moe:  # defaults as transformers' Qwen3MoeConfig
+        moe = dict(moe="qwen3_moe",
+                   num_experts=int(c.get("num_experts", 128)),
+                   num_experts_per_tok=int(c.get("num_experts_per_tok", 8)),
+                   moe_intermediate_size=int(c.get("moe_intermediate_size", 768)),
+                   norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(c.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=tuple(int(l) for l in (c.get("mlp_only_layers") or [])))
+    if moe and not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
+        raise RefError(f"{path}: num_experts_per_tok must be in [1, num_experts]")
 
     return LlamaConfig(
         hidden_size=hidden,
@@ -278,6 +318,7 @@ def load_config(model_dir: str) -> LlamaConfig:
         o_bias=attention_bias and not is_qwen2 and not is_qwen3,
         qk_norm=is_qwen3,
         max_position_embeddings=c.get("max_position_embeddings"),
+        **moe,
     )
 
 
@@ -368,6 +409,38 @@ def mlp(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torch.Te
     return (torch.nn.functional.silu(gate) * up) @ ckpt.get(p + "down_proj.weight", [E, F]).T
 
 
+def swiglu(ckpt: Checkpoint, x: torch.Tensor, gate: str, up: str, down: str,
+           E: int, F: int) -> torch.Tensor:
+    g = x @ ckpt.get(gate + ".weight", [F, E]).T
+    u = x @ ckpt.get(up + ".weight", [F, E]).T
+    return (torch.nn.functional.silu(g) * u) @ ckpt.get(down + ".weight", [E, F]).T
+
+
+def moe_mlp(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torch.Tensor:
+    """Sparse MoE block: softmax router over all experts, top-k (ties to the
+    lower expert id), optionally renormalised over the chosen, and the chosen
+    experts' SwiGLU outputs summed with those weights. Every expert is run on
+    every token here (simple, not fast); only the chosen ones are summed."""
+    E, F, N, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    if cfg.moe == "mixtral":
+        p = f"model.layers.{i}.block_sparse_moe."
+        names = lambda e: (f"{p}experts.{e}.w1", f"{p}experts.{e}.w3", f"{p}experts.{e}.w2")
+    else:
+        p = f"model.layers.{i}.mlp."
+        names = lambda e: tuple(f"{p}experts.{e}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+    probs = torch.softmax(x @ ckpt.get(p + "gate.weight", [N, E]).T, dim=-1)  # [T, N]
+    top_p, top_e = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top_p, top_e = top_p[:, :K], top_e[:, :K]
+    if cfg.norm_topk_prob:
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(N):
+        weight = (top_p * (top_e == e)).sum(dim=-1, keepdim=True)  # [T, 1], 0 if not chosen
+        if bool((top_e == e).any()):
+            out = out + weight * swiglu(ckpt, x, *names(e), E, F)
+    return out
+
+
 def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tensor:
     """Logits for every position: float64 tensor [T, vocab_size]."""
     if not tokens:
@@ -391,7 +464,7 @@ def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tens
         h = rms_norm(x, ckpt.get(p + "input_layernorm.weight", [E]), cfg.rms_norm_eps)
         x = x + attention(cfg, ckpt, i, h, cos, sin)
         h = rms_norm(x, ckpt.get(p + "post_attention_layernorm.weight", [E]), cfg.rms_norm_eps)
-        x = x + mlp(cfg, ckpt, i, h)
+        x = x + (moe_mlp(cfg, ckpt, i, h) if cfg.is_moe_layer(i) else mlp(cfg, ckpt, i, h))
 
     x = rms_norm(x, ckpt.get("model.norm.weight", [E]), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
