@@ -73,9 +73,21 @@ def write_safetensors(path: str, tensors: dict, metadata: dict = None):
 def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_heads=None,
                head_dim=None, vocab=64, dtype="F32", shards=1, qkv_bias=False, tied=False,
                rope_llama3=False, rope_theta=10000.0, eps=1e-5, seed=0, qk_norm=False,
-               mistral=False):
-    """Write a random model to out_dir; return (config dict, {name: float64 array as stored})."""
+               mistral=False, moe=None, experts=4, top_k=2, moe_intermediate=16,
+               norm_topk_prob=True, sparse_step=1, mlp_only=()):
+    """Write a random model to out_dir; return (config dict, {name: float64 array as stored}).
+
+    moe: "mixtral" (every layer sparse, experts of `intermediate`) or "qwen3_moe"
+    (q/k norm; experts of `moe_intermediate`; layer i sparse unless in
+    `mlp_only` or (i + 1) % sparse_step != 0, as transformers decides)."""
     kv_heads = kv_heads or heads
+    if moe == "qwen3_moe":
+        qk_norm = True
+    if moe == "mixtral":
+        moe_intermediate = intermediate
+
+    def sparse(i):
+        return moe is not None and i not in mlp_only and (i + 1) % sparse_step == 0
     d = head_dim or hidden // heads
     rng = np.random.default_rng(seed)
 
@@ -101,6 +113,17 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
             w[p + "self_attn.k_norm.weight"] = 1.0 + 0.3 * rng.standard_normal(d)
         w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * d)
         w[p + "post_attention_layernorm.weight"] = norm_weight()
+        if sparse(i):
+            moe_p = p + ("block_sparse_moe." if moe == "mixtral" else "mlp.")
+            # A wide router spread keeps the top-k choices clear of near-ties.
+            w[moe_p + "gate.weight"] = 2.0 * linear(experts, hidden)
+            names = ("w1", "w3", "w2") if moe == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            for e in range(experts):
+                ep = f"{moe_p}experts.{e}."
+                w[ep + names[0] + ".weight"] = linear(moe_intermediate, hidden)
+                w[ep + names[1] + ".weight"] = linear(moe_intermediate, hidden)
+                w[ep + names[2] + ".weight"] = linear(hidden, moe_intermediate)
+            continue
         w[p + "mlp.gate_proj.weight"] = linear(intermediate, hidden)
         w[p + "mlp.up_proj.weight"] = linear(intermediate, hidden)
         w[p + "mlp.down_proj.weight"] = linear(hidden, intermediate)
@@ -117,6 +140,12 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
     elif mistral:
         arch, model_type = "MistralForCausalLM", "mistral"
+    if moe == "mixtral":
+        arch, model_type = "MixtralForCausalLM", "mixtral"
+    elif moe == "qwen3_moe":
+        arch, model_type = "Qwen3MoeForCausalLM", "qwen3_moe"
+    elif moe is not None:
+        raise ValueError(f"unknown --moe family {moe}")
     config = {
         "architectures": [arch],
         "model_type": model_type,
@@ -142,6 +171,12 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
         config["sliding_window"] = None
     if mistral:
         config["sliding_window"] = 4096
+    if moe == "mixtral":
+        config.update(num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None)
+    elif moe == "qwen3_moe":
+        config.update(num_experts=experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=moe_intermediate, norm_topk_prob=norm_topk_prob,
+                      decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only))
     if rope_llama3:
         # With head_dim 8..16 and theta 1e4 the wavelengths span ~6..2e4, so an
         # original context of 64 with factors 1/4 puts frequencies in all three bands.
@@ -196,12 +231,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe", choices=["mixtral", "qwen3_moe"], default=None,
+                    help="Mixture-of-Experts family (MixtralForCausalLM, Qwen3MoeForCausalLM)")
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--moe-intermediate", type=int, default=16)
+    ap.add_argument("--no-norm-topk-prob", action="store_true", help="Qwen3-MoE norm_topk_prob false")
+    ap.add_argument("--sparse-step", type=int, default=1, help="Qwen3-MoE decoder_sparse_step")
+    ap.add_argument("--mlp-only", type=int, nargs="*", default=[], help="Qwen3-MoE mlp_only_layers")
     a = ap.parse_args(argv)
     make_model(a.out_dir, hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
                heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, vocab=a.vocab,
                dtype=a.dtype, shards=a.sharded, qkv_bias=a.qkv_bias, tied=a.tied,
                rope_llama3=a.rope_llama3, rope_theta=a.rope_theta, eps=a.eps, seed=a.seed,
-               qk_norm=a.qk_norm, mistral=a.mistral)
+               qk_norm=a.qk_norm, mistral=a.mistral, moe=a.moe, experts=a.experts,
+               top_k=a.top_k, moe_intermediate=a.moe_intermediate,
+               norm_topk_prob=not a.no_norm_topk_prob, sparse_step=a.sparse_step,
+               mlp_only=tuple(a.mlp_only))
     print(f"wrote test model to {a.out_dir}")
     return 0
 
