@@ -63,8 +63,8 @@ absl::Status ModelConfig::Validate() const {
       return bad("eos_token_id out of vocabulary");
   }
   if (num_experts < 0 || num_experts > 4096) {
-    return bad(absl::StrCat("num_experts must be in [0, 4096], got ",
-                            num_experts));
+    return bad(
+        absl::StrCat("num_experts must be in [0, 4096], got ", num_experts));
   }
   if (num_experts > 0) {
     if (num_experts_per_tok < 1 || num_experts_per_tok > num_experts) {
@@ -275,13 +275,12 @@ std::string ModelConfig::ToJson() const {
             {"original_max_position_embeddings",
              rope_scaling.original_max_position_embeddings}};
   }
-  const char* model_type =
-      architecture == "Qwen2ForCausalLM"      ? "qwen2"
-      : architecture == "Qwen3ForCausalLM"    ? "qwen3"
-      : architecture == "MistralForCausalLM"  ? "mistral"
-      : architecture == "MixtralForCausalLM"  ? "mixtral"
-      : architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
-                                              : "llama";
+  const char* model_type = architecture == "Qwen2ForCausalLM"      ? "qwen2"
+                           : architecture == "Qwen3ForCausalLM"    ? "qwen3"
+                           : architecture == "MistralForCausalLM"  ? "mistral"
+                           : architecture == "MixtralForCausalLM"  ? "mixtral"
+                           : architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
+                                                                   : "llama";
   // No EOS is written as null: -1 would read back as an out-of-vocabulary id.
   json::OrderedValue eos;
   if (eos_token_ids.size() > 1) {

@@ -232,12 +232,12 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
       add(MoeRouterTensor(c, i) + ".weight", {c.num_experts, h}, 2.0f * in_h,
           0.0f);
       for (int64_t e = 0; e < c.num_experts; ++e) {
-        add(MoeExpertTensor(c, i, e, ExpertProj::kGate) + ".weight",
-            {inter, h}, in_h, 0.0f);
+        add(MoeExpertTensor(c, i, e, ExpertProj::kGate) + ".weight", {inter, h},
+            in_h, 0.0f);
         add(MoeExpertTensor(c, i, e, ExpertProj::kUp) + ".weight", {inter, h},
             in_h, 0.0f);
-        add(MoeExpertTensor(c, i, e, ExpertProj::kDown) + ".weight",
-            {h, inter}, 1.0f / std::sqrt(static_cast<float>(inter)), 0.0f);
+        add(MoeExpertTensor(c, i, e, ExpertProj::kDown) + ".weight", {h, inter},
+            1.0f / std::sqrt(static_cast<float>(inter)), 0.0f);
       }
       continue;
     }

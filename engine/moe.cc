@@ -27,8 +27,8 @@ std::string MoeRouterTensor(const ModelConfig& c, int64_t layer) {
                       IsMixtral(c) ? ".block_sparse_moe.gate" : ".mlp.gate");
 }
 
-std::string MoeExpertTensor(const ModelConfig& c, int64_t layer,
-                            int64_t expert, ExpertProj proj) {
+std::string MoeExpertTensor(const ModelConfig& c, int64_t layer, int64_t expert,
+                            ExpertProj proj) {
   if (IsMixtral(c)) {
     // Mixtral's expert: w2(silu(w1 x) * w3 x).
     const char* name = proj == ExpertProj::kGate ? "w1"

@@ -38,8 +38,8 @@ struct MoeWeights {
 // down_proj". Each without the ".weight" suffix.
 enum class ExpertProj { kGate, kUp, kDown };
 std::string MoeRouterTensor(const ModelConfig& c, int64_t layer);
-std::string MoeExpertTensor(const ModelConfig& c, int64_t layer,
-                            int64_t expert, ExpertProj proj);
+std::string MoeExpertTensor(const ModelConfig& c, int64_t layer, int64_t expert,
+                            ExpertProj proj);
 
 // Top-k routing of m tokens. router_logits: [m, num_experts]. Softmax over
 // all experts (max-subtracted, summed in expert order), then the k largest

@@ -162,7 +162,8 @@ TEST_P(MoeMlpTest, OutputIsBatchInvariantAndMatchesPerTokenMath) {
     double z = 0;
     for (int64_t e = 0; e < c.num_experts; ++e) {
       double s = 0;
-      for (int64_t i = 0; i < h; ++i) s += double{x[t * h + i]} * router[e * h + i];
+      for (int64_t i = 0; i < h; ++i)
+        s += double{x[t * h + i]} * router[e * h + i];
       p[e] = s;
     }
     const double mx = *std::max_element(p.begin(), p.end());
