@@ -32,7 +32,7 @@ engine::ModelFingerprint ParseFingerprint(const std::string& hex) {
 
 absl::Status RegistryConfig::Validate() const {
   if (heartbeat <= absl::ZeroDuration() ||
-      status_timeout <= absl::ZeroDuration() ||
+      status_timeout <= absl::ZeroDuration() || max_missed_polls < 1 ||
       forget_registered_after <= absl::ZeroDuration() ||
       event_stream_idle_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError(
@@ -57,6 +57,8 @@ struct WorkerRegistry::Entry {
   // the failure (a stalled or overloaded worker), and incremental events on
   // top of a cleared index would leave it short until the next resync.
   uint64_t index_clears = 0;
+  // Consecutive polls that ran past their deadline (see max_missed_polls).
+  int missed_polls = 0;
 
   // The status poll in flight, if any (shared so that Stop can cancel it
   // without holding mu_ while its completion runs).
@@ -328,6 +330,14 @@ void WorkerRegistry::OnStatus(Entry* entry, StatusPoll* poll,
     WorkerView& v = entry->view;
     if (!entry->retired && !stop_) {
       const bool was_up = v.up;
+      const bool late = st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      entry->missed_polls = late ? entry->missed_polls + 1 : 0;
+      if (was_up && late && entry->missed_polls < config_.max_missed_polls) {
+        // Late, not gone: keep it up (and its index) until it misses more.
+        done = std::move(entry->poll);
+        --polls_in_flight_;
+        return;
+      }
       v.up = st.ok();
       if (st.ok()) {
         v.status = poll->status;

@@ -46,8 +46,12 @@ struct RegistryConfig {
   // "host:port" or "dns:name:port" entries per role.
   std::vector<std::string> prefill, decode, both;
   absl::Duration heartbeat = absl::Milliseconds(500);  // between status polls
-  // Deadline of one status poll; a worker that misses it is marked down.
+  // Deadline of one status poll.
   absl::Duration status_timeout = absl::Seconds(1);
+  // Consecutive polls a worker may miss by the deadline before it is marked
+  // down: a worker busy with long steps on a loaded machine answers late, not
+  // never. Any other failure (refused connection, error) marks it down at once.
+  int max_missed_polls = 3;
   // A registered worker down this long (no answered poll, no re-registration)
   // is forgotten. Workers re-register every few seconds.
   absl::Duration forget_registered_after = absl::Minutes(1);

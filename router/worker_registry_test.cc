@@ -258,5 +258,61 @@ TEST(WorkerRegistryTest, ReopensAnEventStreamThatStaysSilent) {
   worker.release.Notify();
 }
 
+// A worker busy with long engine steps on a loaded machine answers its
+// status polls late: found by the slow soak, the router marked such workers
+// down (and cleared their index entries) on a single late poll.
+class LateWorker final : public v1::Worker::Service {
+ public:
+  std::atomic<int> late_from{1000000}, late_until{0}, calls{0};
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    const int n = calls++;
+    if (n >= late_from && n < late_until) {
+      // Past the caller's deadline, then answer anyway.
+      const absl::Time until = absl::Now() + absl::Milliseconds(300);
+      while (absl::Now() < until && !ctx->IsCancelled())
+        absl::SleepFor(absl::Milliseconds(5));
+    }
+    status->set_id("late");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    return grpc::Status::OK;
+  }
+};
+
+TEST(WorkerRegistryTest, AFewLatePollsDoNotMarkAWorkerDownButManyDo) {
+  for (const int late : {2, 6}) {
+    LateWorker worker;
+    worker.late_from = 3;
+    worker.late_until = 3 + late;
+    TestServer server(&worker);
+    PrefixIndex index;
+    RegistryConfig config;
+    config.decode = {server.address()};
+    config.heartbeat = absl::Milliseconds(10);
+    config.status_timeout = absl::Milliseconds(50);
+    config.max_missed_polls = 3;
+    WorkerRegistry registry(config, &index);
+    registry.Start();
+    ASSERT_TRUE(WaitFor([&] { return worker.calls >= 3; }));
+    bool went_down = false;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          if (registry.UpWorkers().empty()) went_down = true;
+          return worker.calls >= 3 + late + 2;
+        },
+        400));
+    EXPECT_EQ(went_down, late >= 3) << late << " late polls in a row";
+    // Once it answers in time again it is (or stays) up.
+    EXPECT_TRUE(WaitFor([&] { return registry.UpWorkers().size() == 1; }));
+    registry.Stop();
+  }
+}
+
+TEST(WorkerRegistryTest, MaxMissedPollsMustBePositive) {
+  RegistryConfig config;
+  config.max_missed_polls = 0;
+  EXPECT_FALSE(config.Validate().ok());
+}
+
 }  // namespace
 }  // namespace pdserve::router
