@@ -98,8 +98,8 @@ absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
   auto ref_w =
       std::make_shared<const engine::ModelWeights>(std::move(ref_loaded));
   const int64_t vocab = ref_w->config.vocab_size;
-  const int32_t n = static_cast<int32_t>(std::min<int64_t>(
-      positions, ref_w->config.max_position_embeddings));
+  const int32_t n = static_cast<int32_t>(
+      std::min<int64_t>(positions, ref_w->config.max_position_embeddings));
   std::vector<int32_t> tokens(n);
   for (int32_t i = 0; i < n; ++i)
     tokens[i] = static_cast<int32_t>((uint64_t{2654435761u} * i + 12345) %
@@ -215,10 +215,10 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     std::ifstream in("/proc/loadavg");
     in >> result.load_average_1m;
   }
-  ASSIGN_OR_RETURN(engine::ModelWeights loaded,
-                   engine::ModelWeights::Load(config.model_dir,
-                                              config.engine.weight_dtype,
-                                              config.engine.matmul));
+  ASSIGN_OR_RETURN(
+      engine::ModelWeights loaded,
+      engine::ModelWeights::Load(config.model_dir, config.engine.weight_dtype,
+                                 config.engine.matmul));
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const engine::ModelConfig& mc = weights->config;
@@ -234,10 +234,10 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   result.threads = kernels::KernelThreads();
   result.weight_bytes = weights->ParameterBytes();
   result.llc_bytes = LastLevelCacheBytes();
-  result.stream_bytes = config.stream_bytes > 0
-                            ? config.stream_bytes
-                            : std::max<int64_t>(4 * result.llc_bytes,
-                                                int64_t{1} << 30);
+  result.stream_bytes =
+      config.stream_bytes > 0
+          ? config.stream_bytes
+          : std::max<int64_t>(4 * result.llc_bytes, int64_t{1} << 30);
   std::fprintf(stderr, "[bench] STREAM triad over %lld MiB (LLC %lld MiB)...\n",
                static_cast<long long>(result.stream_bytes >> 20),
                static_cast<long long>(result.llc_bytes >> 20));
@@ -246,10 +246,9 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   // (--matmul bf16dot: the VDPBF16PS peak.)
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
   auto measure_peak = [&](double seconds) {
-    return bf16dot
-               ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
-               : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
-                                               seconds);
+    return bf16dot ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
+                   : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
+                                                   seconds);
   };
   result.fma_peak_gflops = measure_peak(0.3);
   std::fprintf(stderr, "[bench] %s FMA peak %.1f GFLOP/s on %d threads\n",
@@ -355,9 +354,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                        batch * avg_ctx * bytes_per_token;
     f.roofline_ratio = f.bytes_per_step / (secs / config.decode_steps) /
                        (result.decode_stream_gb_per_s * 1e9);
-    f.flops_per_step =
-        batch * (LayerMatrixFlops(mc) + OutputFlops(mc) +
-                 AttentionFlops(mc, avg_ctx + 1));
+    f.flops_per_step = batch * (LayerMatrixFlops(mc) + OutputFlops(mc) +
+                                AttentionFlops(mc, avg_ctx + 1));
     f.gflops = f.flops_per_step / (secs / config.decode_steps) / 1e9;
     f.fma_peak_fraction = result.decode_fma_peak_gflops > 0
                               ? f.gflops / result.decode_fma_peak_gflops
@@ -374,9 +372,9 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   }
   if (config.accuracy_positions > 0) {
     weights.reset();
-    ASSIGN_OR_RETURN(result.accuracy,
-                     MeasureAccuracy(config.model_dir,
-                                     config.accuracy_positions));
+    ASSIGN_OR_RETURN(
+        result.accuracy,
+        MeasureAccuracy(config.model_dir, config.accuracy_positions));
   }
   return result;
 }
@@ -430,22 +428,21 @@ std::string EngineBenchResult::ToTable() const {
       "STREAM triad           : %8.2f GB/s over %lld MiB (LLC %lld MiB)\n"
       "FMA peak               : %8.1f GFLOP/s\n"
       "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n"
-      "decode rounds          : triad %.2f GB/s, FMA peak %.1f GFLOP/s (means)\n\n"
+      "decode rounds          : triad %.2f GB/s, FMA peak %.1f GFLOP/s "
+      "(means)\n\n"
       "%6s %10s %10s %10s %9s %9s %9s %8s\n",
       weight_dtype, weight_bytes / 1e6, gemm_path, threads, cpu_features,
       load_average_1m, stream_gb_per_s,
       static_cast<long long>(stream_bytes >> 20),
       static_cast<long long>(llc_bytes >> 20), fma_peak_gflops, prefill_tokens,
       prefill_tokens_per_s, prefill_gflops, prefill_fma_peak_fraction,
-      decode_stream_gb_per_s, decode_fma_peak_gflops, "batch",
-      "tokens/s", "step ms", "GB/s", "roofline", "GFLOP/s", "of peak",
-      "x b=1");
+      decode_stream_gb_per_s, decode_fma_peak_gflops, "batch", "tokens/s",
+      "step ms", "GB/s", "roofline", "GFLOP/s", "of peak", "x b=1");
   for (const auto& d : decode) {
-    absl::StrAppendFormat(&out, "%6d %10.2f %10.2f %10.2f %9.2f %9.1f %9.2f %8.2f\n",
-                          d.batch, d.tokens_per_s, d.step_ms,
-                          d.bytes_per_step / (d.step_ms / 1e3) / 1e9,
-                          d.roofline_ratio, d.gflops, d.fma_peak_fraction,
-                          d.speedup_vs_batch1);
+    absl::StrAppendFormat(
+        &out, "%6d %10.2f %10.2f %10.2f %9.2f %9.1f %9.2f %8.2f\n", d.batch,
+        d.tokens_per_s, d.step_ms, d.bytes_per_step / (d.step_ms / 1e3) / 1e9,
+        d.roofline_ratio, d.gflops, d.fma_peak_fraction, d.speedup_vs_batch1);
   }
   if (!accuracy.empty()) {
     absl::StrAppendFormat(&out, "\n%6s %10s %14s %14s %8s\n", "dtype",

@@ -61,15 +61,15 @@ struct EngineBenchResult {
   std::string gemm_path;     // portable | avx2 | avx512
   std::string cpu_features;
   int threads = 0;
-  int64_t llc_bytes = 0;         // from sysfs (0 if unknown)
-  int64_t stream_bytes = 0;      // triad working set used
+  int64_t llc_bytes = 0;     // from sysfs (0 if unknown)
+  int64_t stream_bytes = 0;  // triad working set used
   double stream_gb_per_s = 0;
-  double fma_peak_gflops = 0;    // of gemm_path, all threads, around prefill
+  double fma_peak_gflops = 0;  // of gemm_path, all threads, around prefill
   // Means of the measurements taken in each decode round (what the decode
   // roofline ratios and peak fractions divide by).
   double decode_stream_gb_per_s = 0;
   double decode_fma_peak_gflops = 0;
-  double load_average_1m = 0;    // /proc/loadavg at the start
+  double load_average_1m = 0;  // /proc/loadavg at the start
   int32_t prefill_tokens = 0;
   double prefill_tokens_per_s = 0;
   double prefill_gflops = 0;
@@ -87,8 +87,8 @@ double MeasureTriadBandwidth(int64_t bytes, int passes = 6);
 
 // Size of the last-level (highest index level) CPU cache from
 // /sys/devices/system/cpu/cpu0/cache/index*/{level,size}; 0 if unreadable.
-int64_t LastLevelCacheBytes(const std::string& sysfs_cpu0_cache =
-                                "/sys/devices/system/cpu/cpu0/cache");
+int64_t LastLevelCacheBytes(
+    const std::string& sysfs_cpu0_cache = "/sys/devices/system/cpu/cpu0/cache");
 
 absl::StatusOr<EngineBenchResult> RunEngineBench(
     const EngineBenchConfig& config);

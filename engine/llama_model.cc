@@ -88,8 +88,7 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
       kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
                        total, hidden, eps, normed_.data());
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv,
-                      qkv_.data(), mode_);
+    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv, qkv_.data(), mode_);
     for (int64_t r = 0; r < total; ++r) {
       float* src = &qkv_[r * qkv_dim];
       if (!w.qkv_bias.empty()) {
@@ -115,19 +114,18 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
     if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
     kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
                             attn_seqs, layer, scale, attn_.data());
-    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj,
-                      proj_.data(), mode_);
+    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj, proj_.data(),
+                      mode_);
     kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
                      hidden, eps, normed_.data());
     if (!w.moe.empty()) {
       moe_.Forward(w.moe, c, normed_.data(), total, mode_, proj_.data());
       continue;
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up,
-                      gate_up_.data(), mode_);
+    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up, gate_up_.data(),
+                      mode_);
     kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
-    kernels::MatMulNT(act_.data(), total, inter, w.down,
-                      proj_.data(), mode_);
+    kernels::MatMulNT(act_.data(), total, inter, w.down, proj_.data(), mode_);
   }
   kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total,
                    hidden, eps, normed_.data());

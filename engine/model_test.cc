@@ -7,7 +7,6 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
-
 #include "engine/llama_model.h"
 #include "engine/test_util.h"
 
@@ -133,12 +132,11 @@ TEST_P(ModelDtypeTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
 // largest logit over every position of a prompt.
 TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
   auto fp32 = LoadTiny(WeightDtype::kF32);
-  EXPECT_EQ(weights_->dtype,
-            Dtype() == WeightDtype::kAuto   ? DType::kF32
-            : Dtype() == WeightDtype::kBF16 ? DType::kBF16
-            : Dtype() == WeightDtype::kF16  ? DType::kF16
-            : Dtype() == WeightDtype::kI8   ? DType::kI8
-                                            : DType::kF32);
+  EXPECT_EQ(weights_->dtype, Dtype() == WeightDtype::kAuto   ? DType::kF32
+                             : Dtype() == WeightDtype::kBF16 ? DType::kBF16
+                             : Dtype() == WeightDtype::kF16  ? DType::kF16
+                             : Dtype() == WeightDtype::kI8   ? DType::kI8
+                                                             : DType::kF32);
   const auto prompt = Prompt(50);
   auto table = Table(0, 4);
   LlamaModel::SeqInput in{prompt, 0, table, Logits::kAll};
@@ -153,7 +151,7 @@ TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
     mag = std::max(mag, std::fabs(double(ref[i])));
   }
   const bool bf16dot = Mode() == kernels::MatMulMode::kBf16Dot;
-  const double tol = bf16dot                     ? 5e-2
+  const double tol = bf16dot                         ? 5e-2
                      : Dtype() == WeightDtype::kBF16 ? 3e-2
                      : Dtype() == WeightDtype::kF16  ? 5e-3
                      : Dtype() == WeightDtype::kI8   ? 6e-2
@@ -164,8 +162,9 @@ TEST_P(ModelDtypeTest, LogitsStayCloseToTheFp32Model) {
     EXPECT_NE(weights_->fingerprint, chain->fingerprint);
   }
   // A different storage is a different model for the prefix cache.
-  if (weights_->dtype != DType::kF32)
+  if (weights_->dtype != DType::kF32) {
     EXPECT_NE(weights_->fingerprint, fp32->fingerprint);
+  }
 }
 
 constexpr auto kChain = kernels::MatMulMode::kDeterministic;
@@ -218,9 +217,9 @@ TEST_F(ModelTest, BlasModeNeedsFp32WeightsAndBf16DotNeedsBf16) {
 
 TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {
   LlamaModel det(weights_, kernels::MatMulMode::kDeterministic);
-  LlamaModel blas(LoadTiny(WeightDtype::kAuto, DType::kF32,
-                           kernels::MatMulMode::kBlas),
-                  kernels::MatMulMode::kBlas);
+  LlamaModel blas(
+      LoadTiny(WeightDtype::kAuto, DType::kF32, kernels::MatMulMode::kBlas),
+      kernels::MatMulMode::kBlas);
   const auto prompt = Prompt(50);
   auto table = Table(0, 4);
   std::vector<float> a, b;

@@ -100,13 +100,13 @@ TEST_P(WeightDtypeEngineTest, PrefixCacheHitEqualsCold) {
   EXPECT_EQ(warm.at("warm"), cold.at("cold")) << WeightDtypeName(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    EveryWeightDtype, WeightDtypeEngineTest,
-    ::testing::Values(WeightDtype::kF32, WeightDtype::kBF16, WeightDtype::kF16,
-                      WeightDtype::kI8),
-    [](const ::testing::TestParamInfo<WeightDtype>& info) {
-      return std::string(WeightDtypeName(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(EveryWeightDtype, WeightDtypeEngineTest,
+                         ::testing::Values(WeightDtype::kF32,
+                                           WeightDtype::kBF16,
+                                           WeightDtype::kF16, WeightDtype::kI8),
+                         [](const ::testing::TestParamInfo<WeightDtype>& info) {
+                           return std::string(WeightDtypeName(info.param));
+                         });
 
 }  // namespace
 }  // namespace pdserve::engine

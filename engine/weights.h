@@ -27,17 +27,18 @@ namespace pdserve::engine {
 // How matrices are kept in memory; kAuto is the checkpoint's dtype (of the
 // token embedding).
 enum class WeightDtype { kAuto, kF32, kBF16, kF16, kI8 };
-std::optional<WeightDtype> ParseWeightDtype(std::string_view s);  // auto|fp32|..
+std::optional<WeightDtype> ParseWeightDtype(
+    std::string_view s);  // auto|fp32|..
 const char* WeightDtypeName(WeightDtype d);
 
 struct LayerWeights {
   std::vector<float> input_norm;  // [hidden]
-  kernels::WeightMatrix qkv;  // [(heads + 2 * kv_heads) * head_dim, hidden]
-  std::vector<float> qkv_bias;   // same rows, or empty
-  std::vector<float> q_norm;     // [head_dim], or empty (Qwen3 q/k norm)
-  std::vector<float> k_norm;     // [head_dim], or empty
-  kernels::WeightMatrix o_proj;  // [hidden, heads * head_dim]
-  std::vector<float> post_norm;  // [hidden]
+  kernels::WeightMatrix qkv;      // [(heads + 2 * kv_heads) * head_dim, hidden]
+  std::vector<float> qkv_bias;    // same rows, or empty
+  std::vector<float> q_norm;      // [head_dim], or empty (Qwen3 q/k norm)
+  std::vector<float> k_norm;      // [head_dim], or empty
+  kernels::WeightMatrix o_proj;   // [hidden, heads * head_dim]
+  std::vector<float> post_norm;   // [hidden]
   kernels::WeightMatrix gate_up;  // [2 * intermediate, hidden]
   kernels::WeightMatrix down;     // [hidden, intermediate]
   // Sparse layers (ModelConfig::IsMoeLayer): router and experts, and the

@@ -20,43 +20,55 @@ namespace {
 // registers: an array would be kept in memory and time loads and stores.
 constexpr int kChains = 12;
 
-#define PDSERVE_FMA12(FMA)                                                  \
-  c0 = FMA(c0, a, b); c1 = FMA(c1, a, b); c2 = FMA(c2, a, b);               \
-  c3 = FMA(c3, a, b); c4 = FMA(c4, a, b); c5 = FMA(c5, a, b);               \
-  c6 = FMA(c6, a, b); c7 = FMA(c7, a, b); c8 = FMA(c8, a, b);               \
-  c9 = FMA(c9, a, b); c10 = FMA(c10, a, b); c11 = FMA(c11, a, b)
+#define PDSERVE_FMA12(FMA) \
+  c0 = FMA(c0, a, b);      \
+  c1 = FMA(c1, a, b);      \
+  c2 = FMA(c2, a, b);      \
+  c3 = FMA(c3, a, b);      \
+  c4 = FMA(c4, a, b);      \
+  c5 = FMA(c5, a, b);      \
+  c6 = FMA(c6, a, b);      \
+  c7 = FMA(c7, a, b);      \
+  c8 = FMA(c8, a, b);      \
+  c9 = FMA(c9, a, b);      \
+  c10 = FMA(c10, a, b);    \
+  c11 = FMA(c11, a, b)
 
 __attribute__((target("avx512f"))) double RunAvx512(int64_t iters) {
-  __m512 c0 = _mm512_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
-         c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  __m512 c0 = _mm512_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
+         c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
   const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
   for (int64_t it = 0; it < iters; ++it) {
     PDSERVE_FMA12(_mm512_fmadd_ps);
-    __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
-                     "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
-                     "+v"(c10), "+v"(c11));
+    __asm__ volatile(""
+                     : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
+                       "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
+                       "+v"(c10), "+v"(c11));
   }
   const __m512 s = _mm512_add_ps(
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                    _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
+      _mm512_add_ps(
+          _mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+          _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
       _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
   return _mm512_reduce_add_ps(s);
 }
 
 __attribute__((target("avx2,fma"))) double RunAvx2(int64_t iters) {
-  __m256 c0 = _mm256_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
-         c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  __m256 c0 = _mm256_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
+         c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
   const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
   for (int64_t it = 0; it < iters; ++it) {
     PDSERVE_FMA12(_mm256_fmadd_ps);
-    __asm__ volatile("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4),
-                     "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9),
-                     "+x"(c10), "+x"(c11));
+    __asm__ volatile(""
+                     : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4),
+                       "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9),
+                       "+x"(c10), "+x"(c11));
   }
   alignas(32) float out[8];
   const __m256 s = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
-                    _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7))),
+      _mm256_add_ps(
+          _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
+          _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7))),
       _mm256_add_ps(_mm256_add_ps(c8, c9), _mm256_add_ps(c10, c11)));
   _mm256_store_ps(out, s);
   return out[0];
@@ -75,20 +87,22 @@ double RunPortable(int64_t iters) {
 }
 
 __attribute__((target("avx512f,avx512bf16"))) double RunBf16Dot(int64_t iters) {
-  __m512 c0 = _mm512_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
-         c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  __m512 c0 = _mm512_set1_ps(0.1f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
+         c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
   const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);  // ~0.996 pairs
   const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // ~1e-7 pairs
 #define PDSERVE_DPBF16(c, x, y) _mm512_dpbf16_ps(c, x, y)
   for (int64_t it = 0; it < iters; ++it) {
     PDSERVE_FMA12(PDSERVE_DPBF16);
-    __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
-                     "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
-                     "+v"(c10), "+v"(c11));
+    __asm__ volatile(""
+                     : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
+                       "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
+                       "+v"(c10), "+v"(c11));
   }
   const __m512 s = _mm512_add_ps(
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                    _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
+      _mm512_add_ps(
+          _mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+          _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
       _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
   return _mm512_reduce_add_ps(s);
 }
@@ -139,8 +153,8 @@ double Measure(Run run, double flops_per_iter, int threads, double seconds) {
             .count();
     volatile double sink = sum;
     (void)sink;
-    best = std::max(best, flops_per_iter * static_cast<double>(iters) *
-                              threads / s / 1e9);
+    best = std::max(
+        best, flops_per_iter * static_cast<double>(iters) * threads / s / 1e9);
   }
   return best;
 }

@@ -107,8 +107,8 @@ void TilePortable(DType t, int rows, int nv, const float* xp, const uint8_t* w,
 #define PDSERVE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 PDSERVE_AVX2 inline __m256 WidenInt8Avx2(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Weights of k = q (a) and q + 1 (b) for 16 columns as two halves of 8.
@@ -133,7 +133,8 @@ PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
     b[1] = _mm256_castsi256_ps(_mm256_and_si256(d1, hi));
   } else if constexpr (W == DType::kF16) {
     const uint8_t* p = panel + q * 32;
-    a[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    a[0] =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     a[1] = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     b[0] = _mm256_cvtph_ps(
@@ -226,7 +227,8 @@ struct Avx512Pair<DType::kF16> {
     return panel + q * 32;
   }
   PDSERVE_AVX512 static __m512 First(Raw p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   PDSERVE_AVX512 static __m512 Second(Raw p) {
     return _mm512_cvtph_ps(
@@ -240,8 +242,8 @@ struct Avx512Pair<DType::kI8> {
     return panel + q * 16;
   }
   PDSERVE_AVX512 static __m512 First(Raw p) {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   PDSERVE_AVX512 static __m512 Second(Raw p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -276,12 +278,14 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
     for (int v = 0; v < NV; ++v) a[v] = P::First(raw[v]);
     for (int i = 0; i < MR; ++i) {
       const __m512 xa = _mm512_set1_ps(xq[i]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v)
+        acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
     }
     for (int v = 0; v < NV; ++v) a[v] = P::Second(raw[v]);
     for (int i = 0; i < MR; ++i) {
       const __m512 xb = _mm512_set1_ps(xq[MR + i]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, a[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v)
+        acc[i][v] = _mm512_fmadd_ps(xb, a[v], acc[i][v]);
     }
   }
   if (q < k1) {  // odd k: the pair's second weight is padding
@@ -309,9 +313,9 @@ inline float FlushDenormal(float v) {
 }
 inline float Bf16Daz(uint16_t h) { return FlushDenormal(Bf16ToFloat(h)); }
 
-void TileBf16DotPortable(int rows, int nv, const uint32_t* xp,
-                         const uint8_t* w, int64_t panel_bytes, int64_t k0,
-                         int64_t k1, float* io, bool zero) {
+void TileBf16DotPortable(int rows, int nv, const uint32_t* xp, const uint8_t* w,
+                         int64_t panel_bytes, int64_t k0, int64_t k1, float* io,
+                         bool zero) {
   const int width = nv * kPanel;
   for (int i = 0; i < rows; ++i) {
     for (int v = 0; v < nv; ++v) {
@@ -322,7 +326,8 @@ void TileBf16DotPortable(int rows, int nv, const uint32_t* xp,
         for (int64_t q = k0; q < k1; q += 2) {
           const uint32_t wd = panel[(q >> 1) * kPanel + c];
           const uint32_t xd = xp[(q - k0) / 2 * rows + i];
-          acc = FlushDenormal(std::fma(Bf16Daz(wd >> 16), Bf16Daz(xd >> 16), acc));
+          acc = FlushDenormal(
+              std::fma(Bf16Daz(wd >> 16), Bf16Daz(xd >> 16), acc));
           acc = FlushDenormal(
               std::fma(Bf16Daz(wd & 0xffff), Bf16Daz(xd & 0xffff), acc));
         }
@@ -350,7 +355,8 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
   for (int64_t q = k0; q < k1; q += 2) {
     const uint32_t* xq = xp + (q - k0) / 2 * MR;
     __m512i raw[NV];
-    for (int v = 0; v < NV; ++v) raw[v] = _mm512_loadu_si512(wp[v] + (q >> 1) * 64);
+    for (int v = 0; v < NV; ++v)
+      raw[v] = _mm512_loadu_si512(wp[v] + (q >> 1) * 64);
     for (int i = 0; i < MR; ++i) {
       const __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[i]));
       for (int v = 0; v < NV; ++v) {
@@ -364,8 +370,8 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
   }
 }
 
-using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t,
-                        int64_t, float*, bool);
+using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
+                        float*, bool);
 
 constexpr int kAvx512Rows = 6, kAvx512Panels = 3;
 constexpr int kAvx2Rows = 4;
@@ -605,7 +611,8 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.0f;
-      for (int64_t p = 0; p < k; ++p) acc = std::fma(x[i * k + p], w[j * k + p], acc);
+      for (int64_t p = 0; p < k; ++p)
+        acc = std::fma(x[i * k + p], w[j * k + p], acc);
       y[i * n + j] = scales ? acc * scales[j] : acc;
     }
   }
@@ -623,7 +630,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // else the scalar emulation of the same chain.
   const bool bf16dot_hw =
       bf16dot && isa == GemmIsa::kAvx512 && DetectCpuFeatures().avx512bf16;
-  const int max_rows = bf16dot     ? (bf16dot_hw ? kAvx512Rows : kPortableRows)
+  const int max_rows = bf16dot ? (bf16dot_hw ? kAvx512Rows : kPortableRows)
                        : isa == GemmIsa::kAvx512 ? kAvx512Rows
                        : isa == GemmIsa::kAvx2   ? kAvx2Rows
                                                  : kPortableRows;
@@ -644,10 +651,12 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // L1). The fp32 partial sums wait in y between blocks.
   const int64_t kc =
       m > 64 ? 256
-             : std::max<int64_t>(256, std::min<int64_t>(
-                                          (k + 1) & ~int64_t{1},
-                                          ((int64_t{128} << 10) / m) & ~int64_t{1}));
-  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
+             : std::max<int64_t>(
+                   256,
+                   std::min<int64_t>((k + 1) & ~int64_t{1},
+                                     ((int64_t{128} << 10) / m) & ~int64_t{1}));
+  const int threads =
+      static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
   const float* scales = w.scales();
   // With a single k block tiles are independent, so threads claim them in
@@ -729,17 +738,18 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           } else if (bf16dot) {
             TileBf16DotPortable(rows, nv, reinterpret_cast<const uint32_t*>(xi),
                                 wp, pb, k0, k1, io, first);
-          } else switch (isa) {
-            case GemmIsa::kAvx512:
-              Avx512Tile(t, rows, nv)(xi, wp, pb, k0, k1, io, first);
-              break;
-            case GemmIsa::kAvx2:
-              Avx2Tile(t, rows)(xi, wp, pb, k0, k1, io, first);
-              break;
-            case GemmIsa::kPortable:
-              TilePortable(t, rows, nv, xi, wp, pb, k0, k1, io, first);
-              break;
-          }
+          } else
+            switch (isa) {
+              case GemmIsa::kAvx512:
+                Avx512Tile(t, rows, nv)(xi, wp, pb, k0, k1, io, first);
+                break;
+              case GemmIsa::kAvx2:
+                Avx2Tile(t, rows)(xi, wp, pb, k0, k1, io, first);
+                break;
+              case GemmIsa::kPortable:
+                TilePortable(t, rows, nv, xi, wp, pb, k0, k1, io, first);
+                break;
+            }
           for (int i = 0; i < rows; ++i) {
             float* dst = y + (i0 + i) * n + c0;
             const float* src = io + i * width;

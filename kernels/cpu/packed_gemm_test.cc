@@ -40,8 +40,8 @@ class PackedGemmTest : public ::testing::TestWithParam<Param> {
   }
 
   // What every path must return, bit for bit.
-  std::vector<float> Expected(const std::vector<float>& x, int64_t m,
-                              int64_t k, const WeightMatrix& w) {
+  std::vector<float> Expected(const std::vector<float>& x, int64_t m, int64_t k,
+                              const WeightMatrix& w) {
     const std::vector<float> widened = w.Widened();
     std::vector<float> y(m * w.rows());
     ReferenceGemmNT(x.data(), m, k, widened.data(), w.rows(), w.scales(),
@@ -59,9 +59,9 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
     int64_t m, n, k;
   };
   // m > 16 takes the k-blocked schedule; k = 515 leaves an odd tail there.
-  for (const Shape s : {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129},
-                        Shape{9, 50, 300}, Shape{33, 97, 515},
-                        Shape{1, 130, 2049}}) {
+  for (const Shape s :
+       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
+        Shape{33, 97, 515}, Shape{1, 130, 2049}}) {
     const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
     const WeightMatrix w = WeightMatrix::Pack(wf.data(), s.n, s.k, dtype_);
     std::vector<float> y(s.m * s.n, -1.0f);
@@ -115,7 +115,8 @@ TEST_P(PackedGemmTest, RowsDoNotDependOnBatchSizeOrThreads) {
   std::vector<float> one(max_m * n);
   GemmNT(x.data(), max_m, k, w, one.data());
   SetKernelThreads(before);
-  EXPECT_EQ(0, std::memcmp(one.data(), full.data(), one.size() * sizeof(float)));
+  EXPECT_EQ(0,
+            std::memcmp(one.data(), full.data(), one.size() * sizeof(float)));
 }
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
@@ -125,10 +126,9 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllPathsAndDtypes, PackedGemmTest,
-    ::testing::Combine(::testing::Values(GemmIsa::kPortable, GemmIsa::kAvx2,
-                                         GemmIsa::kAvx512),
-                       ::testing::Values(DType::kF32, DType::kBF16,
-                                         DType::kF16, DType::kI8)),
+    ::testing::Combine(
+        ::testing::Values(GemmIsa::kPortable, GemmIsa::kAvx2, GemmIsa::kAvx512),
+        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16, DType::kI8)),
     ParamName);
 
 // kBf16Dot: the instruction (where present) and the scalar emulation agree
@@ -155,8 +155,8 @@ class Bf16DotTest : public ::testing::Test {
 };
 
 TEST_F(Bf16DotTest, InstructionEqualsEmulationAndRowsAreBatchInvariant) {
-  const bool hw = DetectCpuFeatures().avx512bf16 &&
-                  GemmIsaSupported(GemmIsa::kAvx512);
+  const bool hw =
+      DetectCpuFeatures().avx512bf16 && GemmIsaSupported(GemmIsa::kAvx512);
   if (!hw) {
     std::printf("no AVX512-BF16 here (%s): checking the emulation only\n",
                 DetectCpuFeatures().ToString().c_str());
@@ -167,7 +167,8 @@ TEST_F(Bf16DotTest, InstructionEqualsEmulationAndRowsAreBatchInvariant) {
   for (const Shape s : {Shape{1, 5, 1}, Shape{3, 17, 33}, Shape{7, 45, 130},
                         Shape{33, 97, 515}, Shape{70, 50, 301}}) {
     const auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
-    const WeightMatrix w = WeightMatrix::Pack(wf.data(), s.n, s.k, DType::kBF16);
+    const WeightMatrix w =
+        WeightMatrix::Pack(wf.data(), s.n, s.k, DType::kBF16);
     const auto emulated = Run(GemmIsa::kPortable, x, s.m, s.k, w);
     if (hw) {
       const auto fast = Run(GemmIsa::kAvx512, x, s.m, s.k, w);
@@ -223,7 +224,8 @@ TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
   double sum_err = 0, sum_mag = 0;
   for (int64_t r = 0; r < n; ++r) {
     float amax = 0;
-    for (int64_t q = 0; q < k; ++q) amax = std::max(amax, std::fabs(w[r * k + q]));
+    for (int64_t q = 0; q < k; ++q)
+      amax = std::max(amax, std::fabs(w[r * k + q]));
     EXPECT_FLOAT_EQ(m.scales()[r], amax / 127.0f) << "row " << r;
     for (int64_t q = 0; q < k; ++q) {
       const float err = std::fabs(back[r * k + q] - w[r * k + q]);
@@ -238,8 +240,8 @@ TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
 }
 
 TEST(WeightMatrixTest, HalfPrecisionPackingRoundsToNearestEven) {
-  const std::vector<float> w = {1.0f, 1.00390625f, 1.01171875f, -3.14159f,
-                                65504.0f, 1e-8f, 0.0f};
+  const std::vector<float> w = {1.0f,     1.00390625f, 1.01171875f, -3.14159f,
+                                65504.0f, 1e-8f,       0.0f};
   const int64_t n = 1, k = static_cast<int64_t>(w.size());
   const auto bf = WeightMatrix::Pack(w.data(), n, k, DType::kBF16).ToFloat();
   const auto fp = WeightMatrix::Pack(w.data(), n, k, DType::kF16).ToFloat();
