@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -162,6 +163,17 @@ int RunWorkerWithRole(const std::string& role_name) {
   }
   WaitForSignal();
   (*server)->Drain(absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms)));
+  // The drain is over: the rest of the shutdown must not hang the process
+  // (a pod's termination grace, a supervisor's SIGKILL). If it takes longer
+  // than this, exit without it; in-flight requests were already cut off and
+  // migrate, and KV blocks die with the process.
+  std::thread([] {
+    absl::SleepFor(absl::Seconds(10));
+    PDSERVE_LOG(ERROR) << "shutdown did not finish 10 s after the drain; "
+                          "exiting without it";
+    std::fflush(nullptr);
+    _exit(0);
+  }).detach();
   if (registration) registration->Stop();
   (*server)->Shutdown();
   return 0;

@@ -295,6 +295,11 @@ void WorkerServer::Drain(absl::Duration grace) {
 }
 
 void WorkerServer::Shutdown() {
+  // The engine stops first: handlers waiting on it (queued calls,
+  // reservations, token streams) fail with UNAVAILABLE at once, and the
+  // router migrates their requests, instead of keeping the gRPC server's
+  // shutdown waiting for them.
+  if (impl_->loop) impl_->loop->Stop();
   if (impl_->server)
     impl_->server->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::milliseconds(500));
