@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -38,19 +39,19 @@ bool IsFingerprintDirName(const std::string& name) {
 
 // Writes all of `bytes` to `path` (through a temporary and a rename, so a
 // reader never sees a half-written file under the final name).
-bool WriteFileAtomically(const std::string& path,
-                         const std::vector<unsigned char>& bytes) {
+bool WriteFileAtomically(const std::string& path, const unsigned char* data,
+                         size_t size) {
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return false;
   size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+  while (done < size) {
+    const ssize_t n = ::write(fd, data + done, size - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     done += static_cast<size_t>(n);
   }
-  const bool ok = ::close(fd) == 0 && done == bytes.size();
+  const bool ok = ::close(fd) == 0 && done == size;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
     return false;
@@ -181,8 +182,10 @@ void KvFileTier::Offer(const BlockHash& hash, KvStorage& storage,
     pending_bytes_ += file_bytes_;
   }
   // The copy runs outside the lock: only this thread touches the pool.
-  std::vector<unsigned char> file(file_bytes_);
-  unsigned char* payload = file.data() + sizeof(FileHeader);
+  // Only the copy runs on the caller's (engine) thread: no zero-fill, and
+  // the checksum is left to the tier thread.
+  std::unique_ptr<unsigned char[]> file(new unsigned char[file_bytes_]);
+  unsigned char* payload = file.get() + sizeof(FileHeader);
   bool copied = true;
   for (int32_t layer = 0; layer < spec_.num_layers && copied; ++layer) {
     unsigned char* p =
@@ -200,8 +203,8 @@ void KvFileTier::Offer(const BlockHash& hash, KvStorage& storage,
   h.hash_hi = hash.hi;
   h.hash_lo = hash.lo;
   h.payload_bytes = static_cast<uint64_t>(payload_bytes_);
-  h.checksum = XXH3_64bits(payload, payload_bytes_);
-  std::memcpy(file.data(), &h, sizeof(h));
+  h.checksum = 0;  // set by the tier thread
+  std::memcpy(file.get(), &h, sizeof(h));
   absl::MutexLock l(&mu_);
   auto it = entries_.find(hash);
   if (it == entries_.end() || it->second.state != State::kWriting)
@@ -259,10 +262,11 @@ absl::Status KvFileTier::Load(const BlockHash& hash, KvStorage& storage,
                                                  std::strerror(errno))));
   }
   // Read one byte past the expected size to notice a file that is too long.
-  std::vector<unsigned char> file(file_bytes_ + 1);
+  const size_t want = static_cast<size_t>(file_bytes_) + 1;
+  std::unique_ptr<unsigned char[]> file(new unsigned char[want]);
   size_t got = 0;
-  while (got < file.size()) {
-    const ssize_t n = ::read(fd, file.data() + got, file.size() - got);
+  while (got < want) {
+    const ssize_t n = ::read(fd, file.get() + got, want - got);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     got += static_cast<size_t>(n);
@@ -274,8 +278,8 @@ absl::Status KvFileTier::Load(const BlockHash& hash, KvStorage& storage,
                                            " bytes, expected ", file_bytes_)));
   }
   FileHeader h;
-  std::memcpy(&h, file.data(), sizeof(h));
-  const unsigned char* payload = file.data() + sizeof(FileHeader);
+  std::memcpy(&h, file.get(), sizeof(h));
+  const unsigned char* payload = file.get() + sizeof(FileHeader);
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 ||
       h.fingerprint[0] != fingerprint_[0] ||
       h.fingerprint[1] != fingerprint_[1] || h.hash_hi != hash.hi ||
@@ -306,7 +310,7 @@ void KvFileTier::Clear() {
   // ends and removes its file.
   std::deque<Task> kept;
   for (Task& t : tasks_) {
-    if (t.file.empty()) kept.push_back(std::move(t));
+    if (!t.file) kept.push_back(std::move(t));
   }
   tasks_ = std::move(kept);
   pending_bytes_ = 0;
@@ -339,16 +343,21 @@ void KvFileTier::Run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
       busy_ = true;
-      if (!task.file.empty()) pending_bytes_ -= file_bytes_;
+      if (task.file) pending_bytes_ -= file_bytes_;
     }
-    if (task.file.empty()) {
+    if (!task.file) {
       std::remove(task.path.c_str());
       absl::MutexLock l(&mu_);
       busy_ = false;
       continue;
     }
     if (config_.before_write) config_.before_write();
-    const bool ok = WriteFileAtomically(task.path, task.file);
+    const uint64_t checksum =
+        XXH3_64bits(task.file.get() + sizeof(FileHeader), payload_bytes_);
+    std::memcpy(task.file.get() + offsetof(FileHeader, checksum), &checksum,
+                sizeof(checksum));
+    const bool ok = WriteFileAtomically(task.path, task.file.get(),
+                                        static_cast<size_t>(file_bytes_));
     absl::MutexLock l(&mu_);
     busy_ = false;
     auto it = entries_.find(task.hash);

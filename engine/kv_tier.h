@@ -128,7 +128,8 @@ class KvFileTier {
   };
   struct Task {
     BlockHash hash;
-    std::vector<unsigned char> file;  // empty: delete `path`
+    // file_bytes_ bytes, header checksum not yet set; null: delete `path`.
+    std::unique_ptr<unsigned char[]> file;
     std::string path;
   };
 
