@@ -659,24 +659,20 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
   const float* scales = w.scales();
-  // With a single k block tiles are independent, so threads claim them in
-  // small chunks: on a shared machine a preempted thread's share is taken
-  // over instead of stalling the step. (Which thread computes a tile never
-  // changes its numbers.) With several k blocks each thread keeps its tiles.
-  const bool claim = kc >= k;
+  // Within a k block tiles are independent, so threads claim them in small
+  // chunks: on a shared machine a preempted thread's share is taken over
+  // instead of stalling the step. Which thread computes a tile never changes
+  // its numbers; a barrier between k blocks keeps each tile's blocks in order.
+  const int64_t k_blocks = (k + kc - 1) / kc;
   const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 16));
-  std::atomic<int64_t> next_claim{0};
+  std::vector<std::atomic<int64_t>> next_claim(k_blocks);
 
 #pragma omp parallel num_threads(threads) if (parallel)
   {
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t t0 = claim ? 0 : tiles * tid / nth;
-    const int64_t t1 = claim ? tiles : tiles * (tid + 1) / nth;
-    int64_t cursor = 0, cursor_end = 0;
+    int64_t cursor = 0, cursor_end = 0, kb = 0;
     auto next_tile = [&]() -> int64_t {
       if (cursor < cursor_end) return cursor++;
-      if (!claim) return -1;
-      const int64_t c = next_claim.fetch_add(chunk);
+      const int64_t c = next_claim[kb].fetch_add(chunk);
       if (c >= tiles) return -1;
       cursor = c;
       cursor_end = std::min(tiles, c + chunk);
@@ -686,10 +682,13 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
     // This thread's copy of x[:, k0:k1], packed per row tile (see the tiles).
     std::vector<float>& xp = PackBuffer();
     xp.resize(m * kc + 2 * max_rows);
-    for (int64_t k0 = 0; k0 < k; k0 += kc) {
+    for (int64_t k0 = 0; k0 < k; k0 += kc, ++kb) {
       const int64_t k1 = std::min(k, k0 + kc);
       const bool first = k0 == 0, last = k1 == k;
-      if (t0 < t1 && bf16dot) {  // bf16 pairs, the odd tail padded with 0
+      if (kb > 0) {
+#pragma omp barrier
+      }
+      if (bf16dot) {  // bf16 pairs, the odd tail padded with 0
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
           const int64_t i0 = m * rt / row_tiles;
           const int64_t rows = m * (rt + 1) / row_tiles - i0;
@@ -702,7 +701,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
               dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
             }
         }
-      } else if (t0 < t1) {
+      } else {
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
           const int64_t i0 = m * rt / row_tiles;
           const int64_t rows = m * (rt + 1) / row_tiles - i0;
@@ -712,10 +711,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
               dst[(q - k0) * rows + i] = x[(i0 + i) * k + q];
         }
       }
-      if (!claim) {
-        cursor = t0;
-        cursor_end = t1;
-      }
+      cursor = cursor_end = 0;
       for (int64_t tile; (tile = next_tile()) >= 0;) {
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
