@@ -648,8 +648,10 @@ class Soak {
     std::vector<std::string> paddr, daddr;
     for (Proc* p : prefill_) paddr.push_back(p->address());
     for (Proc* p : decode_) daddr.push_back(p->address());
+    http_port_ = FreePort();
     std::vector<std::string> router_flags = {
         "router", "--model=" + model_,
+        "--http-port=" + std::to_string(http_port_),
         "--prefill-workers=" + absl::StrJoin(paddr, ","),
         "--decode-workers=" + absl::StrJoin(daddr, ",")};
     router_flags.insert(router_flags.end(), security_.begin(), security_.end());
@@ -793,8 +795,12 @@ class Soak {
 
   // Requests that must be refused with a clear status, and raw garbage.
   void Malformed(v1::Router::Stub* stub, std::mt19937_64* rng) {
-    const int kind = static_cast<int>((*rng)() % 9);
+    const int kind = static_cast<int>((*rng)() % 10);
     Outcome o;
+    if (kind == 9) {
+      MalformedHttp(rng);
+      return;
+    }
     if (kind == 7) {
       // Garbage bytes on the router's and a worker's gRPC ports; the
       // processes must just drop the connection.
@@ -889,6 +895,52 @@ class Soak {
     Record(std::move(o));
     absl::MutexLock l(&mu_);
     ++faults_["malformed_request"];
+  }
+
+  // Malformed requests to the router's OpenAI HTTP front: each must get a
+  // 4xx answer (never a 2xx, a 5xx or a crash). A refused connection (the
+  // router restarting) only counts as a fault sent.
+  void MalformedHttp(std::mt19937_64* rng) {
+    static const char* const kBodies[] = {
+        "{\"model\": \"x\", \"prompt\": ",                   // truncated JSON
+        "[1, 2, 3]",                                           // not an object
+        "{\"prompt\": \"hi\", \"max_tokens\": -5}",             // bad value
+        "{\"prompt\": \"hi\", \"n\": 3}",                       // n != 1
+        "{\"prompt\": {\"nested\": [[[[[[[[[[]]]]]]]]]]}}",       // wrong type
+        "{\"messages\": \"not a list\"}",                       // chat, bad shape
+    };
+    const size_t which = (*rng)() % (std::size(kBodies) + 1);
+    std::string request;
+    std::string variant;
+    if (which == std::size(kBodies)) {
+      variant = "http_garbage_request_line";
+      request = "POST\x01\x02 /v1/completions HTTP/9.9\r\n\r\n";
+    } else {
+      const std::string body = kBodies[which];
+      const bool chat = body.find("messages") != std::string::npos;
+      variant = absl::StrCat("http_bad_body_", which);
+      request = absl::StrCat(
+          "POST ", chat ? "/v1/chat/completions" : "/v1/completions",
+          " HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+          "Connection: close\r\nContent-Length: ",
+          body.size(), "\r\n\r\n", body);
+    }
+    std::string reply;
+    const bool connected = SendRaw(http_port_, request, &reply);
+    {
+      absl::MutexLock l(&mu_);
+      ++faults_["malformed_http"];
+    }
+    if (!connected || reply.empty()) return;  // restarting, or dropped
+    Outcome o;
+    o.variant = variant;
+    o.message = reply.substr(0, reply.find("\r\n"));
+    // "HTTP/1.1 400 Bad Request" -> the status class decides.
+    const char cls = reply.size() > 9 ? reply[9] : '?';
+    o.code = cls == '4'   ? grpc::StatusCode::INVALID_ARGUMENT
+             : cls == '2' ? grpc::StatusCode::OK
+                          : grpc::StatusCode::INTERNAL;
+    Record(std::move(o));
   }
 
   void Fault(const std::string& kind) {
@@ -1243,6 +1295,7 @@ class Soak {
   Cluster cluster_;
   std::vector<Proc*> prefill_, decode_;
   Proc* router_ = nullptr;
+  int http_port_ = 0;  // the router's OpenAI HTTP front
   std::vector<Spec> specs_;
   std::vector<std::string> security_;  // --insecure where the binary has it
   std::atomic<bool> abort_{false};
