@@ -441,23 +441,32 @@ absl::StatusOr<ServeReport> RunServeBench(const ServeBenchConfig& config) {
 
 std::string ServeReport::ToJson() const {
   auto pct = [](const Percentiles& p) {
-    return absl::StrFormat(
-        "{\"p50\": %.6f, \"p90\": %.6f, \"p99\": %.6f, \"mean\": %.6f}", p.p50,
-        p.p90, p.p99, p.mean);
+    json::OrderedValue v;
+    v["p50"] = p.p50;
+    v["p90"] = p.p90;
+    v["p99"] = p.p99;
+    v["mean"] = p.mean;
+    return v;
   };
-  return absl::StrFormat(
-      "{\"requests\": %d, \"succeeded\": %d, \"failed\": %d, \"duration_s\": "
-      "%.3f, \"request_rate\": %.3f, "
-      "\"ttft_s\": %s, \"itl_s\": %s, \"e2e_s\": %s, \"requests_per_s\": %.3f, "
-      "\"output_tokens_per_s\": %.1f, "
-      "\"input_tokens_per_s\": %.1f, \"prompt_tokens\": %d, "
-      "\"completion_tokens\": %d, "
-      "\"cached_prompt_tokens\": %d, \"prefix_hit_rate\": %.4f, "
-      "\"slo_attainment\": %.4f, \"goodput_rate\": %.3f}",
-      requests, succeeded, failed, duration_s, request_rate, pct(ttft),
-      pct(itl), pct(e2e), requests_per_s, output_tokens_per_s,
-      input_tokens_per_s, prompt_tokens, completion_tokens,
-      cached_prompt_tokens, prefix_hit_rate, slo_attainment, goodput_rate);
+  json::OrderedValue out;
+  out["requests"] = requests;
+  out["succeeded"] = succeeded;
+  out["failed"] = failed;
+  out["duration_s"] = duration_s;
+  out["request_rate"] = request_rate;
+  out["ttft_s"] = pct(ttft);
+  out["itl_s"] = pct(itl);
+  out["e2e_s"] = pct(e2e);
+  out["requests_per_s"] = requests_per_s;
+  out["output_tokens_per_s"] = output_tokens_per_s;
+  out["input_tokens_per_s"] = input_tokens_per_s;
+  out["prompt_tokens"] = prompt_tokens;
+  out["completion_tokens"] = completion_tokens;
+  out["cached_prompt_tokens"] = cached_prompt_tokens;
+  out["prefix_hit_rate"] = prefix_hit_rate;
+  out["slo_attainment"] = slo_attainment;
+  out["goodput_rate"] = goodput_rate;
+  return json::Dump(out);
 }
 
 std::string ServeReport::ToTable() const {
