@@ -483,11 +483,24 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   seq->blocks = hits;
   blocks_.Allocate(need, &seq->blocks);
   seq->num_committed = static_cast<int32_t>(hits.size());
-  seq->cached_prompt_tokens = std::min(
-      seq->num_prompt, static_cast<int32_t>(hits.size()) * config_.block_size);
+  // Blocks the file tier holds after the pool's hits are read back now and
+  // count as this worker's own: the prefill worker skips sending them.
+  int32_t cached_blocks = static_cast<int32_t>(hits.size());
+  if (tier_ && config_.enable_prefix_caching &&
+      seq->hashes.size() > hits.size()) {
+    const int32_t from_tier = static_cast<int32_t>(tier_->Match(
+        std::span<const BlockHash>(seq->hashes).subspan(hits.size())));
+    if (from_tier > 0) {
+      cached_blocks += LoadFromTier(seq.get(), cached_blocks, from_tier);
+      seq->num_computed = cached_blocks * config_.block_size;
+      CommitFullBlocks(seq.get());
+    }
+  }
+  seq->cached_prompt_tokens =
+      std::min(seq->num_prompt, cached_blocks * config_.block_size);
   prefix_queried_ += seq->num_prompt;
   prefix_hit_ += seq->cached_prompt_tokens;
-  Reservation r{seq->blocks, static_cast<int32_t>(hits.size())};
+  Reservation r{seq->blocks, cached_blocks};
   reserved_[seq->req.id] = seq.get();
   seqs_.emplace(seq->req.id, std::move(seq));
   return r;

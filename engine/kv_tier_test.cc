@@ -144,6 +144,47 @@ TEST_F(KvTierTest, EvictedPrefixComesBackFromTheTierBitIdentical) {
   EXPECT_EQ(e->Stats().kv_tier.blocks_loaded, 3);
 }
 
+// All layers of pool block `block`, as bytes.
+std::vector<unsigned char> BlockBytes(Engine* e, int32_t block) {
+  const KvCacheSpec& spec = e->kv_spec();
+  std::vector<unsigned char> out(spec.LayerBlockBytes() * spec.num_layers);
+  for (int32_t l = 0; l < spec.num_layers; ++l) {
+    EXPECT_TRUE(e->kv_storage()
+                    .CopyToHost(l, block,
+                                out.data() + l * spec.LayerBlockBytes(),
+                                nullptr)
+                    .ok());
+  }
+  return out;
+}
+
+TEST_F(KvTierTest, DecodeReservationTakesTierBlocksAsItsOwn) {
+  auto cold = Engine::Create(testing::TinyWeights(), EngineConfig{});
+  ASSERT_TRUE(cold.ok());
+  Run(cold->get(), A("cold"));
+  auto e = MakeTiered();
+  OffloadA(e.get());
+  const std::vector<BlockHash> hashes = HashesOfA(e.get());
+  const std::vector<int32_t> cold_blocks =
+      (*cold)->block_manager().Lookup(hashes);
+  ASSERT_EQ(cold_blocks.size(), 4u);
+  auto r = e->Reserve(A("r"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Every full prompt block came from the tier: the prefill worker sends none.
+  EXPECT_EQ(r->cached_blocks, 4);
+  EXPECT_EQ(e->Stats().kv_tier.blocks_loaded, 4);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(BlockBytes(e.get(), r->blocks[i]),
+              BlockBytes(cold->get(), cold_blocks[i]))
+        << "block " << i;
+  }
+  // They are in the pool's prefix cache at once.
+  EXPECT_EQ(e->block_manager().Lookup(hashes).size(), 4u);
+  e->Abort("r");
+  ASSERT_TRUE(e->Step().ok());
+  EXPECT_EQ(e->Stats().blocks_active, 0);
+}
+
 enum class Fault { kCorrupt, kTruncated, kMissing };
 
 class KvTierFaultTest : public KvTierTest,
