@@ -28,6 +28,7 @@
 #include "kv_transfer/grpc/chunk_codec.h"
 #include "kv_transfer/receiver.h"
 #include "pdserve/v1/internal.pb.h"
+#include "wire/enums.h"
 
 namespace {
 
@@ -51,7 +52,7 @@ KvLayout FromProto(const pdserve::v1::KvTransferHeader& header) {
           static_cast<int32_t>(p.kv_heads()),
           static_cast<int32_t>(p.head_dim()),
           static_cast<int32_t>(p.block_size()),
-          p.dtype()};
+          pdserve::wire::DTypeFromProto(p.dtype())};
 }
 
 bool Writable(int64_t block) { return block == 2 || block == 4; }
