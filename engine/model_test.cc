@@ -264,3 +264,25 @@ TEST_F(ModelTest, RejectsOutOfVocabularyTokensAndMissingBlocks) {
 
 }  // namespace
 }  // namespace pdserve::engine
+
+namespace pdserve::engine {
+namespace {
+
+TEST(ModelPresetTest, Llama32OneBHasTheRealShapeAndBf16Weights) {
+  auto c = PresetConfig("llama3.2-1b");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 2048);
+  EXPECT_EQ(c->num_layers, 16);
+  EXPECT_EQ(c->num_heads, 32);
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_EQ(c->head_dim, 64);
+  EXPECT_EQ(c->intermediate_size, 8192);
+  EXPECT_EQ(c->vocab_size, 128256);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->rope_theta, 5e5);
+  EXPECT_EQ(PresetDefaultDtype("llama3.2-1b"), DType::kBF16);
+  EXPECT_EQ(PresetDefaultDtype("small"), DType::kF32);
+}
+
+}  // namespace
+}  // namespace pdserve::engine
