@@ -1,5 +1,7 @@
 #include "bench/engine_bench.h"
 
+#include "common/json.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -380,44 +382,48 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
 }
 
 std::string EngineBenchResult::ToJson() const {
-  std::string out = absl::StrFormat(
-      "{\"weight_dtype\": \"%s\", \"gemm_path\": \"%s\", \"cpu_features\": "
-      "\"%s\", \"threads\": %d, \"load_average_1m\": %.2f, "
-      "\"llc_bytes\": %d, \"stream_bytes\": %d, "
-      "\"stream_triad_gb_per_s\": %.3f, \"fma_peak_gflops\": %.1f, "
-      "\"weight_bytes\": %d, \"prefill_tokens\": %d, "
-      "\"prefill_tokens_per_s\": %.1f, \"prefill_gflops\": %.1f, "
-      "\"prefill_fma_peak_fraction\": %.3f, "
-      "\"decode_stream_triad_gb_per_s\": %.3f, "
-      "\"decode_fma_peak_gflops\": %.1f, \"decode\": [",
-      weight_dtype, gemm_path, cpu_features, threads, load_average_1m,
-      llc_bytes, stream_bytes, stream_gb_per_s, fma_peak_gflops, weight_bytes,
-      prefill_tokens, prefill_tokens_per_s, prefill_gflops,
-      prefill_fma_peak_fraction, decode_stream_gb_per_s,
-      decode_fma_peak_gflops);
-  for (size_t i = 0; i < decode.size(); ++i) {
-    const auto& d = decode[i];
-    absl::StrAppendFormat(
-        &out,
-        "%s{\"batch\": %d, \"tokens_per_s\": %.2f, \"step_ms\": %.3f, "
-        "\"bytes_per_step\": %.0f, \"roofline_ratio\": %.3f, "
-        "\"flops_per_step\": %.0f, \"gflops\": %.2f, "
-        "\"fma_peak_fraction\": %.3f, \"speedup_vs_batch1\": %.2f}",
-        i ? ", " : "", d.batch, d.tokens_per_s, d.step_ms, d.bytes_per_step,
-        d.roofline_ratio, d.flops_per_step, d.gflops, d.fma_peak_fraction,
-        d.speedup_vs_batch1);
+  json::OrderedValue out;
+  out["weight_dtype"] = weight_dtype;
+  out["gemm_path"] = gemm_path;
+  out["cpu_features"] = cpu_features;
+  out["threads"] = threads;
+  out["load_average_1m"] = load_average_1m;
+  out["llc_bytes"] = llc_bytes;
+  out["stream_bytes"] = stream_bytes;
+  out["stream_triad_gb_per_s"] = stream_gb_per_s;
+  out["fma_peak_gflops"] = fma_peak_gflops;
+  out["weight_bytes"] = weight_bytes;
+  out["prefill_tokens"] = prefill_tokens;
+  out["prefill_tokens_per_s"] = prefill_tokens_per_s;
+  out["prefill_gflops"] = prefill_gflops;
+  out["prefill_fma_peak_fraction"] = prefill_fma_peak_fraction;
+  out["decode_stream_triad_gb_per_s"] = decode_stream_gb_per_s;
+  out["decode_fma_peak_gflops"] = decode_fma_peak_gflops;
+  out["decode"] = json::OrderedValue::array();
+  for (const auto& d : decode) {
+    json::OrderedValue v;
+    v["batch"] = d.batch;
+    v["tokens_per_s"] = d.tokens_per_s;
+    v["step_ms"] = d.step_ms;
+    v["bytes_per_step"] = d.bytes_per_step;
+    v["roofline_ratio"] = d.roofline_ratio;
+    v["flops_per_step"] = d.flops_per_step;
+    v["gflops"] = d.gflops;
+    v["fma_peak_fraction"] = d.fma_peak_fraction;
+    v["speedup_vs_batch1"] = d.speedup_vs_batch1;
+    out["decode"].push_back(std::move(v));
   }
-  out += "], \"accuracy\": [";
-  for (size_t i = 0; i < accuracy.size(); ++i) {
-    const auto& a = accuracy[i];
-    absl::StrAppendFormat(
-        &out,
-        "%s{\"dtype\": \"%s\", \"positions\": %d, \"max_rel_error\": %.3g, "
-        "\"mean_rel_error\": %.3g, \"top1_agreement\": %.4f}",
-        i ? ", " : "", a.dtype, a.positions, a.max_rel_error, a.mean_rel_error,
-        a.top1_agreement);
+  out["accuracy"] = json::OrderedValue::array();
+  for (const auto& a : accuracy) {
+    json::OrderedValue v;
+    v["dtype"] = a.dtype;
+    v["positions"] = a.positions;
+    v["max_rel_error"] = a.max_rel_error;
+    v["mean_rel_error"] = a.mean_rel_error;
+    v["top1_agreement"] = a.top1_agreement;
+    out["accuracy"].push_back(std::move(v));
   }
-  return out + "]}";
+  return json::Dump(out);
 }
 
 std::string EngineBenchResult::ToTable() const {
