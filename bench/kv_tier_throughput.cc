@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/json.h"
 #include "engine/kv_cache.h"
 #include "engine/kv_tier.h"
 
@@ -54,12 +55,16 @@ int main(int argc, char** argv) {
   const double read_s =
       std::chrono::duration<double>(Clock::now() - t1).count();
   const double bytes = static_cast<double>(n * (*tier)->file_bytes());
-  std::printf(
-      "{\"blocks\": %lld, \"file_bytes\": %lld, \"total_bytes\": %.0f, "
-      "\"offer_s\": %.4f, \"write_s\": %.4f, \"write_gbps\": %.3f, "
-      "\"read_s\": %.4f, \"read_gbps\": %.3f, \"loaded\": %lld}\n",
-      static_cast<long long>(n), static_cast<long long>((*tier)->file_bytes()),
-      bytes, offer_s, write_s, bytes / write_s / 1e9, read_s,
-      bytes / read_s / 1e9, static_cast<long long>(ok));
+  pdserve::json::OrderedValue out;
+  out["blocks"] = n;
+  out["file_bytes"] = (*tier)->file_bytes();
+  out["total_bytes"] = bytes;
+  out["offer_s"] = offer_s;
+  out["write_s"] = write_s;
+  out["write_gbps"] = bytes / write_s / 1e9;
+  out["read_s"] = read_s;
+  out["read_gbps"] = bytes / read_s / 1e9;
+  out["loaded"] = ok;
+  std::printf("%s\n", pdserve::json::Dump(out).c_str());
   return ok == n ? 0 : 1;
 }
