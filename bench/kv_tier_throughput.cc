@@ -15,9 +15,15 @@
 
 int main(int argc, char** argv) {
   using namespace pdserve::engine;
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: %s DIR [BLOCKS]\n", argv[0]);
-    return 2;
+  if (argc < 2 || argv[1][0] == '-') {
+    // --help (or any flag): usage, never a directory named after the flag.
+    std::fprintf(argc < 2 ? stderr : stdout,
+                 "usage: %s DIR [BLOCKS]\n"
+                 "Writes BLOCKS (default 2048) small-preset KV blocks into a "
+                 "disk tier in DIR, reads them back, and prints JSON with the "
+                 "GB/s of each.\n",
+                 argv[0]);
+    return argc < 2 ? 2 : 0;
   }
   const int64_t n = argc > 2 ? std::atoll(argv[2]) : 2048;
   const KvCacheSpec spec{8, 2, 64, 16, pdserve::DType::kF32};  // `small`
