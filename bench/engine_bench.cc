@@ -1,7 +1,5 @@
 #include "bench/engine_bench.h"
 
-#include "common/json.h"
-
 #include <omp.h>
 
 #include <algorithm>
@@ -18,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "engine/kv_cache.h"
 #include "engine/llama_model.h"

@@ -237,7 +237,8 @@ class Simulation {
     for (int32_t w = 0; w < n; ++w) {
       router::WorkerView& v = views_[w];
       v.index = w;
-      v.role = w < num_prefill_ ? v1::WORKER_ROLE_PREFILL : v1::WORKER_ROLE_DECODE;
+      v.role =
+          w < num_prefill_ ? v1::WORKER_ROLE_PREFILL : v1::WORKER_ROLE_DECODE;
       v.id = absl::StrCat(w < num_prefill_ ? "prefill" : "decode", "-", w);
       v.address = v.id;
       v.up = true;

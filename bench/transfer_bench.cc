@@ -445,7 +445,6 @@ absl::StatusOr<TransferFigure> MeasureOne(
   return f;
 }
 
-
 }  // namespace
 
 std::vector<TransferLayout> DefaultTransferLayouts(DType small_dtype,

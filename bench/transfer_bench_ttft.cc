@@ -23,9 +23,9 @@
 
 #include "absl/strings/numbers.h"
 #include "common/metrics.h"
-#include "worker/worker_server.h"
 #include "engine/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
+#include "worker/worker_server.h"
 
 namespace pdserve::bench {
 namespace {
@@ -69,7 +69,8 @@ int Run(const Args& args) {
   for (bool layerwise : {false, true}) {
     auto p = std::make_unique<Pair>();
     p->layerwise = layerwise;
-    for (v1::WorkerRole role : {v1::WORKER_ROLE_PREFILL, v1::WORKER_ROLE_DECODE}) {
+    for (v1::WorkerRole role :
+         {v1::WORKER_ROLE_PREFILL, v1::WORKER_ROLE_DECODE}) {
       worker::WorkerConfig c;
       c.role = role;
       c.model_dir = model;
@@ -82,7 +83,8 @@ int Run(const Args& args) {
         std::fprintf(stderr, "worker: %s\n", w.status().ToString().c_str());
         return 1;
       }
-      (role == v1::WORKER_ROLE_PREFILL ? p->prefill : p->decode) = *std::move(w);
+      (role == v1::WORKER_ROLE_PREFILL ? p->prefill : p->decode) =
+          *std::move(w);
     }
     pairs.push_back(std::move(p));
   }

@@ -132,7 +132,8 @@ int RunWorkerWithRole(const std::string& role_name) {
   config.listen_host = absl::GetFlag(FLAGS_host);
   config.port = std::max(0, absl::GetFlag(FLAGS_port));
   config.advertise_host = absl::GetFlag(FLAGS_advertise);
-  auto transport = kv_transfer::ParseKvTransport(absl::GetFlag(FLAGS_kv_transport));
+  auto transport =
+      kv_transfer::ParseKvTransport(absl::GetFlag(FLAGS_kv_transport));
   if (!transport.ok()) return ReportError(transport.status());
   config.kv_transport = *transport;
   config.kv_cuda_device = absl::GetFlag(FLAGS_kv_cuda_device);
@@ -156,8 +157,8 @@ int RunWorkerWithRole(const std::string& role_name) {
     rc.router = router;
     rc.address = (*server)->address();
     rc.role = *role;
-    auto r = worker::RouterRegistration::Start(rc,
-                                               tls::InternalChannelCredentials());
+    auto r = worker::RouterRegistration::Start(
+        rc, tls::InternalChannelCredentials());
     if (!r.ok()) return ReportError(r.status());
     registration = *std::move(r);
   }
@@ -440,8 +441,9 @@ int RunUp(const std::vector<std::string>&) {
       "--policy=" + absl::GetFlag(FLAGS_policy),
       "--local-prefill-threshold=" +
           std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
-  const int http_port =
-      absl::GetFlag(FLAGS_http_port) < 0 ? 8000 : absl::GetFlag(FLAGS_http_port);
+  const int http_port = absl::GetFlag(FLAGS_http_port) < 0
+                            ? 8000
+                            : absl::GetFlag(FLAGS_http_port);
   router_args.push_back("--http-port=" + std::to_string(http_port));
   if (!absl::GetFlag(FLAGS_served_model_name).empty())
     router_args.push_back("--served-model-name=" +

@@ -1,7 +1,5 @@
 #include "common/tls.h"
 
-#include "common/logging.h"
-
 #include <grpc/grpc_security_constants.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_certificate_verifier.h>
@@ -14,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/logging.h"
 
 namespace pdserve::tls {
 namespace {

@@ -2,8 +2,8 @@
 // and internal channels must not speak plaintext: a forgotten Install() can
 // never silently downgrade the cluster (this binary does not link
 // tests/support/plaintext_tls.cc).
-#include <grpcpp/grpcpp.h>
 #include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +26,8 @@ TEST(TlsFailClosedTest, NothingIsPlaintextUntilInstallAsksForIt) {
   EXPECT_TRUE(Enabled());  // the default is TLS, not plaintext
   auto server_creds = InternalServerCredentials();
   ASSERT_FALSE(server_creds.ok());
-  EXPECT_EQ(server_creds.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server_creds.status().code(),
+            absl::StatusCode::kFailedPrecondition);
 
   // A plaintext server (made directly, as a misconfigured peer would be).
   // Answers every call with UNIMPLEMENTED: enough to have a service.

@@ -58,8 +58,8 @@ class PinnedStaging final : public HostStagingBuffer {
   static absl::StatusOr<std::unique_ptr<HostStagingBuffer>> Create(
       size_t bytes) {
     void* p = nullptr;
-    PDSERVE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, std::max<size_t>(bytes, 1),
-                                               cudaHostAllocPortable));
+    PDSERVE_CUDA_RETURN_IF_ERROR(
+        cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
     return std::unique_ptr<HostStagingBuffer>(new PinnedStaging(p, bytes));
   }
   ~PinnedStaging() override { cudaFreeHost(data_); }
@@ -98,8 +98,8 @@ class CudaKvStorage final : public KvStorage {
     s.data_bytes = static_cast<size_t>(spec_.LayerBlockBytes());
     s.data = static_cast<uint8_t*>(v.data) + block * s.data_bytes;
     if (v.scales != nullptr) {
-      s.scale_bytes = 2 * static_cast<size_t>(spec_.num_kv_heads) *
-                      sizeof(float);
+      s.scale_bytes =
+          2 * static_cast<size_t>(spec_.num_kv_heads) * sizeof(float);
       s.scales = v.scales + block * 2 * spec_.num_kv_heads;
     }
     s.memory = memory();
@@ -136,9 +136,8 @@ class CudaKvStorage final : public KvStorage {
     PDSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(dst, src, bytes, kind, copy_stream_));
     if (scale_bytes > 0 && dst_scales != nullptr && src_scales != nullptr) {
-      PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst_scales, src_scales,
-                                                   scale_bytes, kind,
-                                                   copy_stream_));
+      PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          dst_scales, src_scales, scale_bytes, kind, copy_stream_));
     }
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
     return absl::OkStatus();
@@ -371,9 +370,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CudaBackend::Create(
   RETURN_IF_ERROR(config.Validate());
   const ModelConfig& c = weights->config;
   if (c.num_experts > 0) {
-    return absl::UnimplementedError(absl::StrCat(
-        c.architecture, ": Mixture-of-Experts layers run on the CPU backend "
-        "only (no CUDA MoE path yet)"));
+    return absl::UnimplementedError(
+        absl::StrCat(c.architecture,
+                     ": Mixture-of-Experts layers run on the CPU backend "
+                     "only (no CUDA MoE path yet)"));
   }
   if (config.kv.num_layers != c.num_layers ||
       config.kv.num_kv_heads != c.num_kv_heads ||

@@ -4,14 +4,13 @@
 // pick the same token for the same logits, seed and position. Exact
 // equality is expected; the only allowed difference (a uniform within
 // ~1e-15 of a CDF boundary) does not occur on these inputs.
-#include "kernels/cuda/sampling.cuh"
-
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/sampling.h"
+#include "kernels/cuda/sampling.cuh"
 #include "kernels/cuda/test_util.h"
 
 namespace pdserve::kernels::cuda {

@@ -30,8 +30,8 @@ absl::Status CheckRequestFieldCaps(std::string_view request_id,
                                    std::string_view cache_salt) {
   if (request_id.size() > kMaxRequestIdBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("request_id is ", request_id.size(),
-                     " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
+        absl::StrCat("request_id is ", request_id.size(), " bytes; at most ",
+                     kMaxRequestIdBytes, " are allowed"));
   }
   if (cache_salt.size() > kMaxCacheSaltBytes) {
     return absl::InvalidArgumentError(
@@ -53,7 +53,8 @@ absl::Status EngineConfig::Validate() const {
                      WeightDtypeName(weight_dtype)));
   }
   if (matmul == kernels::MatMulMode::kBf16Dot &&
-      weight_dtype != WeightDtype::kAuto && weight_dtype != WeightDtype::kBF16) {
+      weight_dtype != WeightDtype::kAuto &&
+      weight_dtype != WeightDtype::kBF16) {
     return absl::InvalidArgumentError(
         absl::StrCat("--matmul bf16dot needs --weight-dtype bf16 or auto, got ",
                      WeightDtypeName(weight_dtype)));
@@ -71,10 +72,9 @@ absl::Status EngineConfig::Validate() const {
   if (max_waiting_requests < 1 || max_queued_calls < 1 ||
       max_pending_reservations < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "max_waiting_requests (", max_waiting_requests,
-        "), max_queued_calls (", max_queued_calls,
-        ") and max_pending_reservations (", max_pending_reservations,
-        ") must be at least 1"));
+        "max_waiting_requests (", max_waiting_requests, "), max_queued_calls (",
+        max_queued_calls, ") and max_pending_reservations (",
+        max_pending_reservations, ") must be at least 1"));
   }
   if (!kv_offload.dir.empty() && device != Device::kCpu) {
     return absl::InvalidArgumentError(
@@ -100,7 +100,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   bc.gpu_memory_utilization = config.gpu_memory_utilization;
   bc.max_num_batched_tokens = config.max_num_batched_tokens;
   bc.gpu_reference_math = config.gpu_reference_math;
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(weights, bc));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   CreateBackend(weights, bc));
   EngineConfig c = config;
   if (c.max_model_len == 0 || c.max_model_len > mc.max_position_embeddings) {
     c.max_model_len = static_cast<int32_t>(
@@ -113,11 +114,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                      KvFileTier::Create(c.kv_offload, engine->fingerprint_,
                                         engine->kv_spec()));
     Engine* e = engine.get();
-    e->blocks_.set_tier_hooks(
-        {[e](int32_t block, const BlockHash& hash) {
-           e->tier_->Offer(hash, e->kv_storage(), block);
-         },
-         [e] { e->tier_->Clear(); }});
+    e->blocks_.set_tier_hooks({[e](int32_t block, const BlockHash& hash) {
+                                 e->tier_->Offer(hash, e->kv_storage(), block);
+                               },
+                               [e] { e->tier_->Clear(); }});
   }
   return engine;
 }
@@ -167,12 +167,11 @@ absl::Status Engine::Validate(const EngineRequest& request) const {
                      config_.max_model_len));
   }
   if (BlocksFor(total) > blocks_.num_blocks()) {
-    return WithCause(
-        absl::ResourceExhaustedError(
-            absl::StrCat("request needs ", BlocksFor(total),
+    return WithCause(absl::ResourceExhaustedError(absl::StrCat(
+                         "request needs ", BlocksFor(total),
                          " KV blocks but the whole cache has ",
                          blocks_.num_blocks(), "; it can never be scheduled")),
-        StatusCause::kNeverFits);
+                     StatusCause::kNeverFits);
   }
   if (seqs_.count(request.id)) {
     return absl::AlreadyExistsError(
@@ -290,10 +289,10 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
   const int32_t computed = (num_hits + loaded) * config_.block_size;
   // A failed load leaves fewer tokens computed: the chunk stays within the
   // blocks just allocated.
-  const int32_t n = std::min(
-      {len - computed, budget,
-       static_cast<int32_t>(seq->blocks.size()) * config_.block_size -
-           computed});
+  const int32_t n =
+      std::min({len - computed, budget,
+                static_cast<int32_t>(seq->blocks.size()) * config_.block_size -
+                    computed});
   seq->num_computed = computed;
   seq->num_committed = num_hits;
   // Loaded blocks join the prefix cache at once (stored events), so that a
@@ -310,11 +309,10 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
 
 int32_t Engine::LoadFromTier(Sequence* seq, int32_t first, int32_t n) {
   int32_t loaded = 0;
-  while (loaded < n &&
-         tier_
-             ->Load(seq->hashes[first + loaded], kv_storage(),
-                    seq->blocks[first + loaded])
-             .ok()) {
+  while (loaded < n && tier_
+                           ->Load(seq->hashes[first + loaded], kv_storage(),
+                                  seq->blocks[first + loaded])
+                           .ok()) {
     ++loaded;
   }
   return loaded;
@@ -473,11 +471,10 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   if (need + hits_idle > blocks_.num_free()) {
-    return WithCause(
-        absl::ResourceExhaustedError(
-            absl::StrCat("KV cache full: need ", need + hits_idle,
+    return WithCause(absl::ResourceExhaustedError(absl::StrCat(
+                         "KV cache full: need ", need + hits_idle,
                          " free blocks, have ", blocks_.num_free())),
-        StatusCause::kPoolBusy);
+                     StatusCause::kPoolBusy);
   }
   blocks_.Acquire(hits);
   seq->blocks = hits;

@@ -54,8 +54,8 @@ struct EngineConfig {
   // Bounds on work queued ahead of the engine thread, so that a burst of
   // requests costs memory in proportion to these caps, not to the burst.
   // Beyond each cap new work is refused with RESOURCE_EXHAUSTED.
-  int32_t max_waiting_requests = 1024;  // admitted, waiting for blocks
-  int32_t max_queued_calls = 4096;      // EngineLoop: Submit/Reserve queued
+  int32_t max_waiting_requests = 1024;      // admitted, waiting for blocks
+  int32_t max_queued_calls = 4096;          // EngineLoop: Submit/Reserve queued
   int32_t max_pending_reservations = 1024;  // EngineLoop: waiting for blocks
   // CPU only: a local-file tier below the pool (engine/kv_tier.h); evicted
   // prefix blocks go there and come back on a prefix hit. Off when empty.
@@ -164,9 +164,9 @@ class Engine {
   // takes blocks for the whole prompt now (reusing cached prefix blocks), or
   // fails with RESOURCE_EXHAUSTED if they are not free at the moment (the
   // caller retries within its deadline; the cause is kPoolBusy, while one
-  // that could never fit carries kNeverFits). The sequence is not scheduled until
-  // CompleteReservation: the prompt's KV has arrived and `first_token` was
-  // sampled by the prefill worker. Returns the finish reason if the first
+  // that could never fit carries kNeverFits). The sequence is not scheduled
+  // until CompleteReservation: the prompt's KV has arrived and `first_token`
+  // was sampled by the prefill worker. Returns the finish reason if the first
   // token already ends the request (its blocks are then released).
   absl::StatusOr<Reservation> Reserve(EngineRequest request);
   absl::StatusOr<FinishReason> CompleteReservation(const std::string& id,

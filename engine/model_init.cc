@@ -93,8 +93,8 @@ constexpr PresetShape kPresets[] = {
      true, true},
     // Llama 3.2 1B at full size (random weights, byte tokenizer over the
     // real 128256-entry vocabulary): for benchmarks and accuracy figures.
-    {"llama3.2-1b", "LlamaForCausalLM", 2048, 8192, 16, 32, 8, 64, 131072,
-     5e5, 1e-5, false, false, true, false, 128256, DType::kBF16},
+    {"llama3.2-1b", "LlamaForCausalLM", 2048, 8192, 16, 32, 8, 64, 131072, 5e5,
+     1e-5, false, false, true, false, 128256, DType::kBF16},
     // Mixtral 8x7B: 8 experts of intermediate_size, softmax top-2
     // renormalised, GQA 4:1, rope_theta 1e6, untied.
     {.name = "mixtral",

@@ -23,14 +23,14 @@ absl::Status SamplingParams::Validate() const {
       return absl::InvalidArgumentError("stop strings must not be empty");
   }
   if (top_logprobs > kMaxTopLogprobs)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "top_logprobs must be at most ", kMaxTopLogprobs, ", got ",
-        top_logprobs));
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be at most ", kMaxTopLogprobs, ", got ",
+                     top_logprobs));
   return absl::OkStatus();
 }
 
-TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab,
-                              int32_t token, uint32_t top_n) {
+TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab, int32_t token,
+                              uint32_t top_n) {
   float max = logits[0];
   for (int64_t i = 1; i < vocab; ++i) max = std::max(max, logits[i]);
   double sum = 0;

@@ -46,8 +46,8 @@ struct TokenLogprobs {
 // top-p, as OpenAI and vLLM report them) at `token`, and the `top_n` largest.
 // The normaliser is summed in double in index order, so equal logits give
 // bit-identical results on every path.
-TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab,
-                              int32_t token, uint32_t top_n);
+TokenLogprobs ComputeLogprobs(const float* logits, int64_t vocab, int32_t token,
+                              uint32_t top_n);
 
 // Philox4x32 with 10 rounds (Salmon et al., SC'11).
 std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> counter,

@@ -148,8 +148,8 @@ int64_t ModelWeights::ParameterBytes() const {
   int64_t n = output_matrix().bytes();
   int64_t floats = static_cast<int64_t>(norm.size());
   for (const auto& l : layers) {
-    n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() +
-         l.down.bytes() + l.moe.bytes();
+    n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes() +
+         l.moe.bytes();
     floats += l.input_norm.size() + l.qkv_bias.size() + l.q_norm.size() +
               l.k_norm.size() + l.post_norm.size();
   }
@@ -157,8 +157,8 @@ int64_t ModelWeights::ParameterBytes() const {
 }
 
 absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
-                                               WeightDtype dtype,
-                                               kernels::MatMulMode mode) {
+                                                WeightDtype dtype,
+                                                kernels::MatMulMode mode) {
   const bool blas = mode == kernels::MatMulMode::kBlas;
   if (blas && dtype != WeightDtype::kAuto && dtype != WeightDtype::kF32) {
     return absl::InvalidArgumentError(
@@ -272,13 +272,13 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
       w.layers.push_back(std::move(l));
       continue;
     }
-    RETURN_IF_ERROR(src.Append(p + "mlp.gate_proj.weight",
-                               {c.intermediate_size, h}, &tmp));
-    RETURN_IF_ERROR(src.Append(p + "mlp.up_proj.weight",
-                               {c.intermediate_size, h}, &tmp));
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, &tmp));
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.up_proj.weight", {c.intermediate_size, h}, &tmp));
     l.gate_up = pack(2 * c.intermediate_size, h);
-    RETURN_IF_ERROR(src.Append(p + "mlp.down_proj.weight",
-                               {h, c.intermediate_size}, &tmp));
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.down_proj.weight", {h, c.intermediate_size}, &tmp));
     l.down = pack(h, c.intermediate_size);
     w.layers.push_back(std::move(l));
   }

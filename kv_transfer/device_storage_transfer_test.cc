@@ -80,7 +80,8 @@ class DeviceStorageTransferTest : public ::testing::TestWithParam<DType> {
       ASSERT_TRUE((*session)->SendLayers(l, l + 1).ok());
     auto stats = (*session)->Finish();
     ASSERT_TRUE(stats.ok()) << stats.status();
-    EXPECT_EQ(stats->spans, static_cast<uint64_t>((n - skip) * spec_.num_layers));
+    EXPECT_EQ(stats->spans,
+              static_cast<uint64_t>((n - skip) * spec_.num_layers));
     ASSERT_TRUE(
         receiver_->Wait(id, absl::Seconds(20), absl::Now() + absl::Seconds(30))
             .ok());

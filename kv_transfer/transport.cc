@@ -36,8 +36,8 @@ const char* KvTransportName(KvTransportKind kind) {
 absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name) {
   if (name == "grpc") return KvTransportKind::kGrpc;
   if (name == "nccl") return KvTransportKind::kNccl;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--kv-transport must be grpc or nccl, got \"", name, "\""));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-transport must be grpc or nccl, got \"", name, "\""));
 }
 
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {

@@ -68,10 +68,11 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   // pinned and held blocks go back. Only once the session no longer reads.
   // (If the loop has stopped, so has the engine: nothing is left to free.)
   auto release = [&](const std::vector<int32_t>& held) {
-    loop_->Call([&](engine::Engine& e) {
-           if (streamer) e.ReleaseBlocks(streamer->Close());
-           e.ReleaseBlocks(held);
-         })
+    loop_
+        ->Call([&](engine::Engine& e) {
+          if (streamer) e.ReleaseBlocks(streamer->Close());
+          e.ReleaseBlocks(held);
+        })
         .IgnoreError();
   };
   // Gives up on the request at any point. The release runs on the engine
@@ -80,10 +81,11 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   // unread final output holds go back with the streamer's pins.
   auto abandon = [&](grpc::Status why) {
     session.Cancel();
-    loop_->Call([&](engine::Engine& e) {
-           loop_->DetachStream(req.id, stream->get());
-           if (streamer) e.ReleaseBlocks(streamer->Close());
-         })
+    loop_
+        ->Call([&](engine::Engine& e) {
+          loop_->DetachStream(req.id, stream->get());
+          if (streamer) e.ReleaseBlocks(streamer->Close());
+        })
         .IgnoreError();
     return why;
   };

@@ -1,7 +1,7 @@
 #include "router/router_service.h"
 
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -260,18 +260,21 @@ TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
   // Before roles were enums such a worker registered and was never routed to.
   RecordingWorker worker;
   StartRouter(&worker);
-  auto control = v1::RouterControl::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials()));
+  auto control = v1::RouterControl::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_),
+                          grpc::InsecureChannelCredentials()));
   auto register_as = [&](v1::WorkerRole role) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
     v1::RegisterWorkerRequest req;
     req.set_address("127.0.0.1:1");
     req.set_role(role);
     v1::RegisterWorkerResponse resp;
     return control->RegisterWorker(&ctx, req, &resp);
   };
-  for (auto role : {v1::WORKER_ROLE_UNSPECIFIED, static_cast<v1::WorkerRole>(42)}) {
+  for (auto role :
+       {v1::WORKER_ROLE_UNSPECIFIED, static_cast<v1::WorkerRole>(42)}) {
     const grpc::Status st = register_as(role);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(st.error_message(), HasSubstr("unknown worker role"));

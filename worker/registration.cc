@@ -32,9 +32,9 @@ RouterRegistration::RouterRegistration(
     const RegistrationConfig& config,
     std::shared_ptr<grpc::ChannelCredentials> credentials)
     : config_(config),
-      stub_(v1::RouterControl::NewStub(grpc::CreateCustomChannel(
-          config.router, std::move(credentials),
-          wire::InternalChannelArgs()))) {}
+      stub_(v1::RouterControl::NewStub(
+          grpc::CreateCustomChannel(config.router, std::move(credentials),
+                                    wire::InternalChannelArgs()))) {}
 
 RouterRegistration::~RouterRegistration() { Stop(); }
 

@@ -37,7 +37,9 @@ class FakeRouterControl final : public v1::RouterControl::Service {
   }
   bool WaitForCalls(int n, absl::Duration timeout) {
     absl::MutexLock l(&mu_);
-    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return calls_ >= n; };
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return calls_ >= n;
+    };
     return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
   }
   v1::RegisterWorkerRequest last() {
@@ -60,7 +62,8 @@ class RouterRegistrationTest : public ::testing::Test {
  protected:
   void SetUp() override {
     grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                       &port_);
     b.RegisterService(&router_);
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
@@ -83,7 +86,8 @@ class RouterRegistrationTest : public ::testing::Test {
 };
 
 TEST_F(RouterRegistrationTest, RegistersAtOnceAndRepeatsAsHeartbeat) {
-  auto r = RouterRegistration::Start(Config(), grpc::InsecureChannelCredentials());
+  auto r =
+      RouterRegistration::Start(Config(), grpc::InsecureChannelCredentials());
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE(router_.WaitForCalls(3, absl::Seconds(20)));
   EXPECT_EQ(router_.last().address(), "10.0.0.7:4000");
@@ -124,7 +128,8 @@ TEST_F(RouterRegistrationTest, InvalidConfigIsRefused) {
             absl::StatusCode::kInvalidArgument);
   c = Config();
   c.router.clear();
-  EXPECT_FALSE(RouterRegistration::Start(c, grpc::InsecureChannelCredentials()).ok());
+  EXPECT_FALSE(
+      RouterRegistration::Start(c, grpc::InsecureChannelCredentials()).ok());
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ Result Generate(const std::string& worker, const std::string& prefill,
   req.mutable_sampling()->set_seed(seed);
   req.set_prefill_address(prefill);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::seconds(120));
   auto reader = stub->Generate(&ctx, req);
   Result r;
   v1::WorkerGenerateResponse resp;
@@ -109,12 +110,12 @@ TEST_F(WorkerGpuTest, OneGpuPrefillDecodePairOverGrpcEqualsColocated) {
           Generate((*both)->address(), "", "colocated", temperature, seed);
       ASSERT_TRUE(want.status.ok()) << want.status.error_message();
       const auto t0 = std::chrono::steady_clock::now();
-      const Result got = Generate((*decode)->address(), (*prefill)->address(),
-                                  absl::StrCat("disagg-", seed), temperature,
-                                  seed);
-      const double s = std::chrono::duration<double>(
-                           std::chrono::steady_clock::now() - t0)
-                           .count();
+      const Result got =
+          Generate((*decode)->address(), (*prefill)->address(),
+                   absl::StrCat("disagg-", seed), temperature, seed);
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
       ASSERT_TRUE(got.status.ok()) << got.status.error_message();
       EXPECT_EQ(got.tokens, want.tokens)
           << DTypeName(kv) << " temperature " << temperature;

@@ -227,10 +227,9 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         "pdserve_kv_tier_blocks", "KV tier blocks by state", {"state"}));
     auto* tier_stored = metrics::Must(tier_blocks->WithLabels({"stored"}));
     auto* tier_writing = metrics::Must(tier_blocks->WithLabels({"writing"}));
-    auto* tier_bytes = metrics::Must(
-        r.AddCounter("pdserve_kv_tier_bytes_total",
-                     "Bytes written to and read from the KV tier",
-                     {"direction"}));
+    auto* tier_bytes = metrics::Must(r.AddCounter(
+        "pdserve_kv_tier_bytes_total",
+        "Bytes written to and read from the KV tier", {"direction"}));
     auto* tier_written = metrics::Must(tier_bytes->WithLabels({"written"}));
     auto* tier_read = metrics::Must(tier_bytes->WithLabels({"read"}));
     auto* tier_failures_family = metrics::Must(r.AddCounter(
@@ -260,8 +259,8 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
           static_cast<double>(s.kv_tier.hit_tokens - last->kv_tier.hit_tokens));
       tier_stored->Set(static_cast<double>(s.kv_tier.blocks_stored));
       tier_writing->Set(static_cast<double>(s.kv_tier.blocks_writing));
-      tier_written->Increment(static_cast<double>(
-          s.kv_tier.bytes_written - last->kv_tier.bytes_written));
+      tier_written->Increment(static_cast<double>(s.kv_tier.bytes_written -
+                                                  last->kv_tier.bytes_written));
       tier_read->Increment(
           static_cast<double>(s.kv_tier.bytes_read - last->kv_tier.bytes_read));
       for (int f = 0; f < engine::kNumKvTierFailures; ++f) {
@@ -313,10 +312,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->config = config;
   impl->serves_prefill = wire::ServesPrefill(config.role);
   impl->serves_decode = wire::ServesDecode(config.role);
-  ASSIGN_OR_RETURN(engine::ModelWeights loaded,
-                   engine::ModelWeights::Load(config.model_dir,
-                                              config.engine.weight_dtype,
-                                              config.engine.matmul));
+  ASSIGN_OR_RETURN(
+      engine::ModelWeights loaded,
+      engine::ModelWeights::Load(config.model_dir, config.engine.weight_dtype,
+                                 config.engine.matmul));
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const std::string fingerprint =
@@ -382,7 +381,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   if (config.grpc_memory_quota_bytes > 0) {
     grpc::ResourceQuota quota("pdserve-worker");
     quota.Resize(static_cast<size_t>(config.grpc_memory_quota_bytes));
-    if (config.grpc_max_threads > 0) quota.SetMaxThreads(config.grpc_max_threads);
+    if (config.grpc_max_threads > 0)
+      quota.SetMaxThreads(config.grpc_max_threads);
     builder.SetResourceQuota(quota);
   }
   builder.RegisterService(impl.get());
@@ -411,7 +411,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->decode = std::make_unique<decode::DecodeHandler>(
       impl->loop.get(), impl->receiver.get(),
       decode::DecodeOptions{impl->id, impl->address, config.admission_timeout,
-                    config.kv_stall_timeout});
+                            config.kv_stall_timeout});
   impl->RegisterMetrics(*registry);
   impl->ready.store(true, std::memory_order_release);
   return std::unique_ptr<WorkerServer>(new WorkerServer(std::move(impl)));

@@ -41,7 +41,8 @@ struct WorkerConfig {
   // nccl needs a CUDA+NCCL build and a visible GPU (FAILED_PRECONDITION at
   // Start otherwise); its control plane is the KvTransfer.Control stream of
   // this worker's gRPC server.
-  kv_transfer::KvTransportKind kv_transport = kv_transfer::KvTransportKind::kGrpc;
+  kv_transfer::KvTransportKind kv_transport =
+      kv_transfer::KvTransportKind::kGrpc;
   int kv_cuda_device =
       0;  // nccl: the GPU whose communicators this worker joins
   // Tests only: replaces NCCL (e.g. the in-process fake). Must outlive the

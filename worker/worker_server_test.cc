@@ -22,8 +22,9 @@ using ::testing::HasSubstr;
 class WorkerServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(std::filesystem::temp_directory_path() /
-                           ("pdserve_worker_server_" + std::to_string(::getpid())));
+    dir_ = new std::string(
+        std::filesystem::temp_directory_path() /
+        ("pdserve_worker_server_" + std::to_string(::getpid())));
     engine::ModelInitOptions options;
     options.preset = "tiny";
     options.out_dir = *dir_;
@@ -52,14 +53,17 @@ TEST_F(WorkerServerTest, RpcsDuringStartUpAreRefusedWithUnavailable) {
     WorkerConfig c = Config(role);
     int calls = 0;
     c.after_listen_for_test = [&](int port) {
-      auto stub = v1::Worker::NewStub(grpc::CreateChannel(
-          absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
-      auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
+      auto stub = v1::Worker::NewStub(
+          grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                              grpc::InsecureChannelCredentials()));
+      auto deadline =
+          std::chrono::system_clock::now() + std::chrono::seconds(10);
       {
         grpc::ClientContext ctx;
         ctx.set_deadline(deadline);
         v1::WorkerStatus status;
-        grpc::Status st = stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
+        grpc::Status st =
+            stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status);
         EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
         EXPECT_THAT(st.error_message(), HasSubstr("starting"));
         ++calls;
@@ -95,7 +99,8 @@ TEST_F(WorkerServerTest, RpcsDuringStartUpAreRefusedWithUnavailable) {
     auto stub = v1::Worker::NewStub(grpc::CreateChannel(
         (*server)->address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
     v1::WorkerStatus status;
     ASSERT_TRUE(stub->GetStatus(&ctx, v1::WorkerInfoRequest(), &status).ok());
     EXPECT_EQ(status.role(), role);
@@ -108,7 +113,8 @@ TEST_F(WorkerServerTest, RpcsDuringStartUpAreRefusedWithUnavailable) {
 
 TEST_F(WorkerServerTest, UnknownRoleIsRejected) {
   metrics::Registry registry;
-  for (auto role : {v1::WORKER_ROLE_UNSPECIFIED, static_cast<v1::WorkerRole>(9)}) {
+  for (auto role :
+       {v1::WORKER_ROLE_UNSPECIFIED, static_cast<v1::WorkerRole>(9)}) {
     auto server = WorkerServer::Start(Config(role), &registry);
     ASSERT_FALSE(server.ok());
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);

@@ -20,7 +20,8 @@ v1::KvLayout ToProto(const KvLayout& l) {
   p.set_kv_heads(l.kv_heads);
   p.set_head_dim(l.head_dim);
   p.set_block_size(l.block_size);
-  p.set_dtype(l.dtype ? wire::DTypeToProto(*l.dtype) : v1::KV_DTYPE_UNSPECIFIED);
+  p.set_dtype(l.dtype ? wire::DTypeToProto(*l.dtype)
+                      : v1::KV_DTYPE_UNSPECIFIED);
   return p;
 }
 
@@ -142,11 +143,11 @@ class GrpcSendSession : public KvSendSession {
                            scale_bytes ? at + bytes : nullptr, scale_bytes,
                            staging_[current_].tracker);
         } else {
-          encoder_.AddSpan(
-              static_cast<uint32_t>(layer), static_cast<uint32_t>(index),
-              static_cast<const uint8_t*>(span.data), bytes,
-              reinterpret_cast<const uint8_t*>(span.scales), scale_bytes,
-              tracker_);
+          encoder_.AddSpan(static_cast<uint32_t>(layer),
+                           static_cast<uint32_t>(index),
+                           static_cast<const uint8_t*>(span.data), bytes,
+                           reinterpret_cast<const uint8_t*>(span.scales),
+                           scale_bytes, tracker_);
         }
         stats_.bytes += bytes + scale_bytes;
         ++stats_.spans;
@@ -201,10 +202,10 @@ class GrpcSendSession : public KvSendSession {
       current_ ^= 1;
       s = &staging_[current_];
       if (!s->tracker->AwaitReleased(absl::Now() + timeout_)) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "KV stream to ", plan_.destination,
-            ": gRPC did not release a staging buffer within ",
-            absl::FormatDuration(timeout_)));
+        return absl::DeadlineExceededError(
+            absl::StrCat("KV stream to ", plan_.destination,
+                         ": gRPC did not release a staging buffer within ",
+                         absl::FormatDuration(timeout_)));
       }
       s->used = 0;
     }
@@ -398,8 +399,9 @@ std::shared_ptr<grpc::Channel> GrpcKvTransport::ChannelFor(
   absl::MutexLock l(&mu_);
   auto& ch = channels_[destination];
   if (!ch) {
-    ch = grpc::CreateCustomChannel(
-        destination, tls::InternalChannelCredentials(), wire::InternalChannelArgs());
+    ch = grpc::CreateCustomChannel(destination,
+                                   tls::InternalChannelCredentials(),
+                                   wire::InternalChannelArgs());
   }
   return ch;
 }

@@ -60,8 +60,7 @@ class Communicator {
   // out of wire staging without a trip through the host.
   virtual absl::Status CopyToWire(size_t offset, const void* src,
                                   size_t bytes) = 0;
-  virtual absl::Status CopyFromWire(size_t offset, void* dst,
-                                    size_t bytes) = 0;
+  virtual absl::Status CopyFromWire(size_t offset, void* dst, size_t bytes) = 0;
   // Sends and receives between GroupStart and GroupEnd are issued together
   // (ncclGroupStart/End), so several buffers travel as one operation.
   virtual absl::Status GroupStart() = 0;

@@ -81,8 +81,8 @@ void WriteLayout(Writer& w, const KvLayout& l) {
 bool ReadLayout(Reader& r, KvLayout* l) {
   int32_t dtype = 0;
   if (!(r.Str(&l->fingerprint) && r.I32(&l->num_layers) &&
-        r.I32(&l->kv_heads) && r.I32(&l->head_dim) &&
-        r.I32(&l->block_size) && r.I32(&dtype))) {
+        r.I32(&l->kv_heads) && r.I32(&l->head_dim) && r.I32(&l->block_size) &&
+        r.I32(&dtype))) {
     return false;
   }
   l->dtype = wire::DTypeFromProto(static_cast<v1::KvDtype>(dtype));

@@ -211,8 +211,8 @@ class FakeCommunicator : public Communicator {
   // Host memory stands in for device memory here.
   absl::Status CopyToWire(size_t offset, const void* src,
                           size_t bytes) override {
-    return EnqueueCopy(wire_.data() + offset,
-                       static_cast<const uint8_t*>(src), offset, bytes);
+    return EnqueueCopy(wire_.data() + offset, static_cast<const uint8_t*>(src),
+                       offset, bytes);
   }
   absl::Status CopyFromWire(size_t offset, void* dst, size_t bytes) override {
     return EnqueueCopy(static_cast<uint8_t*>(dst), wire_.data() + offset,

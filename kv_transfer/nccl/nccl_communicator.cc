@@ -161,16 +161,16 @@ class NcclCommunicator : public Communicator {
                           size_t bytes) override {
     RETURN_IF_ERROR(Alive());
     RETURN_IF_ERROR(InRange(offset, bytes));
-    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        wire_ + offset, src, bytes, cudaMemcpyDefault, stream_));
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(wire_ + offset, src, bytes,
+                                                 cudaMemcpyDefault, stream_));
     return absl::OkStatus();
   }
 
   absl::Status CopyFromWire(size_t offset, void* dst, size_t bytes) override {
     RETURN_IF_ERROR(Alive());
     RETURN_IF_ERROR(InRange(offset, bytes));
-    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        dst, wire_ + offset, bytes, cudaMemcpyDefault, stream_));
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, wire_ + offset, bytes,
+                                                 cudaMemcpyDefault, stream_));
     return absl::OkStatus();
   }
 

@@ -666,7 +666,6 @@ TEST(NcclConfigTest, RejectsZeroLimitsAndTimeouts) {
   EXPECT_FALSE((NcclReceiverConfig{1, absl::Seconds(-1)}.Validate().ok()));
 }
 
-
 // One decode worker of the LRU test: its own pool, receiver and endpoint,
 // listening on `name` of the shared fake network.
 struct DecodeEnd {
@@ -678,8 +677,8 @@ struct DecodeEnd {
                                             KvLayout::FromSpec(spec, kModel));
     NcclReceiverConfig config;
     config.timeout = absl::Seconds(10);
-    endpoint = std::make_unique<NcclKvReceiveEndpoint>(receiver.get(), comms,
-                                                       config);
+    endpoint =
+        std::make_unique<NcclKvReceiveEndpoint>(receiver.get(), comms, config);
     network->Listen(name, [this](std::unique_ptr<ControlChannel> channel) {
       endpoint->Serve(std::move(channel));
     });
@@ -758,7 +757,6 @@ TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
   EXPECT_FALSE(config.Validate().ok());
 }
 
-
 TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
     FakeCommunicatorFactory comms;
@@ -766,7 +764,8 @@ TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
     const engine::KvCacheSpec spec = Spec(dtype);
     auto decode_pool = *engine::KvPool::Create(spec, 16);
     kv_transfer::testing::DeviceFacedStorage decode_storage(
-        decode_pool.get(), kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
+        decode_pool.get(),
+        kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
     KvReceiver receiver(&decode_storage, KvLayout::FromSpec(spec, kModel));
     NcclReceiverConfig rc;
     rc.timeout = absl::Seconds(10);
@@ -784,7 +783,8 @@ TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
     const uint64_t id = receiver.Expect("req", reserved, 1);
     Prefill prefill(spec, id, "req", 5, 1, 77);
     kv_transfer::testing::DeviceFacedStorage prefill_storage(
-        prefill.pool.get(), kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
+        prefill.pool.get(),
+        kv_transfer::testing::DeviceFacedStorage::kRefuseHostCopies);
     auto session = transport.Open(prefill.plan, &prefill_storage);
     ASSERT_TRUE(session.ok()) << session.status();
     for (int l = 0; l < spec.num_layers; ++l)

@@ -171,9 +171,8 @@ class ReceiveLink {
           t.reservation_id, refs,
           [&](std::span<const engine::KvSpan> targets) -> absl::Status {
             for (size_t i = 0; i < targets.size(); ++i) {
-              RETURN_IF_ERROR(comm_->CopyFromWire(i * data_bytes_,
-                                                  targets[i].data,
-                                                  data_bytes_));
+              RETURN_IF_ERROR(comm_->CopyFromWire(
+                  i * data_bytes_, targets[i].data, data_bytes_));
               if (scale_bytes_ > 0) {
                 RETURN_IF_ERROR(
                     comm_->CopyFromWire(data_total + i * scale_bytes_,

@@ -281,8 +281,7 @@ class NcclSendSession : public KvSendSession {
       if (!device) {
         RETURN_IF_ERROR(pool_->CopyToHost(
             span.name.layer, span.physical, host + i * data_bytes_,
-            scale_bytes_ > 0 ? host + data_total + i * scale_bytes_
-                             : nullptr));
+            scale_bytes_ > 0 ? host + data_total + i * scale_bytes_ : nullptr));
       }
       manifest.spans.push_back(span.name);
     }

@@ -903,11 +903,11 @@ class Soak {
   void MalformedHttp(std::mt19937_64* rng) {
     static const char* const kBodies[] = {
         "{\"model\": \"x\", \"prompt\": ",                   // truncated JSON
-        "[1, 2, 3]",                                           // not an object
-        "{\"prompt\": \"hi\", \"max_tokens\": -5}",             // bad value
-        "{\"prompt\": \"hi\", \"n\": 3}",                       // n != 1
-        "{\"prompt\": {\"nested\": [[[[[[[[[[]]]]]]]]]]}}",       // wrong type
-        "{\"messages\": \"not a list\"}",                       // chat, bad shape
+        "[1, 2, 3]",                                         // not an object
+        "{\"prompt\": \"hi\", \"max_tokens\": -5}",          // bad value
+        "{\"prompt\": \"hi\", \"n\": 3}",                    // n != 1
+        "{\"prompt\": {\"nested\": [[[[[[[[[[]]]]]]]]]]}}",  // wrong type
+        "{\"messages\": \"not a list\"}",                    // chat, bad shape
     };
     const size_t which = (*rng)() % (std::size(kBodies) + 1);
     std::string request;
