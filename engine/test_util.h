@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "engine/engine.h"
 #include "engine/model_init.h"
 #include "engine/weights.h"
 
@@ -37,6 +40,25 @@ inline std::shared_ptr<const ModelWeights> TinyWeights(
     slot = std::make_shared<const ModelWeights>(std::move(*w));
   }
   return slot;
+}
+
+// Steps `e` until it has no work (at most 10,000 steps); returns the tokens
+// generated per request id, and each request's final StepOutput in `last`.
+inline std::map<std::string, std::vector<int32_t>> DrainEngine(
+    Engine* e, std::map<std::string, StepOutput>* last = nullptr) {
+  std::map<std::string, std::vector<int32_t>> out;
+  for (int steps = 0; e->HasWork() && steps < 10000; ++steps) {
+    auto step = e->Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) break;
+    for (auto& o : *step) {
+      auto& v = out[o.id];
+      v.insert(v.end(), o.new_tokens.begin(), o.new_tokens.end());
+      if (last && o.finish != FinishReason::kNone) (*last)[o.id] = o;
+    }
+  }
+  EXPECT_FALSE(e->HasWork());
+  return out;
 }
 
 }  // namespace pdserve::engine::testing

@@ -54,17 +54,7 @@ class WeightDtypeEngineTest : public ::testing::TestWithParam<WeightDtype> {
   }
   static std::map<std::string, std::vector<int32_t>> Drain(
       Engine* e, std::map<std::string, StepOutput>* last = nullptr) {
-    std::map<std::string, std::vector<int32_t>> out;
-    for (int steps = 0; e->HasWork() && steps < 10000; ++steps) {
-      auto step = e->Step();
-      EXPECT_TRUE(step.ok()) << step.status();
-      for (auto& o : *step) {
-        auto& v = out[o.id];
-        v.insert(v.end(), o.new_tokens.begin(), o.new_tokens.end());
-        if (last && o.finish != FinishReason::kNone) (*last)[o.id] = o;
-      }
-    }
-    return out;
+    return testing::DrainEngine(e, last);
   }
 };
 
