@@ -3,6 +3,10 @@
 #include <arpa/inet.h>
 #include <sys/socket.h>
 
+#include <array>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
 namespace pdserve::testing {
 
 std::string Scrape(int port) {
@@ -34,6 +38,31 @@ double MetricValue(const std::string& text, const std::string& series) {
     }
   }
   return -1;
+}
+
+std::string RunCli(const std::string& bin, const std::string& args) {
+  std::string out;
+  FILE* p = popen((bin + " " + args + " 2>/dev/null").c_str(), "r");
+  if (p == nullptr) return out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0)
+    out.append(buf.data(), n);
+  pclose(p);
+  return out;
+}
+
+std::vector<uint32_t> IdsFromJson(const std::string& out) {
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  std::vector<uint32_t> ids;
+  if (j.is_discarded() || !j.is_object() || !j.contains("token_ids") ||
+      !j["token_ids"].is_array())
+    return ids;
+  for (const auto& id : j["token_ids"]) {
+    if (!id.is_number_unsigned()) return {};
+    ids.push_back(id.get<uint32_t>());
+  }
+  return ids;
 }
 
 }  // namespace pdserve::testing

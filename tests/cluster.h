@@ -243,4 +243,9 @@ inline v1::GenerateRequest Request(const std::string& prompt,
   return req;
 }
 
+// Runs `bin ARGS` through the shell (stderr dropped); returns its stdout.
+std::string RunCli(const std::string& bin, const std::string& args);
+// token_ids of `pdserve generate --json` output (empty if it is not that).
+std::vector<uint32_t> IdsFromJson(const std::string& out);
+
 }  // namespace pdserve::testing

@@ -20,29 +20,7 @@ namespace {
 using ::testing::HasSubstr;
 
 std::string RunCli(const std::string& args) {
-  std::string out;
-  FILE* p = popen(
-      (std::string(PDSERVE_BIN) + " " + args + " 2>/dev/null").c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0)
-    out.append(buf.data(), n);
-  pclose(p);
-  return out;
-}
-
-// token_ids of `pdserve generate --json` output (empty if it is not that).
-std::vector<uint32_t> IdsFromJson(const std::string& out) {
-  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
-  std::vector<uint32_t> ids;
-  if (j.is_discarded() || !j.is_object() || !j.contains("token_ids") ||
-      !j["token_ids"].is_array())
-    return ids;
-  for (const auto& id : j["token_ids"]) {
-    if (!id.is_number_unsigned()) return {};
-    ids.push_back(id.get<uint32_t>());
-  }
-  return ids;
+  return testing::RunCli(PDSERVE_BIN, args);
 }
 
 class MoeServingTest : public ::testing::TestWithParam<std::string> {};
