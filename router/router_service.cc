@@ -642,7 +642,22 @@ struct RouterServer::Impl final : public v1::Router::Service,
   // excluded and marked down), or the status that ends the call.
   grpc::Status DecideRetry(Call& call, const Route& route,
                            const grpc::Status& failure) {
-    if (failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+    // Past the call's deadline, whatever the worker answered is the deadline's
+    // doing, not the worker's: a worker whose propagated deadline fired a
+    // moment before ours answers CANCELLED ("request cancelled"), which must
+    // neither be retried nor mark the worker down.
+    const bool past_deadline =
+        failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        absl::Now() >= call.deadline;
+    if (past_deadline &&
+        call.deadline < call.start + config.request_timeout) {
+      if (failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+        return failure;
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("request deadline exceeded after ",
+                                       call.generated.size(), " tokens"));
+    }
+    if (past_deadline &&
         call.deadline == call.start + config.request_timeout) {
       m->LimitRejection("deadline");
       return grpc::Status(
