@@ -1,0 +1,83 @@
+// Peer pull (the cluster as a KV tier): when the prefill worker chosen for a
+// request lacks a prompt prefix that another live worker holds in its pool,
+// the router may tell the prefill worker to pull those blocks from the
+// holder over the KV transport instead of recomputing them. DecidePeerPull
+// makes that choice from the prefix index's counts and the rates the workers
+// measured and export in WorkerStatus; it pulls only when the estimated
+// transfer time is below the estimated recompute time.
+//
+// Pure functions over value inputs: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "pdserve/v1/internal.pb.h"
+#include "router/prefix_index.h"
+
+namespace pdserve::router {
+
+struct PeerPullConfig {
+  bool enabled = false;  // --peer-pull
+  // Pull only when recompute_s > min_speedup x transfer_s (1: whenever the
+  // transfer is estimated faster).
+  double min_speedup = 1.0;
+  // Fewer blocks to gain than this: not worth a round trip.
+  int32_t min_blocks = 1;
+  // Fixed cost of one pull (the holder RPC and the transfer handshake), s.
+  double overhead_seconds = 0.002;
+  // Used until a worker has measured and exported its own rate.
+  double default_prefill_tokens_per_second = 2000;
+  double default_transfer_bytes_per_second = 1e9;
+
+  absl::Status Validate() const;
+};
+
+// A worker that might hold the prompt's prefix.
+struct PeerPullCandidate {
+  WorkerIndex index = -1;
+  std::string address;  // empty: unknown, never pulled from
+  std::string id;
+  bool up = false;            // the registry's view; a down worker is skipped
+  bool same_cache = false;    // same cache fingerprint and block size as P
+  int32_t leading_blocks = 0; // leading prompt blocks it holds (index)
+  double transfer_bytes_per_second = 0;  // its measured send rate; 0: unknown
+};
+
+struct PeerPullInput {
+  WorkerIndex prefill = -1;       // the chosen prefill worker P
+  int32_t prefill_cached_blocks = 0;  // leading blocks P already holds
+  int32_t prompt_blocks = 0;          // full blocks of the prompt
+  int32_t block_size = 16;            // tokens per block
+  int64_t bytes_per_block = 0;        // KV bytes of one block, all layers
+  double prefill_tokens_per_second = 0;  // P's measured rate; 0: unknown
+  double prefill_transfer_bytes_per_second = 0;  // P's send rate; 0: unknown
+  std::vector<PeerPullCandidate> candidates;
+};
+
+struct PeerPullDecision {
+  bool pull = false;
+  WorkerIndex holder = -1;
+  std::string holder_address, holder_id;
+  int32_t blocks = 0;  // leading prompt blocks the holder holds
+  int32_t gain_blocks = 0;  // of them, blocks P lacks
+  double transfer_seconds = 0, recompute_seconds = 0;  // estimates
+  // "" when pulling; else why not: "disabled", "no_holder", "not_faster".
+  std::string reason;
+};
+
+// The best holder: the one with the most blocks P lacks (ties: the fastest
+// estimated transfer), if pulling them is estimated faster than recomputing.
+// Never P itself, a down or unknown worker, one with another cache identity,
+// or one holding no more than P.
+PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
+                                const PeerPullInput& input);
+
+// KV bytes of one block across all layers for a worker's layout (the int8
+// per-(block, head) scales included).
+int64_t BytesPerBlock(const v1::KvLayout& layout);
+
+}  // namespace pdserve::router

@@ -1,0 +1,159 @@
+#include "router/peer_pull.h"
+
+#include <gtest/gtest.h>
+
+namespace pdserve::router {
+namespace {
+
+class PeerPullTest : public ::testing::Test {
+ protected:
+  PeerPullTest() {
+    config_.enabled = true;
+    config_.overhead_seconds = 0.001;
+    input_.prefill = 0;
+    input_.prefill_cached_blocks = 0;
+    input_.prompt_blocks = 64;
+    input_.block_size = 16;
+    input_.bytes_per_block = 1 << 20;          // 1 MiB per block
+    input_.prefill_tokens_per_second = 1000;   // 16 ms per block
+  }
+  PeerPullCandidate Holder(WorkerIndex index, int32_t blocks,
+                           double bytes_per_second) {
+    PeerPullCandidate c;
+    c.index = index;
+    c.address = "127.0.0.1:" + std::to_string(9000 + index);
+    c.id = "w" + std::to_string(index);
+    c.up = true;
+    c.same_cache = true;
+    c.leading_blocks = blocks;
+    c.transfer_bytes_per_second = bytes_per_second;
+    return c;
+  }
+  PeerPullConfig config_;
+  PeerPullInput input_;
+};
+
+TEST_F(PeerPullTest, PullsWhenTransferIsFasterThanRecompute) {
+  // 32 blocks: recompute 512 tokens / 1000 = 0.512 s; transfer 32 MiB at
+  // 1 GB/s = 0.034 s.
+  input_.candidates = {Holder(1, 32, 1e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.holder, 1);
+  EXPECT_EQ(d.holder_address, "127.0.0.1:9001");
+  EXPECT_EQ(d.blocks, 32);
+  EXPECT_EQ(d.gain_blocks, 32);
+  EXPECT_LT(d.transfer_seconds, d.recompute_seconds);
+}
+
+TEST_F(PeerPullTest, RecomputesWhenTransferIsSlower) {
+  // 10 MB/s: 32 MiB take 3.3 s, recompute 0.512 s.
+  input_.candidates = {Holder(1, 32, 1e7)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "not_faster");
+  EXPECT_GT(d.transfer_seconds, d.recompute_seconds);
+}
+
+TEST_F(PeerPullTest, MinSpeedupRaisesTheBar) {
+  // Transfer 0.034 s vs recompute 0.512 s: 15x faster, not 20x.
+  input_.candidates = {Holder(1, 32, 1e9)};
+  config_.min_speedup = 20;
+  EXPECT_FALSE(DecidePeerPull(config_, input_).pull);
+  config_.min_speedup = 10;
+  EXPECT_TRUE(DecidePeerPull(config_, input_).pull);
+}
+
+TEST_F(PeerPullTest, NeverWhenPrefillWorkerAlreadyHasIt) {
+  input_.prefill_cached_blocks = 32;
+  input_.candidates = {Holder(1, 32, 1e9), Holder(2, 20, 1e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "no_holder");
+}
+
+TEST_F(PeerPullTest, NeverFromItself) {
+  input_.candidates = {Holder(0, 32, 1e9)};
+  EXPECT_FALSE(DecidePeerPull(config_, input_).pull);
+}
+
+TEST_F(PeerPullTest, NeverFromADeadOrUnknownWorker) {
+  PeerPullCandidate dead = Holder(1, 40, 1e9);
+  dead.up = false;
+  PeerPullCandidate unknown = Holder(2, 40, 1e9);
+  unknown.address.clear();
+  input_.candidates = {dead, unknown};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "no_holder");
+  // A live holder with fewer blocks is chosen over them.
+  input_.candidates.push_back(Holder(3, 8, 1e9));
+  d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.holder, 3);
+}
+
+TEST_F(PeerPullTest, NeverFromAnotherCacheIdentity) {
+  PeerPullCandidate other = Holder(1, 32, 1e9);
+  other.same_cache = false;
+  input_.candidates = {other};
+  EXPECT_FALSE(DecidePeerPull(config_, input_).pull);
+}
+
+TEST_F(PeerPullTest, DisabledNeverPulls) {
+  config_.enabled = false;
+  input_.candidates = {Holder(1, 32, 1e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "disabled");
+}
+
+TEST_F(PeerPullTest, PrefersTheHolderWithTheMostMissingBlocks) {
+  input_.prefill_cached_blocks = 4;
+  input_.candidates = {Holder(1, 10, 1e9), Holder(2, 30, 1e9),
+                       Holder(3, 30, 2e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.holder, 3);  // as many blocks as 2, faster
+  EXPECT_EQ(d.blocks, 30);
+  EXPECT_EQ(d.gain_blocks, 26);
+}
+
+TEST_F(PeerPullTest, HolderCountIsCappedAtThePrompt) {
+  input_.prompt_blocks = 8;
+  input_.candidates = {Holder(1, 100, 1e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.blocks, 8);
+}
+
+TEST_F(PeerPullTest, UnmeasuredRatesFallBackToDefaults) {
+  input_.prefill_tokens_per_second = 0;
+  config_.default_prefill_tokens_per_second = 1e9;  // recompute is ~free
+  input_.candidates = {Holder(1, 32, 0)};
+  EXPECT_FALSE(DecidePeerPull(config_, input_).pull);
+  config_.default_prefill_tokens_per_second = 100;
+  EXPECT_TRUE(DecidePeerPull(config_, input_).pull);
+}
+
+TEST_F(PeerPullTest, BytesPerBlockFollowsTheLayout) {
+  v1::KvLayout layout;
+  layout.set_num_layers(2);
+  layout.set_kv_heads(4);
+  layout.set_head_dim(8);
+  layout.set_block_size(16);
+  layout.set_dtype(v1::KV_DTYPE_FP32);
+  EXPECT_EQ(BytesPerBlock(layout), 2 * (2 * 4 * 16 * 8 * 4));
+  layout.set_dtype(v1::KV_DTYPE_INT8);
+  EXPECT_EQ(BytesPerBlock(layout), 2 * (2 * 4 * 16 * 8 + 2 * 4 * 4));
+}
+
+TEST(PeerPullConfigTest, ValidateRefusesBadValues) {
+  PeerPullConfig c;
+  EXPECT_TRUE(c.Validate().ok());
+  c.min_speedup = 0;
+  EXPECT_FALSE(c.Validate().ok());
+}
+
+}  // namespace
+}  // namespace pdserve::router
