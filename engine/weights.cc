@@ -125,6 +125,7 @@ std::optional<WeightDtype> ParseWeightDtype(std::string_view s) {
   if (s == "bf16") return WeightDtype::kBF16;
   if (s == "fp16") return WeightDtype::kF16;
   if (s == "int8") return WeightDtype::kI8;
+  if (s == "int8-b32") return WeightDtype::kI8B32;
   return std::nullopt;
 }
 
@@ -140,8 +141,16 @@ const char* WeightDtypeName(WeightDtype d) {
       return "fp16";
     case WeightDtype::kI8:
       return "int8";
+    case WeightDtype::kI8B32:
+      return "int8-b32";
   }
   return "?";
+}
+
+std::string ModelWeights::StorageName() const {
+  if (dtype == DType::kI8 && int8_scaling == kernels::Int8Scaling::kBlock32)
+    return "int8-b32";
+  return DTypeName(dtype);
 }
 
 int64_t ModelWeights::ParameterBytes() const {
@@ -194,6 +203,10 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
     case WeightDtype::kI8:
       w.dtype = DType::kI8;
       break;
+    case WeightDtype::kI8B32:
+      w.dtype = DType::kI8;
+      w.int8_scaling = kernels::Int8Scaling::kBlock32;
+      break;
   }
   const bool bf16dot = mode == kernels::MatMulMode::kBf16Dot;
   if (bf16dot && w.dtype != DType::kBF16) {
@@ -205,7 +218,7 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
   // Different storage or arithmetic gives different logits, so both are
   // part of the identity.
   const std::string storage = absl::StrCat(
-      DTypeName(w.dtype),
+      w.StorageName(),
       blas ? "/rowmajor" : (bf16dot ? "/panel16/bf16dot" : "/panel16"));
   XXH3_128bits_update(src.hash(), storage.data(), storage.size());
   // Matrices are read as fp32 one (fused) tensor at a time, then packed.
@@ -213,7 +226,8 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
   auto pack = [&](int64_t rows, int64_t cols) {
     kernels::WeightMatrix m =
         blas ? kernels::WeightMatrix::RowMajorF32(tmp.data(), rows, cols)
-             : kernels::WeightMatrix::Pack(tmp.data(), rows, cols, w.dtype);
+             : kernels::WeightMatrix::Pack(tmp.data(), rows, cols, w.dtype,
+                                           w.int8_scaling);
     tmp.clear();
     return m;
   };

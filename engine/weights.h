@@ -4,8 +4,9 @@
 // matrices (embedding, q|k|v and gate|up fused, o, down, lm_head) stay in a
 // compact dtype, packed for the CPU GEMM (kernels/cpu/packed_gemm.h): the
 // checkpoint's own dtype by default, or fp32/bf16/fp16, or int8 quantized at
-// load (one scale per output row). Norms and biases are fp32. Immutable after
-// Load; safe to share across threads.
+// load (one fp32 scale per output row, or one fp16 scale per block of 32).
+// Norms and biases are fp32. Immutable after Load; safe to share across
+// threads.
 #pragma once
 
 #include <array>
@@ -25,10 +26,11 @@
 namespace pdserve::engine {
 
 // How matrices are kept in memory; kAuto is the checkpoint's dtype (of the
-// token embedding).
-enum class WeightDtype { kAuto, kF32, kBF16, kF16, kI8 };
+// token embedding). kI8 ("int8") has one scale per output row, kI8B32
+// ("int8-b32") one fp16 scale per block of 32 input features of a row.
+enum class WeightDtype { kAuto, kF32, kBF16, kF16, kI8, kI8B32 };
 std::optional<WeightDtype> ParseWeightDtype(
-    std::string_view s);  // auto|fp32|..
+    std::string_view s);  // auto|fp32|bf16|fp16|int8|int8-b32
 const char* WeightDtypeName(WeightDtype d);
 
 struct LayerWeights {
@@ -56,6 +58,10 @@ struct ModelWeights {
   std::vector<float> norm;        // [hidden]
   kernels::WeightMatrix lm_head;  // [vocab, hidden]; empty when tied to embed
   DType dtype = DType::kF32;      // what the matrices are stored in
+  // With dtype kI8: how the int8 matrices are scaled.
+  kernels::Int8Scaling int8_scaling = kernels::Int8Scaling::kPerRow;
+  // "int8-b32" for block int8, else DTypeName(dtype).
+  std::string StorageName() const;
   // config + storage dtype + tensor metadata + sampled tensor bytes
   Fingerprint fingerprint{};
 

@@ -24,38 +24,75 @@ namespace pdserve::kernels {
 namespace {
 
 constexpr int64_t kPanel = 16;  // output rows (columns of y) per panel
+// Block int8: per block of 32 k, [32][16] int8 then 16 fp16 scales.
+constexpr int64_t kBlockBytes = kInt8Block * kPanel + kPanel * 2;
+
+// What a panel holds; DType alone does not say how int8 is scaled.
+enum class Fmt : uint8_t { kF32, kBF16, kF16, kI8, kI8B32 };
+
+Fmt FormatOf(DType t, Int8Scaling s) {
+  switch (t) {
+    case DType::kBF16:
+      return Fmt::kBF16;
+    case DType::kF16:
+      return Fmt::kF16;
+    case DType::kI8:
+      return s == Int8Scaling::kBlock32 ? Fmt::kI8B32 : Fmt::kI8;
+    default:
+      return Fmt::kF32;
+  }
+}
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 
 // Byte offset of weight (k index q, column c of the panel) inside a panel.
-inline int64_t PanelOffset(DType t, int64_t q, int64_t c) {
+inline int64_t PanelOffset(Fmt t, int64_t q, int64_t c) {
   switch (t) {
-    case DType::kBF16:  // [k/2][16][2]: two k of one column share a word
+    case Fmt::kBF16:  // [k/2][16][2]: two k of one column share a word
       return (((q >> 1) * kPanel + c) * 2 + (q & 1)) * 2;
-    default:  // [k][16]
-      return (q * kPanel + c) * ElementBytes(t);
+    case Fmt::kF16:
+      return (q * kPanel + c) * 2;
+    case Fmt::kI8:
+      return q * kPanel + c;
+    case Fmt::kI8B32:
+      return (q / kInt8Block) * kBlockBytes + (q % kInt8Block) * kPanel + c;
+    case Fmt::kF32:
+      break;
   }
+  return (q * kPanel + c) * 4;
+}
+// Byte offset of the fp16 scale of (block b, column c) in a block-int8 panel.
+inline int64_t BlockScaleOffset(int64_t b, int64_t c) {
+  return b * kBlockBytes + kInt8Block * kPanel + c * 2;
 }
 
-inline float LoadWidened(DType t, const uint8_t* p) {
+// w(q, c) of the order contract: the stored weight widened to fp32 (block
+// int8: times its block's scale, an exact product).
+inline float LoadWidened(Fmt t, const uint8_t* panel, int64_t q, int64_t c) {
+  const uint8_t* p = panel + PanelOffset(t, q, c);
   switch (t) {
-    case DType::kF32: {
+    case Fmt::kF32: {
       float f;
       std::memcpy(&f, p, 4);
       return f;
     }
-    case DType::kBF16: {
+    case Fmt::kBF16: {
       uint16_t h;
       std::memcpy(&h, p, 2);
       return Bf16ToFloat(h);
     }
-    case DType::kF16: {
+    case Fmt::kF16: {
       uint16_t h;
       std::memcpy(&h, p, 2);
       return F16ToFloat(h);
     }
-    case DType::kI8:
+    case Fmt::kI8:
       return static_cast<float>(static_cast<int8_t>(*p));
+    case Fmt::kI8B32: {
+      uint16_t h;
+      std::memcpy(&h, panel + BlockScaleOffset(q / kInt8Block, c), 2);
+      return static_cast<float>(static_cast<int8_t>(*p)) * F16ToFloat(h);
+    }
   }
   return 0;
 }
@@ -84,7 +121,7 @@ std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
 // reads one contiguous stream instead of MR rows that share cache sets.
 
 // Portable: any rows (<= 8) and panel count (<= 3).
-void TilePortable(DType t, int rows, int nv, const float* xp, const uint8_t* w,
+void TilePortable(Fmt t, int rows, int nv, const float* xp, const uint8_t* w,
                   int64_t panel_bytes, int64_t k0, int64_t k1, float* io,
                   bool zero) {
   const int width = nv * kPanel;
@@ -94,8 +131,8 @@ void TilePortable(DType t, int rows, int nv, const float* xp, const uint8_t* w,
       for (int c = 0; c < kPanel; ++c) {
         float acc = zero ? 0.0f : io[i * width + v * kPanel + c];
         for (int64_t q = k0; q < k1; ++q) {
-          acc = std::fma(xp[(q - k0) * rows + i],
-                         LoadWidened(t, panel + PanelOffset(t, q, c)), acc);
+          acc = std::fma(xp[(q - k0) * rows + i], LoadWidened(t, panel, q, c),
+                         acc);
         }
         io[i * width + v * kPanel + c] = acc;
       }
@@ -112,16 +149,16 @@ PDSERVE_AVX2 inline __m256 WidenInt8Avx2(const uint8_t* p) {
 }
 
 // Weights of k = q (a) and q + 1 (b) for 16 columns as two halves of 8.
-template <DType W>
+template <Fmt W>
 PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
                                       __m256 a[2], __m256 b[2]) {
-  if constexpr (W == DType::kF32) {
+  if constexpr (W == Fmt::kF32) {
     const float* p = reinterpret_cast<const float*>(panel) + q * kPanel;
     a[0] = _mm256_loadu_ps(p);
     a[1] = _mm256_loadu_ps(p + 8);
     b[0] = _mm256_loadu_ps(p + 16);
     b[1] = _mm256_loadu_ps(p + 24);
-  } else if constexpr (W == DType::kBF16) {
+  } else if constexpr (W == Fmt::kBF16) {
     const uint8_t* p = panel + (q >> 1) * 64;
     const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i d1 =
@@ -131,7 +168,7 @@ PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
     a[1] = _mm256_castsi256_ps(_mm256_slli_epi32(d1, 16));
     b[0] = _mm256_castsi256_ps(_mm256_and_si256(d0, hi));
     b[1] = _mm256_castsi256_ps(_mm256_and_si256(d1, hi));
-  } else if constexpr (W == DType::kF16) {
+  } else if constexpr (W == Fmt::kF16) {
     const uint8_t* p = panel + q * 32;
     a[0] =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -142,6 +179,7 @@ PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
     b[1] = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48)));
   } else {
+    static_assert(W == Fmt::kI8);
     const uint8_t* p = panel + q * 16;
     a[0] = WidenInt8Avx2(p);
     a[1] = WidenInt8Avx2(p + 8);
@@ -150,7 +188,7 @@ PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
   }
 }
 
-template <DType W, int MR>
+template <Fmt W, int MR>
 PDSERVE_AVX2 void TileAvx2(const float* xp, const uint8_t* w,
                            int64_t /*panel_bytes*/, int64_t k0, int64_t k1,
                            float* io, bool zero) {
@@ -193,12 +231,55 @@ PDSERVE_AVX2 void TileAvx2(const float* xp, const uint8_t* w,
   }
 }
 
+// Block int8, one block's scales in registers while its k run.
+PDSERVE_AVX2 inline void BlockScalesAvx2(const uint8_t* panel, int64_t b,
+                                         __m256 s[2]) {
+  const uint8_t* p = panel + BlockScaleOffset(b, 0);
+  s[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  s[1] = _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+}
+
+template <int MR>
+PDSERVE_AVX2 void TileAvx2B32(const float* xp, const uint8_t* w,
+                              int64_t /*panel_bytes*/, int64_t k0, int64_t k1,
+                              float* io, bool zero) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      acc[i][h] =
+          zero ? _mm256_setzero_ps() : _mm256_loadu_ps(io + i * 16 + h * 8);
+    }
+  }
+  for (int64_t q = k0; q < k1;) {
+    const int64_t b = q / kInt8Block;
+    const int64_t end = std::min(k1, (b + 1) * kInt8Block);
+    __m256 s[2];
+    BlockScalesAvx2(w, b, s);
+    for (; q < end; ++q) {
+      const uint8_t* p = w + PanelOffset(Fmt::kI8B32, q, 0);
+      const __m256 a0 = _mm256_mul_ps(WidenInt8Avx2(p), s[0]);
+      const __m256 a1 = _mm256_mul_ps(WidenInt8Avx2(p + 8), s[1]);
+      const float* xq = xp + (q - k0) * MR;
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xa = _mm256_broadcast_ss(xq + i);
+        acc[i][0] = _mm256_fmadd_ps(xa, a0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(xa, a1, acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(io + i * 16, acc[i][0]);
+    _mm256_storeu_ps(io + i * 16 + 8, acc[i][1]);
+  }
+}
+
 // One pair of k (q even) of one panel: Raw is what stays in a register
 // between the two halves (bf16: the packed words; others: the address).
-template <DType W>
+template <Fmt W>
 struct Avx512Pair;
 template <>
-struct Avx512Pair<DType::kF32> {
+struct Avx512Pair<Fmt::kF32> {
   using Raw = const float*;
   PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
     return reinterpret_cast<const float*>(panel) + q * kPanel;
@@ -207,7 +288,7 @@ struct Avx512Pair<DType::kF32> {
   PDSERVE_AVX512 static __m512 Second(Raw p) { return _mm512_loadu_ps(p + 16); }
 };
 template <>
-struct Avx512Pair<DType::kBF16> {
+struct Avx512Pair<Fmt::kBF16> {
   using Raw = __m512i;
   PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
     return _mm512_loadu_si512(panel + (q >> 1) * 64);
@@ -221,7 +302,7 @@ struct Avx512Pair<DType::kBF16> {
   }
 };
 template <>
-struct Avx512Pair<DType::kF16> {
+struct Avx512Pair<Fmt::kF16> {
   using Raw = const uint8_t*;
   PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
     return panel + q * 32;
@@ -235,23 +316,21 @@ struct Avx512Pair<DType::kF16> {
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
   }
 };
+PDSERVE_AVX512 inline __m512 WidenInt8Avx512(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 template <>
-struct Avx512Pair<DType::kI8> {
+struct Avx512Pair<Fmt::kI8> {
   using Raw = const uint8_t*;
   PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
     return panel + q * 16;
   }
-  PDSERVE_AVX512 static __m512 First(Raw p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  PDSERVE_AVX512 static __m512 Second(Raw p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  }
+  PDSERVE_AVX512 static __m512 First(Raw p) { return WidenInt8Avx512(p); }
+  PDSERVE_AVX512 static __m512 Second(Raw p) { return WidenInt8Avx512(p + 16); }
 };
 
-template <DType W, int MR, int NV>
+template <Fmt W, int MR, int NV>
 PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
                                int64_t panel_bytes, int64_t k0, int64_t k1,
                                float* io, bool zero) {
@@ -299,6 +378,140 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v)
       _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
+// Block int8: per block the NV panels' scales stay in registers; each k's
+// weights are widened and scaled once (an exact product) for all MR rows.
+template <int MR, int NV>
+PDSERVE_AVX512 void TileAvx512B32(const float* xp, const uint8_t* w,
+                                  int64_t panel_bytes, int64_t k0, int64_t k1,
+                                  float* io, bool zero) {
+  constexpr int kWidth = NV * 16;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = zero ? _mm512_setzero_ps()
+                       : _mm512_loadu_ps(io + i * kWidth + v * 16);
+    }
+  }
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  for (int64_t q = k0; q < k1;) {
+    const int64_t b = q / kInt8Block;
+    const int64_t end = std::min(k1, (b + 1) * kInt8Block);
+    __m512 s[NV];
+    for (int v = 0; v < NV; ++v) {
+      s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wp[v] + BlockScaleOffset(b, 0))));
+    }
+    for (; q < end; ++q) {
+      const float* xq = xp + (q - k0) * MR;
+      const int64_t off = PanelOffset(Fmt::kI8B32, q, 0);
+      __m512 a[NV];
+      for (int v = 0; v < NV; ++v)
+        a[v] = _mm512_mul_ps(WidenInt8Avx512(wp[v] + off), s[v]);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xa = _mm512_set1_ps(xq[i]);
+        for (int v = 0; v < NV; ++v)
+          acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
+// --- Widening once per batch -----------------------------------------------
+// With more rows than one register tile holds, each row tile would widen the
+// same weights again. Instead the weights of [q0, q1) of NV panels are
+// widened once into an fp32 scratch in the fp32 panel layout
+// (out[v][q - q0][16]), and every row tile runs the fp32 tile over it. The
+// values are exactly w(j, p) and the chains run in the same order, so the
+// bits equal the direct path's.
+
+void WidenPortable(Fmt t, const uint8_t* w, int64_t panel_bytes, int nv,
+                   int64_t q0, int64_t q1, float* out) {
+  for (int v = 0; v < nv; ++v) {
+    const uint8_t* panel = w + v * panel_bytes;
+    float* o = out + v * (q1 - q0) * kPanel;
+    for (int64_t q = q0; q < q1; ++q)
+      for (int c = 0; c < kPanel; ++c)
+        o[(q - q0) * kPanel + c] = LoadWidened(t, panel, q, c);
+  }
+}
+
+template <Fmt W>
+void WidenPortableAs(const uint8_t* w, int64_t panel_bytes, int nv, int64_t q0,
+                     int64_t q1, float* out) {
+  WidenPortable(W, w, panel_bytes, nv, q0, q1, out);
+}
+
+template <Fmt W>
+PDSERVE_AVX2 void WidenAvx2(const uint8_t* w, int64_t panel_bytes, int nv,
+                            int64_t q0, int64_t q1, float* out) {
+  for (int v = 0; v < nv; ++v) {
+    const uint8_t* panel = w + v * panel_bytes;
+    float* o = out + v * (q1 - q0) * kPanel;
+    if constexpr (W == Fmt::kI8B32) {
+      for (int64_t q = q0; q < q1;) {
+        const int64_t b = q / kInt8Block;
+        const int64_t end = std::min(q1, (b + 1) * kInt8Block);
+        __m256 s[2];
+        BlockScalesAvx2(panel, b, s);
+        for (; q < end; ++q) {
+          const uint8_t* p = panel + PanelOffset(W, q, 0);
+          _mm256_storeu_ps(o + (q - q0) * kPanel,
+                           _mm256_mul_ps(WidenInt8Avx2(p), s[0]));
+          _mm256_storeu_ps(o + (q - q0) * kPanel + 8,
+                           _mm256_mul_ps(WidenInt8Avx2(p + 8), s[1]));
+        }
+      }
+    } else {
+      int64_t q = q0;  // q0 is even: pairs line up with bf16 words
+      for (; q < q1; q += 2) {
+        __m256 a[2], b[2];
+        LoadPairAvx2<W>(panel, q, a, b);
+        _mm256_storeu_ps(o + (q - q0) * kPanel, a[0]);
+        _mm256_storeu_ps(o + (q - q0) * kPanel + 8, a[1]);
+        if (q + 1 < q1) {
+          _mm256_storeu_ps(o + (q + 1 - q0) * kPanel, b[0]);
+          _mm256_storeu_ps(o + (q + 1 - q0) * kPanel + 8, b[1]);
+        }
+      }
+    }
+  }
+}
+
+template <Fmt W>
+PDSERVE_AVX512 void WidenAvx512(const uint8_t* w, int64_t panel_bytes, int nv,
+                                int64_t q0, int64_t q1, float* out) {
+  for (int v = 0; v < nv; ++v) {
+    const uint8_t* panel = w + v * panel_bytes;
+    float* o = out + v * (q1 - q0) * kPanel;
+    if constexpr (W == Fmt::kI8B32) {
+      for (int64_t q = q0; q < q1;) {
+        const int64_t b = q / kInt8Block;
+        const int64_t end = std::min(q1, (b + 1) * kInt8Block);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(panel + BlockScaleOffset(b, 0))));
+        for (; q < end; ++q) {
+          _mm512_storeu_ps(
+              o + (q - q0) * kPanel,
+              _mm512_mul_ps(WidenInt8Avx512(panel + PanelOffset(W, q, 0)), s));
+        }
+      }
+    } else {
+      using P = Avx512Pair<W>;
+      for (int64_t q = q0; q < q1; q += 2) {  // q0 is even
+        const typename P::Raw raw = P::Load(panel, q);
+        _mm512_storeu_ps(o + (q - q0) * kPanel, P::First(raw));
+        if (q + 1 < q1)
+          _mm512_storeu_ps(o + (q + 1 - q0) * kPanel, P::Second(raw));
+      }
+    }
   }
 }
 
@@ -373,16 +586,26 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
                         float*, bool);
 
+using WidenFn = void (*)(const uint8_t*, int64_t, int, int64_t, int64_t,
+                         float*);
+
 constexpr int kAvx512Rows = 6, kAvx512Panels = 3;
 constexpr int kAvx2Rows = 4;
 constexpr int kPortableRows = 4;
+// k per widening stage: 3 panels x 128 k x 16 fp32 = 24 KiB, in L1 while
+// every row tile of the batch passes over it.
+constexpr int64_t kStageK = 128;
 
-template <DType W, int NV, int... R>
+template <Fmt W, int NV, int... R>
 constexpr std::array<TileFn, sizeof...(R)> Avx512Rows(
     std::integer_sequence<int, R...>) {
-  return {&TileAvx512<W, R + 1, NV>...};
+  if constexpr (W == Fmt::kI8B32) {
+    return {&TileAvx512B32<R + 1, NV>...};
+  } else {
+    return {&TileAvx512<W, R + 1, NV>...};
+  }
 }
-template <DType W>
+template <Fmt W>
 struct Avx512Table {
   static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
   static constexpr std::array<std::array<TileFn, kAvx512Rows>, kAvx512Panels>
@@ -401,41 +624,99 @@ TileFn Bf16DotTile(int rows, int nv) {
   return kFns[nv - 1][rows - 1];
 }
 
-template <DType W, int... R>
+template <Fmt W, int... R>
 constexpr std::array<TileFn, sizeof...(R)> Avx2Rows(
     std::integer_sequence<int, R...>) {
-  return {&TileAvx2<W, R + 1>...};
+  if constexpr (W == Fmt::kI8B32) {
+    return {&TileAvx2B32<R + 1>...};
+  } else {
+    return {&TileAvx2<W, R + 1>...};
+  }
 }
 
-TileFn Avx512Tile(DType t, int rows, int nv) {
+TileFn Avx512Tile(Fmt t, int rows, int nv) {
   switch (t) {
-    case DType::kF32:
-      return Avx512Table<DType::kF32>::kFns[nv - 1][rows - 1];
-    case DType::kBF16:
-      return Avx512Table<DType::kBF16>::kFns[nv - 1][rows - 1];
-    case DType::kF16:
-      return Avx512Table<DType::kF16>::kFns[nv - 1][rows - 1];
-    case DType::kI8:
-      return Avx512Table<DType::kI8>::kFns[nv - 1][rows - 1];
+    case Fmt::kF32:
+      return Avx512Table<Fmt::kF32>::kFns[nv - 1][rows - 1];
+    case Fmt::kBF16:
+      return Avx512Table<Fmt::kBF16>::kFns[nv - 1][rows - 1];
+    case Fmt::kF16:
+      return Avx512Table<Fmt::kF16>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8:
+      return Avx512Table<Fmt::kI8>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8B32:
+      return Avx512Table<Fmt::kI8B32>::kFns[nv - 1][rows - 1];
   }
   return nullptr;
 }
 
-TileFn Avx2Tile(DType t, int rows) {
+TileFn Avx2Tile(Fmt t, int rows) {
   static constexpr auto kSeq = std::make_integer_sequence<int, kAvx2Rows>{};
-  static constexpr auto f32 = Avx2Rows<DType::kF32>(kSeq);
-  static constexpr auto bf16 = Avx2Rows<DType::kBF16>(kSeq);
-  static constexpr auto f16 = Avx2Rows<DType::kF16>(kSeq);
-  static constexpr auto i8 = Avx2Rows<DType::kI8>(kSeq);
+  static constexpr auto f32 = Avx2Rows<Fmt::kF32>(kSeq);
+  static constexpr auto bf16 = Avx2Rows<Fmt::kBF16>(kSeq);
+  static constexpr auto f16 = Avx2Rows<Fmt::kF16>(kSeq);
+  static constexpr auto i8 = Avx2Rows<Fmt::kI8>(kSeq);
+  static constexpr auto i8b32 = Avx2Rows<Fmt::kI8B32>(kSeq);
   switch (t) {
-    case DType::kF32:
+    case Fmt::kF32:
       return f32[rows - 1];
-    case DType::kBF16:
+    case Fmt::kBF16:
       return bf16[rows - 1];
-    case DType::kF16:
+    case Fmt::kF16:
       return f16[rows - 1];
-    case DType::kI8:
+    case Fmt::kI8:
       return i8[rows - 1];
+    case Fmt::kI8B32:
+      return i8b32[rows - 1];
+  }
+  return nullptr;
+}
+
+// The widening of the batched path (null for fp32, which needs none).
+WidenFn Widener(GemmIsa isa, Fmt t) {
+  switch (isa) {
+    case GemmIsa::kAvx512:
+      switch (t) {
+        case Fmt::kBF16:
+          return &WidenAvx512<Fmt::kBF16>;
+        case Fmt::kF16:
+          return &WidenAvx512<Fmt::kF16>;
+        case Fmt::kI8:
+          return &WidenAvx512<Fmt::kI8>;
+        case Fmt::kI8B32:
+          return &WidenAvx512<Fmt::kI8B32>;
+        case Fmt::kF32:
+          return nullptr;
+      }
+      break;
+    case GemmIsa::kAvx2:
+      switch (t) {
+        case Fmt::kBF16:
+          return &WidenAvx2<Fmt::kBF16>;
+        case Fmt::kF16:
+          return &WidenAvx2<Fmt::kF16>;
+        case Fmt::kI8:
+          return &WidenAvx2<Fmt::kI8>;
+        case Fmt::kI8B32:
+          return &WidenAvx2<Fmt::kI8B32>;
+        case Fmt::kF32:
+          return nullptr;
+      }
+      break;
+    case GemmIsa::kPortable:
+      switch (t) {
+        case Fmt::kBF16:
+          return &WidenPortableAs<Fmt::kBF16>;
+        case Fmt::kF16:
+          return &WidenPortableAs<Fmt::kF16>;
+        case Fmt::kI8:
+          return &WidenPortableAs<Fmt::kI8>;
+        case Fmt::kI8B32:
+          return &WidenPortableAs<Fmt::kI8B32>;
+        case Fmt::kF32:
+          return nullptr;
+      }
+      break;
   }
   return nullptr;
 }
@@ -448,6 +729,10 @@ GemmIsa DetectBestIsa() {
 }
 
 std::vector<float>& PackBuffer() {
+  thread_local std::vector<float> buffer;
+  return buffer;
+}
+std::vector<float>& IoBuffer() {
   thread_local std::vector<float> buffer;
   return buffer;
 }
@@ -486,57 +771,85 @@ bool SetGemmIsa(GemmIsa isa) {
 // ---------------------------------------------------------------------------
 
 WeightMatrix WeightMatrix::Pack(const float* w, int64_t n, int64_t k,
-                                DType dtype) {
+                                DType dtype, Int8Scaling scaling) {
   WeightMatrix m;
   m.dtype_ = dtype;
+  m.scaling_ = dtype == DType::kI8 ? scaling : Int8Scaling::kPerRow;
   m.layout_ = Layout::kPanel16;
   m.n_ = n;
   m.k_ = k;
-  m.kp_ = (k + 1) & ~int64_t{1};
+  const Fmt fmt = FormatOf(dtype, m.scaling_);
+  m.kp_ = fmt == Fmt::kI8B32 ? (k + kInt8Block - 1) / kInt8Block * kInt8Block
+                             : (k + 1) & ~int64_t{1};
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t pb = m.panel_bytes();
   m.data_ = AllocateWeights(panels * pb);
   m.bytes_ = n * k * ElementBytes(dtype);
-  std::vector<float> scale;
-  if (dtype == DType::kI8) {
+  if (fmt == Fmt::kI8) {
     m.scales_ = std::shared_ptr<float[]>(new float[panels * kPanel]());
     m.bytes_ += n * static_cast<int64_t>(sizeof(float));
+  } else if (fmt == Fmt::kI8B32) {
+    m.bytes_ += n * ((k + kInt8Block - 1) / kInt8Block) * 2;
   }
+  auto quantize = [](float v, float scale) {
+    const float q = scale > 0 ? std::nearbyint(v / scale) : 0.0f;
+    return static_cast<uint8_t>(
+        static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
+  };
   for (int64_t r = 0; r < n; ++r) {
     const float* row = w + r * k;
     uint8_t* panel = m.data_.get() + (r / kPanel) * pb;
     const int64_t c = r % kPanel;
-    float inv = 0;
-    if (dtype == DType::kI8) {
-      float amax = 0;
-      for (int64_t q = 0; q < k; ++q) amax = std::max(amax, std::fabs(row[q]));
-      const float s = amax / 127.0f;
-      m.scales_[r] = s;
-      inv = s > 0 ? 1.0f / s : 0.0f;
-    }
-    for (int64_t q = 0; q < k; ++q) {
-      uint8_t* dst = panel + PanelOffset(dtype, q, c);
-      switch (dtype) {
-        case DType::kF32:
-          std::memcpy(dst, &row[q], 4);
-          break;
-        case DType::kBF16: {
+    switch (fmt) {
+      case Fmt::kF32:
+        for (int64_t q = 0; q < k; ++q)
+          std::memcpy(panel + PanelOffset(fmt, q, c), &row[q], 4);
+        break;
+      case Fmt::kBF16:
+        for (int64_t q = 0; q < k; ++q) {
           const uint16_t h = FloatToBf16(row[q]);
-          std::memcpy(dst, &h, 2);
-          break;
+          std::memcpy(panel + PanelOffset(fmt, q, c), &h, 2);
         }
-        case DType::kF16: {
+        break;
+      case Fmt::kF16:
+        for (int64_t q = 0; q < k; ++q) {
           const uint16_t h = FloatToF16(row[q]);
-          std::memcpy(dst, &h, 2);
-          break;
+          std::memcpy(panel + PanelOffset(fmt, q, c), &h, 2);
         }
-        case DType::kI8: {
+        break;
+      case Fmt::kI8: {
+        float amax = 0;
+        for (int64_t q = 0; q < k; ++q)
+          amax = std::max(amax, std::fabs(row[q]));
+        const float s = amax / 127.0f;
+        m.scales_[r] = s;
+        const float inv = s > 0 ? 1.0f / s : 0.0f;
+        for (int64_t q = 0; q < k; ++q) {
           const float v = std::nearbyint(row[q] * inv);
-          *dst = static_cast<uint8_t>(
+          panel[PanelOffset(fmt, q, c)] = static_cast<uint8_t>(
               static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f)));
-          break;
         }
+        break;
       }
+      case Fmt::kI8B32:
+        for (int64_t b = 0; b * kInt8Block < k; ++b) {
+          const int64_t q0 = b * kInt8Block;
+          const int64_t q1 = std::min(k, q0 + kInt8Block);
+          float amax = 0;
+          for (int64_t q = q0; q < q1; ++q)
+            amax = std::max(amax, std::fabs(row[q]));
+          // Rounded up to fp16 so that |w| / scale <= 127 (no clipping);
+          // saturates at the largest finite fp16.
+          const float want = amax / 127.0f;
+          uint16_t h = FloatToF16(want);
+          if ((h & 0x7fffu) >= 0x7c00u) h = 0x7bff;
+          if (F16ToFloat(h) < want && h < 0x7bff) ++h;
+          std::memcpy(panel + BlockScaleOffset(b, c), &h, 2);
+          const float scale = F16ToFloat(h);
+          for (int64_t q = q0; q < q1; ++q)
+            panel[PanelOffset(fmt, q, c)] = quantize(row[q], scale);
+        }
+        break;
     }
   }
   return m;
@@ -556,7 +869,19 @@ WeightMatrix WeightMatrix::RowMajorF32(const float* w, int64_t n, int64_t k) {
 }
 
 int64_t WeightMatrix::panel_bytes() const {
+  if (FormatOf(dtype_, scaling_) == Fmt::kI8B32)
+    return kp_ / kInt8Block * kBlockBytes;
   return kp_ * kPanel * ElementBytes(dtype_);
+}
+
+float WeightMatrix::BlockScale(int64_t r, int64_t b) const {
+  if (FormatOf(dtype_, scaling_) != Fmt::kI8B32) return 1.0f;
+  uint16_t h;
+  std::memcpy(&h,
+              data_.get() + (r / kPanel) * panel_bytes() +
+                  BlockScaleOffset(b, r % kPanel),
+              2);
+  return F16ToFloat(h);
 }
 
 void WeightMatrix::DequantizeRow(int64_t r, float* out) const {
@@ -564,18 +889,19 @@ void WeightMatrix::DequantizeRow(int64_t r, float* out) const {
     std::memcpy(out, row_major() + r * k_, k_ * sizeof(float));
     return;
   }
+  const Fmt fmt = FormatOf(dtype_, scaling_);
   const uint8_t* panel = data_.get() + (r / kPanel) * panel_bytes();
   const int64_t c = r % kPanel;
-  const float s = dtype_ == DType::kI8 ? scales_[r] : 1.0f;
+  const float s = fmt == Fmt::kI8 ? scales_[r] : 1.0f;
   for (int64_t q = 0; q < k_; ++q) {
-    const float v = LoadWidened(dtype_, panel + PanelOffset(dtype_, q, c));
-    out[q] = dtype_ == DType::kI8 ? v * s : v;
+    const float v = LoadWidened(fmt, panel, q, c);
+    out[q] = fmt == Fmt::kI8 ? v * s : v;
   }
 }
 
 bool operator==(const WeightMatrix& a, const WeightMatrix& b) {
   if (a.dtype_ != b.dtype_ || a.layout_ != b.layout_ || a.n_ != b.n_ ||
-      a.k_ != b.k_) {
+      a.k_ != b.k_ || a.scaling_ != b.scaling_) {
     return false;
   }
   if (a.n_ == 0) return true;
@@ -583,7 +909,7 @@ bool operator==(const WeightMatrix& a, const WeightMatrix& b) {
                             ? a.n_ * a.k_ * 4
                             : (a.n_ + kPanel - 1) / kPanel * a.panel_bytes();
   if (std::memcmp(a.data(), b.data(), bytes) != 0) return false;
-  return a.dtype_ != DType::kI8 ||
+  return a.scales() == nullptr ||
          std::memcmp(a.scales(), b.scales(), a.n_ * sizeof(float)) == 0;
 }
 
@@ -594,14 +920,13 @@ std::vector<float> WeightMatrix::ToFloat() const {
 }
 
 std::vector<float> WeightMatrix::Widened() const {
-  if (dtype_ != DType::kI8) return ToFloat();
+  const Fmt fmt = FormatOf(dtype_, scaling_);
+  if (fmt != Fmt::kI8 || layout_ != Layout::kPanel16) return ToFloat();
   std::vector<float> out(n_ * k_);
   for (int64_t r = 0; r < n_; ++r) {
     const uint8_t* panel = data_.get() + (r / kPanel) * panel_bytes();
-    for (int64_t q = 0; q < k_; ++q) {
-      out[r * k_ + q] =
-          LoadWidened(dtype_, panel + PanelOffset(dtype_, q, r % kPanel));
-    }
+    for (int64_t q = 0; q < k_; ++q)
+      out[r * k_ + q] = LoadWidened(fmt, panel, q, r % kPanel);
   }
   return out;
 }
@@ -625,6 +950,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   if (m <= 0 || n <= 0) return;
   const GemmIsa isa = ActiveGemmIsa();
   const DType t = w.dtype();
+  const Fmt fmt = FormatOf(t, w.int8_scaling());
   const bool bf16dot = numerics == GemmNumerics::kBf16Dot && t == DType::kBF16;
   // The instruction where the CPU has it (and the AVX-512 path is active),
   // else the scalar emulation of the same chain.
@@ -643,6 +969,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // widens its weights once for all its rows, so a 2-row tail would cost as
   // much widening as a full tile.
   const int64_t row_tiles = (m + max_rows - 1) / max_rows;
+  // More than one row tile: widen each stage of weights once into an fp32
+  // scratch that all row tiles read (see WidenPortable).
+  const WidenFn widen = !bf16dot && row_tiles > 1 ? Widener(isa, fmt) : nullptr;
   const int64_t pb = w.panel_bytes();
   // k is cut in blocks so that this thread's packed x (m x kc floats) stays
   // in L2 while a tile's weights pass every row tile: up to 64 rows (decode
@@ -666,6 +995,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t k_blocks = (k + kc - 1) / kc;
   const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 16));
   std::vector<std::atomic<int64_t>> next_claim(k_blocks);
+  const int width_max = max_nv * kPanel;
 
 #pragma omp parallel num_threads(threads) if (parallel)
   {
@@ -678,7 +1008,12 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       cursor_end = std::min(tiles, c + chunk);
       return cursor++;
     };
-    alignas(64) float io[kAvx512Rows * kAvx512Panels * kPanel];
+    // Direct path: one row tile's accumulators. Widening path: every row's
+    // (m x width), and the widened stage.
+    std::vector<float>& io_all = IoBuffer();
+    io_all.resize(widen ? m * width_max : kAvx512Rows * width_max);
+    float* const io = io_all.data();
+    alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
     // This thread's copy of x[:, k0:k1], packed per row tile (see the tiles).
     std::vector<float>& xp = PackBuffer();
     xp.resize(m * kc + 2 * max_rows);
@@ -719,15 +1054,61 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
         const int width = nv * kPanel;
         const uint8_t* wp = w.data() + p0 * pb;
+        // Partial sums of rows [i0, i0 + rows) in and out of io (at
+        // io_row0's rows), scaled at the end for per-row int8.
+        auto load_partial = [&](int64_t i0, int64_t rows, float* dst) {
+          for (int64_t i = 0; i < rows; ++i) {
+            std::memcpy(dst + i * width, y + (i0 + i) * n + c0,
+                        cols * sizeof(float));
+          }
+        };
+        auto store = [&](int64_t i0, int64_t rows, const float* src_rows) {
+          for (int64_t i = 0; i < rows; ++i) {
+            float* dst = y + (i0 + i) * n + c0;
+            const float* src = src_rows + i * width;
+            if (last && scales != nullptr) {
+              for (int64_t c = 0; c < cols; ++c)
+                dst[c] = src[c] * scales[c0 + c];
+            } else {
+              std::memcpy(dst, src, cols * sizeof(float));
+            }
+          }
+        };
+        if (widen) {
+          if (!first) load_partial(0, m, io);
+          for (int64_t q0 = k0; q0 < k1; q0 += kStageK) {
+            const int64_t q1 = std::min(k1, q0 + kStageK);
+            widen(wp, pb, nv, q0, q1, stage);
+            const int64_t spb = (q1 - q0) * kPanel * 4;
+            const uint8_t* sw = reinterpret_cast<const uint8_t*>(stage);
+            for (int64_t rt = 0; rt < row_tiles; ++rt) {
+              const int64_t i0 = m * rt / row_tiles;
+              const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
+              const float* xi = xp.data() + i0 * kc + (q0 - k0) * rows;
+              float* iot = io + i0 * width;
+              const bool zero = first && q0 == k0;
+              switch (isa) {
+                case GemmIsa::kAvx512:
+                  Avx512Tile(Fmt::kF32, rows, nv)(xi, sw, spb, 0, q1 - q0, iot,
+                                                  zero);
+                  break;
+                case GemmIsa::kAvx2:
+                  Avx2Tile(Fmt::kF32, rows)(xi, sw, spb, 0, q1 - q0, iot, zero);
+                  break;
+                case GemmIsa::kPortable:
+                  TilePortable(Fmt::kF32, rows, nv, xi, sw, spb, 0, q1 - q0,
+                               iot, zero);
+                  break;
+              }
+            }
+          }
+          store(0, m, io);
+          continue;
+        }
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
           const int64_t i0 = m * rt / row_tiles;
           const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-          if (!first) {
-            for (int i = 0; i < rows; ++i) {
-              std::memcpy(io + i * width, y + (i0 + i) * n + c0,
-                          cols * sizeof(float));
-            }
-          }
+          if (!first) load_partial(i0, rows, io);
           const float* xi = xp.data() + i0 * kc;
           if (bf16dot_hw) {
             Bf16DotTile(rows, nv)(xi, wp, pb, k0, k1, io, first);
@@ -737,25 +1118,16 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           } else
             switch (isa) {
               case GemmIsa::kAvx512:
-                Avx512Tile(t, rows, nv)(xi, wp, pb, k0, k1, io, first);
+                Avx512Tile(fmt, rows, nv)(xi, wp, pb, k0, k1, io, first);
                 break;
               case GemmIsa::kAvx2:
-                Avx2Tile(t, rows)(xi, wp, pb, k0, k1, io, first);
+                Avx2Tile(fmt, rows)(xi, wp, pb, k0, k1, io, first);
                 break;
               case GemmIsa::kPortable:
-                TilePortable(t, rows, nv, xi, wp, pb, k0, k1, io, first);
+                TilePortable(fmt, rows, nv, xi, wp, pb, k0, k1, io, first);
                 break;
             }
-          for (int i = 0; i < rows; ++i) {
-            float* dst = y + (i0 + i) * n + c0;
-            const float* src = io + i * width;
-            if (last && scales != nullptr) {
-              for (int64_t c = 0; c < cols; ++c)
-                dst[c] = src[c] * scales[c0 + c];
-            } else {
-              std::memcpy(dst, src, cols * sizeof(float));
-            }
-          }
+          store(i0, rows, io);
         }
       }
     }

@@ -1,25 +1,31 @@
 // Linear layers with weights kept in a compact dtype: y[m, n] = x[m, k] ·
-// W[n, k]ᵀ, x and y fp32, W fp32, bf16, fp16 or int8 (symmetric, one fp32
-// scale per output row).
+// W[n, k]ᵀ, x and y fp32, W fp32, bf16, fp16 or int8 (symmetric; one fp32
+// scale per output row, or one fp16 scale per block of 32 k of a row).
 //
 // Order contract (what makes the engine batch-invariant, bit for bit): every
 // output element is ONE fp32 FMA chain over k in increasing order,
 //   acc = 0; for p in 0..k-1: acc = fma(x[i][p], w(j, p), acc)
 // where w(j, p) is the stored weight widened to fp32 (exact for every dtype;
-// int8 widens its integer), and for int8 y = acc * scale[j] afterwards. The
-// chain does not depend on m, on how rows and columns are tiled or threaded,
-// on k-blocking (partial sums are stored as fp32 and resumed), nor on the ISA:
-// the portable, AVX2+FMA and AVX-512F paths give identical bits, so a prefill
-// worker and a decode worker on different x86 machines agree too.
-// Dot-product instructions (AVX512-BF16 vdpbf16ps, VNNI, AMX) would need the
+// per-row int8 widens its integer and y = acc * scale[j] afterwards; block
+// int8 widens q * scale_block, which is exact in fp32 because a 7-bit integer
+// times an fp16 scale needs at most 18 significant bits). The chain does not
+// depend on m, on how rows and columns are tiled or threaded, on k-blocking
+// (partial sums are stored as fp32 and resumed), on whether a tile widens its
+// weights on the fly or once into an L1 scratch shared by all its row tiles
+// (batches and prefill), nor on the ISA: the portable, AVX2+FMA and AVX-512F
+// paths give identical bits, so a prefill worker and a decode worker on
+// different x86 machines agree too.
+// Dot-product instructions (AVX512-BF16 vdpbf16ps, VNNI, AMX) need the
 // activations rounded to bf16/int8 and sum pairs or blocks inside the
-// instruction; a portable path could not reproduce them cheaply, so they are
-// not used (see cpu_features.h for what is detected).
+// instruction; vdpbf16ps is the opt-in GemmNumerics::kBf16Dot below, VNNI and
+// AMX are not used (see cpu_features.h for what is detected).
 //
 // Storage: columns are grouped in panels of 16 output rows; a panel stores k
 // in order, 16 weights per k (bf16: two consecutive k of a column share one
 // 32-bit word, low half first, so one 512-bit load widens with a shift and a
-// mask). Panels pad n to a multiple of 16 and k to a multiple of 2 with zeros.
+// mask; block int8: per block of 32 k, [32][16] int8 then the 16 columns'
+// fp16 scales, 544 bytes, so a decode step reads one stream). Panels pad n to
+// a multiple of 16 and k to a multiple of 2 (block int8: 32) with zeros.
 //
 // WeightMatrix is immutable after Pack and cheap to copy (shared storage);
 // GemmNT is stateless and thread-safe (OpenMP over column panels).
@@ -43,6 +49,15 @@ GemmIsa ActiveGemmIsa();
 // Not synchronised with running GEMMs; call between them.
 bool SetGemmIsa(GemmIsa isa);
 
+// How int8 weights are scaled (ignored for other dtypes).
+//   kPerRow:   scale = max|row| / 127 in fp32, q = round(w / scale).
+//   kBlock32:  per 32 consecutive k of a row, scale = max|block| / 127
+//              rounded UP to fp16 (so no q is clipped), q = round(w / scale);
+//              1/16 byte of scale per weight, much smaller error on rows
+//              with outliers.
+enum class Int8Scaling { kPerRow, kBlock32 };
+inline constexpr int64_t kInt8Block = 32;  // k per block scale
+
 class WeightMatrix {
  public:
   // Row-major fp32 kept as is, for OpenBLAS (MatMulMode::kBlas) and the
@@ -50,12 +65,15 @@ class WeightMatrix {
   enum class Layout { kPanel16, kRowMajorF32 };
 
   WeightMatrix() = default;
-  // w: [n, k] row-major fp32; rounded to `dtype` (nearest even; int8:
-  // scale = max|row| / 127, q = round(w / scale) in [-127, 127]).
-  static WeightMatrix Pack(const float* w, int64_t n, int64_t k, DType dtype);
+  // w: [n, k] row-major fp32; rounded to `dtype` (nearest even; int8: see
+  // Int8Scaling, q in [-127, 127]).
+  static WeightMatrix Pack(const float* w, int64_t n, int64_t k, DType dtype,
+                           Int8Scaling scaling = Int8Scaling::kPerRow);
   static WeightMatrix RowMajorF32(const float* w, int64_t n, int64_t k);
 
   DType dtype() const { return dtype_; }
+  // kBlock32 only for int8 packed with it.
+  Int8Scaling int8_scaling() const { return scaling_; }
   Layout layout() const { return layout_; }
   int64_t rows() const { return n_; }  // n: output features
   int64_t cols() const { return k_; }  // k: input features
@@ -66,13 +84,18 @@ class WeightMatrix {
   // Row r (k floats) as fp32: widened, int8 times its scale.
   void DequantizeRow(int64_t r, float* out) const;
   std::vector<float> ToFloat() const;  // [n, k] row-major, dequantized
-  // [n, k] row-major stored values widened to fp32 (int8: the integers, not
-  // scaled); with scales() this is what ReferenceGemmNT takes.
+  // [n, k] row-major w(j, p) of the order contract (per-row int8: the
+  // integers, not scaled; block int8: q * scale, exact); with scales() this
+  // is what ReferenceGemmNT takes.
   std::vector<float> Widened() const;
+  // Block int8: the fp16 scale of (row r, block b = k / 32) widened.
+  float BlockScale(int64_t r, int64_t b) const;
 
   // For the kernels.
   const uint8_t* data() const { return data_.get(); }
-  const float* scales() const { return scales_.get(); }  // int8: [n padded]
+  // Per-row int8: [n padded]; null for every other format (block int8
+  // keeps its scales inside the panels).
+  const float* scales() const { return scales_.get(); }
   int64_t padded_k() const { return kp_; }
   int64_t panel_bytes() const;  // one panel: padded_k * 16 * element bytes
   const float* row_major() const {
@@ -84,6 +107,7 @@ class WeightMatrix {
 
  private:
   DType dtype_ = DType::kF32;
+  Int8Scaling scaling_ = Int8Scaling::kPerRow;
   Layout layout_ = Layout::kPanel16;
   int64_t n_ = 0, k_ = 0, kp_ = 0, bytes_ = 0;
   std::shared_ptr<uint8_t[]> data_;

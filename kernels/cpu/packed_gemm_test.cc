@@ -15,13 +15,19 @@
 namespace pdserve::kernels {
 namespace {
 
-using Param = std::tuple<GemmIsa, DType>;
+// A weight format: the dtype and, for int8, how it is scaled.
+struct Format {
+  DType dtype;
+  Int8Scaling scaling = Int8Scaling::kPerRow;
+};
+using Param = std::tuple<GemmIsa, Format>;
 
 class PackedGemmTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     isa_ = std::get<0>(GetParam());
-    dtype_ = std::get<1>(GetParam());
+    dtype_ = std::get<1>(GetParam()).dtype;
+    scaling_ = std::get<1>(GetParam()).scaling;
     if (!GemmIsaSupported(isa_)) {
       GTEST_SKIP() << "this CPU cannot run the " << GemmIsaName(isa_)
                    << " path (features: " << DetectCpuFeatures().ToString()
@@ -50,7 +56,12 @@ class PackedGemmTest : public ::testing::TestWithParam<Param> {
   }
 
   GemmIsa isa_ = GemmIsa::kPortable, previous_ = GemmIsa::kPortable;
+  WeightMatrix Pack(const std::vector<float>& w, int64_t n, int64_t k) {
+    return WeightMatrix::Pack(w.data(), n, k, dtype_, scaling_);
+  }
+
   DType dtype_ = DType::kF32;
+  Int8Scaling scaling_ = Int8Scaling::kPerRow;
   std::mt19937 rng_{11};
 };
 
@@ -63,15 +74,17 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
        {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
         Shape{33, 97, 515}, Shape{1, 130, 2049}}) {
     const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
-    const WeightMatrix w = WeightMatrix::Pack(wf.data(), s.n, s.k, dtype_);
+    const WeightMatrix w = Pack(wf, s.n, s.k);
     std::vector<float> y(s.m * s.n, -1.0f);
     GemmNT(x.data(), s.m, s.k, w, y.data());
     const std::vector<float> want = Expected(x, s.m, s.k, w);
     EXPECT_EQ(0, std::memcmp(y.data(), want.data(), y.size() * sizeof(float)))
         << "m=" << s.m << " n=" << s.n << " k=" << s.k;
     // And near the exact product with the unrounded weights: each weight's
-    // rounding bound (relative for bf16/fp16, half a step for int8) plus
-    // fp32 accumulation is the whole error.
+    // rounding bound (relative for bf16/fp16, half a step of its row's or
+    // block's scale for int8) plus fp32 accumulation is the whole error.
+    const bool blocks =
+        dtype_ == DType::kI8 && scaling_ == Int8Scaling::kBlock32;
     for (int64_t j = 0; j < s.n; ++j) {
       float amax = 0;
       for (int64_t p = 0; p < s.k; ++p)
@@ -82,10 +95,12 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
           const double xv = x[i * s.k + p], wv = wf[j * s.k + p];
           ref += xv * wv;
           mag += std::fabs(xv * wv);
-          const double e = dtype_ == DType::kBF16  ? std::fabs(wv) / 256
-                           : dtype_ == DType::kF16 ? std::fabs(wv) / 1024 + 6e-8
-                           : dtype_ == DType::kI8  ? amax / 254.0 * (1 + 1e-5)
-                                                   : 0.0;
+          const double e =
+              dtype_ == DType::kBF16  ? std::fabs(wv) / 256
+              : dtype_ == DType::kF16 ? std::fabs(wv) / 1024 + 6e-8
+              : blocks ? w.BlockScale(j, p / kInt8Block) / 2.0 * (1 + 1e-5)
+              : dtype_ == DType::kI8 ? amax / 254.0 * (1 + 1e-5)
+                                     : 0.0;
           bound += std::fabs(xv) * e;
         }
         ASSERT_NEAR(y[i * s.n + j], ref, bound + 1e-5 * mag + 1e-6)
@@ -98,7 +113,7 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
 TEST_P(PackedGemmTest, RowsDoNotDependOnBatchSizeOrThreads) {
   const int64_t k = 301, n = 83, max_m = 70;
   const auto x = Random(max_m * k), wf = Random(n * k, 0.05f);
-  const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, dtype_);
+  const WeightMatrix w = Pack(wf, n, k);
   std::vector<float> full(max_m * n);
   GemmNT(x.data(), max_m, k, w, full.data());
   for (int64_t m : {1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 69}) {
@@ -120,15 +135,19 @@ TEST_P(PackedGemmTest, RowsDoNotDependOnBatchSizeOrThreads) {
 }
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  const Format f = std::get<1>(info.param);
   return std::string(GemmIsaName(std::get<0>(info.param))) + "_" +
-         DTypeName(std::get<1>(info.param));
+         DTypeName(f.dtype) +
+         (f.scaling == Int8Scaling::kBlock32 ? "_block32" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
     AllPathsAndDtypes, PackedGemmTest,
     ::testing::Combine(
         ::testing::Values(GemmIsa::kPortable, GemmIsa::kAvx2, GemmIsa::kAvx512),
-        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16, DType::kI8)),
+        ::testing::Values(Format{DType::kF32}, Format{DType::kBF16},
+                          Format{DType::kF16}, Format{DType::kI8},
+                          Format{DType::kI8, Int8Scaling::kBlock32})),
     ParamName);
 
 // kBf16Dot: the instruction (where present) and the scalar emulation agree
@@ -237,6 +256,61 @@ TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
   for (int64_t q = 0; q < k; ++q) EXPECT_EQ(back[5 * k + q], 0.0f);
   // The outlier's row keeps only coarse steps; the rest stays within ~1%.
   EXPECT_LT(sum_err / sum_mag, 0.05);
+}
+
+TEST(WeightMatrixTest, Int8Block32RoundTripIsWithinHalfAStepPerBlock) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  const int64_t n = 37, k = 129;  // 5 blocks, the last one of a single k
+  std::vector<float> w(n * k);
+  for (auto& v : w) v = dist(rng);
+  for (int64_t q = 0; q < k; ++q) w[5 * k + q] = 0.0f;  // an all-zero row
+  w[7 * k + 3] = 1.5f;                                  // an outlier
+  w[9 * k + 40] = 3e-9f;  // a block of tiny weights: subnormal fp16 scale
+  for (int64_t q = 32; q < 64; ++q)
+    if (q != 40) w[9 * k + q] = 0.0f;
+  const WeightMatrix m =
+      WeightMatrix::Pack(w.data(), n, k, DType::kI8, Int8Scaling::kBlock32);
+  EXPECT_EQ(m.int8_scaling(), Int8Scaling::kBlock32);
+  EXPECT_EQ(m.bytes(), n * k + n * 5 * 2);  // one fp16 per block of 32
+  EXPECT_EQ(m.scales(), nullptr);
+  const std::vector<float> back = m.ToFloat();
+  EXPECT_EQ(back, m.Widened());  // q * scale is exact: nothing left to apply
+  double row7_err = 0, row7_mag = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t b = 0; b * kInt8Block < k; ++b) {
+      const int64_t q0 = b * kInt8Block, q1 = std::min(k, q0 + kInt8Block);
+      float amax = 0;
+      for (int64_t q = q0; q < q1; ++q)
+        amax = std::max(amax, std::fabs(w[r * k + q]));
+      const float s = m.BlockScale(r, b);
+      // Rounded up to fp16: never below max/127 (so nothing is clipped),
+      // at most one fp16 step above it (2^-24 for subnormal scales).
+      EXPECT_GE(s, amax / 127.0f) << "row " << r << " block " << b;
+      EXPECT_LE(s, std::max(amax / 127.0f * (1 + 1.0f / 1024),
+                            amax / 127.0f + 5.97e-8f))
+          << "row " << r << " block " << b;
+      EXPECT_EQ(s, F16ToFloat(FloatToF16(s)));
+      for (int64_t q = q0; q < q1; ++q) {
+        const float err = std::fabs(back[r * k + q] - w[r * k + q]);
+        ASSERT_LE(err, s / 2) << "row " << r << " k " << q;
+        if (r == 7) {
+          row7_err += err;
+          row7_mag += std::fabs(w[r * k + q]);
+        }
+      }
+    }
+  }
+  for (int64_t q = 0; q < k; ++q) EXPECT_EQ(back[5 * k + q], 0.0f);
+  // The outlier only coarsens its own block: its row stays within a few %,
+  // where per-row scaling loses most of the row (below).
+  const WeightMatrix per_row = WeightMatrix::Pack(w.data(), n, k, DType::kI8);
+  const std::vector<float> back_row = per_row.ToFloat();
+  double row7_err_per_row = 0;
+  for (int64_t q = 0; q < k; ++q)
+    row7_err_per_row += std::fabs(back_row[7 * k + q] - w[7 * k + q]);
+  EXPECT_LT(row7_err / row7_mag, 0.05);
+  EXPECT_LT(row7_err * 4, row7_err_per_row);
 }
 
 TEST(WeightMatrixTest, HalfPrecisionPackingRoundsToNearestEven) {
