@@ -86,7 +86,7 @@ void FillSpan(uint8_t* dst, size_t bytes, uint64_t seed) {
 }
 
 size_t ScaleBytes(const engine::KvCacheSpec& spec) {
-  return spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+  return DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0;
 }
 
 // The KV of one measurement: a sender pool holding `num_blocks` filled

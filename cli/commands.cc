@@ -85,7 +85,8 @@ namespace {
 
 constexpr char kEngineFlags[] =
     "engine flags:\n"
-    "  --kv-dtype fp32|bf16|fp16|int8   KV cache dtype (default fp32)\n"
+    "  --kv-dtype fp32|bf16|fp16|int8|fp8  KV cache dtype (default fp32; fp8 "
+    "is e4m3, --device cuda only)\n"
     "  --block-size N                   tokens per KV block (default 16)\n"
     "  --kv-cache-memory BYTES          KV cache budget, e.g. 512MiB (default "
     "256MiB)\n"
@@ -201,7 +202,7 @@ int RunBenchTransfer(const std::vector<std::string>&) {
   auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!dtype)
     return ReportError(absl::InvalidArgumentError(
-        "--kv-dtype must be fp32, bf16, fp16 or int8"));
+        "--kv-dtype must be fp32, bf16, fp16, int8 or fp8"));
   c.layouts =
       bench::DefaultTransferLayouts(*dtype, absl::GetFlag(FLAGS_block_size));
   auto result = bench::RunTransferBench(c);

@@ -16,7 +16,8 @@
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(std::string, kv_dtype, "fp32",
-          "KV cache dtype: fp32, bf16, fp16 or int8");
+          "KV cache dtype: fp32, bf16, fp16, int8, or fp8 (e4m3; --device "
+          "cuda only)");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens");
 ABSL_FLAG(std::string, kv_cache_memory, "256MiB",
           "KV cache memory budget (e.g. 512MiB, 2GiB)");
@@ -90,7 +91,7 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!dtype) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv-dtype must be fp32, bf16, fp16 or int8, got \"",
+        absl::StrCat("--kv-dtype must be fp32, bf16, fp16, int8 or fp8, got \"",
                      absl::GetFlag(FLAGS_kv_dtype), "\""));
   }
   c.kv_dtype = *dtype;

@@ -47,7 +47,7 @@ int RunModelInit(const std::vector<std::string>&) {
           ? DTypeName(engine::PresetDefaultDtype(opts.preset))
           : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
-  if (!dtype || *dtype == DType::kI8) {
+  if (!dtype || *dtype == DType::kI8 || *dtype == DType::kFp8E4M3) {
     return ReportError(
         absl::InvalidArgumentError("--dtype must be fp32, fp16 or bf16"));
   }
@@ -144,7 +144,10 @@ int RunKvBudget(const std::vector<std::string>&) {
   auto dtype = ParseDType(dt);
   if (!dtype)
     return ReportError(
-        absl::InvalidArgumentError("--dtype must be fp32, bf16, fp16 or int8"));
+        absl::InvalidArgumentError(
+            "--dtype must be fp32, bf16, fp16, int8 or fp8"));
+  // fp8 (e4m3, a CUDA KV dtype) and int8: 1 byte an element plus fp32
+  // scales per (block, K/V, head), which bytes_per_block counts.
   spec.dtype = *dtype;
   if (auto s = spec.Validate(); !s.ok()) return ReportError(s);
   json::OrderedValue out = {{"layers", spec.num_layers},

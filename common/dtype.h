@@ -10,7 +10,17 @@
 
 namespace pdserve {
 
-enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+// kFp8E4M3 is a KV-cache dtype of the CUDA backend only (the CPU kernels
+// have no fp8 path; EngineConfig/BackendConfig refuse it on the CPU). Like
+// kI8 it carries per-(block, K/V, head) fp32 scales; host code only stores
+// and moves its bytes (transfer, tiers), never computes with them.
+enum class DType : uint8_t {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kI8 = 3,
+  kFp8E4M3 = 4
+};
 
 inline size_t DTypeBytes(DType t) {
   switch (t) {
@@ -20,6 +30,7 @@ inline size_t DTypeBytes(DType t) {
     case DType::kBF16:
       return 2;
     case DType::kI8:
+    case DType::kFp8E4M3:
       return 1;
   }
   return 0;
@@ -36,6 +47,8 @@ inline const char* DTypeName(DType t) {
       return "bf16";
     case DType::kI8:
       return "int8";
+    case DType::kFp8E4M3:
+      return "fp8";
   }
   return "?";
 }
@@ -46,7 +59,14 @@ inline std::optional<DType> ParseDType(std::string_view s) {
     return DType::kF16;
   if (s == "bf16" || s == "bfloat16") return DType::kBF16;
   if (s == "int8" || s == "i8") return DType::kI8;
+  if (s == "fp8" || s == "fp8_e4m3" || s == "fp8e4m3" || s == "e4m3")
+    return DType::kFp8E4M3;
   return std::nullopt;
+}
+
+// Quantized KV dtypes (int8, fp8) carry fp32 scales per (block, K/V, head).
+inline bool DTypeHasScales(DType t) {
+  return t == DType::kI8 || t == DType::kFp8E4M3;
 }
 
 inline uint32_t FloatBits(float f) {

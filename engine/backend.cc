@@ -41,8 +41,19 @@ std::optional<Device> ParseDevice(std::string_view s) {
 
 const char* DeviceName(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 
+absl::Status CheckKvDtypeForDevice(Device device, DType kv_dtype) {
+  if (kv_dtype == DType::kFp8E4M3 && device != Device::kCuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-dtype fp8 (e4m3) needs --device cuda: the ", DeviceName(device),
+        " backend has no fp8 kernels; on the CPU use --kv-dtype int8 for "
+        "1-byte KV with per-(block, head) scales"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BackendConfig::Validate() const {
   RETURN_IF_ERROR(kv.Validate());
+  RETURN_IF_ERROR(CheckKvDtypeForDevice(device, kv.dtype));
   if (!(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_memory_utilization must be in (0, 1], got ",

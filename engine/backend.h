@@ -33,6 +33,11 @@ enum class Device { kCpu, kCuda };
 std::optional<Device> ParseDevice(std::string_view s);  // "cpu" | "cuda"
 const char* DeviceName(Device d);
 
+// INVALID_ARGUMENT where `device` cannot hold KV of `kv_dtype`: fp8-e4m3 is
+// a CUDA-only KV dtype (the CPU kernels have no fp8 path). The message names
+// the fix (--device cuda, or --kv-dtype int8 for 1-byte KV on the CPU).
+absl::Status CheckKvDtypeForDevice(Device device, DType kv_dtype);
+
 struct BackendConfig {
   Device device = Device::kCpu;
   KvCacheSpec kv;  // geometry from the model; block size and dtype from flags

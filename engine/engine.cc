@@ -80,6 +80,7 @@ absl::Status EngineConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--kv-offload-dir is a tier for CPU workers; --device cuda has none");
   }
+  RETURN_IF_ERROR(CheckKvDtypeForDevice(device, kv_dtype));
   return kv_offload.Validate();
 }
 
@@ -129,17 +130,22 @@ Engine::Engine(std::shared_ptr<const ModelWeights> weights,
       weights_(weights),
       backend_(std::move(backend)),
       blocks_(backend_->num_blocks(), std::move(events)) {
+  fingerprint_ =
+      CacheFingerprint({weights->fingerprint[0], weights->fingerprint[1]},
+                       config.block_size, config.kv_dtype);
+}
+
+ModelFingerprint Engine::CacheFingerprint(const ModelFingerprint& weights,
+                                          int32_t block_size, DType kv_dtype) {
   // The cache identity covers the weights, block size and KV dtype: blocks
   // made under any other of these must never be shared.
   struct {
     uint64_t weights[2];
     int32_t block_size;
     int32_t dtype;
-  } id{{weights->fingerprint[0], weights->fingerprint[1]},
-       config.block_size,
-       static_cast<int32_t>(config.kv_dtype)};
+  } id{{weights[0], weights[1]}, block_size, static_cast<int32_t>(kv_dtype)};
   const XXH128_hash_t h = XXH3_128bits(&id, sizeof(id));
-  fingerprint_ = {h.high64, h.low64};
+  return {h.high64, h.low64};
 }
 
 int64_t Engine::BlocksFor(int64_t tokens) const {

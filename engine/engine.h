@@ -187,6 +187,10 @@ class Engine {
   const ModelConfig& model_config() const { return weights_->config; }
   // Identity of this engine's cached blocks: weights, block size, KV dtype.
   const ModelFingerprint& cache_fingerprint() const { return fingerprint_; }
+  // That identity from its parts: any difference (int8 vs fp8 KV included)
+  // gives another fingerprint, so such blocks never share prefix hashes.
+  static ModelFingerprint CacheFingerprint(const ModelFingerprint& weights,
+                                           int32_t block_size, DType kv_dtype);
   BlockManager& block_manager() { return blocks_; }
   // The backend's KV storage (host memory on CPU, device memory on CUDA),
   // for transfer code: spans of pinned or reserved blocks only.

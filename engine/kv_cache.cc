@@ -24,7 +24,7 @@ int64_t KvCacheSpec::BytesPerToken() const {
 }
 
 int64_t KvCacheSpec::ScaleBytesPerBlock() const {
-  return dtype == DType::kI8 ? int64_t{2} * num_layers * num_kv_heads * 4 : 0;
+  return DTypeHasScales(dtype) ? int64_t{2} * num_layers * num_kv_heads * 4 : 0;
 }
 
 int64_t KvCacheSpec::BytesPerBlock() const {
@@ -64,14 +64,14 @@ KvPool::KvPool(const KvCacheSpec& spec, int64_t num_blocks)
   for (int l = 0; l < spec.num_layers; ++l) {
     // Zero-filled so that never-written slots hold finite values.
     data_.emplace_back(new uint8_t[layer_bytes]());
-    if (spec.dtype == DType::kI8)
+    if (DTypeHasScales(spec.dtype))
       scales_.emplace_back(num_blocks * 2 * spec.num_kv_heads, 0.0f);
   }
 }
 
 kernels::KvLayerView KvPool::Layer(int layer) {
   return {data_[layer].get(),
-          spec_.dtype == DType::kI8 ? scales_[layer].data() : nullptr,
+          DTypeHasScales(spec_.dtype) ? scales_[layer].data() : nullptr,
           spec_.dtype,
           spec_.num_kv_heads,
           spec_.head_dim,
@@ -112,7 +112,7 @@ absl::Status KvPool::CopyFromHost(int32_t layer, int64_t block,
 }
 
 float* KvPool::LayerBlockScales(int layer, int64_t block) {
-  if (spec_.dtype != DType::kI8) return nullptr;
+  if (!DTypeHasScales(spec_.dtype)) return nullptr;
   return scales_[layer].data() + block * 2 * spec_.num_kv_heads;
 }
 

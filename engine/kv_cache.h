@@ -3,7 +3,9 @@
 //
 // Storage per layer follows kernels/cpu/paged_attention.h:
 //   [num_blocks][2 (K,V)][kv_heads][block_size][head_dim] of the KV dtype,
-// plus fp32 scales [num_blocks][2][kv_heads] for int8. One (layer, block) is
+// plus fp32 scales [num_blocks][2][kv_heads] for int8 and fp8 (fp8-e4m3 is
+// a CUDA-only dtype: this host pool stores and moves its bytes for transfer
+// tests, but the CPU kernels cannot compute on it). One (layer, block) is
 // a contiguous span of BlockBytes() (+ scales), which KV transfer sends as is.
 // KvPool is owned by the worker's engine thread; it is not thread-safe.
 #pragma once
@@ -30,7 +32,7 @@ struct KvCacheSpec {
   absl::Status Validate() const;
   // 2 x layers x kv_heads x head_dim x dtype bytes (scales excluded).
   int64_t BytesPerToken() const;
-  // Per-(block, head, K/V) fp32 scales of all layers; 0 unless int8.
+  // Per-(block, head, K/V) fp32 scales of all layers; 0 unless int8 or fp8.
   int64_t ScaleBytesPerBlock() const;
   // All layers of one block, scales included.
   int64_t BytesPerBlock() const;
@@ -56,16 +58,16 @@ class KvPool final : public KvStorage {
   absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
                             const void* scales) override;
   kernels::KvLayerView Layer(int layer);
-  // Raw (layer, block) span for transfer: data and, for int8, the scales.
+  // Raw (layer, block) span for transfer: data and, for int8/fp8, the scales.
   uint8_t* LayerBlockData(int layer, int64_t block);
-  float* LayerBlockScales(int layer, int64_t block);  // nullptr unless int8
+  float* LayerBlockScales(int layer, int64_t block);  // nullptr unless scaled
 
  private:
   KvPool(const KvCacheSpec& spec, int64_t num_blocks);
   KvCacheSpec spec_;
   int64_t num_blocks_;
   std::vector<std::unique_ptr<uint8_t[]>> data_;  // per layer
-  std::vector<std::vector<float>> scales_;        // per layer, int8 only
+  std::vector<std::vector<float>> scales_;        // per layer, int8/fp8 only
 };
 
 }  // namespace pdserve::engine

@@ -182,6 +182,7 @@ void TensorToFloat(const TensorView& t, std::vector<float>* out) {
       break;
     }
     case DType::kI8:
+    case DType::kFp8E4M3:  // never a safetensors dtype here (see ParseStDType)
       break;
   }
 }

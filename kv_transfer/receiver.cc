@@ -121,7 +121,7 @@ absl::StatusOr<KvReceiver::Claim> KvReceiver::ClaimSpan(
   }
   const engine::KvCacheSpec& spec = storage_->spec();
   const size_t want_scales =
-      spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+      DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0;
   if (data_size != static_cast<size_t>(spec.LayerBlockBytes()) ||
       scale_size != want_scales) {
     const std::string msg =
@@ -203,7 +203,7 @@ absl::Status KvReceiver::WriteSpans(
   const engine::KvCacheSpec& spec = storage_->spec();
   const size_t data_size = static_cast<size_t>(spec.LayerBlockBytes());
   const size_t scale_size =
-      spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+      DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0;
   std::vector<Claim> claims;
   std::vector<engine::KvSpan> targets;
   claims.reserve(spans.size());

@@ -33,7 +33,7 @@ inline std::vector<uint8_t> ExpectedSpan(const engine::KvCacheSpec& spec,
 }
 
 inline size_t ScaleBytes(const engine::KvCacheSpec& spec) {
-  return spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+  return DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0;
 }
 
 // Writes the expected contents of logical block `index` into physical `block`.

@@ -48,7 +48,7 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   const engine::KvCacheSpec& spec = loop_->kv_spec();
   const int64_t span_bytes =
       spec.LayerBlockBytes() +
-      (spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0);
+      (DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0);
   std::shared_ptr<LayerStreamer> streamer;
   if (options_.layerwise) {
     streamer =

@@ -72,6 +72,8 @@ inline v1::KvDtype DTypeToProto(DType t) {
       return v1::KV_DTYPE_BF16;
     case DType::kI8:
       return v1::KV_DTYPE_INT8;
+    case DType::kFp8E4M3:
+      return v1::KV_DTYPE_FP8_E4M3;
   }
   return v1::KV_DTYPE_UNSPECIFIED;
 }
@@ -87,6 +89,8 @@ inline std::optional<DType> DTypeFromProto(v1::KvDtype t) {
       return DType::kBF16;
     case v1::KV_DTYPE_INT8:
       return DType::kI8;
+    case v1::KV_DTYPE_FP8_E4M3:
+      return DType::kFp8E4M3;
     default:
       return std::nullopt;
   }

@@ -7,9 +7,9 @@
 // A (block, K/V, head) run of block_size * head_dim elements is contiguous,
 // which the attention kernels read with 16-byte loads.
 //
-// KvDtype adds fp8-e4m3 to the CPU engine's DType. It exists only here: the
-// CPU engine has no fp8 path, so an fp8 pool can only be made by the CUDA
-// backend, and its KV cannot be sent to a CPU worker.
+// KvDtype mirrors the engine's DType (common/dtype.h), whose kFp8E4M3 is a
+// CUDA-only KV dtype: the CPU engine has no fp8 path, so an fp8 pool can
+// only be made by the CUDA backend (hosts just store and move its bytes).
 #pragma once
 
 #include <cstdint>
@@ -66,6 +66,8 @@ inline KvDtype KvDtypeFromDType(DType t) {
       return KvDtype::kBF16;
     case DType::kI8:
       return KvDtype::kI8;
+    case DType::kFp8E4M3:
+      return KvDtype::kFp8E4M3;
   }
   return KvDtype::kF32;
 }

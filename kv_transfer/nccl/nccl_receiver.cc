@@ -38,7 +38,7 @@ class ReceiveLink {
         receiver->layout().dtype.value_or(DType::kF16)};
     data_bytes_ = static_cast<size_t>(spec.LayerBlockBytes());
     scale_bytes_ =
-        spec.dtype == DType::kI8
+        DTypeHasScales(spec.dtype)
             ? 2 * static_cast<size_t>(spec.num_kv_heads) * sizeof(float)
             : 0;
   }

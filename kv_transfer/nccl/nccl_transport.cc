@@ -172,7 +172,7 @@ class NcclSendSession : public KvSendSession {
         spans_per_batch_(spans_per_batch),
         metrics_(metrics),
         data_bytes_(static_cast<size_t>(pool->spec().LayerBlockBytes())),
-        scale_bytes_(pool->spec().dtype == DType::kI8
+        scale_bytes_(DTypeHasScales(pool->spec().dtype)
                          ? 2 * static_cast<size_t>(pool->spec().num_kv_heads) *
                                sizeof(float)
                          : 0) {
@@ -408,7 +408,7 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> NcclKvTransport::Open(
   const engine::KvCacheSpec& spec = pool->spec();
   const uint64_t span_bytes =
       static_cast<uint64_t>(spec.LayerBlockBytes()) +
-      (spec.dtype == DType::kI8
+      (DTypeHasScales(spec.dtype)
            ? 2 * static_cast<uint64_t>(spec.num_kv_heads) * sizeof(float)
            : 0);
   absl::MutexLock l(&(*link)->mu);

@@ -20,7 +20,7 @@ inline engine::KvCacheSpec Spec(DType dtype, int32_t block_size = 4) {
 }
 
 inline size_t ScaleBytes(const engine::KvCacheSpec& spec) {
-  return spec.dtype == DType::kI8 ? 2 * spec.num_kv_heads * sizeof(float) : 0;
+  return DTypeHasScales(spec.dtype) ? 2 * spec.num_kv_heads * sizeof(float) : 0;
 }
 
 inline uint8_t ByteAt(uint64_t seed, int layer, int index, size_t i) {
