@@ -64,10 +64,12 @@ class Backend {
   virtual Device device() const = 0;
   virtual const KvCacheSpec& kv_spec() const = 0;
   virtual int64_t num_blocks() const = 0;
-  // `on_layer_written(l)` (may be null) runs on the calling thread once
-  // layer l's K/V of every sequence are in their blocks and readable through
-  // kv_storage(): during the pass on CPU, after it on CUDA (the GPU's layers
-  // are ordered on one stream; the hooks run once it has synchronized).
+  // `on_layer_written(l)` (may be null) runs on the calling thread, once per
+  // layer and in layer order, once layer l's K/V of every sequence are in
+  // their blocks and readable through kv_storage(): during the pass on both
+  // backends (CUDA: as soon as the event recorded after layer l's KV write
+  // completed, while later layers still compute; engine/layer_ready.h). A
+  // failed pass runs no hook after the failure.
   virtual absl::Status Forward(
       std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
       const LlamaModel::LayerWrittenFn& on_layer_written = nullptr) = 0;

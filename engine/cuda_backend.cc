@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "engine/layer_ready.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cache.cuh"
@@ -76,8 +77,11 @@ class PinnedStaging final : public HostStagingBuffer {
 // `device`. Copies run on their own stream from whatever thread calls them
 // (transfer threads), after setting that thread's current device; the
 // engine thread's stream is not involved. The blocks a transfer touches are
-// pinned or reserved by the engine, and every step the engine runs ends with
-// a stream synchronize, so their bytes are final when a copy reads them.
+// pinned or reserved by the engine, and a transfer reads a (layer, block)
+// only after the engine saw that layer's write complete (its layer hook ran
+// after the layer's event, or the step ended with a stream synchronize), so
+// its bytes are final when a copy reads them; later layers of the same pass
+// write other memory.
 class CudaKvStorage final : public KvStorage {
  public:
   CudaKvStorage(const KvCacheSpec& spec, int64_t num_blocks, int device,
@@ -122,6 +126,19 @@ class CudaKvStorage final : public KvStorage {
     if (pinned.ok()) return *std::move(pinned);
     return KvStorage::AllocateStaging(bytes);  // pageable: slower, correct
   }
+  // Each layer's data and scales are whole cudaMalloc allocations
+  // (DeviceArena), so cudaIpcGetMemHandle(base) exports each (cuda_ipc).
+  std::vector<KvSharedRegion> SharedRegions() override {
+    std::vector<KvSharedRegion> out;
+    for (const kc::PagedKvView& v : layers_) {
+      out.push_back({v.data, static_cast<size_t>(v.LayerBytes()), ""});
+      if (v.scales != nullptr) {
+        out.push_back(
+            {v.scales, static_cast<size_t>(v.ScaleCount()) * sizeof(float), ""});
+      }
+    }
+    return out;
+  }
 
  private:
   absl::Status Copy(void* dst, const void* src, size_t bytes, void* dst_scales,
@@ -151,6 +168,47 @@ class CudaKvStorage final : public KvStorage {
   cudaStream_t copy_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
+// One cudaEvent per layer, recorded on the compute stream right after the
+// layer's KV write (LayerReadySequencer's markers). Created once; each pass
+// re-records them.
+class CudaLayerEvents final : public LayerReadyEvents {
+ public:
+  CudaLayerEvents() = default;
+  CudaLayerEvents(const CudaLayerEvents&) = delete;
+  CudaLayerEvents& operator=(const CudaLayerEvents&) = delete;
+  ~CudaLayerEvents() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  absl::Status Init(int32_t num_layers, cudaStream_t stream) {
+    stream_ = stream;
+    for (int32_t l = 0; l < num_layers; ++l) {
+      cudaEvent_t e = nullptr;
+      PDSERVE_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      events_.push_back(e);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Record(int32_t layer) override {
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[layer], stream_));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Ready(int32_t layer) override {
+    const cudaError_t e = cudaEventQuery(events_[layer]);
+    if (e == cudaErrorNotReady) return false;
+    PDSERVE_CUDA_RETURN_IF_ERROR(e);
+    return true;
+  }
+  absl::Status Wait(int32_t layer) override {
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[layer]));
+    return absl::OkStatus();
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+};
+
 struct DeviceLayer {
   const float* input_norm = nullptr;
   const void* qkv = nullptr;
@@ -170,6 +228,7 @@ class CudaBackend : public Backend {
       std::shared_ptr<const ModelWeights> weights, const BackendConfig& config);
   ~CudaBackend() override {
     gemm_.reset();  // before the stream it uses
+    layer_events_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -186,8 +245,11 @@ class CudaBackend : public Backend {
               const BackendConfig& config)
       : weights_(std::move(weights)), config_(config), spec_(config.kv) {}
   absl::Status Init();
+  // Enqueues the pass on stream_; `layers` records each layer's event after
+  // its KV write and runs the hooks of layers seen complete.
   absl::Status ForwardOnStream(std::span<const LlamaModel::SeqInput> seqs,
-                               std::vector<float>* logits);
+                               std::vector<float>* logits,
+                               LayerReadySequencer& layers);
   // Uploads fp32 host data as fp32 or (for GEMM weights in bf16 mode) bf16.
   absl::StatusOr<const float*> UploadF32(const std::vector<float>& v);
   absl::StatusOr<const void*> UploadWeight(const kernels::WeightMatrix& m);
@@ -238,6 +300,7 @@ class CudaBackend : public Backend {
   std::vector<float> host_logits_;
   int device_ = 0;
   std::unique_ptr<CudaKvStorage> storage_;
+  std::unique_ptr<CudaLayerEvents> layer_events_;
 };
 
 absl::StatusOr<const float*> CudaBackend::UploadF32(
@@ -277,6 +340,9 @@ absl::Status CudaBackend::Init() {
   PDSERVE_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   ASSIGN_OR_RETURN(gemm_, kc::GemmRunner::Create(stream_));
+  layer_events_ = std::make_unique<CudaLayerEvents>();
+  RETURN_IF_ERROR(layer_events_->Init(static_cast<int32_t>(c.num_layers),
+                                      stream_));
   gemm_dtype_ =
       config_.gpu_reference_math ? kc::GemmDtype::kF32 : kc::GemmDtype::kBf16;
 
@@ -394,19 +460,20 @@ absl::StatusOr<std::unique_ptr<Backend>> CudaBackend::Create(
 absl::Status CudaBackend::Forward(
     std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
     const LlamaModel::LayerWrittenFn& on_layer_written) {
-  RETURN_IF_ERROR(ForwardOnStream(seqs, logits));
-  // Every layer's K/V is in its blocks once the stream synchronized (the
-  // pass ends with one), so the layer hooks run now, in order. Layer-wise
-  // sends from a GPU therefore overlap the next step, not this one's layers.
-  if (on_layer_written) {
-    for (int32_t l = 0; l < static_cast<int32_t>(layers_.size()); ++l)
-      on_layer_written(l);
-  }
-  return absl::OkStatus();
+  // Layer l's hook runs on this thread once its event completed: while
+  // later layers are being enqueued and computed, so layer-wise sends from a
+  // GPU overlap this pass's remaining layers. An error mid-pass runs no
+  // later hook; the stream is synchronized so no work of the failed pass
+  // outlives this call.
+  LayerReadySequencer layers(layer_events_.get(), &on_layer_written);
+  absl::Status s = ForwardOnStream(seqs, logits, layers);
+  if (!s.ok()) cudaStreamSynchronize(stream_);
+  return s;
 }
 
 absl::Status CudaBackend::ForwardOnStream(
-    std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits) {
+    std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+    LayerReadySequencer& layers) {
   const ModelConfig& c = weights_->config;
   const int64_t hidden = c.hidden_size, hd = c.head_dim,
                 inter = c.intermediate_size;
@@ -542,6 +609,7 @@ absl::Status CudaBackend::ForwardOnStream(
                                    inv_freq_, stream_));
     RETURN_IF_ERROR(
         kc::InvokeReshapeAndCache(k_, v_, slots_, total, w.kv, stream_));
+    RETURN_IF_ERROR(layers.LayerEnqueued(static_cast<int32_t>(l)));
     if (decode_kernel) {
       // One row per token: row r attends to its own position's prefix.
       RETURN_IF_ERROR(kc::InvokePagedDecodeAttention(
@@ -563,11 +631,13 @@ absl::Status CudaBackend::ForwardOnStream(
     RETURN_IF_ERROR(
         kc::InvokeSiluAndMul(gate_up_, total, inter, act_, stream_));
     RETURN_IF_ERROR(Gemm(act_, total, inter, w.down, hidden, proj_));
+    RETURN_IF_ERROR(layers.Poll());
   }
   RETURN_IF_ERROR(kc::InvokeRmsNorm(proj_, residual_, final_norm_, total,
                                     hidden, eps, normed_, stream_));
   const int64_t out_rows = static_cast<int64_t>(row_index.size());
   if (out_rows == 0) {
+    RETURN_IF_ERROR(layers.Drain());
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
@@ -575,6 +645,9 @@ absl::Status CudaBackend::ForwardOnStream(
                                        out_rows, rows_, stream_));
   RETURN_IF_ERROR(
       Gemm(rows_, out_rows, hidden, lm_head_, c.vocab_size, logits_));
+  // The remaining hooks before the logits copy, which (to pageable memory)
+  // blocks this thread until the whole pass is done.
+  RETURN_IF_ERROR(layers.Drain());
   const size_t base = logits->size();
   logits->resize(base + out_rows * c.vocab_size);
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

@@ -8,6 +8,10 @@
 // batches with a prefill chunk use the tensor-core prefill kernel for every
 // sequence (or, with gpu_reference_math, the fp32 decode kernel with one row
 // per query). Logits are copied back to the host, where the engine samples.
+// A cudaEvent is recorded after each layer's KV write; the layer hooks
+// (Backend::Forward) run on the engine thread as those events complete,
+// during the pass (engine/layer_ready.h), so layer-wise KV sends overlap the
+// remaining layers' compute.
 //
 // The KV lives on the GPU: kv_storage() exposes device spans (cuda:N), with
 // device copies on their own stream and pinned staging for the grpc
