@@ -31,7 +31,7 @@ class DeviceStorageTransferTest : public ::testing::TestWithParam<DType> {
   // A spec whose spans are large enough that one request fills several
   // 1 MiB messages: both staging buffers are used and reused.
   static engine::KvCacheSpec Spec(DType dtype) {
-    return {4, 4, 64, 64, dtype};  // 64 KiB (fp32) .. 16 KiB (int8) a span
+    return {4, 4, 64, 64, dtype};  // 64 KiB (fp32) .. 16 KiB (int8, fp8)
   }
   void Start(bool device_receiver) {
     spec_ = Spec(GetParam());
@@ -151,7 +151,8 @@ TEST_P(DeviceStorageTransferTest, HostAndDeviceEndsInteroperate) {
 
 INSTANTIATE_TEST_SUITE_P(AllDtypes, DeviceStorageTransferTest,
                          ::testing::Values(DType::kF32, DType::kF16,
-                                           DType::kBF16, DType::kI8),
+                                           DType::kBF16, DType::kI8,
+                                           DType::kFp8E4M3),
                          [](const auto& info) {
                            return std::string(DTypeName(info.param));
                          });
