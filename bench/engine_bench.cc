@@ -112,7 +112,7 @@ absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
   std::vector<AccuracyFigure> out;
   for (engine::WeightDtype d :
        {engine::WeightDtype::kBF16, engine::WeightDtype::kF16,
-        engine::WeightDtype::kI8}) {
+        engine::WeightDtype::kI8, engine::WeightDtype::kI8B32}) {
     std::fprintf(stderr, "[bench] accuracy: %s...\n",
                  engine::WeightDtypeName(d));
     ASSIGN_OR_RETURN(engine::ModelWeights loaded,
@@ -223,7 +223,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const engine::ModelConfig& mc = weights->config;
-  result.weight_dtype = DTypeName(weights->dtype);
+  result.weight_dtype = weights->StorageName();
   const bool bf16dot = config.engine.matmul == kernels::MatMulMode::kBf16Dot &&
                        kernels::DetectCpuFeatures().avx512bf16;
   result.gemm_path =

@@ -98,8 +98,9 @@ constexpr char kEngineFlags[] =
     "  --enable-prefix-caching=false    disable prefix-cache reuse\n"
     "  --matmul deterministic|blas      linear kernels (default deterministic: "
     "batch-invariant)\n"
-    "  --weight-dtype auto|fp32|bf16|fp16|int8  weights in memory (default "
-    "auto: the checkpoint's)\n"
+    "  --weight-dtype auto|fp32|bf16|fp16|int8|int8-b32  weights in memory "
+    "(default auto: the checkpoint's; int8: a scale per row, int8-b32: per "
+    "32 inputs)\n"
     "  --threads N                      kernel threads (default: all cores)\n";
 
 }  // namespace
@@ -298,7 +299,7 @@ const std::vector<Command>& AllCommands() {
       {"model logits", "print the logits of a token sequence as JSON",
        "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads "
        "N]\n"
-       "             [--weight-dtype auto|fp32|bf16|fp16|int8]\n\n"
+       "             [--weight-dtype auto|fp32|bf16|fp16|int8|int8-b32]\n\n"
        "Prints {\"logits\": [...]} for the last position, or one list per "
        "position\n"
        "with --all-positions. fp32 KV cache: this is the accuracy reference "

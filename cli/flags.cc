@@ -40,8 +40,9 @@ ABSL_FLAG(std::string, matmul, "deterministic",
           "batch-invariant, other numbers) or blas (OpenBLAS)");
 ABSL_FLAG(std::string, weight_dtype, "auto",
           "how weight matrices are kept in memory: auto (the checkpoint's "
-          "dtype), fp32, bf16, fp16 or int8 (quantized at load, one scale per "
-          "output row); --matmul blas needs fp32 or auto");
+          "dtype), fp32, bf16, fp16, int8 (quantized at load, one fp32 scale "
+          "per output row) or int8-b32 (one fp16 scale per block of 32 "
+          "inputs of a row); --matmul blas needs fp32 or auto");
 ABSL_FLAG(int32_t, threads, 0, "kernel threads (0: all cores)");
 ABSL_FLAG(
     std::string, device, "cpu",
@@ -118,7 +119,8 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
       engine::ParseWeightDtype(absl::GetFlag(FLAGS_weight_dtype));
   if (!weight_dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--weight-dtype must be auto, fp32, bf16, fp16 or int8, got \"",
+        "--weight-dtype must be auto, fp32, bf16, fp16, int8 or int8-b32, got "
+        "\"",
         absl::GetFlag(FLAGS_weight_dtype), "\""));
   }
   c.weight_dtype = *weight_dtype;

@@ -93,6 +93,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                    static_cast<int32_t>(mc.num_kv_heads),
                    static_cast<int32_t>(mc.head_dim), config.block_size,
                    config.kv_dtype};
+  spec.host_shared = config.kv_host_shared;
   BackendConfig bc;
   bc.device = config.device;
   bc.kv = spec;

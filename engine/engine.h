@@ -60,6 +60,9 @@ struct EngineConfig {
   // CPU only: a local-file tier below the pool (engine/kv_tier.h); evicted
   // prefix blocks go there and come back on a prefix hit. Off when empty.
   KvTierConfig kv_offload;
+  // CPU only: the KV pool lives in a memfd that other processes on the node
+  // can map (KvCacheSpec::host_shared), for --kv-transport shm decode workers.
+  bool kv_host_shared = false;
 
   absl::Status Validate() const;
 };

@@ -1,5 +1,9 @@
 #include "engine/kv_cache.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -47,6 +51,21 @@ std::string KvCacheSpec::DebugString() const {
                       " dtype=", DTypeName(dtype));
 }
 
+namespace {
+size_t Align64(size_t n) { return (n + 63) & ~size_t{63}; }
+}  // namespace
+
+size_t KvPool::TotalBytes(const KvCacheSpec& spec, int64_t num_blocks) {
+  const size_t data = Align64(static_cast<size_t>(spec.LayerBlockBytes()) *
+                              static_cast<size_t>(num_blocks));
+  const size_t scales =
+      DTypeHasScales(spec.dtype)
+          ? Align64(static_cast<size_t>(num_blocks) * 2 * spec.num_kv_heads *
+                    sizeof(float))
+          : 0;
+  return (data + scales) * static_cast<size_t>(spec.num_layers);
+}
+
 absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheSpec& spec,
                                                        int64_t num_blocks) {
   if (auto s = spec.Validate(); !s.ok()) return s;
@@ -55,23 +74,72 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheSpec& spec,
         "kv cache: the memory budget holds no block (one block needs ",
         spec.BytesPerBlock(), " bytes)"));
   }
-  return std::unique_ptr<KvPool>(new KvPool(spec, num_blocks));
+  std::unique_ptr<KvPool> pool(new KvPool(spec, num_blocks));
+  pool->bytes_ = TotalBytes(spec, num_blocks);
+  if (!spec.host_shared) {
+    // Zero-filled so that never-written slots hold finite values.
+    pool->heap_.reset(new uint8_t[pool->bytes_]());
+    pool->Layout(pool->heap_.get());
+    return pool;
+  }
+  // A memfd rather than shm_open: nothing is left in /dev/shm when the
+  // process dies, and the region is not bounded by /dev/shm's size (64 MiB
+  // in a default container). Its pages start zeroed.
+  pool->memfd_ = memfd_create("pdserve-kv-pool", MFD_CLOEXEC);
+  if (pool->memfd_ < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("kv cache: memfd_create for a shared pool failed: ",
+                     std::strerror(errno)));
+  }
+  if (ftruncate(pool->memfd_, static_cast<off_t>(pool->bytes_)) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("kv cache: sizing the shared pool to ", pool->bytes_,
+                     " bytes failed: ", std::strerror(errno)));
+  }
+  void* p = mmap(nullptr, pool->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 pool->memfd_, 0);
+  if (p == MAP_FAILED) {
+    return absl::UnavailableError(
+        absl::StrCat("kv cache: mapping the shared pool (", pool->bytes_,
+                     " bytes) failed: ", std::strerror(errno)));
+  }
+  pool->mapped_ = static_cast<uint8_t*>(p);
+  pool->Layout(pool->mapped_);
+  return pool;
 }
 
 KvPool::KvPool(const KvCacheSpec& spec, int64_t num_blocks)
-    : spec_(spec), num_blocks_(num_blocks) {
-  const int64_t layer_bytes = spec.LayerBlockBytes() * num_blocks;
-  for (int l = 0; l < spec.num_layers; ++l) {
-    // Zero-filled so that never-written slots hold finite values.
-    data_.emplace_back(new uint8_t[layer_bytes]());
-    if (DTypeHasScales(spec.dtype))
-      scales_.emplace_back(num_blocks * 2 * spec.num_kv_heads, 0.0f);
+    : spec_(spec), num_blocks_(num_blocks) {}
+
+KvPool::~KvPool() {
+  if (mapped_ != nullptr) munmap(mapped_, bytes_);
+  if (memfd_ >= 0) close(memfd_);
+}
+
+void KvPool::Layout(uint8_t* base) {
+  const size_t data = Align64(static_cast<size_t>(spec_.LayerBlockBytes()) *
+                              static_cast<size_t>(num_blocks_));
+  const size_t scales = Align64(static_cast<size_t>(num_blocks_) * 2 *
+                                spec_.num_kv_heads * sizeof(float));
+  uint8_t* at = base;
+  for (int l = 0; l < spec_.num_layers; ++l) {
+    data_.push_back(at);
+    at += data;
+    if (DTypeHasScales(spec_.dtype)) {
+      scales_.push_back(reinterpret_cast<float*>(at));
+      at += scales;
+    }
   }
 }
 
+std::vector<KvSharedRegion> KvPool::SharedRegions() {
+  if (mapped_ == nullptr) return {};
+  return {KvSharedRegion{mapped_, bytes_,
+                         absl::StrCat("/proc/", getpid(), "/fd/", memfd_)}};
+}
+
 kernels::KvLayerView KvPool::Layer(int layer) {
-  return {data_[layer].get(),
-          DTypeHasScales(spec_.dtype) ? scales_[layer].data() : nullptr,
+  return {data_[layer], DTypeHasScales(spec_.dtype) ? scales_[layer] : nullptr,
           spec_.dtype,
           spec_.num_kv_heads,
           spec_.head_dim,
@@ -79,7 +147,7 @@ kernels::KvLayerView KvPool::Layer(int layer) {
 }
 
 uint8_t* KvPool::LayerBlockData(int layer, int64_t block) {
-  return data_[layer].get() + block * spec_.LayerBlockBytes();
+  return data_[layer] + block * spec_.LayerBlockBytes();
 }
 
 KvSpan KvPool::Span(int32_t layer, int64_t block) {
@@ -113,7 +181,7 @@ absl::Status KvPool::CopyFromHost(int32_t layer, int64_t block,
 
 float* KvPool::LayerBlockScales(int layer, int64_t block) {
   if (!DTypeHasScales(spec_.dtype)) return nullptr;
-  return scales_[layer].data() + block * 2 * spec_.num_kv_heads;
+  return scales_[layer] + block * 2 * spec_.num_kv_heads;
 }
 
 }  // namespace pdserve::engine

@@ -28,6 +28,11 @@ struct KvCacheSpec {
   int32_t head_dim = 0;
   int32_t block_size = 16;  // tokens per block
   DType dtype = DType::kF16;
+  // Not geometry: how a host pool (KvPool) allocates. True: in one memfd
+  // region that other processes on the node can map (SharedRegions), which
+  // the `shm` KV transport needs on the decode side. Ignored by device
+  // storage.
+  bool host_shared = false;
 
   absl::Status Validate() const;
   // 2 x layers x kv_heads x head_dim x dtype bytes (scales excluded).
@@ -47,8 +52,13 @@ struct KvCacheSpec {
 // KvStorage (its spans are host pointers; copies are memcpy).
 class KvPool final : public KvStorage {
  public:
+  // spec.host_shared: the pool lives in one memfd region (see SharedRegions);
+  // UNAVAILABLE if the region cannot be created or mapped.
   static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvCacheSpec& spec,
                                                         int64_t num_blocks);
+  ~KvPool() override;
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
   const KvCacheSpec& spec() const override { return spec_; }
   int64_t num_blocks() const override { return num_blocks_; }
   KvMemory memory() const override { return {}; }
@@ -57,6 +67,9 @@ class KvPool final : public KvStorage {
                           void* scales) override;
   absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
                             const void* scales) override;
+  // One region with every layer's data and scales when spec().host_shared,
+  // else empty.
+  std::vector<KvSharedRegion> SharedRegions() override;
   kernels::KvLayerView Layer(int layer);
   // Raw (layer, block) span for transfer: data and, for int8/fp8, the scales.
   uint8_t* LayerBlockData(int layer, int64_t block);
@@ -64,10 +77,21 @@ class KvPool final : public KvStorage {
 
  private:
   KvPool(const KvCacheSpec& spec, int64_t num_blocks);
+  // Carves per-layer data and scales out of [base, base + TotalBytes).
+  void Layout(uint8_t* base);
+  // Bytes of the one allocation holding every layer (64-byte aligned parts).
+  static size_t TotalBytes(const KvCacheSpec& spec, int64_t num_blocks);
+
   KvCacheSpec spec_;
   int64_t num_blocks_;
-  std::vector<std::unique_ptr<uint8_t[]>> data_;  // per layer
-  std::vector<std::vector<float>> scales_;        // per layer, int8/fp8 only
+  // Everything lives in one zero-filled allocation: heap memory, or a memfd
+  // mapping (memfd_ >= 0) when spec_.host_shared.
+  std::unique_ptr<uint8_t[]> heap_;
+  uint8_t* mapped_ = nullptr;
+  size_t bytes_ = 0;
+  int memfd_ = -1;
+  std::vector<uint8_t*> data_;  // per layer
+  std::vector<float*> scales_;  // per layer, int8/fp8 only
 };
 
 }  // namespace pdserve::engine

@@ -2,6 +2,8 @@
 // batched == alone, chunked prefill == whole, prefix-cache hit == cold.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -90,12 +92,50 @@ TEST_P(WeightDtypeEngineTest, PrefixCacheHitEqualsCold) {
   EXPECT_EQ(warm.at("warm"), cold.at("cold")) << WeightDtypeName(GetParam());
 }
 
+// int8-b32 is int8 storage with block scales: its own numbers, so its own
+// fingerprint (workers with per-row int8 must not share its prefix blocks),
+// and closer to fp32 than per-row int8 on the same checkpoint.
+TEST(WeightDtypeTest, Int8BlockScalesAreTheirOwnStorage) {
+  const std::string dir = testing::TempDir("weight_dtype_b32_model");
+  ModelInitOptions opts;
+  opts.preset = "tiny";
+  opts.out_dir = dir;
+  opts.seed = 8;
+  ASSERT_TRUE(WriteRandomModel(opts).ok());
+  auto fp32 = ModelWeights::Load(dir, WeightDtype::kF32);
+  auto row = ModelWeights::Load(dir, WeightDtype::kI8);
+  auto block = ModelWeights::Load(dir, WeightDtype::kI8B32);
+  ASSERT_TRUE(fp32.ok() && row.ok() && block.ok());
+  EXPECT_EQ(block->dtype, DType::kI8);
+  EXPECT_EQ(block->StorageName(), "int8-b32");
+  EXPECT_EQ(row->StorageName(), "int8");
+  EXPECT_EQ(block->layers[0].gate_up.int8_scaling(),
+            kernels::Int8Scaling::kBlock32);
+  EXPECT_NE(block->fingerprint, row->fingerprint);
+  EXPECT_EQ(ParseWeightDtype("int8-b32"), WeightDtype::kI8B32);
+  EXPECT_STREQ(WeightDtypeName(WeightDtype::kI8B32), "int8-b32");
+  auto err = [&](const ModelWeights& w) {
+    const auto a = fp32->layers[0].down.ToFloat(),
+               b = w.layers[0].down.ToFloat();
+    double e = 0, m = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      e += std::fabs(a[i] - b[i]);
+      m += std::fabs(a[i]);
+    }
+    return e / m;
+  };
+  EXPECT_LT(err(*block), err(*row));
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryWeightDtype, WeightDtypeEngineTest,
                          ::testing::Values(WeightDtype::kF32,
                                            WeightDtype::kBF16,
-                                           WeightDtype::kF16, WeightDtype::kI8),
+                                           WeightDtype::kF16, WeightDtype::kI8,
+                                           WeightDtype::kI8B32),
                          [](const ::testing::TestParamInfo<WeightDtype>& info) {
-                           return std::string(WeightDtypeName(info.param));
+                           std::string name = WeightDtypeName(info.param);
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
                          });
 
 }  // namespace

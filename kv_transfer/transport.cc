@@ -29,6 +29,10 @@ const char* KvTransportName(KvTransportKind kind) {
       return "grpc";
     case KvTransportKind::kNccl:
       return "nccl";
+    case KvTransportKind::kShm:
+      return "shm";
+    case KvTransportKind::kCudaIpc:
+      return "cuda_ipc";
   }
   return "?";
 }
@@ -36,8 +40,11 @@ const char* KvTransportName(KvTransportKind kind) {
 absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name) {
   if (name == "grpc") return KvTransportKind::kGrpc;
   if (name == "nccl") return KvTransportKind::kNccl;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--kv-transport must be grpc or nccl, got \"", name, "\""));
+  if (name == "shm") return KvTransportKind::kShm;
+  if (name == "cuda_ipc") return KvTransportKind::kCudaIpc;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kv-transport must be grpc, nccl, shm or cuda_ipc, got \"", name,
+      "\""));
 }
 
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {

@@ -87,9 +87,12 @@ class KvSendSession {
   virtual void Cancel() = 0;
 };
 
-// Which KvTransport a worker uses (--kv-transport).
-enum class KvTransportKind { kGrpc, kNccl };
-// "grpc" | "nccl".
+// Which KvTransport a worker uses (--kv-transport). kShm and kCudaIpc are
+// the same-node transports (kv_transfer/ipc/): the prefill worker writes
+// into the decode worker's mapped pool, host memory (shm) or GPU memory
+// (cuda_ipc).
+enum class KvTransportKind { kGrpc, kNccl, kShm, kCudaIpc };
+// "grpc" | "nccl" | "shm" | "cuda_ipc".
 const char* KvTransportName(KvTransportKind kind);
 // The kind a name spells, or INVALID_ARGUMENT naming the choices.
 absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name);

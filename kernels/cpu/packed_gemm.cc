@@ -251,16 +251,17 @@ PDSERVE_AVX2 void TileAvx2B32(const float* xp, const uint8_t* w,
           zero ? _mm256_setzero_ps() : _mm256_loadu_ps(io + i * 16 + h * 8);
     }
   }
-  for (int64_t q = k0; q < k1;) {
-    const int64_t b = q / kInt8Block;
-    const int64_t end = std::min(k1, (b + 1) * kInt8Block);
+  const float* xq = xp;
+  for (int64_t b = k0 / kInt8Block; b * kInt8Block < k1; ++b) {
+    const int64_t base = b * kInt8Block;
+    const int64_t j1 = std::min(k1, base + kInt8Block) - base;
+    const uint8_t* blk = w + b * kBlockBytes;
     __m256 s[2];
     BlockScalesAvx2(w, b, s);
-    for (; q < end; ++q) {
-      const uint8_t* p = w + PanelOffset(Fmt::kI8B32, q, 0);
+    for (int64_t j = std::max(k0, base) - base; j < j1; ++j, xq += MR) {
+      const uint8_t* p = blk + j * kPanel;
       const __m256 a0 = _mm256_mul_ps(WidenInt8Avx2(p), s[0]);
       const __m256 a1 = _mm256_mul_ps(WidenInt8Avx2(p + 8), s[1]);
-      const float* xq = xp + (q - k0) * MR;
       for (int i = 0; i < MR; ++i) {
         const __m256 xa = _mm256_broadcast_ss(xq + i);
         acc[i][0] = _mm256_fmadd_ps(xa, a0, acc[i][0]);
@@ -397,20 +398,23 @@ PDSERVE_AVX512 void TileAvx512B32(const float* xp, const uint8_t* w,
   }
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
-  for (int64_t q = k0; q < k1;) {
-    const int64_t b = q / kInt8Block;
-    const int64_t end = std::min(k1, (b + 1) * kInt8Block);
+  // Pointers and a block-relative index only: k0 >= 0, and index
+  // arithmetic per k would cost more than the widening.
+  const float* xq = xp;
+  for (int64_t b = k0 / kInt8Block; b * kInt8Block < k1; ++b) {
+    const int64_t base = b * kInt8Block;
+    const int64_t j1 = std::min(k1, base + kInt8Block) - base;
+    const uint8_t* blk[NV];
     __m512 s[NV];
     for (int v = 0; v < NV; ++v) {
+      blk[v] = wp[v] + b * kBlockBytes;
       s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wp[v] + BlockScaleOffset(b, 0))));
+          reinterpret_cast<const __m256i*>(blk[v] + kInt8Block * kPanel)));
     }
-    for (; q < end; ++q) {
-      const float* xq = xp + (q - k0) * MR;
-      const int64_t off = PanelOffset(Fmt::kI8B32, q, 0);
+    for (int64_t j = std::max(k0, base) - base; j < j1; ++j, xq += MR) {
       __m512 a[NV];
       for (int v = 0; v < NV; ++v)
-        a[v] = _mm512_mul_ps(WidenInt8Avx512(wp[v] + off), s[v]);
+        a[v] = _mm512_mul_ps(WidenInt8Avx512(blk[v] + j * kPanel), s[v]);
       for (int i = 0; i < MR; ++i) {
         const __m512 xa = _mm512_set1_ps(xq[i]);
         for (int v = 0; v < NV; ++v)
@@ -461,8 +465,9 @@ PDSERVE_AVX2 void WidenAvx2(const uint8_t* w, int64_t panel_bytes, int nv,
         const int64_t end = std::min(q1, (b + 1) * kInt8Block);
         __m256 s[2];
         BlockScalesAvx2(panel, b, s);
-        for (; q < end; ++q) {
-          const uint8_t* p = panel + PanelOffset(W, q, 0);
+        const uint8_t* p =
+            panel + b * kBlockBytes + (q - b * kInt8Block) * kPanel;
+        for (; q < end; ++q, p += kPanel) {
           _mm256_storeu_ps(o + (q - q0) * kPanel,
                            _mm256_mul_ps(WidenInt8Avx2(p), s[0]));
           _mm256_storeu_ps(o + (q - q0) * kPanel + 8,
@@ -497,10 +502,11 @@ PDSERVE_AVX512 void WidenAvx512(const uint8_t* w, int64_t panel_bytes, int nv,
         const int64_t end = std::min(q1, (b + 1) * kInt8Block);
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(panel + BlockScaleOffset(b, 0))));
-        for (; q < end; ++q) {
-          _mm512_storeu_ps(
-              o + (q - q0) * kPanel,
-              _mm512_mul_ps(WidenInt8Avx512(panel + PanelOffset(W, q, 0)), s));
+        const uint8_t* p =
+            panel + b * kBlockBytes + (q - b * kInt8Block) * kPanel;
+        for (; q < end; ++q, p += kPanel) {
+          _mm512_storeu_ps(o + (q - q0) * kPanel,
+                           _mm512_mul_ps(WidenInt8Avx512(p), s));
         }
       }
     } else {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -20,6 +21,11 @@ struct Format {
   DType dtype;
   Int8Scaling scaling = Int8Scaling::kPerRow;
 };
+void PrintTo(const Format& f, std::ostream* os) {
+  *os << DTypeName(f.dtype)
+      << (f.scaling == Int8Scaling::kBlock32 ? "/block32" : "");
+}
+void PrintTo(GemmIsa isa, std::ostream* os) { *os << GemmIsaName(isa); }
 using Param = std::tuple<GemmIsa, Format>;
 
 class PackedGemmTest : public ::testing::TestWithParam<Param> {
