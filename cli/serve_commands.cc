@@ -51,9 +51,12 @@ ABSL_FLAG(std::string, advertise, "",
 ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
 ABSL_FLAG(std::string, router, "",
           "router address (workers register there; generate sends there)");
-ABSL_FLAG(std::string, kv_transport, "grpc",
-          "KV transfer backend: grpc, or nccl (needs a CUDA+NCCL build and "
-          "a GPU per worker)");
+ABSL_FLAG(std::string, kv_transport, "auto",
+          "KV transfer backend: grpc; nccl (needs a CUDA+NCCL build and a GPU "
+          "per worker); shm (CPU workers on one node: prefill writes into the "
+          "decode worker's memfd-backed pool); cuda_ipc (GPU workers on one "
+          "node, same or peer GPU; never run on a GPU yet); auto: cuda_ipc "
+          "for `up --device cuda`, otherwise grpc");
 ABSL_FLAG(int32_t, kv_cuda_device, 0,
           "--kv-transport nccl: the CUDA device this worker's NCCL "
           "communicators use");
@@ -132,8 +135,10 @@ int RunWorkerWithRole(const std::string& role_name) {
   config.listen_host = absl::GetFlag(FLAGS_host);
   config.port = std::max(0, absl::GetFlag(FLAGS_port));
   config.advertise_host = absl::GetFlag(FLAGS_advertise);
-  auto transport =
-      kv_transfer::ParseKvTransport(absl::GetFlag(FLAGS_kv_transport));
+  // auto: grpc for a standalone worker (its peers may be on other nodes).
+  const std::string transport_name = absl::GetFlag(FLAGS_kv_transport);
+  auto transport = kv_transfer::ParseKvTransport(
+      transport_name == "auto" ? "grpc" : transport_name);
   if (!transport.ok()) return ReportError(transport.status());
   config.kv_transport = *transport;
   config.kv_cuda_device = absl::GetFlag(FLAGS_kv_cuda_device);
@@ -384,11 +389,17 @@ int RunUp(const std::vector<std::string>&) {
                                     std::max(1, n_prefill + n_decode))),
       std::string("--enable-prefix-caching=") +
           (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
-      "--kv-transport=" + absl::GetFlag(FLAGS_kv_transport),
+      // Every worker of `up` is on this node: on one GPU, prefill writes
+      // straight into the decode pool over cuda_ipc (NCCL cannot join two
+      // ranks on one GPU).
+      "--kv-transport=" +
+          (absl::GetFlag(FLAGS_kv_transport) != "auto"
+               ? absl::GetFlag(FLAGS_kv_transport)
+               : (absl::GetFlag(FLAGS_device) == "cuda" ? std::string("cuda_ipc")
+                                                        : std::string("grpc"))),
       "--device=" + absl::GetFlag(FLAGS_device),
       // One GPU shared by every worker: each takes an equal part of the
-      // fraction asked for (NCCL cannot join two ranks on one GPU, so `up`
-      // on a GPU moves KV with the default grpc transport).
+      // fraction asked for.
       "--gpu-memory-utilization=" +
           std::to_string(absl::GetFlag(FLAGS_gpu_memory_utilization) /
                          std::max(1, n_prefill + n_decode)),

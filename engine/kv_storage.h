@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -54,6 +55,19 @@ class HostStagingBuffer {
   virtual size_t size() const = 0;
 };
 
+// A piece of a storage's memory that another process on the same node may
+// map: the shm and cuda_ipc transports (kv_transfer/ipc/) write the spans a
+// decode worker reserved straight through such a mapping.
+struct KvSharedRegion {
+  void* base = nullptr;  // in the storage's memory(): host or device
+  size_t bytes = 0;
+  // Host memory: a path another process of the same user can open and mmap
+  // (KvPool: "/proc/<pid>/fd/<n>" of its memfd). Device memory: empty; the
+  // region is one whole cudaMalloc allocation, so cudaIpcGetMemHandle(base)
+  // exports it.
+  std::string path;
+};
+
 class KvStorage {
  public:
   virtual ~KvStorage() = default;
@@ -72,6 +86,10 @@ class KvStorage {
                                     const void* data, const void* scales) = 0;
   // A staging buffer of `bytes` suited to this storage's copies.
   virtual std::unique_ptr<HostStagingBuffer> AllocateStaging(size_t bytes);
+  // The regions that together hold every span (data and scales), when this
+  // storage can be mapped by another process on the node; empty (the
+  // default) when it cannot. Stable for the storage's lifetime.
+  virtual std::vector<KvSharedRegion> SharedRegions() { return {}; }
 };
 
 }  // namespace pdserve::engine

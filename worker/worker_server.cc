@@ -18,6 +18,8 @@
 #include "engine/kv_event_log.h"
 #include "engine/weights.h"
 #include "kv_transfer/grpc/grpc_transport.h"
+#include "kv_transfer/ipc/ipc_service.h"
+#include "kv_transfer/ipc/ipc_transport.h"
 #include "kv_transfer/nccl/grpc_control_channel.h"
 #include "kv_transfer/nccl/nccl_receiver.h"
 #include "kv_transfer/nccl/nccl_runtime.h"
@@ -60,6 +62,20 @@ absl::Status WorkerConfig::Validate() const {
   }
   if (model_dir.empty())
     return absl::InvalidArgumentError("--model is required");
+  // The same-node transports move one memory kind: host pools over shm, GPU
+  // pools over cuda_ipc.
+  if (kv_transport == kv_transfer::KvTransportKind::kCudaIpc &&
+      engine.device != engine::Device::kCuda) {
+    return absl::InvalidArgumentError(
+        "--kv-transport cuda_ipc moves GPU KV pools and needs --device cuda; "
+        "CPU workers on one node use --kv-transport shm");
+  }
+  if (kv_transport == kv_transfer::KvTransportKind::kShm &&
+      engine.device != engine::Device::kCpu) {
+    return absl::InvalidArgumentError(
+        "--kv-transport shm moves host KV pools (--device cpu); GPU workers "
+        "on one node use --kv-transport cuda_ipc");
+  }
   if (port < 0 || port > 65535)
     return absl::InvalidArgumentError("--port must be in [0, 65535]");
   if (grpc_memory_quota_bytes < 0 || grpc_max_threads < 0) {
@@ -88,8 +104,12 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   // what uses them, so they are destroyed after it.
   std::unique_ptr<kv_transfer::nccl::CommunicatorFactory> nccl_comms;
   std::unique_ptr<kv_transfer::nccl::GrpcControlChannelFactory> nccl_control;
+  // --kv-transport shm|cuda_ipc: the peer-memory backend (its control plane
+  // is nccl_control's KvTransfer.Control stream).
+  std::unique_ptr<kv_transfer::ipc::PeerMemoryBackend> ipc_backend;
   std::unique_ptr<kv_transfer::KvReceiver> receiver;
   std::unique_ptr<kv_transfer::nccl::NcclKvReceiveEndpoint> nccl_endpoint;
+  std::unique_ptr<kv_transfer::ipc::IpcKvReceiveEndpoint> ipc_endpoint;
   std::unique_ptr<kv_transfer::KvTransport> transport;
   std::unique_ptr<kv_transfer::KvTransferService> kv_service;
   std::unique_ptr<prefill::PrefillHandler> prefill;
@@ -321,8 +341,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   const std::string fingerprint =
       engine::BlockHash{weights->fingerprint[0], weights->fingerprint[1]}.Hex();
   Impl* raw = impl.get();
+  engine::EngineConfig engine_config = config.engine;
+  // shm: a decode worker's pool must be mappable by its prefill peers.
+  engine_config.kv_host_shared =
+      config.kv_transport == kv_transfer::KvTransportKind::kShm &&
+      impl->serves_decode;
   ASSIGN_OR_RETURN(auto eng,
-                   engine::Engine::Create(weights, config.engine,
+                   engine::Engine::Create(weights, engine_config,
                                           [raw](const engine::KvEvent& e) {
                                             raw->events.Append(e);
                                           }));
@@ -359,6 +384,33 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     send.timeout = config.kv_stall_timeout;
     impl->transport = std::make_unique<kv_transfer::nccl::NcclKvTransport>(
         impl->nccl_control.get(), comms, impl->transfer_metrics.get(), send);
+  } else if (config.kv_transport == kv_transfer::KvTransportKind::kShm ||
+             config.kv_transport == kv_transfer::KvTransportKind::kCudaIpc) {
+    engine::KvStorage* storage = &impl->loop->kv_storage_for_transfer();
+    if (config.kv_transport == kv_transfer::KvTransportKind::kShm) {
+      impl->ipc_backend = kv_transfer::ipc::NewShmBackend();
+    } else {
+      ASSIGN_OR_RETURN(
+          impl->ipc_backend,
+          kv_transfer::ipc::NewCudaIpcBackend(storage->memory().device));
+    }
+    if (impl->serves_decode) {
+      kv_transfer::ipc::IpcReceiverConfig receive;
+      receive.timeout = config.kv_stall_timeout;
+      ASSIGN_OR_RETURN(impl->ipc_endpoint,
+                       kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
+                           impl->receiver.get(), storage,
+                           impl->ipc_backend.get(), receive));
+    }
+    impl->kv_service = std::make_unique<kv_transfer::ipc::IpcKvTransferService>(
+        impl->receiver.get(), impl->ipc_endpoint.get());
+    impl->nccl_control =
+        std::make_unique<kv_transfer::nccl::GrpcControlChannelFactory>();
+    kv_transfer::ipc::IpcTransportConfig send;
+    send.timeout = config.kv_stall_timeout;
+    impl->transport = std::make_unique<kv_transfer::ipc::IpcKvTransport>(
+        impl->nccl_control.get(), impl->ipc_backend.get(),
+        impl->transfer_metrics.get(), send);
   } else {
     // The stream of a layer-wise sender stays open for the whole prefill;
     // dead or stalled peers are caught by the receiver's stall timeout and
