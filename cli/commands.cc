@@ -337,6 +337,8 @@ const std::vector<Command>& AllCommands() {
        "       [--w-prefill 1] [--w-decode "
        "64]\n"
        "       [--local-prefill-threshold 32] [--max-retries 3]\n"
+       "       [--peer-pull] [--peer-pull-min-speedup 1]  (pull a prefix the "
+       "prefill worker lacks from a peer's pool when faster than recompute)\n"
        "       (--tls-cert F --tls-key F --tls-ca F [--tls-reload-seconds 10] "
        "| --insecure)\n"
        "       [--auth-tokens FILE] [--tenant-max-concurrent N] "

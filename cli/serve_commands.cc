@@ -83,6 +83,13 @@ ABSL_FLAG(
     "router: uncached tokens at or below this prefill on the decode worker");
 ABSL_FLAG(int32_t, max_retries, 3,
           "router: retries before the first token / migrations after it");
+ABSL_FLAG(bool, peer_pull, false,
+          "router: let the chosen prefill worker pull a prompt prefix it "
+          "lacks from another worker's KV pool when the estimated transfer "
+          "(measured GB/s) beats recomputing it (measured prefill tokens/s)");
+ABSL_FLAG(double, peer_pull_min_speedup, 1.0,
+          "router, with --peer-pull: pull only when recompute is estimated "
+          "this many times slower than the transfer");
 ABSL_FLAG(int32_t, drain_timeout_ms, 30000,
           "worker: on SIGTERM, finish in-flight requests for up to this long");
 ABSL_FLAG(
@@ -258,6 +265,8 @@ int RunRouter(const std::vector<std::string>&) {
   config.policy_config.local_prefill_threshold =
       absl::GetFlag(FLAGS_local_prefill_threshold);
   config.max_retries = absl::GetFlag(FLAGS_max_retries);
+  config.peer_pull.enabled = absl::GetFlag(FLAGS_peer_pull);
+  config.peer_pull.min_speedup = absl::GetFlag(FLAGS_peer_pull_min_speedup);
   auto server =
       router::RouterServer::Create(config, &metrics::Registry::Default());
   if (!server.ok()) return ReportError(server.status());

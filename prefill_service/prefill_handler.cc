@@ -1,5 +1,6 @@
 #include "prefill_service/prefill_handler.h"
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "kv_transfer/grpc/grpc_transport.h"
@@ -23,6 +24,15 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
       !s.ok()) {
     return ToGrpc(s);
   }
+  // Peer pull first: blocks pulled from the holder become a prefix hit of the
+  // prefill below; a failed pull leaves nothing behind and they are
+  // recomputed. They stay referenced until the prefill ended.
+  PeerPuller::Pulled pulled;
+  if (options_.puller != nullptr && request.has_peer_pull())
+    pulled = options_.puller->Pull(context, request);
+  absl::Cleanup release_pulled = [&] {
+    if (options_.puller != nullptr) options_.puller->Release(pulled);
+  };
   // Open the transfer before computing too: a transport that talks to the
   // receiver at Open (nccl) refuses a bad reservation without a prefill.
   kv_transfer::SendPlan plan;
@@ -59,6 +69,7 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
       streamer->OnLayerWritten(w, blocks);
     };
   }
+  const absl::Time submitted = absl::Now();
   auto stream = loop_->Submit(req);
   if (!stream.ok()) {
     session.Cancel();
@@ -119,8 +130,14 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::ABORTED,
                         "prefill ended without a token");
   }
+  if (options_.prefill_rate != nullptr) {
+    options_.prefill_rate->Add(
+        static_cast<double>(done.prompt_tokens - done.cached_prompt_tokens),
+        absl::ToDoubleSeconds(absl::Now() - submitted));
+  }
   // Send the blocks the decode worker does not hold and that were not
   // streamed yet, then unpin ours.
+  const absl::Time send_start = absl::Now();
   absl::Status sent;
   if (streamer) {
     sent = streamer->SendRest(&session, done.held_blocks);
@@ -136,6 +153,18 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
     absl::StatusOr<kv_transfer::SendStats> stats = session.Finish();
     sent = stats.status();
     if (stats.ok()) bytes = stats->bytes;
+    // The rate of what was sent after the forward pass (streamed spans
+    // overlapped compute and say nothing about the link).
+    const uint64_t streamed =
+        streamer ? static_cast<uint64_t>(
+                       streamer->stats().spans_before_forward_end * span_bytes)
+                 : 0;
+    if (options_.transfer_rate != nullptr && bytes > streamed &&
+        bytes - streamed >= (uint64_t{256} << 10)) {
+      options_.transfer_rate->Add(
+          static_cast<double>(bytes - streamed),
+          absl::ToDoubleSeconds(absl::Now() - send_start));
+    }
   } else {
     session.Cancel();
   }
@@ -151,6 +180,7 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   response->set_cached_prompt_tokens(
       static_cast<uint32_t>(done.cached_prompt_tokens));
   response->set_bytes_sent(bytes);
+  response->set_pulled_blocks(static_cast<uint32_t>(pulled.pulled_blocks));
   response->set_worker_id(worker_id_);
   return grpc::Status::OK;
 }

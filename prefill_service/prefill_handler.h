@@ -14,6 +14,7 @@
 #include "kv_transfer/transfer_metrics.h"
 #include "kv_transfer/transport.h"
 #include "pdserve/v1/internal.pb.h"
+#include "prefill_service/peer_pull.h"
 
 namespace pdserve::prefill {
 
@@ -25,6 +26,14 @@ struct PrefillOptions {
   int64_t max_queued_bytes = int64_t{64} << 20;
   // Counts the bytes sent while the forward pass still ran; may be null.
   kv_transfer::TransferMetrics* metrics = nullptr;
+  // Peer pull (peer_pull.h): serves PrefillRequest.peer_pull; null: such
+  // requests recompute the prefix as if it were unset.
+  PeerPuller* puller = nullptr;
+  // Measured rates for WorkerStatus (may be null): prompt tokens computed per
+  // second of prefill, and KV bytes per second of the sends that follow the
+  // forward pass.
+  RateMeter* prefill_rate = nullptr;
+  RateMeter* transfer_rate = nullptr;
 };
 
 class PrefillHandler {

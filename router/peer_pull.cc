@@ -45,10 +45,10 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
     double rate = c.transfer_bytes_per_second;
     if (rate <= 0) rate = input.prefill_transfer_bytes_per_second;
     if (rate <= 0) rate = config.default_transfer_bytes_per_second;
-    const double transfer =
-        config.overhead_seconds +
-        static_cast<double>(gain) * static_cast<double>(input.bytes_per_block) /
-            rate;
+    const double transfer = config.overhead_seconds +
+                            static_cast<double>(gain) *
+                                static_cast<double>(input.bytes_per_block) /
+                                rate;
     if (best == nullptr || gain > best_gain ||
         (gain == best_gain && transfer < best_transfer)) {
       best = &c;

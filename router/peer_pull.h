@@ -41,18 +41,18 @@ struct PeerPullCandidate {
   WorkerIndex index = -1;
   std::string address;  // empty: unknown, never pulled from
   std::string id;
-  bool up = false;            // the registry's view; a down worker is skipped
-  bool same_cache = false;    // same cache fingerprint and block size as P
-  int32_t leading_blocks = 0; // leading prompt blocks it holds (index)
+  bool up = false;             // the registry's view; a down worker is skipped
+  bool same_cache = false;     // same cache fingerprint and block size as P
+  int32_t leading_blocks = 0;  // leading prompt blocks it holds (index)
   double transfer_bytes_per_second = 0;  // its measured send rate; 0: unknown
 };
 
 struct PeerPullInput {
-  WorkerIndex prefill = -1;       // the chosen prefill worker P
-  int32_t prefill_cached_blocks = 0;  // leading blocks P already holds
-  int32_t prompt_blocks = 0;          // full blocks of the prompt
-  int32_t block_size = 16;            // tokens per block
-  int64_t bytes_per_block = 0;        // KV bytes of one block, all layers
+  WorkerIndex prefill = -1;              // the chosen prefill worker P
+  int32_t prefill_cached_blocks = 0;     // leading blocks P already holds
+  int32_t prompt_blocks = 0;             // full blocks of the prompt
+  int32_t block_size = 16;               // tokens per block
+  int64_t bytes_per_block = 0;           // KV bytes of one block, all layers
   double prefill_tokens_per_second = 0;  // P's measured rate; 0: unknown
   double prefill_transfer_bytes_per_second = 0;  // P's send rate; 0: unknown
   std::vector<PeerPullCandidate> candidates;
@@ -62,7 +62,7 @@ struct PeerPullDecision {
   bool pull = false;
   WorkerIndex holder = -1;
   std::string holder_address, holder_id;
-  int32_t blocks = 0;  // leading prompt blocks the holder holds
+  int32_t blocks = 0;       // leading prompt blocks the holder holds
   int32_t gain_blocks = 0;  // of them, blocks P lacks
   double transfer_seconds = 0, recompute_seconds = 0;  // estimates
   // "" when pulling; else why not: "disabled", "no_holder", "not_faster".

@@ -14,8 +14,8 @@ class PeerPullTest : public ::testing::Test {
     input_.prefill_cached_blocks = 0;
     input_.prompt_blocks = 64;
     input_.block_size = 16;
-    input_.bytes_per_block = 1 << 20;          // 1 MiB per block
-    input_.prefill_tokens_per_second = 1000;   // 16 ms per block
+    input_.bytes_per_block = 1 << 20;         // 1 MiB per block
+    input_.prefill_tokens_per_second = 1000;  // 16 ms per block
   }
   PeerPullCandidate Holder(WorkerIndex index, int32_t blocks,
                            double bytes_per_second) {

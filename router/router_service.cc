@@ -47,6 +47,7 @@ absl::Status RouterConfig::Validate() const {
   }
   if (request_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("--request-timeout-ms must be positive");
+  if (absl::Status s = peer_pull.Validate(); !s.ok()) return s;
   if (tenant_limits.max_concurrent < 0 || tenant_limits.tokens_per_minute < 0)
     return absl::InvalidArgumentError(
         "--tenant-max-concurrent and --tenant-tokens-per-minute must be >= 0 "
@@ -361,6 +362,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
     std::optional<WorkerView> prefill;  // none: the decode worker prefills
     std::vector<int32_t> tokens;        // prompt + tokens generated so far
     int64_t uncached = 0;  // prefill tokens charged to the prefill side
+    v1::PeerPull peer_pull;  // blocks == 0: no pull
   };
 
   // How one attempt ended.
@@ -478,6 +480,12 @@ struct RouterServer::Impl final : public v1::Router::Service,
       return hashes.For(w.fingerprint,
                         static_cast<int32_t>(w.status.layout().block_size()));
     };
+    // Peer pull: asked before the speculative entries below, which would
+    // credit the prefill worker with the whole prompt.
+    if (route.prefill && config.peer_pull.enabled) {
+      route.peer_pull = PeerPullFor(*route.prefill, hashes_for(*route.prefill),
+                                    workers);
+    }
     if (route.prefill) {
       index.Speculate(route.prefill->index, hashes_for(*route.prefill),
                       config.speculative_ttl);
@@ -485,6 +493,50 @@ struct RouterServer::Impl final : public v1::Router::Service,
     index.Speculate(route.decode.index, hashes_for(route.decode),
                     config.speculative_ttl);
     return route;
+  }
+
+  // Whether the prefill worker `p` should pull the prompt's prefix from
+  // another worker (router/peer_pull.h), from the index and measured rates.
+  v1::PeerPull PeerPullFor(const WorkerView& p,
+                           const std::vector<engine::BlockHash>& chain,
+                           const std::vector<WorkerView>& workers) {
+    std::vector<int32_t> counts;
+    index.LeadingBlocksOfPrompt(
+        chain.size(), [&](size_t i) { return chain[i]; }, &counts);
+    auto held = [&](WorkerIndex w) {
+      return w >= 0 && static_cast<size_t>(w) < counts.size() ? counts[w] : 0;
+    };
+    PeerPullInput in;
+    in.prefill = p.index;
+    in.prefill_cached_blocks = held(p.index);
+    in.prompt_blocks = static_cast<int32_t>(chain.size());
+    in.block_size = static_cast<int32_t>(p.status.layout().block_size());
+    in.bytes_per_block = BytesPerBlock(p.status.layout());
+    in.prefill_tokens_per_second = p.status.prefill_tokens_per_second();
+    in.prefill_transfer_bytes_per_second =
+        p.status.kv_transfer_bytes_per_second();
+    const std::string p_layout = p.status.layout().SerializeAsString();
+    for (const WorkerView& w : workers) {
+      if (held(w.index) <= in.prefill_cached_blocks) continue;
+      PeerPullCandidate c;
+      c.index = w.index;
+      c.address = w.address;
+      c.id = w.id;
+      c.up = w.up;
+      c.same_cache = w.fingerprint == p.fingerprint &&
+                     w.status.layout().SerializeAsString() == p_layout;
+      c.leading_blocks = held(w.index);
+      c.transfer_bytes_per_second = w.status.kv_transfer_bytes_per_second();
+      in.candidates.push_back(std::move(c));
+    }
+    const PeerPullDecision d = DecidePeerPull(config.peer_pull, in);
+    v1::PeerPull out;
+    if (d.pull) {
+      out.set_holder_address(d.holder_address);
+      out.set_holder_id(d.holder_id);
+      out.set_blocks(static_cast<uint32_t>(d.blocks));
+    }
+    return out;
   }
 
   // The decode worker's request for this attempt: the sequence so far, the
@@ -505,6 +557,8 @@ struct RouterServer::Impl final : public v1::Router::Service,
     wreq.mutable_sampling()->clear_stop();
     wreq.set_cache_salt(call.cache_salt);
     if (route.prefill) wreq.set_prefill_address(route.prefill->address);
+    if (route.prefill && route.peer_pull.blocks() > 0)
+      *wreq.mutable_peer_pull() = route.peer_pull;
     wreq.set_original_prompt_len(static_cast<uint32_t>(call.prompt.size()));
     return wreq;
   }

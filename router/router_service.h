@@ -17,6 +17,7 @@
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/auth.h"
+#include "router/peer_pull.h"
 #include "router/policy.h"
 #include "router/prefix_index.h"
 #include "router/worker_registry.h"
@@ -45,6 +46,7 @@ struct RouterConfig {
   RegistryConfig workers;
   std::string policy = "cache_aware";
   PolicyConfig policy_config;
+  PeerPullConfig peer_pull;  // --peer-pull: off by default
   int32_t max_retries = 3;
   absl::Duration speculative_ttl = absl::Seconds(2);
   absl::Duration request_timeout =

@@ -25,6 +25,7 @@
 #include "kv_transfer/nccl/nccl_runtime.h"
 #include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/transfer_metrics.h"
+#include "prefill_service/peer_pull.h"
 #include "prefill_service/prefill_handler.h"
 #include "wire/enums.h"
 
@@ -112,6 +113,12 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   std::unique_ptr<kv_transfer::ipc::IpcKvReceiveEndpoint> ipc_endpoint;
   std::unique_ptr<kv_transfer::KvTransport> transport;
   std::unique_ptr<kv_transfer::KvTransferService> kv_service;
+  // Peer pull (prefill_service/peer_pull.h): every role can hold blocks for
+  // a puller; prefill-serving roles pull. Rates exported in WorkerStatus.
+  prefill::RateMeter prefill_rate, transfer_rate;
+  std::unique_ptr<prefill::PeerPullMetrics> peer_pull_metrics;
+  std::unique_ptr<prefill::PeerPuller> puller;
+  std::unique_ptr<prefill::PeerBlockHolder> holder;
   std::unique_ptr<prefill::PrefillHandler> prefill;
   std::unique_ptr<decode::DecodeHandler> decode;
   std::unique_ptr<grpc::Server> server;
@@ -150,7 +157,17 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         static_cast<uint64_t>(s.queued_prefill_tokens));
     out->set_cache_fingerprint(cache_fingerprint);
     out->set_draining(draining);
+    out->set_prefill_tokens_per_second(prefill_rate.rate());
+    out->set_kv_transfer_bytes_per_second(transfer_rate.rate());
     return grpc::Status::OK;
+  }
+
+  grpc::Status PullBlocks(grpc::ServerContext* ctx,
+                          const v1::PullBlocksRequest* req,
+                          v1::PullBlocksResponse* resp) override {
+    if (!Ready()) return Starting();
+    InFlight guard(&in_flight);
+    return holder->PullBlocks(ctx, *req, resp);
   }
 
   grpc::Status Generate(
@@ -457,6 +474,19 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   prefill_options.layerwise = config.kv_layerwise;
   prefill_options.max_queued_bytes = config.kv_stream_queue_bytes;
   prefill_options.metrics = impl->transfer_metrics.get();
+  impl->peer_pull_metrics =
+      std::make_unique<prefill::PeerPullMetrics>(*registry);
+  impl->holder = std::make_unique<prefill::PeerBlockHolder>(
+      impl->loop.get(), impl->transport.get(), impl->layout, impl->id,
+      &impl->transfer_rate, impl->peer_pull_metrics.get());
+  impl->puller = std::make_unique<prefill::PeerPuller>(
+      impl->loop.get(), impl->receiver.get(), impl->layout,
+      prefill::PeerPullerOptions{
+          impl->address, std::min(config.kv_stall_timeout, absl::Seconds(5)),
+          impl->peer_pull_metrics.get()});
+  prefill_options.puller = impl->puller.get();
+  prefill_options.prefill_rate = &impl->prefill_rate;
+  prefill_options.transfer_rate = &impl->transfer_rate;
   impl->prefill = std::make_unique<prefill::PrefillHandler>(
       impl->loop.get(), impl->transport.get(), impl->layout, impl->id,
       prefill_options);

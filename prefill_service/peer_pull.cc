@@ -1,0 +1,318 @@
+#include "prefill_service/peer_pull.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/tls.h"
+#include "kv_transfer/grpc/grpc_transport.h"
+#include "wire/channel_args.h"
+
+namespace pdserve::prefill {
+
+void RateMeter::Add(double units, double seconds) {
+  if (!(units > 0) || !(seconds > 0)) return;
+  const double sample = units / seconds;
+  absl::MutexLock l(&mu_);
+  rate_ = rate_ == 0 ? sample : (1 - weight_) * rate_ + weight_ * sample;
+}
+
+double RateMeter::rate() const {
+  absl::MutexLock l(&mu_);
+  return rate_;
+}
+
+const char* PeerPullMetrics::OutcomeName(Outcome o) {
+  switch (o) {
+    case kPulled:
+      return "pulled";
+    case kEvicted:
+      return "evicted";
+    case kFailed:
+      return "failed";
+    case kNoBlocks:
+      return "no_blocks";
+    case kLocal:
+      return "local";
+    default:
+      return "unknown";
+  }
+}
+
+PeerPullMetrics::PeerPullMetrics(metrics::Registry& r)
+    : blocks_pulled(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_blocks_total",
+          "KV blocks pulled from a peer worker instead of recomputed")),
+      bytes_pulled(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_bytes_total",
+          "KV bytes pulled from a peer worker instead of recomputed")),
+      served_sent(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"sent"})),
+      served_not_found(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"not_found"})),
+      served_failed(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"failed"})) {
+  for (int o = 0; o < kNumOutcomes; ++o) {
+    outcomes_[o] = metrics::CounterChild(
+        r, "pdserve_kv_peer_pull_total",
+        "Peer pulls asked of this prefill worker, by outcome (anything but "
+        "pulled means the prefix was recomputed)",
+        {"outcome"}, {OutcomeName(static_cast<Outcome>(o))});
+  }
+}
+
+std::string BlockHashToBytes(const engine::BlockHash& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+bool BlockHashFromBytes(const std::string& bytes, engine::BlockHash* h) {
+  if (bytes.size() != 16) return false;
+  h->hi = h->lo = 0;
+  for (int i = 0; i < 8; ++i) {
+    h->hi = (h->hi << 8) | static_cast<uint8_t>(bytes[i]);
+    h->lo = (h->lo << 8) | static_cast<uint8_t>(bytes[8 + i]);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- holder
+
+grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
+                                         const v1::PullBlocksRequest& request,
+                                         v1::PullBlocksResponse* response) {
+  auto failed = [&](grpc::Status s) {
+    if (metrics_) metrics_->served_failed->Increment();
+    return s;
+  };
+  if (absl::Status s = kv_transfer::CheckLayouts(
+          layout_, kv_transfer::FromProto(request.layout()));
+      !s.ok()) {
+    return failed(ToGrpc(s));
+  }
+  if (absl::Status s = engine::CheckRequestFieldCaps(request.request_id(), "");
+      !s.ok()) {
+    return failed(ToGrpc(s));
+  }
+  // Untrusted input: a hash list no longer than the pool, of 16-byte hashes,
+  // whose logical indices stay within int32.
+  if (request.hashes().empty() ||
+      static_cast<int64_t>(request.hashes_size()) > loop_->num_blocks() ||
+      request.first_block() > static_cast<uint32_t>(INT32_MAX / 2)) {
+    return failed(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               "PullBlocks: hashes must be 1..pool size"));
+  }
+  std::vector<engine::BlockHash> hashes(request.hashes_size());
+  for (int i = 0; i < request.hashes_size(); ++i) {
+    if (!BlockHashFromBytes(request.hashes(i), &hashes[i])) {
+      return failed(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "PullBlocks: a hash is not 16 bytes"));
+    }
+  }
+  // Pin every block, or none: a partial chain is not worth a transfer here,
+  // since the puller's reservation expects all of them.
+  absl::StatusOr<std::vector<int32_t>> pinned =
+      loop_->Call([&](engine::Engine& e) {
+        std::vector<int32_t> blocks = e.block_manager().Lookup(hashes);
+        if (blocks.size() < hashes.size()) return std::vector<int32_t>{};
+        e.block_manager().Acquire(blocks);
+        return blocks;
+      });
+  if (!pinned.ok()) return failed(ToGrpc(pinned.status()));
+  if (pinned->empty()) {
+    if (metrics_) metrics_->served_not_found->Increment();
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        "the pulled blocks are no longer cached here");
+  }
+  // Unpins on every path, after the session stopped reading (Finish or
+  // Cancel returned); Engine::ReleaseBlocks goes tail first.
+  auto unpin = [&] {
+    loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(*pinned); })
+        .IgnoreError();
+  };
+  kv_transfer::SendPlan plan;
+  plan.destination = request.kv_destination();
+  plan.request_id = request.request_id();
+  plan.reservation_id = request.reservation_id();
+  plan.sender_id = worker_id_;
+  plan.layout = layout_;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<kv_transfer::KvSendSession>> opened =
+      transport_->Open(plan, &loop_->kv_storage_for_transfer());
+  if (!opened.ok()) {
+    unpin();
+    return failed(ToGrpc(opened.status()));
+  }
+  std::vector<kv_transfer::BlockRef> refs;
+  refs.reserve(pinned->size());
+  for (size_t i = 0; i < pinned->size(); ++i) {
+    refs.emplace_back(static_cast<int32_t>(request.first_block() + i),
+                      (*pinned)[i]);
+  }
+  absl::Status sent = context->IsCancelled()
+                          ? absl::CancelledError("the puller went away")
+                          : (*opened)->SendBlocks(0, layout_.num_layers, refs);
+  absl::StatusOr<kv_transfer::SendStats> stats;
+  if (sent.ok()) {
+    stats = (*opened)->Finish();
+  } else {
+    (*opened)->Cancel();
+    stats = sent;
+  }
+  unpin();
+  if (!stats.ok()) return failed(ToGrpc(stats.status()));
+  if (transfer_rate_) {
+    transfer_rate_->Add(static_cast<double>(stats->bytes),
+                        absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  if (metrics_) metrics_->served_sent->Increment();
+  response->set_blocks_sent(static_cast<uint32_t>(pinned->size()));
+  response->set_bytes_sent(stats->bytes);
+  response->set_worker_id(worker_id_);
+  return grpc::Status::OK;
+}
+
+// ---------------------------------------------------------------- puller
+
+std::shared_ptr<v1::Worker::Stub> PeerPuller::HolderStub(
+    const std::string& address) {
+  absl::MutexLock l(&mu_);
+  auto& stub = stubs_[address];
+  if (stub == nullptr) {
+    stub = v1::Worker::NewStub(
+        grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
+                                  wire::InternalChannelArgs()));
+  }
+  return stub;
+}
+
+PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
+                                    const v1::PrefillRequest& request) {
+  Pulled none;
+  const v1::PeerPull& want = request.peer_pull();
+  if (want.blocks() == 0 || want.holder_address().empty()) return none;
+  // 1. On the engine thread: the prefix's hashes, what we hold of it (pinned
+  // now, so the chain stays whole), and fresh blocks for the rest.
+  struct Plan {
+    std::vector<engine::BlockHash> hashes;
+    std::vector<int32_t> blocks;  // by logical index: local, then fresh
+    int32_t local = 0;
+    bool no_blocks = false;
+  };
+  std::vector<int32_t> prompt(request.token_ids().begin(),
+                              request.token_ids().end());
+  absl::StatusOr<Plan> planned = loop_->Call([&](engine::Engine& e) {
+    Plan p;
+    engine::ExtendBlockHashes(e.cache_fingerprint(), request.cache_salt(),
+                              prompt, e.kv_spec().block_size, &p.hashes);
+    p.hashes.resize(std::min<size_t>(p.hashes.size(), want.blocks()));
+    engine::BlockManager& bm = e.block_manager();
+    p.blocks = bm.Lookup(p.hashes);
+    p.local = static_cast<int32_t>(p.blocks.size());
+    if (p.blocks.size() >= p.hashes.size()) {
+      p.blocks.clear();
+      return p;
+    }
+    bm.Acquire(p.blocks);
+    if (!bm.Allocate(static_cast<int64_t>(p.hashes.size()) - p.local,
+                     &p.blocks)) {
+      e.ReleaseBlocks(p.blocks);
+      p.blocks.clear();
+      p.no_blocks = true;
+    }
+    return p;
+  });
+  if (!planned.ok()) {
+    Count(PeerPullMetrics::kFailed);
+    return none;
+  }
+  Plan& plan = *planned;
+  if (plan.no_blocks) {
+    Count(PeerPullMetrics::kNoBlocks);
+    return none;
+  }
+  if (plan.blocks.empty()) {
+    Count(PeerPullMetrics::kLocal);
+    return none;
+  }
+  // (Engine::ReleaseBlocks releases tail first.)
+  auto give_back = [&] {
+    loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(plan.blocks); })
+        .IgnoreError();
+  };
+  // 2. The reservation the holder pushes into, then the holder's pull.
+  const std::string pull_id = absl::StrCat("pull:", request.request_id());
+  const uint64_t reservation =
+      receiver_->Expect(pull_id, plan.blocks, plan.local);
+  v1::PullBlocksRequest ask;
+  ask.set_request_id(pull_id);
+  for (size_t i = plan.local; i < plan.hashes.size(); ++i)
+    ask.add_hashes(BlockHashToBytes(plan.hashes[i]));
+  ask.set_first_block(static_cast<uint32_t>(plan.local));
+  ask.set_kv_destination(options_.kv_address);
+  ask.set_reservation_id(reservation);
+  *ask.mutable_layout() = kv_transfer::ToProto(layout_);
+  // A child call: the request's cancellation and deadline pass on, within
+  // the pull's own bound.
+  std::unique_ptr<grpc::ClientContext> ctx =
+      grpc::ClientContext::FromServerContext(*context);
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  ctx->set_deadline(absl::ToChronoTime(deadline));
+  v1::PullBlocksResponse answer;
+  const grpc::Status st =
+      HolderStub(want.holder_address())->PullBlocks(ctx.get(), ask, &answer);
+  absl::Status received =
+      st.ok() ? receiver_->Wait(reservation, options_.timeout, deadline,
+                                [context] { return context->IsCancelled(); })
+              : absl::UnavailableError(st.error_message());
+  if (!received.ok()) {
+    // Nothing writes into the blocks once Cancel (or Wait) returned.
+    receiver_->Cancel(reservation);
+    give_back();
+    Count(st.error_code() == grpc::StatusCode::NOT_FOUND
+              ? PeerPullMetrics::kEvicted
+              : PeerPullMetrics::kFailed);
+    return none;
+  }
+  // 3. The pulled blocks join this worker's prefix cache (a `stored` event).
+  const int32_t n = static_cast<int32_t>(plan.hashes.size());
+  absl::Status committed = loop_->Call([&](engine::Engine& e) {
+    const engine::BlockHash parent =
+        plan.local > 0 ? plan.hashes[plan.local - 1] : engine::BlockHash{};
+    e.block_manager().Commit(parent, std::span(plan.blocks).subspan(plan.local),
+                             std::span(plan.hashes).subspan(plan.local));
+  });
+  if (!committed.ok()) {
+    Count(PeerPullMetrics::kFailed);
+    return none;  // the loop stopped: the engine and its blocks are gone
+  }
+  Pulled out;
+  out.held = std::move(plan.blocks);
+  out.pulled_blocks = n - plan.local;
+  out.outcome = PeerPullMetrics::kPulled;
+  Count(PeerPullMetrics::kPulled);
+  if (options_.metrics) {
+    options_.metrics->blocks_pulled->Increment(out.pulled_blocks);
+    options_.metrics->bytes_pulled->Increment(
+        static_cast<double>(answer.bytes_sent()));
+  }
+  return out;
+}
+
+void PeerPuller::Release(const Pulled& pulled) {
+  if (pulled.held.empty()) return;
+  loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(pulled.held); })
+      .IgnoreError();
+}
+
+}  // namespace pdserve::prefill

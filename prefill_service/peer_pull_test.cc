@@ -1,0 +1,388 @@
+// Peer pull between two in-process workers on loopback (port 0), each a real
+// EngineLoop (tiny model), KvReceiver, gRPC KV transport and Worker service
+// (Prefill + PullBlocks): a pulled prefix gives the same first token and
+// logprobs as a cold prefill and counts as cached; a holder that evicted the
+// blocks, died mid-pull or is unreachable means recompute with equal output;
+// and no block stays referenced on either side.
+#include "prefill_service/peer_pull.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "engine/test_util.h"
+#include "kv_transfer/grpc/grpc_transport.h"
+#include "prefill_service/prefill_handler.h"
+
+namespace pdserve::prefill {
+namespace {
+
+// The decode-bound send of the prefill handler: accepted and dropped (the
+// tests compare what the prefill computed, not what a decode worker got).
+class DropSession : public kv_transfer::KvSendSession {
+ public:
+  absl::Status SendLayers(int32_t, int32_t) override {
+    return absl::OkStatus();
+  }
+  absl::Status SendBlocks(int32_t, int32_t,
+                          std::span<const kv_transfer::BlockRef>) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<kv_transfer::SendStats> Finish() override {
+    return kv_transfer::SendStats{};
+  }
+  void Cancel() override {}
+};
+class DropTransport : public kv_transfer::KvTransport {
+ public:
+  const char* name() const override { return "drop"; }
+  absl::StatusOr<std::unique_ptr<kv_transfer::KvSendSession>> Open(
+      const kv_transfer::SendPlan&, engine::KvStorage*) override {
+    return std::make_unique<DropSession>();
+  }
+};
+
+// Holder behaviour under test: the real one, or one that pushes the first
+// requested block and then dies (its transfer stream aborts, the RPC fails).
+enum class HolderMode { kReal, kDiesMidPull };
+
+class Node : public v1::Worker::Service {
+ public:
+  explicit Node(HolderMode mode = HolderMode::kReal) : mode_(mode) {
+    engine::EngineConfig config;
+    config.block_size = 4;
+    config.kv_cache_bytes = int64_t{4} << 20;
+    auto eng = engine::Engine::Create(engine::testing::TinyWeights(), config);
+    EXPECT_TRUE(eng.ok()) << eng.status();
+    loop_ = std::make_unique<engine::EngineLoop>(std::move(*eng));
+    layout_ = kv_transfer::KvLayout::FromSpec(loop_->kv_spec(), "test-model");
+    receiver_ = std::make_unique<kv_transfer::KvReceiver>(
+        &loop_->kv_storage_for_transfer(), layout_);
+    kv_service_ =
+        std::make_unique<kv_transfer::KvTransferService>(receiver_.get());
+    transport_ = std::make_unique<kv_transfer::GrpcKvTransport>(
+        nullptr, absl::Seconds(30));
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
+    kv_transfer::ConfigureInternalServer(&builder);
+    builder.RegisterService(this);
+    builder.RegisterService(kv_service_.get());
+    server_ = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    address_ = "127.0.0.1:" + std::to_string(port);
+    metrics_ = std::make_unique<PeerPullMetrics>(registry_);
+    holder_ = std::make_unique<PeerBlockHolder>(
+        loop_.get(), transport_.get(), layout_, "holder@" + address_,
+        &transfer_rate_, metrics_.get());
+    puller_ = std::make_unique<PeerPuller>(
+        loop_.get(), receiver_.get(), layout_,
+        PeerPullerOptions{address_, absl::Seconds(5), metrics_.get()});
+    PrefillOptions options;
+    options.puller = puller_.get();
+    options.prefill_rate = &prefill_rate_;
+    handler_ = std::make_unique<PrefillHandler>(loop_.get(), &drop_, layout_,
+                                                "prefill@" + address_, options);
+    stub_ = v1::Worker::NewStub(
+        grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  }
+  ~Node() override {
+    server_->Shutdown(std::chrono::system_clock::now());
+    loop_->Stop();
+  }
+
+  grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
+                       v1::PrefillResponse* resp) override {
+    return handler_->Prefill(ctx, *req, resp);
+  }
+  grpc::Status PullBlocks(grpc::ServerContext* ctx,
+                          const v1::PullBlocksRequest* req,
+                          v1::PullBlocksResponse* resp) override {
+    if (mode_ == HolderMode::kReal) return holder_->PullBlocks(ctx, *req, resp);
+    // Dies mid-pull: pins the first block, pushes it, aborts the stream.
+    std::vector<engine::BlockHash> first(1);
+    EXPECT_TRUE(BlockHashFromBytes(req->hashes(0), &first[0]));
+    auto pinned = loop_->Call([&](engine::Engine& e) {
+      std::vector<int32_t> b = e.block_manager().Lookup(first);
+      e.block_manager().Acquire(b);
+      return b;
+    });
+    EXPECT_TRUE(pinned.ok() && pinned->size() == 1);
+    kv_transfer::SendPlan plan;
+    plan.destination = req->kv_destination();
+    plan.request_id = req->request_id();
+    plan.reservation_id = req->reservation_id();
+    plan.sender_id = "dying";
+    plan.layout = layout_;
+    auto session = transport_->Open(plan, &loop_->kv_storage_for_transfer());
+    EXPECT_TRUE(session.ok());
+    std::vector<kv_transfer::BlockRef> refs = {
+        {static_cast<int32_t>(req->first_block()), (*pinned)[0]}};
+    EXPECT_TRUE((*session)->SendBlocks(0, layout_.num_layers, refs).ok());
+    (*session)->Cancel();
+    loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(*pinned); })
+        .IgnoreError();
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "holder died");
+  }
+
+  v1::PrefillRequest Request(const std::string& id, int tokens) const {
+    v1::PrefillRequest r;
+    r.set_request_id(id);
+    for (int i = 0; i < tokens; ++i) r.add_token_ids(1 + (i * 13) % 250);
+    r.mutable_sampling()->set_max_tokens(4);
+    r.mutable_sampling()->set_logprobs(true);
+    r.mutable_sampling()->set_top_logprobs(5);
+    r.set_kv_destination("dropped:1");
+    *r.mutable_layout() = kv_transfer::ToProto(layout_);
+    return r;
+  }
+  absl::StatusOr<v1::PrefillResponse> Run(const v1::PrefillRequest& r) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(60));
+    v1::PrefillResponse resp;
+    grpc::Status s = stub_->Prefill(&ctx, r, &resp);
+    if (!s.ok()) return absl::InternalError(s.error_message());
+    return resp;
+  }
+  int64_t ActiveBlocks() {
+    auto n = loop_->Call(
+        [](engine::Engine& e) { return e.block_manager().num_active(); });
+    return n.ok() ? *n : -1;
+  }
+  int64_t CachedPrefixBlocks(const v1::PrefillRequest& r) {
+    std::vector<int32_t> prompt(r.token_ids().begin(), r.token_ids().end());
+    auto n = loop_->Call([&](engine::Engine& e) {
+      std::vector<engine::BlockHash> hashes;
+      engine::ExtendBlockHashes(e.cache_fingerprint(), r.cache_salt(), prompt,
+                                e.kv_spec().block_size, &hashes);
+      return static_cast<int64_t>(e.block_manager().Lookup(hashes).size());
+    });
+    return n.ok() ? *n : -1;
+  }
+  void ClearCache() {
+    ASSERT_TRUE(
+        loop_->Call([](engine::Engine& e) { e.block_manager().ClearCache(); })
+            .ok());
+  }
+
+  const std::string& address() const { return address_; }
+  PeerPullMetrics& metrics() { return *metrics_; }
+  RateMeter& transfer_rate() { return transfer_rate_; }
+  RateMeter& prefill_rate() { return prefill_rate_; }
+
+ private:
+  const HolderMode mode_;
+  metrics::Registry registry_;
+  std::unique_ptr<engine::EngineLoop> loop_;
+  kv_transfer::KvLayout layout_;
+  std::unique_ptr<kv_transfer::KvReceiver> receiver_;
+  std::unique_ptr<kv_transfer::KvTransferService> kv_service_;
+  std::unique_ptr<kv_transfer::GrpcKvTransport> transport_;
+  DropTransport drop_;
+  RateMeter transfer_rate_, prefill_rate_;
+  std::unique_ptr<PeerPullMetrics> metrics_;
+  std::unique_ptr<PeerBlockHolder> holder_;
+  std::unique_ptr<PeerPuller> puller_;
+  std::unique_ptr<PrefillHandler> handler_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+class PeerPullTest : public ::testing::Test {
+ protected:
+  static constexpr int kTokens = 42;  // 10 full blocks of 4 + 2 tokens
+  static constexpr int kBlocks = 10;
+
+  // The holder's cold prefill: the reference every pull is compared with.
+  v1::PrefillResponse Warm(Node& holder) {
+    auto cold = holder.Run(holder.Request("cold", kTokens));
+    EXPECT_TRUE(cold.ok()) << cold.status();
+    EXPECT_EQ(cold->cached_prompt_tokens(), 0u);
+    EXPECT_EQ(holder.CachedPrefixBlocks(holder.Request("x", kTokens)), kBlocks);
+    return *cold;
+  }
+  v1::PrefillRequest PullRequest(Node& puller, const Node& holder,
+                                 int blocks = kBlocks) {
+    v1::PrefillRequest r = puller.Request("pulled", kTokens);
+    r.mutable_peer_pull()->set_holder_address(holder.address());
+    r.mutable_peer_pull()->set_holder_id("holder");
+    r.mutable_peer_pull()->set_blocks(blocks);
+    return r;
+  }
+  static void ExpectSameOutput(const v1::PrefillResponse& a,
+                               const v1::PrefillResponse& b) {
+    EXPECT_EQ(a.first_token(), b.first_token());
+    // Bit-identical logprobs (top 5 included): the same logits.
+    EXPECT_EQ(a.first_token_logprobs().SerializeAsString(),
+              b.first_token_logprobs().SerializeAsString());
+    EXPECT_TRUE(a.has_first_token_logprobs());
+  }
+};
+
+TEST_F(PeerPullTest, PulledPrefixGivesTheColdOutputAndCountsAsCached) {
+  Node holder, puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  // The last full block is recomputed to sample from, at most.
+  EXPECT_GE(pulled->cached_prompt_tokens(), (kBlocks - 1) * 4u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPulled), 1);
+  EXPECT_EQ(puller.metrics().blocks_pulled->Value(), kBlocks);
+  EXPECT_GT(puller.metrics().bytes_pulled->Value(), 0);
+  EXPECT_EQ(holder.metrics().served_sent->Value(), 1);
+  EXPECT_GT(holder.transfer_rate().rate(), 0);
+  EXPECT_GT(holder.prefill_rate().rate(), 0);
+  // The pulled blocks are now this worker's prefix cache (KV events).
+  EXPECT_EQ(puller.CachedPrefixBlocks(puller.Request("x", kTokens)), kBlocks);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, PartOfThePrefixLocalPullsOnlyTheRest) {
+  Node holder, puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  // The puller holds the first 3 blocks (a 13-token prompt's prefix).
+  ASSERT_TRUE(puller.Run(puller.Request("short", 13)).ok());
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), static_cast<uint32_t>(kBlocks - 3));
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, HolderThatEvictedTheBlocksMeansRecompute) {
+  Node holder, puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  holder.ClearCache();  // evicted before the pull arrives
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 0u);
+  EXPECT_EQ(pulled->cached_prompt_tokens(), 0u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kEvicted), 1);
+  EXPECT_EQ(holder.metrics().served_not_found->Value(), 1);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, HolderThatDiesMidPullMeansRecompute) {
+  Node holder(HolderMode::kDiesMidPull), puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 0u);
+  EXPECT_EQ(pulled->cached_prompt_tokens(), 0u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kFailed), 1);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+  // The partly written blocks never entered the puller's prefix cache as
+  // pulled ones; what it caches now it computed itself, and a second run is
+  // a plain local hit with the same output.
+  auto again = puller.Run(puller.Request("again", kTokens));
+  ASSERT_TRUE(again.ok());
+  ExpectSameOutput(cold, *again);
+}
+
+TEST_F(PeerPullTest, GoneHolderMeansRecompute) {
+  v1::PrefillResponse cold;
+  std::string gone_address;
+  {
+    Node holder;
+    cold = Warm(holder);
+    gone_address = holder.address();
+  }  // the holder process is gone: its port refuses
+  Node puller;
+  v1::PrefillRequest r = puller.Request("pulled", kTokens);
+  r.mutable_peer_pull()->set_holder_address(gone_address);
+  r.mutable_peer_pull()->set_blocks(kBlocks);
+  auto pulled = puller.Run(r);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kFailed), 1);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, PrefixAlreadyLocalPullsNothing) {
+  Node holder, puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  ASSERT_TRUE(puller.Run(puller.Request("own", kTokens)).ok());
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok());
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 0u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kLocal), 1);
+  EXPECT_EQ(holder.metrics().served_sent->Value(), 0);
+}
+
+TEST_F(PeerPullTest, HolderUnpinsWhenItsSendFails) {
+  Node holder, puller;
+  Warm(holder);
+  // A reservation the puller never made: the transfer is refused.
+  v1::PullBlocksRequest ask;
+  ask.set_request_id("pull:bogus");
+  std::vector<int32_t> prompt;
+  v1::PrefillRequest r = holder.Request("x", kTokens);
+  prompt.assign(r.token_ids().begin(), r.token_ids().end());
+  // Hashes as the holder computes them (same model and salt).
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      holder.address(), grpc::InsecureChannelCredentials()));
+  // Learn the chain from the puller's identical engine.
+  std::vector<engine::BlockHash> hashes;
+  {
+    engine::EngineConfig config;
+    config.block_size = 4;
+    auto e = engine::Engine::Create(engine::testing::TinyWeights(), config);
+    ASSERT_TRUE(e.ok());
+    engine::ExtendBlockHashes((*e)->cache_fingerprint(), "", prompt, 4,
+                              &hashes);
+  }
+  for (const auto& h : hashes) ask.add_hashes(BlockHashToBytes(h));
+  ask.set_kv_destination(puller.address());
+  ask.set_reservation_id(12345);
+  *ask.mutable_layout() = r.layout();
+  grpc::ClientContext ctx;
+  v1::PullBlocksResponse resp;
+  const grpc::Status s = stub->PullBlocks(&ctx, ask, &resp);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(holder.metrics().served_failed->Value(), 1);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, HolderRefusesMalformedRequests) {
+  Node holder;
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      holder.address(), grpc::InsecureChannelCredentials()));
+  v1::PullBlocksRequest ask;
+  *ask.mutable_layout() = holder.Request("x", 4).layout();
+  ask.add_hashes("short");
+  grpc::ClientContext ctx;
+  v1::PullBlocksResponse resp;
+  EXPECT_EQ(stub->PullBlocks(&ctx, ask, &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+}
+
+TEST(RateMeterTest, AveragesSamplesAndIgnoresEmptyOnes) {
+  RateMeter m(0.5);
+  EXPECT_EQ(m.rate(), 0);
+  m.Add(100, 1);
+  EXPECT_EQ(m.rate(), 100);
+  m.Add(300, 1);
+  EXPECT_EQ(m.rate(), 200);
+  m.Add(0, 1);
+  m.Add(10, 0);
+  EXPECT_EQ(m.rate(), 200);
+}
+
+}  // namespace
+}  // namespace pdserve::prefill
