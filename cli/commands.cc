@@ -344,6 +344,8 @@ const std::vector<Command>& AllCommands() {
        "       [--auth-tokens FILE] [--tenant-max-concurrent N] "
        "[--tenant-tokens-per-minute N]\n"
        "       [--shared-prefix-cache] [--request-timeout-ms 600000] "
+       "       [--worker-heartbeat-ms 500] [--worker-status-timeout-ms 1000] "
+       "[--worker-max-missed-polls 3] [--worker-forget-after-ms 60000]\n"
        "[--max-message-bytes 4194304]\n"
        "       [--max-prompt-tokens 0] [--max-output-tokens 0] "
        "[--max-stop-strings 16]\n"

@@ -90,6 +90,15 @@ ABSL_FLAG(bool, peer_pull, false,
 ABSL_FLAG(double, peer_pull_min_speedup, 1.0,
           "router, with --peer-pull: pull only when recompute is estimated "
           "this many times slower than the transfer");
+ABSL_FLAG(int32_t, worker_heartbeat_ms, 500,
+          "router: interval between status polls of each worker");
+ABSL_FLAG(int32_t, worker_status_timeout_ms, 1000,
+          "router: deadline of one worker status poll");
+ABSL_FLAG(int32_t, worker_max_missed_polls, 3,
+          "router: status polls in a row a busy worker may answer late before "
+          "it is marked down (a refused or failed poll marks it down at once)");
+ABSL_FLAG(int32_t, worker_forget_after_ms, 60000,
+          "router: a self-registered worker down this long is forgotten");
 ABSL_FLAG(int32_t, drain_timeout_ms, 30000,
           "worker: on SIGTERM, finish in-flight requests for up to this long");
 ABSL_FLAG(
@@ -265,6 +274,13 @@ int RunRouter(const std::vector<std::string>&) {
   config.policy_config.local_prefill_threshold =
       absl::GetFlag(FLAGS_local_prefill_threshold);
   config.max_retries = absl::GetFlag(FLAGS_max_retries);
+  config.workers.heartbeat =
+      absl::Milliseconds(absl::GetFlag(FLAGS_worker_heartbeat_ms));
+  config.workers.status_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_worker_status_timeout_ms));
+  config.workers.max_missed_polls = absl::GetFlag(FLAGS_worker_max_missed_polls);
+  config.workers.forget_registered_after =
+      absl::Milliseconds(absl::GetFlag(FLAGS_worker_forget_after_ms));
   config.peer_pull.enabled = absl::GetFlag(FLAGS_peer_pull);
   config.peer_pull.min_speedup = absl::GetFlag(FLAGS_peer_pull_min_speedup);
   auto server =

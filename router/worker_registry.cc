@@ -36,8 +36,9 @@ absl::Status RegistryConfig::Validate() const {
       forget_registered_after <= absl::ZeroDuration() ||
       event_stream_idle_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError(
-        "registry heartbeat, status timeout, forget-after and event stream "
-        "idle timeout must be positive");
+        "worker registry: --worker-heartbeat-ms, --worker-status-timeout-ms "
+        "and --worker-forget-after-ms (and the event stream idle timeout) "
+        "must be positive, and --worker-max-missed-polls at least 1");
   return absl::OkStatus();
 }
 

@@ -156,3 +156,18 @@ TEST_F(CliTest, EveryCommandHasHelp) {
 }
 
 }  // namespace
+TEST_F(CliTest, RouterRegistryFlagsAreValidated) {
+  const std::string router = "router --model " + Model() +
+                             " --insecure --decode-workers 127.0.0.1:1"
+                             " --port 0 --metrics-port 0";
+  auto r = Run(router + " --worker-max-missed-polls 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(Stderr(), HasSubstr("--worker-max-missed-polls"));
+  r = Run(router + " --worker-heartbeat-ms -5");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(Stderr(), HasSubstr("--worker-heartbeat-ms"));
+  r = Run("router --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out + Stderr(), HasSubstr("--worker-status-timeout-ms"));
+}
+
