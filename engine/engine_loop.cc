@@ -277,20 +277,26 @@ void EngineLoop::FailEverything(std::deque<Task> tasks) {
 }
 
 void EngineLoop::Run() {
+  // True after a step that scheduled nothing and emitted nothing while
+  // nothing runs: requests wait for blocks that only a task (a release, an
+  // abort, a new reservation) or time can free. The loop then sleeps until
+  // a task arrives, for at most a couple of milliseconds, instead of
+  // spinning a core on empty steps.
+  bool stalled = false;
   while (true) {
     std::deque<Task> tasks;
     bool stopping = false;
     {
       absl::MutexLock l(&mu_);
       const bool has_work = engine_->HasWork();
-      if (!has_work) {
+      if (!has_work || stalled) {
         mu_.AwaitWithTimeout(
             absl::Condition(
                 +[](EngineLoop* loop) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                   return loop->stop_ || !loop->tasks_.empty();
                 },
                 this),
-            absl::Milliseconds(100));
+            has_work ? absl::Milliseconds(2) : absl::Milliseconds(100));
       }
       tasks.swap(tasks_);
       queued_new_work_ = 0;
@@ -302,9 +308,14 @@ void EngineLoop::Run() {
       return;
     }
     for (Task& t : tasks) t.run(*engine_);
+    engine_->PublishTierEvents();  // KV tier writes finished while idle
     ServeReservations();
+    stalled = false;
     if (engine_->HasWork()) {
+      const int64_t steps_before = engine_->Stats().steps;
       auto outputs = engine_->Step();
+      stalled = outputs.ok() && outputs->empty() &&
+                engine_->Stats().steps == steps_before;
       if (!outputs.ok()) {
         // A failed step is a bug or corrupt weights: fail every live stream
         // rather than hang them, and drop their requests.
