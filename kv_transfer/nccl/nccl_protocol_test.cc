@@ -759,7 +759,8 @@ TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
 }
 
 TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
-  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+  for (DType dtype :
+       {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     FakeCommunicatorFactory comms;
     FakeControlNetwork network;
     const engine::KvCacheSpec spec = Spec(dtype);
