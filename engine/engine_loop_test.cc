@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <time.h>
+
 #include <atomic>
 #include <functional>
 #include <future>
@@ -176,6 +178,31 @@ TEST_F(EngineLoopTest, ReservationsWaitInFifoOrderAndWakeWhenBlocksReturn) {
   EXPECT_EQ(loop->num_pending_reservations(), 0);
   loop->Abort("a");
   loop->Abort("bb");
+  ASSERT_TRUE(WaitUntil([&] { return Stats(*loop).blocks_active == 0; }));
+}
+
+// A request waiting for blocks while nothing runs used to spin the engine
+// thread on empty steps (a full core); now it sleeps until a task arrives.
+TEST_F(EngineLoopTest, ARequestWaitingForBlocksDoesNotSpinTheEngineThread) {
+  auto loop = MakeLoop(8);
+  auto holder = loop->Reserve(Req("holder", 6), absl::InfiniteFuture());
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  auto stream = loop->Submit(Req("waits", 3, /*max_tokens=*/2));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE(WaitUntil([&] { return Stats(*loop).num_waiting == 1; }));
+  timespec t0, t1;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
+  absl::SleepFor(absl::Milliseconds(400));
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
+  const double cpu_s =
+      (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+  // Spinning costs about 0.4 s of CPU here; sleeping a few milliseconds.
+  EXPECT_LT(cpu_s, 0.1) << "the engine thread spins while a request waits";
+  // Releasing the blocks still admits it at once.
+  loop->Abort("holder");
+  ASSERT_TRUE(WaitUntil([&] {
+    return Stats(*loop).num_waiting == 0 && Stats(*loop).num_running == 0;
+  }));
   ASSERT_TRUE(WaitUntil([&] { return Stats(*loop).blocks_active == 0; }));
 }
 
