@@ -133,8 +133,9 @@ class CudaKvStorage final : public KvStorage {
     for (const kc::PagedKvView& v : layers_) {
       out.push_back({v.data, static_cast<size_t>(v.LayerBytes()), ""});
       if (v.scales != nullptr) {
-        out.push_back(
-            {v.scales, static_cast<size_t>(v.ScaleCount()) * sizeof(float), ""});
+        out.push_back({v.scales,
+                       static_cast<size_t>(v.ScaleCount()) * sizeof(float),
+                       ""});
       }
     }
     return out;
@@ -337,12 +338,17 @@ absl::Status CudaBackend::Init() {
     return absl::FailedPreconditionError("--device cuda: no CUDA device found");
   }
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device_));
+  // What this backend itself allocates (weights, activations) is measured as
+  // the drop in free memory from here; other workers sharing the GPU (a P/D
+  // pair on one device) are not charged to this one's budget.
+  size_t free_at_start = 0, total_at_start = 0;
+  PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_at_start, &total_at_start));
   PDSERVE_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   ASSIGN_OR_RETURN(gemm_, kc::GemmRunner::Create(stream_));
   layer_events_ = std::make_unique<CudaLayerEvents>();
-  RETURN_IF_ERROR(layer_events_->Init(static_cast<int32_t>(c.num_layers),
-                                      stream_));
+  RETURN_IF_ERROR(
+      layer_events_->Init(static_cast<int32_t>(c.num_layers), stream_));
   gemm_dtype_ =
       config_.gpu_reference_math ? kc::GemmDtype::kF32 : kc::GemmDtype::kBf16;
 
@@ -389,22 +395,30 @@ absl::Status CudaBackend::Init() {
   ASSIGN_OR_RETURN(slots_, arena_.Array<int64_t>(t));
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
 
-  // The KV pool gets what is left of the budget. Headroom of 256 MiB covers
-  // step metadata, attention/cuBLAS workspaces and allocator slack.
+  // The KV pool gets what is left of this worker's share (utilization x
+  // total, less what it allocated so far), and never more than is free.
+  // Headroom of 256 MiB covers step metadata, attention/cuBLAS workspaces
+  // and allocator slack.
   size_t free_bytes = 0, total_bytes = 0;
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const int64_t used = static_cast<int64_t>(total_bytes - free_bytes);
+  const int64_t headroom = int64_t{256} << 20;
+  const int64_t used =
+      static_cast<int64_t>(free_at_start) - static_cast<int64_t>(free_bytes);
   const int64_t budget =
-      static_cast<int64_t>(config_.gpu_memory_utilization *
-                           static_cast<double>(total_bytes)) -
-      used - (int64_t{256} << 20);
+      std::min(static_cast<int64_t>(config_.gpu_memory_utilization *
+                                    static_cast<double>(total_bytes)) -
+                   std::max<int64_t>(used, 0) - headroom,
+               static_cast<int64_t>(free_bytes) - headroom);
   const int64_t per_block = spec_.BytesPerBlock();
   num_blocks_ = budget > 0 ? budget / per_block : 0;
   if (num_blocks_ <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "--device cuda: no GPU memory left for the KV cache (total ",
-        total_bytes, " B, in use ", used, " B, gpu_memory_utilization ",
-        config_.gpu_memory_utilization, ")"));
+        total_bytes, " B, free ", free_bytes,
+        " B, this worker's weights and "
+        "buffers ",
+        used, " B, gpu_memory_utilization ", config_.gpu_memory_utilization,
+        ")"));
   }
   const kc::KvDtype kv_dtype = kc::KvDtypeFromDType(spec_.dtype);
   for (DeviceLayer& d : layers_) {

@@ -73,8 +73,8 @@ TEST(KvDtypeTest, CpuRefusesFp8WithTheFix) {
 TEST(KvDtypeTest, Fp8BlocksNeverShareHashesWithOtherDtypes) {
   const ModelFingerprint weights = {0x1234, 0x5678};
   std::set<ModelFingerprint> fingerprints;
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8,
-                  DType::kFp8E4M3}) {
+  for (DType t :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     fingerprints.insert(Engine::CacheFingerprint(weights, 16, t));
   }
   EXPECT_EQ(fingerprints.size(), 5u);
@@ -85,8 +85,8 @@ TEST(KvDtypeTest, Fp8BlocksNeverShareHashesWithOtherDtypes) {
   std::vector<int32_t> tokens(32);
   for (int i = 0; i < 32; ++i) tokens[i] = 7 * i + 1;
   std::vector<BlockHash> fp8, i8;
-  ExtendBlockHashes(Engine::CacheFingerprint(weights, 16, DType::kFp8E4M3),
-                    "", tokens, 16, &fp8);
+  ExtendBlockHashes(Engine::CacheFingerprint(weights, 16, DType::kFp8E4M3), "",
+                    tokens, 16, &fp8);
   ExtendBlockHashes(Engine::CacheFingerprint(weights, 16, DType::kI8), "",
                     tokens, 16, &i8);
   ASSERT_EQ(fp8.size(), 2u);

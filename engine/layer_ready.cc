@@ -4,8 +4,8 @@
 
 namespace pdserve::engine {
 
-LayerReadySequencer::LayerReadySequencer(
-    LayerReadyEvents* events, const LlamaModel::LayerWrittenFn* hook)
+LayerReadySequencer::LayerReadySequencer(LayerReadyEvents* events,
+                                         const LlamaModel::LayerWrittenFn* hook)
     : events_(events), hook_(hook != nullptr && *hook ? hook : nullptr) {}
 
 absl::Status LayerReadySequencer::Fail(absl::Status s) {
@@ -17,9 +17,8 @@ absl::Status LayerReadySequencer::LayerEnqueued(int32_t layer) {
   if (hook_ == nullptr) return absl::OkStatus();
   if (!error_.ok()) return error_;
   if (layer != enqueued_) {
-    return Fail(absl::InternalError(
-        absl::StrCat("layer ", layer, " enqueued out of order (expected ",
-                     enqueued_, ")")));
+    return Fail(absl::InternalError(absl::StrCat(
+        "layer ", layer, " enqueued out of order (expected ", enqueued_, ")")));
   }
   if (absl::Status s = events_->Record(layer); !s.ok()) return Fail(s);
   ++enqueued_;

@@ -77,7 +77,7 @@ TEST_F(LayerReadySequencerTest, HooksRunInLayerOrderOnceEachAfterTheirLayer) {
   EXPECT_THAT(fired_, ElementsAre(0, 1));  // 2 and 3 not finished
   ASSERT_TRUE(seq.Drain().ok());
   EXPECT_THAT(fired_, ElementsAre(0, 1, 2, 3));
-  EXPECT_EQ(events_.waits, 2);  // only the layers not seen finished by polls
+  EXPECT_EQ(events_.waits, 2);    // only the layers not seen finished by polls
   ASSERT_TRUE(seq.Drain().ok());  // a second drain runs nothing again
   EXPECT_THAT(fired_, ElementsAre(0, 1, 2, 3));
   EXPECT_EQ(seq.layers_reported(), 4);

@@ -21,11 +21,17 @@ cd "$(dirname "$0")/.."
 BUNDLE=.gpu-check
 BUILD_DIR=${BUILD_DIR:-build-gpu}
 # kernels_cuda_test: every CUDA kernel vs its CPU reference + kernel benchmarks.
-# engine_cuda_test: the CUDA backend's greedy tokens vs the CPU backend's, and
-#   the GPU sampler vs the engine's (engine/cuda_sampling_test.cc).
+# engine_cuda_test: the CUDA backend's greedy tokens vs the CPU backend's, fp8
+#   KV vs bf16 KV, the per-layer hooks (cudaEvents), the GPU sampler vs the
+#   engine's (engine/cuda_sampling_test.cc), and (PDSERVE_GPU_BENCH=1) the
+#   1B-shape benchmark: BENCH prefill tokens/s, decode ITL p50/p99.
 # nccl_transport_gpu_test: the NCCL KV transport (kv_transfer/nccl).
 # worker_gpu_test: GPU prefill + decode workers on one GPU over grpc vs colocated.
-TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test worker_gpu_test)
+# worker_gpu_bench_test: (PDSERVE_GPU_BENCH=1) BENCH TTFT and ITL p50/p99 on the
+#   1B shape, colocated vs a one-GPU P/D pair over grpc and over cuda_ipc.
+# The two benchmarks share a random Llama-3.2-1B-shaped bf16 model written once
+# to /tmp/pdserve-bench-llama3.2-1b (2.5 GB; PDSERVE_BENCH_MODEL_DIR overrides).
+TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test worker_gpu_test cuda_ipc_gpu_test worker_gpu_bench_test)
 
 build_targets() {
   if [ "$BUILD_DIR" != build ]; then
@@ -113,7 +119,9 @@ PY
       failed=1
       continue
     fi
+    local started=$SECONDS
     "$dir/bin/$t" --gtest_color=no > "/tmp/$t.log" 2>&1 || true
+    echo "($t took $((SECONDS - started)) s)"
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |^BENCH|Failure|error' "/tmp/$t.log" | head -200 || true
     if grep -q '^\[  FAILED  \]' "/tmp/$t.log" || ! grep -q '^\[  PASSED  \]' "/tmp/$t.log"; then
       echo "RESULT $t: FAIL"; tail -40 "/tmp/$t.log"; failed=1
