@@ -34,7 +34,7 @@ class BlockLru {
     return -1;
   }
   // Inserts `id` as the most recent unless present (present ones stay where
-  // they are, as KvFileTier::Offer does).
+  // they are, as KvTier::Offer does).
   void Offer(int64_t id) {
     if (!Contains(id)) Touch(id);
   }

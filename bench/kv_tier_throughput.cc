@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   cfg.dir = argv[1];
   cfg.capacity_bytes = int64_t{1} << 40;
   cfg.max_pending_bytes = int64_t{1} << 40;
-  auto tier = KvFileTier::Create(cfg, {1, 2}, spec);
+  auto tier = KvTier::Create(cfg, {1, 2}, **pool);
   if (!tier.ok()) {
     std::fprintf(stderr, "%s\n", std::string(tier.status().message()).c_str());
     return 1;
@@ -60,10 +60,10 @@ int main(int argc, char** argv) {
               .ok();
   const double read_s =
       std::chrono::duration<double>(Clock::now() - t1).count();
-  const double bytes = static_cast<double>(n * (*tier)->file_bytes());
+  const double bytes = static_cast<double>(n * (*tier)->record_bytes());
   pdserve::json::OrderedValue out;
   out["blocks"] = n;
-  out["file_bytes"] = (*tier)->file_bytes();
+  out["file_bytes"] = (*tier)->record_bytes();
   out["total_bytes"] = bytes;
   out["offer_s"] = offer_s;
   out["write_s"] = write_s;

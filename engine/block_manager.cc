@@ -109,10 +109,27 @@ bool BlockManager::Allocate(int64_t n, std::vector<int32_t>* out) {
 }
 
 void BlockManager::Evict(int32_t block, std::vector<BlockHash>* removed) {
-  if (tier_hooks_.on_evict) tier_hooks_.on_evict(block, *hash_of_[block]);
-  cached_.erase(*hash_of_[block]);
-  removed->push_back(*hash_of_[block]);
+  const BlockHash hash = *hash_of_[block];
+  cached_.erase(hash);
   hash_of_[block].reset();
+  if (!tier_hooks_.on_evict) {
+    removed->push_back(hash);
+    return;
+  }
+  // With a tier, each eviction is published at once, after the events the
+  // offer caused (the hook publishes those: blocks the tier dropped to make
+  // room), so that one stream orders the pool's and the tier's changes.
+  const bool kept = tier_hooks_.on_evict(block, hash);
+  KvEvent e;
+  e.hashes.push_back(hash);
+  if (kept) {
+    e.type = KvEvent::Type::kMoved;
+    e.tier = tier_hooks_.kind;
+    e.from_tier = KvTierKind::kPool;
+  } else {
+    e.type = KvEvent::Type::kRemoved;
+  }
+  PublishTierEvent(std::move(e));
 }
 
 void BlockManager::Release(std::span<const int32_t> blocks) {
@@ -164,6 +181,23 @@ void BlockManager::Publish(KvEvent::Type type, const BlockHash& parent,
                            std::vector<BlockHash> hashes) {
   KvEvent e{++event_seq_, type, parent, std::move(hashes)};
   if (sink_) sink_(e);
+}
+
+void BlockManager::PublishTierEvent(KvEvent e) {
+  e.seq = ++event_seq_;
+  if (sink_) sink_(e);
+}
+
+const char* KvTierKindName(KvTierKind t) {
+  switch (t) {
+    case KvTierKind::kPool:
+      return "pool";
+    case KvTierKind::kHostMemory:
+      return "host_memory";
+    case KvTierKind::kDisk:
+      return "disk";
+  }
+  return "unknown";
 }
 
 }  // namespace pdserve::engine

@@ -53,13 +53,24 @@ void ExtendBlockHashes(const ModelFingerprint& fingerprint,
                        std::span<const int32_t> tokens, int block_size,
                        std::vector<BlockHash>* hashes);
 
+// Where a worker holds a block: its pool, or the tier below the pool
+// (engine/kv_tier.h). Values match v1::KvTier on the wire.
+enum class KvTierKind : uint8_t { kPool = 0, kHostMemory = 1, kDisk = 2 };
+inline constexpr int kNumKvTierKinds = 3;
+const char* KvTierKindName(KvTierKind t);  // "pool", "host_memory", "disk"
+
 struct KvEvent {
-  enum class Type { kStored, kRemoved, kCleared };
+  // cleared: every tier. moved: the blocks left `from_tier` and are now in
+  // `tier` (a pool block evicted that the tier below already holds).
+  enum class Type { kStored, kRemoved, kCleared, kMoved };
   uint64_t seq = 0;  // 1, 2, 3, ... per worker; a gap means a lost event
   Type type = Type::kStored;
   BlockHash
       parent;  // stored: hash of the block before the first one, 0 if none
   std::vector<BlockHash> hashes;
+  // Each tier is its own set of hashes; a block may be in several.
+  KvTierKind tier = KvTierKind::kPool;       // stored/removed; moved: to
+  KvTierKind from_tier = KvTierKind::kPool;  // moved only
 };
 using KvEventSink = std::function<void(const KvEvent&)>;
 
@@ -106,17 +117,25 @@ class BlockManager {
 
   // A lower tier below the pool (engine/kv_tier.h). on_evict runs for each
   // cached block the LRU evicts for reuse, before Allocate hands it out (its
-  // data still intact); on_clear runs on ClearCache. The pool's own KV
-  // events are unchanged.
+  // data still intact), publishes the tier's queued events, and returns
+  // whether the tier now holds the block loadable: the eviction is then
+  // published as moved(pool -> kind) instead of removed. on_clear runs on
+  // ClearCache, whose `cleared` covers the tier.
   struct TierHooks {
-    std::function<void(int32_t block, const BlockHash& hash)> on_evict;
+    KvTierKind kind = KvTierKind::kDisk;
+    std::function<bool(int32_t block, const BlockHash& hash)> on_evict;
     std::function<void()> on_clear;
   };
   void set_tier_hooks(TierHooks hooks) { tier_hooks_ = std::move(hooks); }
+  // Publishes a change of the tier's own set (stored / removed there) in
+  // this pool's sequence: one event stream per worker. Sets `e.seq`.
+  void PublishTierEvent(KvEvent e);
 
  private:
   void Publish(KvEvent::Type type, const BlockHash& parent,
                std::vector<BlockHash> hashes);
+  // Without a tier, appends the block's hash to `removed` (one event per
+  // Allocate); with one, publishes its removed or moved event at once.
   void Evict(int32_t block, std::vector<BlockHash>* removed);
 
   std::vector<int32_t> ref_;

@@ -78,7 +78,8 @@ absl::Status EngineConfig::Validate() const {
   }
   if (!kv_offload.dir.empty() && device != Device::kCpu) {
     return absl::InvalidArgumentError(
-        "--kv-offload-dir is a tier for CPU workers; --device cuda has none");
+        "--kv-offload-dir is a tier for CPU workers; with --device cuda use "
+        "--kv-offload-memory");
   }
   RETURN_IF_ERROR(CheckKvDtypeForDevice(device, kv_dtype));
   return kv_offload.Validate();
@@ -111,15 +112,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   }
   std::unique_ptr<Engine> engine(
       new Engine(std::move(weights), c, std::move(backend), std::move(events)));
-  if (!c.kv_offload.dir.empty()) {
+  if (c.kv_offload.enabled()) {
     ASSIGN_OR_RETURN(engine->tier_,
-                     KvFileTier::Create(c.kv_offload, engine->fingerprint_,
-                                        engine->kv_spec()));
+                     KvTier::Create(c.kv_offload, engine->fingerprint_,
+                                    engine->kv_storage()));
     Engine* e = engine.get();
-    e->blocks_.set_tier_hooks({[e](int32_t block, const BlockHash& hash) {
-                                 e->tier_->Offer(hash, e->kv_storage(), block);
-                               },
-                               [e] { e->tier_->Clear(); }});
+    e->blocks_.set_tier_hooks(
+        {e->tier_->kind(),
+         [e](int32_t block, const BlockHash& hash) {
+           const bool kept = e->tier_->Offer(hash, e->kv_storage(), block);
+           e->PublishTierEvents();  // before the pool's event of this block
+           return kept;
+         },
+         [e] { e->tier_->Clear(); }});
   }
   return engine;
 }
@@ -273,10 +278,16 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
     const size_t usable = static_cast<size_t>((len - 1) / config_.block_size);
     if (usable > hits.size()) {
       from_tier = static_cast<int32_t>(
-          tier_->Match(std::span<const BlockHash>(seq->hashes)
-                           .subspan(hits.size(), usable - hits.size())));
+          tier_->MatchAndPin(std::span<const BlockHash>(seq->hashes)
+                                 .subspan(hits.size(), usable - hits.size())));
     }
   }
+  // Pinned until loaded; what is not loaded is unpinned here.
+  auto unpin = [&](int32_t from, int32_t n) {
+    if (n > from)
+      tier_->Unpin(std::span<const BlockHash>(seq->hashes)
+                       .subspan(hits.size() + from, n - from));
+  };
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   const int32_t num_hits = static_cast<int32_t>(hits.size());
@@ -284,15 +295,20 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
     const int32_t c = (num_hits + tier_blocks) * config_.block_size;
     return BlocksFor(c + std::min(len - c, budget)) - num_hits;
   };
-  if (from_tier > 0 && need_for(from_tier) + hits_idle > blocks_.num_free())
+  if (from_tier > 0 && need_for(from_tier) + hits_idle > blocks_.num_free()) {
+    unpin(0, from_tier);
     from_tier = 0;
   const int64_t need = need_for(from_tier);
-  if (need + hits_idle > blocks_.num_free()) return false;
+  if (need + hits_idle > blocks_.num_free()) {
+    unpin(0, from_tier);
+    return false;
+  }
   blocks_.Acquire(hits);
   seq->blocks = hits;
   blocks_.Allocate(need, &seq->blocks);
   const int32_t loaded =
       from_tier > 0 ? LoadFromTier(seq, num_hits, from_tier) : 0;
+  if (loaded < from_tier) unpin(loaded + 1, from_tier);  // Load unpinned one
   const int32_t computed = (num_hits + loaded) * config_.block_size;
   // A failed load leaves fewer tokens computed: the chunk stays within the
   // blocks just allocated.
@@ -325,7 +341,27 @@ int32_t Engine::LoadFromTier(Sequence* seq, int32_t first, int32_t n) {
   return loaded;
 }
 
+void Engine::PublishTierEvents() {
+  if (!tier_) return;
+  for (KvEvent& e : tier_->TakeEvents()) blocks_.PublishTierEvent(std::move(e));
+}
+
+Engine::KvSnapshot Engine::TakeKvSnapshot() {
+  KvSnapshot snap;
+  if (tier_) {
+    std::vector<KvEvent> pending;
+    snap.tier = tier_->Snapshot(&pending);
+    for (KvEvent& e : pending) blocks_.PublishTierEvent(std::move(e));
+    snap.has_tier = true;
+    snap.tier_kind = tier_->kind();
+  }
+  snap.seq = blocks_.last_event_seq();
+  snap.pool = blocks_.CachedHashes();
+  return snap;
+}
+
 absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
+  PublishTierEvents();
   std::vector<StepOutput> outputs;
   for (auto& [id, reason] : aborted_) {
     StepOutput out;
@@ -492,6 +528,7 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   int32_t cached_blocks = static_cast<int32_t>(hits.size());
   if (tier_ && config_.enable_prefix_caching &&
       seq->hashes.size() > hits.size()) {
+    // The pool blocks are allocated already: nothing can push these out.
     const int32_t from_tier = static_cast<int32_t>(tier_->Match(
         std::span<const BlockHash>(seq->hashes).subspan(hits.size())));
     if (from_tier > 0) {

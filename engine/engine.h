@@ -57,8 +57,9 @@ struct EngineConfig {
   int32_t max_waiting_requests = 1024;      // admitted, waiting for blocks
   int32_t max_queued_calls = 4096;          // EngineLoop: Submit/Reserve queued
   int32_t max_pending_reservations = 1024;  // EngineLoop: waiting for blocks
-  // CPU only: a local-file tier below the pool (engine/kv_tier.h); evicted
-  // prefix blocks go there and come back on a prefix hit. Off when empty.
+  // A tier below the pool (engine/kv_tier.h): local files (CPU only) or
+  // host memory (any device; pinned on CUDA). Evicted prefix blocks go there
+  // and come back on a prefix hit. Off unless dir or memory_bytes is set.
   KvTierConfig kv_offload;
   // CPU only: the KV pool lives in a memfd that other processes on the node
   // can map (KvCacheSpec::host_shared), for --kv-transport shm decode workers.
@@ -199,8 +200,24 @@ class Engine {
   // for transfer code: spans of pinned or reserved blocks only.
   KvStorage& kv_storage() { return *backend_->kv_storage(); }
   const Backend& backend() const { return *backend_; }
-  // The file tier, or null when EngineConfig::kv_offload is off.
-  KvFileTier* kv_tier() { return tier_.get(); }
+  // The tier below the pool, or null when EngineConfig::kv_offload is off.
+  KvTier* kv_tier() { return tier_.get(); }
+  // Publishes the tier's queued changes (blocks stored in / dropped from the
+  // tier) into the worker's KV event stream. Step() does it first; the
+  // engine loop also calls it when idle, so that events arrive without
+  // traffic.
+  void PublishTierEvents();
+  // Every hash the pool and the tier hold, as of `seq`, for a subscriber's
+  // resync; the tier's pending events are published first, so the lists
+  // and the sequence number agree.
+  struct KvSnapshot {
+    uint64_t seq = 0;
+    std::vector<BlockHash> pool;
+    bool has_tier = false;
+    KvTierKind tier_kind = KvTierKind::kPool;
+    std::vector<BlockHash> tier;
+  };
+  KvSnapshot TakeKvSnapshot();
 
  private:
   struct Sequence {
@@ -238,7 +255,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   BlockManager blocks_;
   ModelFingerprint fingerprint_;
-  std::unique_ptr<KvFileTier> tier_;  // blocks_'s tier hooks call it
+  std::unique_ptr<KvTier> tier_;  // blocks_'s tier hooks call it
   FinishReason CheckFinish(const Sequence& seq) const;
 
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;

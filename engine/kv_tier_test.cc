@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "absl/synchronization/notification.h"
 #include "engine/engine.h"
@@ -44,14 +47,17 @@ class KvTierTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // An engine whose pool holds 8 blocks, over a file tier in dir_.
-  std::unique_ptr<Engine> MakeTiered(KvTierConfig tier = {}) {
+  // An engine whose pool holds 8 blocks, over a file tier in dir_ (or the
+  // memory tier `tier` asks for).
+  std::unique_ptr<Engine> MakeTiered(KvTierConfig tier = {},
+                                     KvEventSink events = nullptr) {
     EngineConfig cfg;
     cfg.kv_cache_bytes = 8 * block_bytes_;
-    if (tier.dir.empty()) tier.dir = dir_;
-    if (tier.capacity_bytes == 0) tier.capacity_bytes = 64 << 20;
+    if (tier.dir.empty() && tier.memory_bytes == 0) tier.dir = dir_;
+    if (!tier.dir.empty() && tier.capacity_bytes == 0)
+      tier.capacity_bytes = 64 << 20;
     cfg.kv_offload = tier;
-    auto e = Engine::Create(testing::TinyWeights(), cfg);
+    auto e = Engine::Create(testing::TinyWeights(), cfg, std::move(events));
     EXPECT_TRUE(e.ok()) << e.status();
     EXPECT_EQ((*e)->block_manager().num_blocks(), 8);
     return std::move(*e);
@@ -113,6 +119,12 @@ class KvTierTest : public ::testing::Test {
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_TRUE(SameLogprobs(got.logprobs, want.logprobs));
   }
+  // One block's record (header + every layer) in this fixture's tiers.
+  int64_t RecordBytes() {
+    KvTierConfig probe;
+    probe.memory_bytes = 1 << 20;
+    return MakeTiered(probe)->kv_tier()->record_bytes();
+  }
   static int64_t Failures(Engine* e, KvTierFailure f) {
     return e->Stats().kv_tier.failures[static_cast<int>(f)];
   }
@@ -134,7 +146,7 @@ TEST_F(KvTierTest, EvictedPrefixComesBackFromTheTierBitIdentical) {
   EXPECT_TRUE(s.has_kv_tier);
   EXPECT_EQ(s.kv_tier.hit_tokens, 48);
   EXPECT_EQ(s.kv_tier.blocks_loaded, 3);
-  EXPECT_EQ(s.kv_tier.bytes_read, 3 * e->kv_tier()->file_bytes());
+  EXPECT_EQ(s.kv_tier.bytes_read, 3 * e->kv_tier()->record_bytes());
   for (int f = 0; f < kNumKvTierFailures; ++f)
     EXPECT_EQ(s.kv_tier.failures[f], 0) << KvTierFailureName(KvTierFailure(f));
   // A loaded block is a pool hit for the next identical prompt.
@@ -247,7 +259,7 @@ TEST_F(KvTierTest, FullTierMeansNoOffloadAndEqualOutput) {
 TEST_F(KvTierTest, TierCapEvictsStoredBlocksInLruOrderButNotWrites) {
   KvTierConfig tier;
   auto e = MakeTiered(tier);
-  const int64_t file = e->kv_tier()->file_bytes();
+  const int64_t file = e->kv_tier()->record_bytes();
   e.reset();
   tier.capacity_bytes = 2 * file;
   absl::Notification release;
@@ -338,7 +350,7 @@ TEST_F(KvTierTest, ABlockBeingWrittenIsNotOfferedTwice) {
   const KvCacheSpec spec{2, 2, 16, 16, DType::kF32};
   auto pool = KvPool::Create(spec, 4);
   ASSERT_TRUE(pool.ok());
-  auto t = KvFileTier::Create(tier, {1, 2}, spec);
+  auto t = KvTier::Create(tier, {1, 2}, **pool);
   ASSERT_TRUE(t.ok()) << t.status();
   const BlockHash h{7, 8};
   (*t)->Offer(h, **pool, 0);
@@ -347,7 +359,7 @@ TEST_F(KvTierTest, ABlockBeingWrittenIsNotOfferedTwice) {
   EXPECT_EQ((*t)->Match(std::span<const BlockHash>(&h, 1)), 0);
   release.Notify();
   ASSERT_TRUE((*t)->WaitForWrites(absl::Seconds(30)));
-  EXPECT_EQ((*t)->Stats().bytes_written, (*t)->file_bytes());
+  EXPECT_EQ((*t)->Stats().bytes_written, (*t)->record_bytes());
   EXPECT_EQ((*t)->Match(std::span<const BlockHash>(&h, 1)), 1);
 }
 
@@ -381,8 +393,305 @@ TEST_F(KvTierTest, ConfigIsValidated) {
   cfg.kv_offload.capacity_bytes = 1 << 20;
   EXPECT_TRUE(cfg.Validate().ok());
   cfg.device = Device::kCuda;
+  EXPECT_FALSE(cfg.Validate().ok());  // no disk tier on a GPU worker
+  cfg.kv_offload.dir.clear();
+  cfg.kv_offload.memory_bytes = 1 << 20;
+  EXPECT_TRUE(cfg.Validate().ok());  // a host-memory tier on any device
+  cfg.kv_offload.dir = dir_;
+  EXPECT_FALSE(cfg.Validate().ok());  // one tier per worker
+  cfg.kv_offload.dir.clear();
+  cfg.kv_offload.memory_bytes = -1;
   EXPECT_FALSE(cfg.Validate().ok());
 }
+
+// --- The host-memory tier (--kv-offload-memory): the same tier logic over
+// slots in one arena; on CPU plain host memory, on CUDA pinned.
+
+class KvMemoryTierTest : public KvTierTest {
+ protected:
+  std::unique_ptr<Engine> MakeMemoryTiered(int64_t records,
+                                           KvEventSink events = nullptr) {
+    KvTierConfig tier;
+    tier.memory_bytes = records * RecordBytes();
+    return MakeTiered(tier, std::move(events));
+  }
+};
+
+TEST_F(KvMemoryTierTest, EvictedPrefixComesBackBitIdentical) {
+  const RunResult cold = Cold();
+  auto e = MakeMemoryTiered(64);
+  ASSERT_EQ(e->kv_tier()->kind(), KvTierKind::kHostMemory);
+  OffloadA(e.get());
+  const RunResult again = Run(e.get(), A());
+  ExpectSame(again, cold);
+  EXPECT_EQ(again.cached_prompt_tokens, 48);
+  const EngineStats s = e->Stats();
+  EXPECT_EQ(s.kv_tier.kind, KvTierKind::kHostMemory);
+  EXPECT_EQ(s.kv_tier.hit_tokens, 48);
+  EXPECT_EQ(s.kv_tier.blocks_loaded, 3);
+  EXPECT_GT(s.kv_tier.LoadTokensPerSecond(), 0);
+  for (int f = 0; f < kNumKvTierFailures; ++f)
+    EXPECT_EQ(s.kv_tier.failures[f], 0) << KvTierFailureName(KvTierFailure(f));
+  // The decode path reads it as well.
+  auto cold_engine = Engine::Create(testing::TinyWeights(), EngineConfig{});
+  ASSERT_TRUE(cold_engine.ok());
+  Run(cold_engine->get(), A("cold"));
+  Run(e.get(), B());  // evicts A again (still in the tier: no copy)
+  auto r = e->Reserve(A("r"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cached_blocks, 4);
+  const std::vector<int32_t> cold_blocks =
+      (*cold_engine)->block_manager().Lookup(HashesOfA(e.get()));
+  ASSERT_EQ(cold_blocks.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(BlockBytes(e.get(), r->blocks[i]),
+              BlockBytes(cold_engine->get(), cold_blocks[i]))
+        << "block " << i;
+  }
+  e->Abort("r");
+  ASSERT_TRUE(e->Step().ok());
+}
+
+TEST_F(KvMemoryTierTest, CapKeepsTheHeadsOfChainsInLruOrder) {
+  const RunResult cold = Cold();
+  auto e = MakeMemoryTiered(2);
+  Run(e.get(), A("a0"));
+  Run(e.get(), B());
+  // B evicted A's blocks tail first (3, 2, 1, 0) into two slots: 1 and 0
+  // pushed 3 and 2 out, so the tier keeps the chain's head.
+  KvTierStats s = e->Stats().kv_tier;
+  EXPECT_EQ(s.blocks_stored, 2);
+  EXPECT_EQ(s.blocks_writing, 0);
+  EXPECT_EQ(s.bytes_used, 2 * e->kv_tier()->record_bytes());
+  const std::vector<BlockHash> a = HashesOfA(e.get());
+  EXPECT_EQ(e->kv_tier()->Match(a), 2);
+  const RunResult again = Run(e.get(), A());
+  ExpectSame(again, cold);
+  EXPECT_EQ(again.cached_prompt_tokens, 32);
+  // While A's blocks were pinned for loading, B's evicted blocks found the
+  // tier full rather than pushing them out.
+  EXPECT_GT(Failures(e.get(), KvTierFailure::kFull), 0);
+}
+
+TEST_F(KvMemoryTierTest, CorruptRecordMeansRecomputeWithEqualOutput) {
+  const RunResult cold = Cold();
+  auto e = MakeMemoryTiered(64);
+  OffloadA(e.get());
+  std::span<unsigned char> rec =
+      e->kv_tier()->RecordForTest(HashesOfA(e.get())[1]);
+  ASSERT_FALSE(rec.empty());
+  rec[200] ^= 0x10;
+  const RunResult again = Run(e.get(), A());
+  ExpectSame(again, cold);
+  EXPECT_EQ(again.cached_prompt_tokens, 16);
+  EXPECT_EQ(Failures(e.get(), KvTierFailure::kCorrupt), 1);
+}
+
+TEST_F(KvMemoryTierTest, ClearedCacheEmptiesTheTierAndFreesItsSlots) {
+  auto e = MakeMemoryTiered(4);
+  OffloadA(e.get());
+  EXPECT_EQ(e->Stats().kv_tier.blocks_stored, 4);
+  e->block_manager().ClearCache();
+  EXPECT_EQ(e->Stats().kv_tier.blocks_stored, 0);
+  EXPECT_EQ(e->kv_tier()->Match(HashesOfA(e.get())), 0);
+  // Every slot is free again: A's blocks all fit once more.
+  OffloadA(e.get());
+  EXPECT_EQ(e->Stats().kv_tier.blocks_stored, 4);
+  EXPECT_EQ(Failures(e.get(), KvTierFailure::kFull), 0);
+}
+
+TEST_F(KvMemoryTierTest, RecordsOfAnotherModelAreNotLoaded) {
+  const KvCacheSpec spec{2, 2, 16, 16, DType::kF32};
+  auto pool = KvPool::Create(spec, 4);
+  ASSERT_TRUE(pool.ok());
+  KvTierConfig cfg;
+  cfg.memory_bytes = 1 << 20;
+  auto mine = KvTier::Create(cfg, {1, 2}, **pool);
+  auto other = KvTier::Create(cfg, {3, 4}, **pool);
+  ASSERT_TRUE(mine.ok() && other.ok());
+  const BlockHash h{7, 8};
+  EXPECT_TRUE((*mine)->Offer(h, **pool, 0));
+  EXPECT_TRUE((*other)->Offer(h, **pool, 0));
+  EXPECT_TRUE((*mine)->Load(h, **pool, 1).ok());
+  // The other model's record under the same hash: its fingerprint differs.
+  std::span<unsigned char> a = (*mine)->RecordForTest(h);
+  std::span<unsigned char> b = (*other)->RecordForTest(h);
+  ASSERT_EQ(a.size(), b.size());
+  std::copy(b.begin(), b.end(), a.begin());
+  absl::Status s = (*mine)->Load(h, **pool, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(
+      (*mine)->Stats().failures[static_cast<int>(KvTierFailure::kCorrupt)], 1);
+  EXPECT_EQ((*mine)->Match(std::span<const BlockHash>(&h, 1)), 0);
+}
+
+TEST_F(KvMemoryTierTest, TooSmallForOneBlockIsRefused) {
+  EngineConfig cfg;
+  cfg.kv_cache_bytes = 8 * block_bytes_;
+  cfg.kv_offload.memory_bytes = 100;
+  auto e = Engine::Create(testing::TinyWeights(), cfg);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// --- KV events per tier: what the router's index is fed.
+
+// The sets a subscriber rebuilds from one worker's event stream.
+struct TierSets {
+  std::array<std::set<std::pair<uint64_t, uint64_t>>, kNumKvTierKinds> sets;
+  uint64_t last_seq = 0;
+  bool in_order = true;
+  static std::pair<uint64_t, uint64_t> Key(const BlockHash& h) {
+    return {h.hi, h.lo};
+  }
+  void Apply(const KvEvent& e) {
+    in_order = in_order && e.seq == last_seq + 1;
+    last_seq = e.seq;
+    auto& to = sets[static_cast<int>(e.tier)];
+    switch (e.type) {
+      case KvEvent::Type::kStored:
+        for (const BlockHash& h : e.hashes) to.insert(Key(h));
+        break;
+      case KvEvent::Type::kRemoved:
+        for (const BlockHash& h : e.hashes) to.erase(Key(h));
+        break;
+      case KvEvent::Type::kMoved:
+        for (const BlockHash& h : e.hashes) {
+          sets[static_cast<int>(e.from_tier)].erase(Key(h));
+          to.insert(Key(h));
+        }
+        break;
+      case KvEvent::Type::kCleared:
+        for (auto& s : sets) s.clear();
+        break;
+    }
+  }
+  static std::set<std::pair<uint64_t, uint64_t>> Of(
+      const std::vector<BlockHash>& hashes) {
+    std::set<std::pair<uint64_t, uint64_t>> out;
+    for (const BlockHash& h : hashes) out.insert(Key(h));
+    return out;
+  }
+  // Equal to what the engine holds now, pool and tier.
+  void ExpectEqual(Engine* e) {
+    const Engine::KvSnapshot snap = e->TakeKvSnapshot();
+    EXPECT_EQ(snap.seq, last_seq);
+    EXPECT_EQ(sets[0], Of(snap.pool));
+    ASSERT_TRUE(snap.has_tier);
+    EXPECT_EQ(sets[static_cast<int>(snap.tier_kind)], Of(snap.tier));
+    EXPECT_TRUE(in_order);
+  }
+};
+
+// Counts `hashes` among events of one type and tier.
+int CountIn(const std::vector<KvEvent>& events, KvEvent::Type type,
+            KvTierKind tier, const std::vector<BlockHash>& hashes) {
+  int n = 0;
+  for (const KvEvent& e : events) {
+    if (e.type != type || e.tier != tier) continue;
+    for (const BlockHash& h : e.hashes)
+      n += std::find(hashes.begin(), hashes.end(), h) != hashes.end();
+  }
+  return n;
+}
+
+class KvTierEventTest : public KvTierTest,
+                        public ::testing::WithParamInterface<KvTierKind> {
+ protected:
+  std::unique_ptr<Engine> Make(std::vector<KvEvent>* log) {
+    KvTierConfig tier;
+    if (GetParam() == KvTierKind::kHostMemory) tier.memory_bytes = 64 << 20;
+    return MakeTiered(tier, [log](const KvEvent& e) { log->push_back(e); });
+  }
+};
+
+TEST_P(KvTierEventTest, EventsFollowBlocksAcrossTiers) {
+  const KvTierKind kind = GetParam();
+  std::vector<KvEvent> log;
+  auto e = Make(&log);
+  OffloadA(e.get());
+  e->PublishTierEvents();
+  const std::vector<BlockHash> a = HashesOfA(e.get());
+  if (kind == KvTierKind::kDisk) {
+    // Evicted (removed from the pool), then stored in the tier once written.
+    EXPECT_EQ(CountIn(log, KvEvent::Type::kRemoved, KvTierKind::kPool, a), 4);
+    EXPECT_EQ(CountIn(log, KvEvent::Type::kStored, kind, a), 4);
+  } else {
+    // Stored at once: one move per block, pool -> host memory.
+    EXPECT_EQ(CountIn(log, KvEvent::Type::kMoved, kind, a), 4);
+    EXPECT_EQ(CountIn(log, KvEvent::Type::kStored, kind, a), 0);
+  }
+  TierSets sets;
+  for (const KvEvent& ev : log) sets.Apply(ev);
+  sets.ExpectEqual(e.get());
+  EXPECT_EQ(sets.sets[static_cast<int>(kind)], TierSets::Of(a));
+  // Loaded back: stored in the pool again, still in the (inclusive) tier.
+  log.clear();
+  Run(e.get(), A("a1"));
+  e->PublishTierEvents();
+  EXPECT_EQ(CountIn(log, KvEvent::Type::kStored, KvTierKind::kPool, a), 4);
+  // Evicted again: the tier has them, so the pool reports a move.
+  Run(e.get(), B());
+  ASSERT_TRUE(e->kv_tier()->WaitForWrites(absl::Seconds(30)));
+  e->PublishTierEvents();
+  EXPECT_GE(CountIn(log, KvEvent::Type::kMoved, kind, a), 3);
+  for (const KvEvent& ev : log) sets.Apply(ev);
+  sets.ExpectEqual(e.get());
+  // cleared covers the tier: nothing is left in either set.
+  log.clear();
+  e->block_manager().ClearCache();
+  e->PublishTierEvents();
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_EQ(log[0].type, KvEvent::Type::kCleared);
+  sets.Apply(log[0]);
+  sets.ExpectEqual(e.get());
+  EXPECT_TRUE(sets.sets[static_cast<int>(kind)].empty());
+}
+
+TEST_P(KvTierEventTest, SnapshotPlusLaterEventsEqualsTheTier) {
+  std::vector<KvEvent> log;
+  absl::Notification release;
+  KvTierConfig tier;
+  if (GetParam() == KvTierKind::kHostMemory) {
+    tier.memory_bytes = 3 * RecordBytes();
+  } else {
+    tier.capacity_bytes = 3 * RecordBytes();
+    tier.before_write = [&release] {
+      release.WaitForNotificationWithTimeout(absl::Seconds(60));
+    };
+  }
+  auto e = MakeTiered(tier, [&log](const KvEvent& ev) { log.push_back(ev); });
+  Run(e.get(), A("a0"));
+  Run(e.get(), B());
+  // Disk: the writes are still held back; the snapshot has none of them.
+  const Engine::KvSnapshot snap = e->TakeKvSnapshot();
+  TierSets sets;
+  sets.last_seq = snap.seq;
+  for (const BlockHash& h : snap.pool) sets.sets[0].insert(TierSets::Key(h));
+  for (const BlockHash& h : snap.tier)
+    sets.sets[static_cast<int>(snap.tier_kind)].insert(TierSets::Key(h));
+  release.Notify();
+  ASSERT_TRUE(e->kv_tier()->WaitForWrites(absl::Seconds(30)));
+  // More traffic: A comes back from the tier, B is evicted (the cap of 3
+  // drops blocks: removed events), then everything is published.
+  Run(e.get(), A("a1"));
+  Run(e.get(), B());
+  ASSERT_TRUE(e->kv_tier()->WaitForWrites(absl::Seconds(30)));
+  e->PublishTierEvents();
+  EXPECT_GT(
+      CountIn(log, KvEvent::Type::kRemoved, GetParam(), HashesOfA(e.get())) +
+          e->Stats().kv_tier.failures[static_cast<int>(KvTierFailure::kFull)],
+      0);
+  for (const KvEvent& ev : log)
+    if (ev.seq > snap.seq) sets.Apply(ev);
+  sets.ExpectEqual(e.get());
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, KvTierEventTest,
+                         ::testing::Values(KvTierKind::kDisk,
+                                           KvTierKind::kHostMemory),
+                         [](const auto& info) {
+                           return std::string(KvTierKindName(info.param));
+                         });
 
 }  // namespace
 }  // namespace pdserve::engine

@@ -28,9 +28,19 @@ bool DecodeKvEvent(const v1::KvEventProto& proto, engine::KvEvent* event) {
     case v1::KvEventProto::CLEARED:
       event->type = engine::KvEvent::Type::kCleared;
       break;
+    case v1::KvEventProto::MOVED:
+      event->type = engine::KvEvent::Type::kMoved;
+      break;
     default:
       return false;
   }
+  auto tier = [](int t) {
+    return t >= 0 && t < engine::kNumKvTierKinds
+               ? static_cast<engine::KvTierKind>(t)
+               : kUnknownTier;
+  };
+  event->tier = tier(proto.tier());
+  event->from_tier = tier(proto.from_tier());
   event->parent = engine::BlockHash();
   if (!proto.parent_hash().empty() &&
       !HashFromBytes(proto.parent_hash(), &event->parent))
@@ -46,8 +56,9 @@ bool DecodeKvEvent(const v1::KvEventProto& proto, engine::KvEvent* event) {
 bool KvEventApplier::ApplyBatch(const v1::KvEventBatch& batch) {
   engine::KvEvent event;
   if (batch.snapshot()) {
-    // One STORED event with every cached hash; several are merged.
-    std::vector<engine::BlockHash> hashes;
+    // STORED events with every hash, by tier; several per tier are merged,
+    // tiers this release does not know are skipped.
+    TierHashes by_tier;
     uint64_t seq = 0;
     for (const v1::KvEventProto& e : batch.events()) {
       if (!DecodeKvEvent(e, &event) ||
@@ -55,10 +66,12 @@ bool KvEventApplier::ApplyBatch(const v1::KvEventBatch& batch) {
         synced_ = false;
         return false;
       }
-      hashes.insert(hashes.end(), event.hashes.begin(), event.hashes.end());
       seq = event.seq;
+      if (event.tier == kUnknownTier) continue;
+      auto& hashes = by_tier[static_cast<int>(event.tier)];
+      hashes.insert(hashes.end(), event.hashes.begin(), event.hashes.end());
     }
-    Snapshot(seq, hashes);
+    SnapshotTiers(seq, by_tier);
     return true;
   }
   for (const v1::KvEventProto& e : batch.events()) {
@@ -72,8 +85,17 @@ bool KvEventApplier::ApplyBatch(const v1::KvEventBatch& batch) {
 
 void KvEventApplier::Snapshot(uint64_t seq,
                               const std::vector<engine::BlockHash>& hashes) {
+  TierHashes by_tier;
+  by_tier[static_cast<int>(engine::KvTierKind::kPool)] = hashes;
+  SnapshotTiers(seq, by_tier);
+}
+
+void KvEventApplier::SnapshotTiers(uint64_t seq, const TierHashes& by_tier) {
   index_->ClearWorker(worker_);
-  index_->Stored(worker_, hashes);
+  for (int t = 0; t < engine::kNumKvTierKinds; ++t) {
+    if (!by_tier[t].empty())
+      index_->Stored(worker_, by_tier[t], static_cast<engine::KvTierKind>(t));
+  }
   last_seq_ = seq;
   synced_ = true;
 }
@@ -85,11 +107,15 @@ bool KvEventApplier::Apply(const engine::KvEvent& event) {
   }
   last_seq_ = event.seq;
   switch (event.type) {
+    // The index skips tiers it does not know.
     case engine::KvEvent::Type::kStored:
-      index_->Stored(worker_, event.hashes);
+      index_->Stored(worker_, event.hashes, event.tier);
       break;
     case engine::KvEvent::Type::kRemoved:
-      index_->Removed(worker_, event.hashes);
+      index_->Removed(worker_, event.hashes, event.tier);
+      break;
+    case engine::KvEvent::Type::kMoved:
+      index_->Moved(worker_, event.hashes, event.from_tier, event.tier);
       break;
     case engine::KvEvent::Type::kCleared:
       index_->ClearWorker(worker_);

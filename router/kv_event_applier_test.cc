@@ -86,5 +86,86 @@ TEST(KvEventApplierTest, MalformedWireEventsNeedResyncAndApplyNothing) {
   EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 2);
 }
 
+TEST(KvEventApplierTest, SnapshotAndEventsCarryTiers) {
+  PrefixIndex index;
+  KvEventApplier applier(&index, 0);
+  const std::vector<WorkerIndex> w = {0};
+  const engine::BlockHash a{1, 1}, b{2, 2}, c{3, 3}, d{4, 4};
+  const std::vector<engine::BlockHash> chain = {a, b, c, d};
+  // Snapshot: a, b in the pool; c, d on disk (and a tier number from a
+  // newer worker, skipped).
+  v1::KvEventBatch snapshot;
+  snapshot.set_snapshot(true);
+  auto* pool = snapshot.add_events();
+  pool->set_seq(7);
+  pool->add_hashes(HashBytes(a));
+  pool->add_hashes(HashBytes(b));
+  auto* disk = snapshot.add_events();
+  disk->set_seq(7);
+  disk->set_tier(v1::KV_TIER_DISK);
+  disk->add_hashes(HashBytes(c));
+  disk->add_hashes(HashBytes(d));
+  auto* future = snapshot.add_events();
+  future->set_seq(7);
+  future->set_tier(static_cast<v1::KvTier>(9));
+  future->add_hashes(HashBytes(engine::BlockHash{5, 5}));
+  ASSERT_TRUE(applier.ApplyBatch(snapshot));
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 2);
+  EXPECT_EQ(index.LeadingBlocks(chain, w, kAllTiers)[0], 4);
+  EXPECT_EQ(index.Summary(0, engine::KvTierKind::kDisk).blocks, 2u);
+  EXPECT_EQ(index.num_hashes(), 4u);
+  // Incremental: b moves pool -> disk, d is dropped from disk, an event of
+  // an unknown tier is skipped but keeps the sequence.
+  v1::KvEventBatch batch;
+  auto* moved = batch.add_events();
+  moved->set_seq(8);
+  moved->set_type(v1::KvEventProto::MOVED);
+  moved->set_from_tier(v1::KV_TIER_POOL);
+  moved->set_tier(v1::KV_TIER_DISK);
+  moved->add_hashes(HashBytes(b));
+  auto* dropped = batch.add_events();
+  dropped->set_seq(9);
+  dropped->set_type(v1::KvEventProto::REMOVED);
+  dropped->set_tier(v1::KV_TIER_DISK);
+  dropped->add_hashes(HashBytes(d));
+  dropped->add_hashes(HashBytes(engine::BlockHash{42, 42}));  // unknown
+  auto* odd = batch.add_events();
+  odd->set_seq(10);
+  odd->set_type(v1::KvEventProto::STORED);
+  odd->set_tier(static_cast<v1::KvTier>(77));
+  odd->add_hashes(HashBytes(d));
+  ASSERT_TRUE(applier.ApplyBatch(batch));
+  EXPECT_EQ(applier.last_seq(), 10u);
+  EXPECT_EQ(index.LeadingBlocks(chain, w)[0], 1);
+  EXPECT_EQ(index.LeadingBlocks(chain, w, kAllTiers)[0], 3);
+  EXPECT_EQ(index.Summary(0, engine::KvTierKind::kDisk).blocks, 2u);  // b, c
+  // A gap, then a resync from a snapshot with nothing on disk: the disk
+  // entries go too.
+  v1::KvEventBatch late;
+  auto* gap = late.add_events();
+  gap->set_seq(12);
+  gap->add_hashes(HashBytes(d));
+  EXPECT_FALSE(applier.ApplyBatch(late));
+  v1::KvEventBatch resync;
+  resync.set_snapshot(true);
+  auto* only = resync.add_events();
+  only->set_seq(20);
+  only->add_hashes(HashBytes(a));
+  ASSERT_TRUE(applier.ApplyBatch(resync));
+  EXPECT_EQ(index.LeadingBlocks(chain, w, kAllTiers)[0], 1);
+  EXPECT_EQ(index.Summary(0, engine::KvTierKind::kDisk).blocks, 0u);
+  // cleared empties every tier.
+  v1::KvEventBatch more;
+  auto* st = more.add_events();
+  st->set_seq(21);
+  st->set_tier(v1::KV_TIER_HOST_MEMORY);
+  st->add_hashes(HashBytes(b));
+  auto* cl = more.add_events();
+  cl->set_seq(22);
+  cl->set_type(v1::KvEventProto::CLEARED);
+  ASSERT_TRUE(applier.ApplyBatch(more));
+  EXPECT_EQ(index.num_hashes(), 0u);
+}
+
 }  // namespace
 }  // namespace pdserve::router

@@ -40,48 +40,68 @@ class PrefixMatches {
   PrefixMatches(const RouteRequest& r, const PrefixIndex* index)
       : r_(r), index_(index) {}
 
-  int64_t CachedTokens(const WorkerView& w) {
+  // Leading prompt tokens in `w`'s pool.
+  int64_t CachedTokens(const WorkerView& w) { return Tokens(w, false); }
+  // Leading prompt tokens after those that `w`'s KV tier holds (0 for a
+  // worker without one: the index is not asked).
+  int64_t TierTokens(const WorkerView& w) {
+    if (w.status.kv_tier() == v1::KV_TIER_POOL) return 0;
+    return std::max<int64_t>(0, Tokens(w, true) - Tokens(w, false));
+  }
+
+ private:
+  int64_t Tokens(const WorkerView& w, bool with_tier) {
     const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
     if (bs <= 0 || r_.tokens == nullptr || w.index < 0) return 0;
-    const std::vector<int32_t>& counts = CountsFor(w.fingerprint, bs);
+    const std::vector<int32_t>& counts =
+        CountsFor(w.fingerprint, bs, with_tier);
     const int32_t blocks =
         static_cast<size_t>(w.index) < counts.size() ? counts[w.index] : 0;
     return std::min<int64_t>(r_.num_tokens, int64_t{blocks} * bs);
   }
 
- private:
   const std::vector<int32_t>& CountsFor(const engine::ModelFingerprint& fp,
-                                        int32_t bs) {
+                                        int32_t bs, bool with_tier) {
     // The fingerprint covers the block size, so it is a sufficient key.
-    for (const Group& g : groups_) {
-      if (g.fingerprint == fp) return g.counts;
+    Group* g = nullptr;
+    for (Group& x : groups_) {
+      if (x.fingerprint == fp) g = &x;
     }
-    Group& g = groups_.emplace_back();
-    g.fingerprint = fp;
+    if (g == nullptr) {
+      g = &groups_.emplace_back();
+      g->fingerprint = fp;
+    }
+    bool& done = with_tier ? g->tier_done : g->pool_done;
+    std::vector<int32_t>& counts = with_tier ? g->tier_counts : g->counts;
+    if (done) return counts;
+    done = true;
+    const TierMask tiers = with_tier ? kAllTiers : kPoolTier;
     const std::span<const int32_t> tokens(*r_.tokens);
     if (r_.hashes != nullptr) {
       const std::vector<engine::BlockHash>& all = r_.hashes->For(fp, bs);
       index_->LeadingBlocksOfPrompt(
-          all.size(), [&](size_t i) { return all[i]; }, &g.counts);
-      return g.counts;
+          all.size(), [&](size_t i) { return all[i]; }, &counts, tiers);
+      return counts;
     }
     index_->LeadingBlocksOfPrompt(
         tokens.size() / bs,
         [&](size_t i) {
-          if (i >= g.hashes.size()) {
+          if (i >= g->hashes.size()) {
             engine::ExtendBlockHashes(
-                fp, r_.cache_salt, tokens.first((i + 1) * bs), bs, &g.hashes);
+                fp, r_.cache_salt, tokens.first((i + 1) * bs), bs, &g->hashes);
           }
-          return g.hashes[i];
+          return g->hashes[i];
         },
-        &g.counts);
-    return g.counts;
+        &counts, tiers);
+    return counts;
   }
 
   struct Group {
     engine::ModelFingerprint fingerprint{};
     std::vector<engine::BlockHash> hashes;
-    std::vector<int32_t> counts;  // by WorkerIndex
+    bool pool_done = false, tier_done = false;
+    std::vector<int32_t> counts;       // by WorkerIndex: pool
+    std::vector<int32_t> tier_counts;  // by WorkerIndex: pool + lower tiers
   };
   const RouteRequest& r_;
   const PrefixIndex* index_;
@@ -176,14 +196,20 @@ class CacheAwarePolicy : public Policy {
     double best_decode = std::numeric_limits<double>::infinity();
     for (const WorkerView* w : Candidates(request, workers, CanDecode, start)) {
       const int64_t cached = matches.CachedTokens(*w);
-      // Fewer running sequences, more free blocks, more of the prompt cached.
-      const double cost = config_.w_decode * DecodeLoad(*w) -
-                          config_.w_decode * FreeFraction(*w) -
-                          config_.w_prefill * static_cast<double>(cached);
+      const int64_t tier = matches.TierTokens(*w);
+      // Fewer running sequences, more free blocks, more of the prompt cached
+      // (a tier token saves its recompute less its load).
+      const double cost =
+          config_.w_decode * DecodeLoad(*w) -
+          config_.w_decode * FreeFraction(*w) -
+          config_.w_prefill *
+              (static_cast<double>(cached) +
+               static_cast<double>(tier) * (1 - TierLoadCost(*w, config_)));
       if (cost < best_decode) {
         best_decode = cost;
         d.decode = w;
-        d.decode_cached_tokens = cached;
+        d.decode_cached_tokens = cached + tier;
+        d.decode_tier_tokens = tier;
       }
     }
     if (d.decode == nullptr)
@@ -192,20 +218,24 @@ class CacheAwarePolicy : public Policy {
         request.num_tokens - d.decode_cached_tokens;
     struct Option {
       const WorkerView* w;
-      int64_t cached;
+      int64_t cached;  // pool + tier
+      int64_t tier;
       double cost;
     };
     std::vector<Option> options;
     double best_prefill = std::numeric_limits<double>::infinity();
     for (const WorkerView* w :
          Candidates(request, workers, CanPrefill, start)) {
-      const int64_t cached = matches.CachedTokens(*w);
+      const int64_t pool = matches.CachedTokens(*w);
+      const int64_t tier = matches.TierTokens(*w);
+      // Pool hits are free, tier hits cost their load, the rest recompute.
       const double cost =
           config_.w_prefill *
-              (static_cast<double>(request.num_tokens - cached) +
+              (static_cast<double>(request.num_tokens - pool - tier) +
+               static_cast<double>(tier) * TierLoadCost(*w, config_) +
                QueuedPrefill(*w)) +
           config_.w_decode * DecodeLoad(*w);
-      options.push_back({w, cached, cost});
+      options.push_back({w, pool + tier, tier, cost});
       best_prefill = std::min(best_prefill, cost);
     }
     // Costs within the slack of the cheapest count as equal, and the worker
@@ -230,13 +260,16 @@ class CacheAwarePolicy : public Policy {
       d.reason = d.decode->role == v1::WORKER_ROLE_BOTH ? "colocated"
                                                         : "local:no_prefill";
       d.prefill_cached_tokens = d.decode_cached_tokens;
+      d.prefill_tier_tokens = d.decode_tier_tokens;
     } else if (uncached_at_decode <= config_.local_prefill_threshold) {
       d.reason = "local:short";
       d.prefill_cached_tokens = d.decode_cached_tokens;
+      d.prefill_tier_tokens = d.decode_tier_tokens;
     } else {
       d.reason = "remote";
       d.prefill = pick->w;
       d.prefill_cached_tokens = pick->cached;
+      d.prefill_tier_tokens = pick->tier;
       // RoutedWork() above sized the vector for every candidate.
       if (pick->w->index >= 0) {
         routed_work_[pick->w->index] +=
@@ -378,6 +411,14 @@ class RoundRobinPolicy : public Policy {
 };
 
 }  // namespace
+
+double TierLoadCost(const WorkerView& w, const PolicyConfig& config) {
+  const double load = w.status.kv_tier_load_tokens_per_second();
+  const double prefill = w.status.prefill_tokens_per_second();
+  const double cost =
+      load > 0 && prefill > 0 ? prefill / load : config.tier_load_cost;
+  return std::clamp(cost, kMinTierLoadCost, kMaxTierLoadCost);
+}
 
 const std::vector<engine::BlockHash>& PromptHashes::For(
     const engine::ModelFingerprint& fingerprint, int32_t block_size) {

@@ -51,9 +51,12 @@ struct RouteDecision {
   // Null: the decode worker prefills locally.
   const WorkerView* prefill = nullptr;
   const WorkerView* decode = nullptr;
-  // Expected hit at the chosen prefill (or decode) worker.
+  // Expected hit at the chosen prefill (or decode) worker: its pool's and
+  // its KV tier's (read back before prefill; the tier's share below).
   int64_t prefill_cached_tokens = 0;
   int64_t decode_cached_tokens = 0;
+  int64_t prefill_tier_tokens = 0;  // of prefill_cached_tokens
+  int64_t decode_tier_tokens = 0;   // of decode_cached_tokens
   // "remote", "local:short", "local:no_prefill", "colocated".
   std::string reason;
 };
@@ -70,7 +73,17 @@ struct PolicyConfig {
   // (x w_prefill) of the cheapest count as equal; among them the worker with
   // the least uncached work routed to it so far wins. 0: cheapest only.
   double balance_slack = 0.1;
+  // cache_aware: a prompt token read back from a worker's KV tier costs this
+  // fraction of recomputing it, until the worker has measured both its tier
+  // load rate and its prefill rate (WorkerStatus); then the ratio of the
+  // two, kept within [kMinTierLoadCost, kMaxTierLoadCost] so that a tier hit
+  // always prices between a pool hit (0) and recompute (1).
+  double tier_load_cost = 0.25;
 };
+inline constexpr double kMinTierLoadCost = 0.01;
+inline constexpr double kMaxTierLoadCost = 0.95;
+// The price of one tier token at `w` as a fraction of a recomputed one.
+double TierLoadCost(const WorkerView& w, const PolicyConfig& config);
 
 class Policy {
  public:
@@ -80,9 +93,10 @@ class Policy {
   virtual absl::StatusOr<RouteDecision> Choose(
       const RouteRequest& request, const std::vector<WorkerView>& workers) = 0;
 
-  // "cache_aware" (default): lowest w_prefill x (uncached + queued prefill
-  //   tokens) + w_decode x load; near-ties (balance_slack) go to the worker
-  //   with the least work routed so far, exact ties rotate;
+  // "cache_aware" (default): lowest w_prefill x (uncached + tier tokens x
+  //   TierLoadCost + queued prefill tokens) + w_decode x load; near-ties
+  //   (balance_slack) go to the worker with the least work routed so far,
+  //   exact ties rotate;
   // "round_robin";
   // "least_loaded": fewest queued prefill tokens (the larger of the heartbeat's
   //   figure and the router's own in-flight count), cache-blind;

@@ -262,5 +262,104 @@ TEST_F(PolicyTest, CacheThresholdFollowsAMatchOnlyAboveTheThreshold) {
   }
 }
 
+// --- KV tiers: a tier hit costs its load, less than recompute, more than a
+// pool hit.
+
+class PolicyTierTest : public PolicyTest {
+ protected:
+  void SetUp() override { config_.balance_slack = 0; }
+  void CacheIn(WorkerIndex worker, const std::vector<int32_t>& tokens,
+               size_t blocks, engine::KvTierKind tier) {
+    PromptHashes hashes(&tokens, "");
+    const auto& all = hashes.For(kFingerprint, kBlockSize);
+    index_.Stored(worker, std::span(all).first(blocks), tier);
+  }
+  static WorkerView Tiered(WorkerIndex i, v1::KvTier tier) {
+    WorkerView w = Worker(i, v1::WORKER_ROLE_PREFILL);
+    w.status.set_kv_tier(tier);
+    return w;
+  }
+};
+
+TEST_F(PolicyTierTest, ATierHitBeatsACold) {
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  CacheIn(2, tokens, 16, engine::KvTierKind::kDisk);
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Tiered(1, v1::KV_TIER_DISK),
+                                           Tiered(2, v1::KV_TIER_DISK)};
+  for (int i = 0; i < 4; ++i) {
+    auto d = Choose(*p, tokens, workers);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_NE(d->prefill, nullptr);
+    EXPECT_EQ(d->prefill->index, 2);
+    EXPECT_EQ(d->prefill_cached_tokens, 256);
+    EXPECT_EQ(d->prefill_tier_tokens, 256);
+  }
+}
+
+TEST_F(PolicyTierTest, APoolHitBeatsATierHitAtEqualLoad) {
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  CacheIn(1, tokens, 16, engine::KvTierKind::kHostMemory);
+  Cache(2, tokens, 16);
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Tiered(1, v1::KV_TIER_HOST_MEMORY),
+                                           Tiered(2, v1::KV_TIER_HOST_MEMORY)};
+  for (int i = 0; i < 4; ++i) {
+    auto d = Choose(*p, tokens, workers);
+    ASSERT_TRUE(d.ok());
+    ASSERT_NE(d->prefill, nullptr);
+    EXPECT_EQ(d->prefill->index, 2);
+    EXPECT_EQ(d->prefill_tier_tokens, 0);
+  }
+}
+
+TEST_F(PolicyTierTest, MeasuredRatesPriceTheTier) {
+  WorkerView w = Tiered(1, v1::KV_TIER_DISK);
+  EXPECT_DOUBLE_EQ(TierLoadCost(w, config_), config_.tier_load_cost);
+  w.status.set_prefill_tokens_per_second(1000);
+  w.status.set_kv_tier_load_tokens_per_second(10000);
+  EXPECT_DOUBLE_EQ(TierLoadCost(w, config_), 0.1);
+  // Never priced as free or as dearer than recompute.
+  w.status.set_kv_tier_load_tokens_per_second(1e9);
+  EXPECT_DOUBLE_EQ(TierLoadCost(w, config_), kMinTierLoadCost);
+  w.status.set_kv_tier_load_tokens_per_second(10);
+  EXPECT_DOUBLE_EQ(TierLoadCost(w, config_), kMaxTierLoadCost);
+  // A slow tier (cost 0.95 per token) on an idle worker against a pool hit
+  // on a worker with 200 queued tokens: 0.95 x 256 > 200, the queue wins.
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  CacheIn(1, tokens, 16, engine::KvTierKind::kDisk);
+  Cache(2, tokens, 16);
+  std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE), w,
+                                     Tiered(2, v1::KV_TIER_POOL)};
+  workers[2].status.set_queued_prefill_tokens(200);
+  auto d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  ASSERT_NE(d->prefill, nullptr);
+  EXPECT_EQ(d->prefill->index, 2);
+  // A fast one (0.1 per token): 25.6 < 200, the tier wins.
+  workers[1].status.set_kv_tier_load_tokens_per_second(10000);
+  d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  ASSERT_NE(d->prefill, nullptr);
+  EXPECT_EQ(d->prefill->index, 1);
+  EXPECT_EQ(d->prefill_tier_tokens, 256);
+}
+
+TEST_F(PolicyTierTest, TierEntriesOfAWorkerWithoutATierAreNotCounted) {
+  // Stale tier entries of a worker that now reports no tier: cold.
+  auto p = Make("cache_aware");
+  const auto tokens = Tokens(256);
+  CacheIn(1, tokens, 16, engine::KvTierKind::kDisk);
+  const std::vector<WorkerView> workers = {Worker(0, v1::WORKER_ROLE_DECODE),
+                                           Worker(1, v1::WORKER_ROLE_PREFILL)};
+  auto d = Choose(*p, tokens, workers);
+  ASSERT_TRUE(d.ok());
+  ASSERT_NE(d->prefill, nullptr);
+  EXPECT_EQ(d->prefill_cached_tokens, 0);
+}
+
 }  // namespace
 }  // namespace pdserve::router

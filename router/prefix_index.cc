@@ -4,34 +4,77 @@
 
 namespace pdserve::router {
 
-void PrefixIndex::Stored(WorkerIndex worker,
-                         std::span<const engine::BlockHash> hashes) {
-  absl::MutexLock l(&mu_);
+namespace {
+bool KnownTier(engine::KvTierKind t) {
+  return static_cast<int>(t) < engine::kNumKvTierKinds;
+}
+}  // namespace
+
+void PrefixIndex::StoredLocked(WorkerIndex worker,
+                               std::span<const engine::BlockHash> hashes,
+                               engine::KvTierKind tier) {
+  if (!KnownTier(tier)) return;
+  const bool pool = tier == engine::KvTierKind::kPool;
+  const TierMask bit = pool ? 0 : TierBit(tier);
   for (const auto& h : hashes) {
     Holders& holders = index_[h];
     auto it = std::find_if(holders.begin(), holders.end(),
                            [&](const Holder& x) { return x.worker == worker; });
     if (it == holders.end()) {
-      holders.push_back({worker, absl::InfiniteFuture()});
-    } else {
+      holders.push_back(
+          {worker, bit, pool ? absl::InfiniteFuture() : absl::InfinitePast()});
+    } else if (pool) {
       it->expires = absl::InfiniteFuture();  // speculation confirmed
+    } else {
+      it->lower |= bit;
     }
   }
 }
 
-void PrefixIndex::Removed(WorkerIndex worker,
-                          std::span<const engine::BlockHash> hashes) {
-  absl::MutexLock l(&mu_);
+void PrefixIndex::RemovedLocked(WorkerIndex worker,
+                                std::span<const engine::BlockHash> hashes,
+                                engine::KvTierKind tier) {
+  if (!KnownTier(tier)) return;
+  const bool pool = tier == engine::KvTierKind::kPool;
   for (const auto& h : hashes) {
     auto it = index_.find(h);
     if (it == index_.end()) continue;
     Holders& holders = it->second;
-    holders.erase(
-        std::remove_if(holders.begin(), holders.end(),
-                       [&](const Holder& x) { return x.worker == worker; }),
-        holders.end());
+    auto x = std::find_if(holders.begin(), holders.end(),
+                          [&](const Holder& x) { return x.worker == worker; });
+    if (x == holders.end()) continue;
+    if (pool) {
+      x->expires = absl::InfinitePast();
+    } else {
+      x->lower &= static_cast<TierMask>(~TierBit(tier));
+    }
+    if (x->Empty()) holders.erase(x);
     if (holders.empty()) index_.erase(it);
   }
+}
+
+void PrefixIndex::Stored(WorkerIndex worker,
+                         std::span<const engine::BlockHash> hashes,
+                         engine::KvTierKind tier) {
+  absl::MutexLock l(&mu_);
+  StoredLocked(worker, hashes, tier);
+}
+
+void PrefixIndex::Removed(WorkerIndex worker,
+                          std::span<const engine::BlockHash> hashes,
+                          engine::KvTierKind tier) {
+  absl::MutexLock l(&mu_);
+  RemovedLocked(worker, hashes, tier);
+}
+
+void PrefixIndex::Moved(WorkerIndex worker,
+                        std::span<const engine::BlockHash> hashes,
+                        engine::KvTierKind from, engine::KvTierKind to) {
+  if (!KnownTier(from) || !KnownTier(to) || from == to) return;
+  // Stored first, so that a hash held nowhere else keeps its entry.
+  absl::MutexLock l(&mu_);
+  StoredLocked(worker, hashes, to);
+  RemovedLocked(worker, hashes, from);
 }
 
 void PrefixIndex::ClearWorker(WorkerIndex worker) {
@@ -68,12 +111,14 @@ void PrefixIndex::PurgeExpired(absl::Time now, size_t budget) {
     if (it == index_.end()) continue;  // removed or cleared meanwhile
     Holders& holders = it->second;
     // Confirmed entries expire at InfiniteFuture, renewed ones later than
-    // now: both stay.
+    // now: both stay. An expired one leaves the pool's set; it stays for
+    // the lower tiers that hold the block.
+    for (Holder& x : holders) {
+      if (x.worker == e.worker && x.expires <= now)
+        x.expires = absl::InfinitePast();
+    }
     holders.erase(std::remove_if(holders.begin(), holders.end(),
-                                 [&](const Holder& x) {
-                                   return x.worker == e.worker &&
-                                          x.expires <= now;
-                                 }),
+                                 [&](const Holder& x) { return x.Empty(); }),
                   holders.end());
     if (holders.empty()) index_.erase(it);
   }
@@ -93,7 +138,7 @@ void PrefixIndex::Speculate(WorkerIndex worker,
     auto it = std::find_if(holders.begin(), holders.end(),
                            [&](const Holder& x) { return x.worker == worker; });
     if (it == holders.end()) {
-      holders.push_back({worker, expires});
+      holders.push_back({worker, 0, expires});
     } else if (it->expires != absl::InfiniteFuture() && expires > it->expires) {
       it->expires = expires;
     } else {
@@ -106,7 +151,7 @@ void PrefixIndex::Speculate(WorkerIndex worker,
 
 std::vector<int32_t> PrefixIndex::LeadingBlocks(
     std::span<const engine::BlockHash> hashes,
-    std::span<const WorkerIndex> workers) const {
+    std::span<const WorkerIndex> workers, TierMask tiers) const {
   std::vector<int32_t> result(workers.size(), 0);
   std::vector<bool> alive(workers.size(), true);
   const absl::Time now = clock_();
@@ -119,7 +164,7 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
       bool has = false;
       if (it != index_.end()) {
         for (const Holder& x : it->second) {
-          if (x.worker == workers[w] && x.expires > now) {
+          if (x.worker == workers[w] && x.Holds(tiers, now)) {
             has = true;
             break;
           }
@@ -137,13 +182,14 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
 }
 
 size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
+                                TierMask tiers,
                                 std::vector<WorkerIndex>* out) const {
   if (out != nullptr) out->clear();
   auto it = index_.find(h);
   if (it == index_.end()) return 0;
   size_t n = 0;
   for (const Holder& x : it->second) {
-    if (x.expires <= now) continue;
+    if (!x.Holds(tiers, now)) continue;
     ++n;
     if (out != nullptr) out->push_back(x.worker);
   }
@@ -152,7 +198,7 @@ size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
 
 void PrefixIndex::LeadingBlocksOfPrompt(
     size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
-    std::vector<int32_t>* counts) const {
+    std::vector<int32_t>* counts, TierMask tiers) const {
   if (num_blocks == 0) return;
   // A probe is a block position and how many live holders it has; a list
   // of holders is fetched only where a count drops between neighbours.
@@ -167,9 +213,9 @@ void PrefixIndex::LeadingBlocksOfPrompt(
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
   auto credit = [&](size_t pos) {
-    LiveHolders(hash_at(pos), now, &here);
+    LiveHolders(hash_at(pos), now, tiers, &here);
     next.clear();
-    if (pos + 1 < num_blocks) LiveHolders(hash_at(pos + 1), now, &next);
+    if (pos + 1 < num_blocks) LiveHolders(hash_at(pos + 1), now, tiers, &next);
     for (WorkerIndex w : next) {
       if (static_cast<size_t>(w) >= in_next.size()) in_next.resize(w + 1, 0);
       in_next[w] = 1;
@@ -184,7 +230,7 @@ void PrefixIndex::LeadingBlocksOfPrompt(
   // Gallop: probes at 0, 1, 3, 7, ... until no worker holds the block (or
   // the prompt ends), so hashing stops within twice the longest match.
   std::vector<Probe> probes;
-  probes.push_back({0, LiveHolders(hash_at(0), now, nullptr)});
+  probes.push_back({0, LiveHolders(hash_at(0), now, tiers, nullptr)});
   for (size_t step = 1; probes.back().holders > 0;) {
     const size_t pos = std::min(num_blocks - 1, probes.back().pos + step);
     if (pos == probes.back().pos) {  // the last block is held
@@ -192,7 +238,7 @@ void PrefixIndex::LeadingBlocksOfPrompt(
       break;
     }
     step *= 2;
-    probes.push_back({pos, LiveHolders(hash_at(pos), now, nullptr)});
+    probes.push_back({pos, LiveHolders(hash_at(pos), now, tiers, nullptr)});
   }
   // Bisect each gallop interval whose holder count drops. Prefix-closed
   // sets: a later block's holders are a subset of an earlier one's, so equal
@@ -209,7 +255,7 @@ void PrefixIndex::LeadingBlocksOfPrompt(
       continue;
     }
     const size_t mid = lo.pos + (hi.pos - lo.pos) / 2;
-    const Probe m{mid, LiveHolders(hash_at(mid), now, nullptr)};
+    const Probe m{mid, LiveHolders(hash_at(mid), now, tiers, nullptr)};
     work.emplace_back(m, hi);
     work.emplace_back(lo, m);
   }
@@ -232,12 +278,18 @@ PrefixIndex::MemoryUsage PrefixIndex::Memory() const {
   return m;
 }
 
-PrefixIndex::WorkerSummary PrefixIndex::Summary(WorkerIndex worker) const {
+PrefixIndex::WorkerSummary PrefixIndex::Summary(WorkerIndex worker,
+                                                engine::KvTierKind tier) const {
   absl::ReaderMutexLock l(&mu_);
   WorkerSummary s;
+  if (!KnownTier(tier)) return s;
+  const bool pool = tier == engine::KvTierKind::kPool;
   for (const auto& [hash, holders] : index_) {
     for (const Holder& h : holders) {
-      if (h.worker != worker || h.expires != absl::InfiniteFuture()) continue;
+      if (h.worker != worker) continue;
+      if (pool ? h.expires != absl::InfiniteFuture()
+               : (h.lower & TierBit(tier)) == 0)
+        continue;
       ++s.blocks;
       s.digest.hi ^= hash.hi;
       s.digest.lo ^= hash.lo;

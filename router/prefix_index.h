@@ -8,6 +8,13 @@
 // O(distinct match lengths x log blocks). Thread-safe: queries share a reader
 // lock, event updates take it exclusively.
 //
+// Tiers (issue 20): each (hash, worker) entry says which of the worker's
+// tiers hold the block, the pool (confirmed or speculative) and the tiers
+// below it (host memory, disk), each set fed by its own stored / removed /
+// moved events. Queries take a TierMask: pool only (the default) counts
+// what the worker can use at once, pool + lower tiers what it can use after
+// reading the tier back.
+//
 // Speculative entries that expire unconfirmed (the request was refused, or
 // the worker never stored the blocks) are purged, a bounded number per
 // Speculate call, oldest expiry first, so the index stays within the entries
@@ -30,18 +37,39 @@ namespace pdserve::router {
 
 using WorkerIndex = int32_t;  // dense ids assigned by the registry
 
+// A set of tiers: bit (1 << KvTierKind).
+using TierMask = uint8_t;
+inline constexpr TierMask TierBit(engine::KvTierKind t) {
+  return static_cast<TierMask>(1u << static_cast<unsigned>(t));
+}
+inline constexpr TierMask kPoolTier = TierBit(engine::KvTierKind::kPool);
+inline constexpr TierMask kLowerTiers =
+    TierBit(engine::KvTierKind::kHostMemory) |
+    TierBit(engine::KvTierKind::kDisk);
+inline constexpr TierMask kAllTiers = kPoolTier | kLowerTiers;
+
 class PrefixIndex {
  public:
   // The time source for speculative TTLs; tests pass a fake.
   using Clock = std::function<absl::Time()>;
   explicit PrefixIndex(Clock clock = &absl::Now) : clock_(std::move(clock)) {}
 
-  // Applies one worker's events. Unknown hashes in `removed` are ignored.
-  void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes)
+  // Applies one worker's events to one tier's set. Unknown hashes in
+  // `removed` (and `moved`) are ignored.
+  void Stored(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
+              engine::KvTierKind tier = engine::KvTierKind::kPool)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void Removed(WorkerIndex worker, std::span<const engine::BlockHash> hashes)
+  void Removed(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
+               engine::KvTierKind tier = engine::KvTierKind::kPool)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Forgets everything about a worker (cleared, resync, or worker gone).
+  // Removed from `from` and stored in `to`, at once. A hash the index does
+  // not know for `from` is still stored in `to` (the worker says it is
+  // there).
+  void Moved(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
+             engine::KvTierKind from, engine::KvTierKind to)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets everything about a worker, every tier (cleared, resync, or
+  // worker gone).
   void ClearWorker(WorkerIndex worker) ABSL_LOCKS_EXCLUDED(mu_);
   // Records that `worker` will hold these blocks soon; expires after `ttl`
   // unless Stored confirms it. Also purges up to 2 x hashes.size() + 16
@@ -49,9 +77,11 @@ class PrefixIndex {
   // cannot grow the index without bound.
   void Speculate(WorkerIndex worker, std::span<const engine::BlockHash> hashes,
                  absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
-  // For each worker in `workers`, how many leading blocks of `hashes` it holds.
+  // For each worker in `workers`, how many leading blocks of `hashes` it
+  // holds in any of the tiers of `tiers`.
   std::vector<int32_t> LeadingBlocks(std::span<const engine::BlockHash> hashes,
-                                     std::span<const WorkerIndex> workers) const
+                                     std::span<const WorkerIndex> workers,
+                                     TierMask tiers = kPoolTier) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // LeadingBlocks for every worker at once, by bisection over block
   // positions. It relies on each worker's cached set being prefix-closed
@@ -68,18 +98,25 @@ class PrefixIndex {
   // i's hash and may compute hashes lazily: positions past the longest match
   // are probed at most up to twice that length. `counts` is indexed by
   // WorkerIndex and grown as needed (a worker past its end holds nothing).
+  // A block counts when it is in any tier of `tiers`. Lower tiers drop a
+  // chain's tail first (engine/kv_tier.h), so pool + tier sets stay close to
+  // prefix-closed too.
   void LeadingBlocksOfPrompt(
       size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
-      std::vector<int32_t>* counts) const ABSL_LOCKS_EXCLUDED(mu_);
+      std::vector<int32_t>* counts, TierMask tiers = kPoolTier) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   size_t num_hashes() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // What the index holds for one worker, to compare with the worker's own
-  // cache: confirmed (non-speculative) hashes and the XOR of them. O(hashes).
+  // What the index holds for one worker in one tier, to compare with the
+  // worker's own cache: confirmed (non-speculative) hashes and the XOR of
+  // them. O(hashes).
   struct WorkerSummary {
     size_t blocks = 0;
     engine::BlockHash digest;
   };
-  WorkerSummary Summary(WorkerIndex worker) const ABSL_LOCKS_EXCLUDED(mu_);
+  WorkerSummary Summary(WorkerIndex worker, engine::KvTierKind tier =
+                                                engine::KvTierKind::kPool) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   struct MemoryUsage {
     size_t hashes = 0;   // distinct block hashes
@@ -97,13 +134,26 @@ class PrefixIndex {
  private:
   struct Holder {
     WorkerIndex worker;
-    absl::Time expires;  // InfiniteFuture for confirmed entries
+    TierMask lower = 0;  // the lower tiers (kLowerTiers bits) that hold it
+    // In the pool: InfiniteFuture when confirmed, the expiry when
+    // speculative, InfinitePast when not in the pool.
+    absl::Time expires;
+    bool Holds(TierMask tiers, absl::Time now) const {
+      return (lower & tiers) != 0 || ((tiers & kPoolTier) && expires > now);
+    }
+    // Nothing left: neither in the pool (nor expecting it) nor below.
+    bool Empty() const { return lower == 0 && expires == absl::InfinitePast(); }
   };
-  // How many live (unexpired) holders `h` has; lists them in `out` unless
-  // it is null.
-  size_t LiveHolders(const engine::BlockHash& h, absl::Time now,
+  // How many live holders `h` has in `tiers`; lists them in `out` unless it
+  // is null.
+  size_t LiveHolders(const engine::BlockHash& h, absl::Time now, TierMask tiers,
                      std::vector<WorkerIndex>* out) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void StoredLocked(WorkerIndex worker, std::span<const engine::BlockHash> h,
+                    engine::KvTierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemovedLocked(WorkerIndex worker, std::span<const engine::BlockHash> h,
+                     engine::KvTierKind tier)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One speculative (hash, worker) entry's expiry, in a min-heap on
   // `expires`. Renewal pushes another; a stale one is skipped when popped.
   struct Expiry {

@@ -225,5 +225,87 @@ TEST(PrefixIndexTest, SummaryCountsConfirmedBlocksOfOneWorker) {
   EXPECT_EQ(index.Summary(7).blocks, 0u);
 }
 
+// --- Tiers: each (hash, worker) says which of the worker's tiers hold it.
+
+TEST(PrefixIndexTest, AnswersPerTier) {
+  PrefixIndex index;
+  using engine::KvTierKind;
+  const auto h = Chain(8, 3);
+  const std::vector<WorkerIndex> w = {0, 1};
+  // Worker 0: blocks 0-3 in its pool, 4-7 on disk. Worker 1: 0-1 in its
+  // pool, 0-5 in host memory.
+  index.Stored(0, std::span(h).first(4));
+  index.Stored(0, std::span(h).subspan(4), KvTierKind::kDisk);
+  index.Stored(1, std::span(h).first(2));
+  index.Stored(1, std::span(h).first(6), KvTierKind::kHostMemory);
+  EXPECT_EQ(index.LeadingBlocks(h, w), (std::vector<int32_t>{4, 2}));
+  EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers), (std::vector<int32_t>{8, 6}));
+  EXPECT_EQ(index.LeadingBlocks(h, w, TierBit(KvTierKind::kDisk)),
+            (std::vector<int32_t>{0, 0}));  // block 0 is not on 0's disk
+  std::vector<int32_t> pool, all;
+  index.LeadingBlocksOfPrompt(
+      h.size(), [&](size_t i) { return h[i]; }, &pool);
+  index.LeadingBlocksOfPrompt(
+      h.size(), [&](size_t i) { return h[i]; }, &all, kAllTiers);
+  EXPECT_EQ(pool, (std::vector<int32_t>{4, 2}));
+  EXPECT_EQ(all, (std::vector<int32_t>{8, 6}));
+  // Summaries per tier.
+  EXPECT_EQ(index.Summary(0).blocks, 4u);
+  EXPECT_EQ(index.Summary(0, KvTierKind::kDisk).blocks, 4u);
+  EXPECT_EQ(index.Summary(0, KvTierKind::kHostMemory).blocks, 0u);
+  EXPECT_EQ(index.Summary(1, KvTierKind::kHostMemory).blocks, 6u);
+}
+
+TEST(PrefixIndexTest, MovedAndRemovedChangeOneTierEach) {
+  PrefixIndex index;
+  using engine::KvTierKind;
+  const auto h = Chain(4, 9);
+  const std::vector<WorkerIndex> w = {0};
+  index.Stored(0, h);
+  // The pool evicts the tail into the disk tier: still there for kAllTiers.
+  index.Moved(0, std::span(h).subspan(2), KvTierKind::kPool, KvTierKind::kDisk);
+  EXPECT_EQ(index.LeadingBlocks(h, w)[0], 2);
+  EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers)[0], 4);
+  EXPECT_EQ(index.Summary(0, KvTierKind::kDisk).blocks, 2u);
+  // Loaded back: in both (the tier is inclusive).
+  index.Stored(0, std::span(h).subspan(2));
+  EXPECT_EQ(index.LeadingBlocks(h, w)[0], 4);
+  EXPECT_EQ(index.Summary(0, KvTierKind::kDisk).blocks, 2u);
+  // Removed from the pool: the disk copy stays; removed from disk: gone.
+  index.Removed(0, std::span(h).subspan(3));
+  EXPECT_EQ(index.LeadingBlocks(h, w)[0], 3);
+  EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers)[0], 4);
+  index.Removed(0, std::span(h).subspan(3), KvTierKind::kDisk);
+  EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers)[0], 3);
+  // A tier-only entry outlives an expired speculation on the same hash.
+  index.Removed(0, std::span(h).first(3));
+  EXPECT_EQ(index.num_hashes(), 1u);  // h[2], on disk only
+  index.Speculate(0, std::span(h).subspan(2, 1), absl::ZeroDuration());
+  EXPECT_EQ(index.LeadingBlocks(std::span(h).subspan(2), w, kAllTiers)[0], 1);
+  // cleared (ClearWorker) forgets every tier.
+  index.ClearWorker(0);
+  EXPECT_EQ(index.num_hashes(), 0u);
+}
+
+TEST(PrefixIndexTest, UnknownHashesAndTiersNeverCrash) {
+  PrefixIndex index;
+  using engine::KvTierKind;
+  const auto h = Chain(3, 1);
+  const auto unknown = Chain(3, 2);
+  const std::vector<WorkerIndex> w = {0};
+  index.Stored(0, h, KvTierKind::kDisk);
+  index.Removed(0, unknown, KvTierKind::kDisk);
+  index.Removed(0, unknown);
+  index.Moved(0, unknown, KvTierKind::kHostMemory, KvTierKind::kPool);
+  const auto bad = static_cast<KvTierKind>(200);
+  index.Stored(0, unknown, bad);
+  index.Removed(0, h, bad);
+  index.Moved(0, h, KvTierKind::kDisk, bad);
+  EXPECT_EQ(index.Summary(0, bad).blocks, 0u);
+  EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers)[0], 3);
+  // The moved unknown hashes are now in worker 0's pool (it says so).
+  EXPECT_EQ(index.LeadingBlocks(unknown, w)[0], 3);
+}
+
 }  // namespace
 }  // namespace pdserve::router

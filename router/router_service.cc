@@ -228,6 +228,14 @@ struct RouterServer::Impl final : public v1::Router::Service,
       const PrefixIndex::WorkerSummary indexed = index.Summary(w.index);
       info->set_indexed_blocks(static_cast<uint32_t>(indexed.blocks));
       info->set_indexed_digest(indexed.digest.Hex());
+      if (w.status.kv_tier() == v1::KV_TIER_HOST_MEMORY ||
+          w.status.kv_tier() == v1::KV_TIER_DISK) {
+        const auto tier = static_cast<engine::KvTierKind>(w.status.kv_tier());
+        const PrefixIndex::WorkerSummary t = index.Summary(w.index, tier);
+        info->set_indexed_tier(engine::KvTierKindName(tier));
+        info->set_indexed_tier_blocks(static_cast<uint32_t>(t.blocks));
+        info->set_indexed_tier_digest(t.digest.Hex());
+      }
     }
     return grpc::Status::OK;
   }

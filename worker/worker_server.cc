@@ -44,10 +44,22 @@ std::string HashBytes(const engine::BlockHash& h) {
 v1::KvEventProto EventToProto(const engine::KvEvent& e) {
   v1::KvEventProto p;
   p.set_seq(e.seq);
-  p.set_type(e.type == engine::KvEvent::Type::kStored ? v1::KvEventProto::STORED
-             : e.type == engine::KvEvent::Type::kRemoved
-                 ? v1::KvEventProto::REMOVED
-                 : v1::KvEventProto::CLEARED);
+  switch (e.type) {
+    case engine::KvEvent::Type::kStored:
+      p.set_type(v1::KvEventProto::STORED);
+      break;
+    case engine::KvEvent::Type::kRemoved:
+      p.set_type(v1::KvEventProto::REMOVED);
+      break;
+    case engine::KvEvent::Type::kCleared:
+      p.set_type(v1::KvEventProto::CLEARED);
+      break;
+    case engine::KvEvent::Type::kMoved:
+      p.set_type(v1::KvEventProto::MOVED);
+      p.set_from_tier(static_cast<v1::KvTier>(e.from_tier));
+      break;
+  }
+  p.set_tier(static_cast<v1::KvTier>(e.tier));
   p.set_parent_hash(HashBytes(e.parent));
   for (const auto& h : e.hashes) p.add_hashes(HashBytes(h));
   return p;
@@ -159,6 +171,11 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     out->set_draining(draining);
     out->set_prefill_tokens_per_second(prefill_rate.rate());
     out->set_kv_transfer_bytes_per_second(transfer_rate.rate());
+    if (s.has_kv_tier) {
+      out->set_kv_tier(static_cast<v1::KvTier>(s.kv_tier.kind));
+      out->set_kv_tier_blocks(static_cast<uint64_t>(s.kv_tier.blocks_stored));
+      out->set_kv_tier_load_tokens_per_second(s.kv_tier.LoadTokensPerSecond());
+    }
     return grpc::Status::OK;
   }
 
@@ -200,23 +217,24 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
       grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest*,
       grpc::ServerWriter<v1::KvEventBatch>* writer) override {
     if (!Ready()) return Starting();
-    // Snapshot on the engine thread: every cached hash as of a sequence number.
-    struct Snapshot {
-      uint64_t seq;
-      std::vector<engine::BlockHash> hashes;
-    };
-    absl::StatusOr<Snapshot> taken = loop->Call([](engine::Engine& e) {
-      return Snapshot{e.block_manager().last_event_seq(),
-                      e.block_manager().CachedHashes()};
-    });
+    // Snapshot on the engine thread: every hash of the pool and of the tier
+    // below it as of a sequence number.
+    absl::StatusOr<engine::Engine::KvSnapshot> taken =
+        loop->Call([](engine::Engine& e) { return e.TakeKvSnapshot(); });
     if (!taken.ok()) return ToGrpc(taken.status());
-    Snapshot& snap = *taken;
+    engine::Engine::KvSnapshot& snap = *taken;
     v1::KvEventBatch first;
     first.set_worker_id(id);
     first.set_snapshot(true);
     engine::KvEvent all{
-        snap.seq, engine::KvEvent::Type::kStored, {}, std::move(snap.hashes)};
+        snap.seq, engine::KvEvent::Type::kStored, {}, std::move(snap.pool)};
     *first.add_events() = EventToProto(all);
+    if (snap.has_tier) {
+      engine::KvEvent tier{
+          snap.seq, engine::KvEvent::Type::kStored, {}, std::move(snap.tier)};
+      tier.tier = snap.tier_kind;
+      *first.add_events() = EventToProto(tier);
+    }
     if (!writer->Write(first)) return grpc::Status::OK;
     uint64_t after = snap.seq;
     int idle = 0;
