@@ -11,6 +11,7 @@
 #include <memory>
 #include <numeric>
 #include <span>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -71,7 +72,8 @@ double AttentionFlops(const engine::ModelConfig& c, double context) {
 // Logits of every position of `tokens`, prefilled in chunks of 256.
 absl::StatusOr<std::vector<float>> AllLogits(
     std::shared_ptr<const engine::ModelWeights> w,
-    const std::vector<int32_t>& tokens) {
+    const std::vector<int32_t>& tokens,
+    kernels::MatMulMode mode = kernels::MatMulMode::kDeterministic) {
   const auto& c = w->config;
   const int64_t n = static_cast<int64_t>(tokens.size());
   engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers),
@@ -80,7 +82,7 @@ absl::StatusOr<std::vector<float>> AllLogits(
   ASSIGN_OR_RETURN(auto pool, engine::KvPool::Create(spec, (n + 15) / 16));
   std::vector<int32_t> table((n + 15) / 16);
   std::iota(table.begin(), table.end(), 0);
-  engine::LlamaModel model(w, kernels::MatMulMode::kDeterministic);
+  engine::LlamaModel model(w, mode);
   std::vector<float> logits;
   for (int64_t p = 0; p < n; p += 256) {
     const int64_t len = std::min<int64_t>(256, n - p);
@@ -110,17 +112,25 @@ absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
   ASSIGN_OR_RETURN(std::vector<float> ref, AllLogits(ref_w, tokens));
   ref_w.reset();
   std::vector<AccuracyFigure> out;
-  for (engine::WeightDtype d :
-       {engine::WeightDtype::kBF16, engine::WeightDtype::kF16,
-        engine::WeightDtype::kI8, engine::WeightDtype::kI8B32}) {
-    std::fprintf(stderr, "[bench] accuracy: %s...\n",
-                 engine::WeightDtypeName(d));
+  // The last one is int8-b32 weights with --matmul int8dot (int8
+  // activations too).
+  const std::pair<engine::WeightDtype, kernels::MatMulMode> variants[] = {
+      {engine::WeightDtype::kBF16, kernels::MatMulMode::kDeterministic},
+      {engine::WeightDtype::kF16, kernels::MatMulMode::kDeterministic},
+      {engine::WeightDtype::kI8, kernels::MatMulMode::kDeterministic},
+      {engine::WeightDtype::kI8B32, kernels::MatMulMode::kDeterministic},
+      {engine::WeightDtype::kI8B32, kernels::MatMulMode::kInt8Dot}};
+  for (const auto& [d, mode] : variants) {
+    const std::string name =
+        absl::StrCat(engine::WeightDtypeName(d),
+                     mode == kernels::MatMulMode::kInt8Dot ? "/int8dot" : "");
+    std::fprintf(stderr, "[bench] accuracy: %s...\n", name.c_str());
     ASSIGN_OR_RETURN(engine::ModelWeights loaded,
-                     engine::ModelWeights::Load(dir, d));
+                     engine::ModelWeights::Load(dir, d, mode));
     auto w = std::make_shared<const engine::ModelWeights>(std::move(loaded));
-    ASSIGN_OR_RETURN(std::vector<float> got, AllLogits(w, tokens));
+    ASSIGN_OR_RETURN(std::vector<float> got, AllLogits(w, tokens, mode));
     AccuracyFigure f;
-    f.dtype = engine::WeightDtypeName(d);
+    f.dtype = name;
     f.positions = n;
     int32_t agree = 0;
     for (int32_t p = 0; p < n; ++p) {
@@ -226,11 +236,15 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   result.weight_dtype = weights->StorageName();
   const bool bf16dot = config.engine.matmul == kernels::MatMulMode::kBf16Dot &&
                        kernels::DetectCpuFeatures().avx512bf16;
+  const bool int8dot = config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
+                       kernels::Int8DotUsesVnni();
   result.gemm_path =
       config.engine.matmul == kernels::MatMulMode::kBlas
           ? "blas"
           : absl::StrCat(kernels::GemmIsaName(kernels::ActiveGemmIsa()),
-                         bf16dot ? "-bf16dot" : "");
+                         bf16dot   ? "-bf16dot"
+                         : int8dot ? "-int8dot-vnni"
+                                   : "");
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
   result.threads = kernels::KernelThreads();
   result.weight_bytes = weights->ParameterBytes();
@@ -244,12 +258,14 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                static_cast<long long>(result.llc_bytes >> 20));
   result.stream_gb_per_s = MeasureTriadBandwidth(result.stream_bytes);
   // The peak of the path the matrices run on (blas: the best vector ISA).
-  // (--matmul bf16dot: the VDPBF16PS peak.)
+  // (--matmul bf16dot: the VDPBF16PS peak; int8dot: VPDPBUSD's, in G int8
+  // ops/s, against which a GEMM's multiply-adds count 2 as for fp32.)
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
   auto measure_peak = [&](double seconds) {
     return bf16dot ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
-                   : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
-                                                   seconds);
+           : int8dot ? kernels::MeasureInt8DotPeakGops(result.threads, seconds)
+                     : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
+                                                     seconds);
   };
   result.fma_peak_gflops = measure_peak(0.3);
   std::fprintf(stderr, "[bench] %s FMA peak %.1f GFLOP/s on %d threads\n",

@@ -37,7 +37,9 @@ ABSL_FLAG(std::string, kv_offload_bytes, "1GiB",
 ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default), "
           "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
-          "batch-invariant, other numbers) or blas (OpenBLAS)");
+          "batch-invariant, other numbers), int8dot (int8-b32 weights with "
+          "int8 activations per 32 values, exact integer sums on "
+          "AVX512-VNNI; batch-invariant, other numbers) or blas (OpenBLAS)");
 ABSL_FLAG(std::string, weight_dtype, "auto",
           "how weight matrices are kept in memory: auto (the checkpoint's "
           "dtype), fp32, bf16, fp16, int8 (quantized at load, one fp32 scale "
@@ -111,7 +113,8 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   auto mode = kernels::ParseMatMulMode(absl::GetFlag(FLAGS_matmul));
   if (!mode) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--matmul must be deterministic, bf16dot or blas, got \"",
+        absl::StrCat("--matmul must be deterministic, bf16dot, int8dot or "
+                     "blas, got \"",
                      absl::GetFlag(FLAGS_matmul), "\""));
   }
   c.matmul = *mode;

@@ -127,6 +127,64 @@ TEST(WeightDtypeTest, Int8BlockScalesAreTheirOwnStorage) {
   EXPECT_LT(err(*block), err(*row));
 }
 
+// --matmul int8dot (int8 activations, exact integer sums): the equivalence
+// contract holds with it too, and it is its own numbers.
+TEST(WeightDtypeTest, Int8DotKeepsTheEquivalenceContract) {
+  const std::string dir = testing::TempDir("weight_dtype_int8dot_model");
+  ModelInitOptions opts;
+  opts.preset = "tiny";
+  opts.out_dir = dir;
+  opts.seed = 5;
+  ASSERT_TRUE(WriteRandomModel(opts).ok());
+  EXPECT_FALSE(ModelWeights::Load(dir, WeightDtype::kI8,
+                                  kernels::MatMulMode::kInt8Dot)
+                   .ok());  // needs block scales
+  auto loaded = ModelWeights::Load(dir, WeightDtype::kI8B32,
+                                   kernels::MatMulMode::kInt8Dot);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto plain = ModelWeights::Load(dir, WeightDtype::kI8B32);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_NE(loaded->fingerprint, plain->fingerprint);
+  auto weights = std::make_shared<const ModelWeights>(std::move(*loaded));
+  auto make = [&](int32_t budget) {
+    EngineConfig config;
+    config.weight_dtype = WeightDtype::kI8B32;
+    config.matmul = kernels::MatMulMode::kInt8Dot;
+    if (budget > 0) config.max_num_batched_tokens = budget;
+    auto e = Engine::Create(weights, config);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  };
+  auto req = [](const std::string& id, int len, int salt) {
+    EngineRequest r;
+    r.id = id;
+    for (int i = 0; i < len; ++i)
+      r.prompt.push_back((i * 31 + salt * 7 + 3) % 256);
+    r.sampling.max_tokens = 8;
+    r.sampling.temperature = salt % 2 ? 0.8f : 0.0f;
+    r.sampling.seed = 7 + salt;
+    r.sampling.ignore_eos = true;
+    return r;
+  };
+  std::map<std::string, std::vector<int32_t>> alone;
+  for (int i = 0; i < 3; ++i) {
+    auto e = make(0);
+    ASSERT_TRUE(e->AddRequest(req(absl::StrCat("r", i), 10 + 15 * i, i)).ok());
+    auto out = testing::DrainEngine(e.get());
+    alone.insert(out.begin(), out.end());
+  }
+  auto e = make(11);  // chunked prefill, batched decode
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(e->AddRequest(req(absl::StrCat("r", i), 10 + 15 * i, i)).ok());
+  EXPECT_EQ(testing::DrainEngine(e.get()), alone);
+  // A prefix hit (the first 32 tokens of r2) gives the cold tokens.
+  ASSERT_TRUE(e->AddRequest(req("warm", 40, 2)).ok());
+  std::map<std::string, StepOutput> last;
+  const auto warm = testing::DrainEngine(e.get(), &last);
+  EXPECT_EQ(last.at("warm").cached_prompt_tokens, 32);
+  EXPECT_EQ(warm.at("warm"), alone.at("r2"));
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryWeightDtype, WeightDtypeEngineTest,
                          ::testing::Values(WeightDtype::kF32,
                                            WeightDtype::kBF16,

@@ -215,11 +215,20 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
         "with a bf16 checkpoint), not ",
         DTypeName(w.dtype)));
   }
+  const bool int8dot = mode == kernels::MatMulMode::kInt8Dot;
+  if (int8dot && w.StorageName() != "int8-b32") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul int8dot needs int8 weights with block scales "
+                     "(--weight-dtype int8-b32), not ",
+                     w.StorageName()));
+  }
   // Different storage or arithmetic gives different logits, so both are
   // part of the identity.
-  const std::string storage = absl::StrCat(
-      w.StorageName(),
-      blas ? "/rowmajor" : (bf16dot ? "/panel16/bf16dot" : "/panel16"));
+  const std::string storage =
+      absl::StrCat(w.StorageName(), blas      ? "/rowmajor"
+                                    : bf16dot ? "/panel16/bf16dot"
+                                    : int8dot ? "/panel16/int8dot"
+                                              : "/panel16");
   XXH3_128bits_update(src.hash(), storage.data(), storage.size());
   // Matrices are read as fp32 one (fused) tensor at a time, then packed.
   std::vector<float> tmp;

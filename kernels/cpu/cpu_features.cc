@@ -37,6 +37,7 @@ CpuFeatures Detect() {
   f.avx512bw = os_zmm && (b & (1u << 30));
   f.avx512vl = os_zmm && (b & (1u << 31));
   f.avx512vnni = os_zmm && (c & (1u << 11));
+  f.avx512vbmi = os_zmm && (c & (1u << 1));
   f.avx512fp16 = os_zmm && (d & (1u << 23));
   const bool amx_tile = d & (1u << 24);
   f.amx_bf16 = os_tile && amx_tile && (d & (1u << 22));
@@ -73,6 +74,7 @@ std::string CpuFeatures::ToString() const {
   add(avx512vl, "avx512vl");
   add(avx512bf16, "avx512bf16");
   add(avx512vnni, "avx512vnni");
+  add(avx512vbmi, "avx512vbmi");
   add(avx512fp16, "avx512fp16");
   add(amx_bf16, "amx-bf16");
   add(amx_int8, "amx-int8");

@@ -17,6 +17,7 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512bf16 = false;
   bool avx512vnni = false;
+  bool avx512vbmi = false;  // vpermb (byte permutes across the register)
   bool avx512fp16 = false;
   bool amx_bf16 = false;
   bool amx_int8 = false;

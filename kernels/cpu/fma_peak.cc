@@ -107,6 +107,27 @@ __attribute__((target("avx512f,avx512bf16"))) double RunBf16Dot(int64_t iters) {
   return _mm512_reduce_add_ps(s);
 }
 
+__attribute__((target("avx512f,avx512vnni"))) double RunInt8Dot(int64_t iters) {
+  __m512i c0 = _mm512_set1_epi32(1), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+          c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-1);
+#define PDSERVE_DPBUSD(c, x, y) _mm512_dpbusd_epi32(c, x, y)
+  for (int64_t it = 0; it < iters; ++it) {
+    PDSERVE_FMA12(PDSERVE_DPBUSD);
+    __asm__ volatile(""
+                     : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),
+                       "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9),
+                       "+v"(c10), "+v"(c11));
+  }
+  const __m512i s = _mm512_add_epi32(
+      _mm512_add_epi32(
+          _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
+          _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7))),
+      _mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)));
+  return static_cast<double>(_mm512_reduce_add_epi32(s));
+}
+
+#undef PDSERVE_DPBUSD
 #undef PDSERVE_DPBF16
 #undef PDSERVE_FMA12
 
@@ -171,6 +192,13 @@ double MeasureBf16DotPeakGflops(int threads, double seconds) {
   if (!DetectCpuFeatures().avx512bf16) return 0;
   // One VDPBF16PS: 16 lanes x 2 products x (multiply + add).
   return Measure(RunBf16Dot, 64.0 * kChains, threads, seconds);
+}
+
+double MeasureInt8DotPeakGops(int threads, double seconds) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (!f.avx512f || !f.avx512vnni) return 0;
+  // One VPDPBUSD: 16 lanes x 4 products x (multiply + add).
+  return Measure(RunInt8Dot, 128.0 * kChains, threads, seconds);
 }
 
 }  // namespace pdserve::kernels

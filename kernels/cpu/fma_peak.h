@@ -15,4 +15,8 @@ double MeasureFmaPeakGflops(GemmIsa isa, int threads, double seconds = 0.3);
 // instruction. 0 where the CPU lacks it.
 double MeasureBf16DotPeakGflops(int threads, double seconds = 0.3);
 
+// The same for AVX512-VNNI VPDPBUSD (GemmNumerics::kInt8Dot): 128 integer
+// ops per instruction, in G ops/s. 0 where the CPU lacks it.
+double MeasureInt8DotPeakGops(int threads, double seconds = 0.3);
+
 }  // namespace pdserve::kernels

@@ -118,6 +118,7 @@ std::optional<MatMulMode> ParseMatMulMode(std::string_view s) {
   if (s == "deterministic") return MatMulMode::kDeterministic;
   if (s == "blas") return MatMulMode::kBlas;
   if (s == "bf16dot") return MatMulMode::kBf16Dot;
+  if (s == "int8dot") return MatMulMode::kInt8Dot;
   return std::nullopt;
 }
 
@@ -171,8 +172,9 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
              mode == MatMulMode::kBlas ? mode : MatMulMode::kDeterministic);
   } else {
     GemmNT(x, m, k, w, y,
-           mode == MatMulMode::kBf16Dot ? GemmNumerics::kBf16Dot
-                                        : GemmNumerics::kFp32Chain);
+           mode == MatMulMode::kBf16Dot   ? GemmNumerics::kBf16Dot
+           : mode == MatMulMode::kInt8Dot ? GemmNumerics::kInt8Dot
+                                          : GemmNumerics::kFp32Chain);
   }
 }
 

@@ -27,9 +27,11 @@
 namespace pdserve::kernels {
 
 // kBf16Dot: bf16 weights with bf16-rounded activations through AVX512-BF16
-// (GemmNumerics::kBf16Dot in packed_gemm.h); batch-invariant, but different
-// numbers from kDeterministic. Other dtypes run as kDeterministic.
-enum class MatMulMode { kDeterministic, kBlas, kBf16Dot };
+// (GemmNumerics::kBf16Dot in packed_gemm.h); kInt8Dot: int8-b32 weights with
+// int8 activations (per 32 values), exact integer sums through AVX512-VNNI
+// (GemmNumerics::kInt8Dot). Both are batch-invariant, with other numbers
+// than kDeterministic; other dtypes run as kDeterministic.
+enum class MatMulMode { kDeterministic, kBlas, kBf16Dot, kInt8Dot };
 std::optional<MatMulMode> ParseMatMulMode(std::string_view s);
 
 // x: [m, k] row-major, w: [n, k] row-major, y: [m, n] row-major (overwritten).

@@ -589,6 +589,169 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
   }
 }
 
+// --- int8 activations x block-int8 weights (GemmNumerics::kInt8Dot) --------
+// qx: [rows][kp] int8 (this row tile's rows), sx: [rows][blocks]; io:
+// [rows][nv * 16]. Every output: per block the exact integer dot product,
+// then acc = fma(float(isum), sx * sw, acc), blocks in increasing order.
+
+void Int8DotPortable(const int8_t* qx, const float* sx, int64_t kp,
+                     int64_t blocks, int rows, int nv, const uint8_t* w,
+                     int64_t panel_bytes, float* io) {
+  const int width = nv * kPanel;
+  for (int i = 0; i < rows; ++i) {
+    for (int v = 0; v < nv; ++v) {
+      const uint8_t* panel = w + v * panel_bytes;
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int8_t* xq = qx + i * kp + b * kInt8Block;
+          const uint8_t* wq = panel + b * kBlockBytes + c;
+          int32_t isum = 0;
+          for (int p = 0; p < kInt8Block; ++p) {
+            isum +=
+                int32_t{xq[p]} * int32_t{static_cast<int8_t>(wq[p * kPanel])};
+          }
+          uint16_t h;
+          std::memcpy(&h, panel + BlockScaleOffset(b, c), 2);
+          const float scale = sx[i * blocks + b] * F16ToFloat(h);
+          acc = std::fma(static_cast<float>(isum), scale, acc);
+        }
+        io[i * width + v * kPanel + c] = acc;
+      }
+    }
+  }
+}
+
+#define PDSERVE_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c")))
+
+// ux: x + 128 as unsigned bytes (vpdpbusd multiplies unsigned by signed);
+// Σ (q + 128) w - 128 Σ w = Σ q w, exactly. A block's weights are stored
+// [32 k][16 columns]; vpermb turns 4 k x 16 columns into the 16 dwords of 4
+// consecutive k that vpdpbusd wants.
+template <int MR, int NV>
+PDSERVE_VNNI void Int8DotVnni(const uint8_t* ux, const float* sx, int64_t kp,
+                              int64_t blocks, const uint8_t* w,
+                              int64_t panel_bytes, float* io) {
+  alignas(64) uint8_t order[64];
+  for (int c = 0; c < kPanel; ++c)
+    for (int kk = 0; kk < 4; ++kk) order[c * 4 + kk] = kk * kPanel + c;
+  const __m512i idx = _mm512_load_si512(order);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk[NV];
+    __m512i isum[MR][NV], wsum[NV];
+    for (int v = 0; v < NV; ++v) {
+      blk[v] = w + v * panel_bytes + b * kBlockBytes;
+      wsum[v] = _mm512_setzero_si512();
+      for (int i = 0; i < MR; ++i) isum[i][v] = _mm512_setzero_si512();
+    }
+    for (int g = 0; g < kInt8Block / 4; ++g) {
+      __m512i wg[NV];
+      for (int v = 0; v < NV; ++v) {
+        wg[v] = _mm512_permutexvar_epi8(
+            idx, _mm512_loadu_si512(blk[v] + g * 4 * kPanel));
+        wsum[v] = _mm512_dpbusd_epi32(wsum[v], ones, wg[v]);
+      }
+      for (int i = 0; i < MR; ++i) {
+        uint32_t u4;
+        std::memcpy(&u4, ux + i * kp + b * kInt8Block + g * 4, 4);
+        const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
+        for (int v = 0; v < NV; ++v)
+          isum[i][v] = _mm512_dpbusd_epi32(isum[i][v], u, wg[v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512i corr = _mm512_slli_epi32(wsum[v], 7);
+      const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk[v] + kInt8Block * kPanel)));
+      for (int i = 0; i < MR; ++i) {
+        const __m512 scale =
+            _mm512_mul_ps(_mm512_set1_ps(sx[i * blocks + b]), sw);
+        acc[i][v] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], corr)), scale,
+            acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + (i * NV + v) * kPanel, acc[i][v]);
+}
+
+using Int8DotFn = void (*)(const uint8_t*, const float*, int64_t, int64_t,
+                           const uint8_t*, int64_t, float*);
+constexpr int kInt8DotRows = 4, kInt8DotPanels = 2;
+
+Int8DotFn Int8DotVnniTile(int rows, int nv) {
+  static constexpr Int8DotFn kFns[kInt8DotPanels][kInt8DotRows] = {
+      {&Int8DotVnni<1, 1>, &Int8DotVnni<2, 1>, &Int8DotVnni<3, 1>,
+       &Int8DotVnni<4, 1>},
+      {&Int8DotVnni<1, 2>, &Int8DotVnni<2, 2>, &Int8DotVnni<3, 2>,
+       &Int8DotVnni<4, 2>}};
+  return kFns[nv - 1][rows - 1];
+}
+
+// One row of QuantizeActivationsInt8; the AVX-512 one gives the same bytes
+// (max is exact, division and round-to-nearest-even are IEEE in both).
+void QuantizeRowPortable(const float* x, int64_t k, int64_t kp, int8_t* q,
+                         float* scales) {
+  for (int64_t b = 0; b * kInt8Block < kp; ++b) {
+    const int64_t q0 = b * kInt8Block, q1 = std::min(k, q0 + kInt8Block);
+    float amax = 0;
+    for (int64_t p = q0; p < q1; ++p) amax = std::max(amax, std::fabs(x[p]));
+    const float s = amax / 127.0f;
+    scales[b] = s;
+    for (int64_t p = q0; p < q0 + kInt8Block; ++p) {
+      const float v = p < q1 && s > 0 ? std::nearbyint(x[p] / s) : 0.0f;
+      q[p] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    }
+  }
+}
+
+PDSERVE_VNNI inline __m128i QuantizeAvx512(__m512 v, __m512 scale) {
+  const __m512 lim = _mm512_set1_ps(127.0f);
+  v = _mm512_roundscale_ps(_mm512_div_ps(v, scale),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), lim)),
+                    lim);
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+}
+
+PDSERVE_VNNI void QuantizeRowAvx512(const float* x, int64_t k, int64_t kp,
+                                    int8_t* q, float* scales) {
+  for (int64_t b = 0; b * kInt8Block < kp; ++b) {
+    const int64_t q0 = b * kInt8Block;
+    const int64_t len = std::clamp<int64_t>(k - q0, 0, kInt8Block);
+    const __mmask16 m0 = len >= 16 ? 0xffff : (1u << len) - 1;
+    const __mmask16 m1 = len >= 32  ? 0xffff
+                         : len > 16 ? (1u << (len - 16)) - 1
+                                    : 0;
+    const __m512 a = _mm512_maskz_loadu_ps(m0, x + q0);
+    const __m512 c = _mm512_maskz_loadu_ps(m1, x + q0 + 16);
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float s = amax / 127.0f;
+    scales[b] = s;
+    if (!(s > 0)) {
+      std::memset(q + q0, 0, kInt8Block);
+      continue;
+    }
+    const __m512 sv = _mm512_set1_ps(s);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + q0), QuantizeAvx512(a, sv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + q0 + 16),
+                     QuantizeAvx512(c, sv));
+  }
+}
+
+bool VnniUsable() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  return f.avx512f && f.avx512bw && f.avx512vnni && f.avx512vbmi && f.f16c;
+}
+
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
                         float*, bool);
 
@@ -949,9 +1112,80 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
   }
 }
 
+void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
+                             float* scales) {
+  const int64_t kp = (k + kInt8Block - 1) / kInt8Block * kInt8Block;
+  const int64_t blocks = kp / kInt8Block;
+  const bool hw = ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
+  for (int64_t i = 0; i < m; ++i) {
+    (hw ? QuantizeRowAvx512 : QuantizeRowPortable)(x + i * k, k, kp, q + i * kp,
+                                                   scales + i * blocks);
+  }
+}
+
+bool Int8DotUsesVnni() {
+  return ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
+}
+
+namespace {
+
+void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
+                 const WeightMatrix& w, float* __restrict__ y) {
+  const int64_t n = w.rows(), kp = w.padded_k(), blocks = kp / kInt8Block;
+  const int64_t pb = w.panel_bytes();
+  const bool hw = Int8DotUsesVnni();
+  std::vector<int8_t> qx(m * kp);
+  std::vector<float> sx(m * blocks);
+  QuantizeActivationsInt8(x, m, k, qx.data(), sx.data());
+  if (hw) {  // x + 128 as unsigned bytes, in place
+    for (int8_t& v : qx)
+      v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
+  }
+  const int max_nv = hw ? kInt8DotPanels : 1;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t tiles = (panels + max_nv - 1) / max_nv;
+  const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
+  const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
+  // Which thread takes a tile never changes its numbers.
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    alignas(64) float io[kInt8DotRows * kInt8DotPanels * kPanel];
+    const int64_t p0 = tile * max_nv;
+    const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
+    const int64_t c0 = p0 * kPanel;
+    const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
+    const uint8_t* wp = w.data() + p0 * pb;
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int64_t i0 = m * rt / row_tiles;
+      const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
+      if (hw) {
+        Int8DotVnniTile(rows, nv)(
+            reinterpret_cast<const uint8_t*>(qx.data()) + i0 * kp,
+            sx.data() + i0 * blocks, kp, blocks, wp, pb, io);
+      } else {
+        Int8DotPortable(qx.data() + i0 * kp, sx.data() + i0 * blocks, kp,
+                        blocks, rows, nv, wp, pb, io);
+      }
+      for (int i = 0; i < rows; ++i) {
+        std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
+                    cols * sizeof(float));
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             const WeightMatrix& w, float* __restrict__ y,
             GemmNumerics numerics) {
+  if (numerics == GemmNumerics::kInt8Dot && w.dtype() == DType::kI8 &&
+      w.int8_scaling() == Int8Scaling::kBlock32) {
+    if (m > 0 && w.rows() > 0) GemmInt8Dot(x, m, k, w, y);
+    return;
+  }
   const int64_t n = w.rows();
   if (m <= 0 || n <= 0) return;
   const GemmIsa isa = ActiveGemmIsa();

@@ -17,8 +17,10 @@
 // different x86 machines agree too.
 // Dot-product instructions (AVX512-BF16 vdpbf16ps, VNNI, AMX) need the
 // activations rounded to bf16/int8 and sum pairs or blocks inside the
-// instruction; vdpbf16ps is the opt-in GemmNumerics::kBf16Dot below, VNNI and
-// AMX are not used (see cpu_features.h for what is detected).
+// instruction; vdpbf16ps and VNNI are the opt-in GemmNumerics::kBf16Dot and
+// kInt8Dot below. AMX is not used: TDPBF16PS's rounding matches no
+// sequential fp32 emulation (measured), so no portable path could give its
+// bits (see cpu_features.h for what is detected).
 //
 // Storage: columns are grouped in panels of 16 output rows; a panel stores k
 // in order, 16 weights per k (bf16: two consecutive k of a column share one
@@ -124,7 +126,30 @@ class WeightMatrix {
 // same chain (tested bit-exact against the instruction where present); other
 // vendors' implementations are not assumed to match, so engines put the
 // numerics in the model fingerprint.
-enum class GemmNumerics { kFp32Chain, kBf16Dot };
+//
+// kInt8Dot (block int8 weights only; others fall back to kFp32Chain) rounds
+// x to int8 too, per row and block of 32 k (QuantizeActivationsInt8), and
+// sums exact integer products per block:
+//   acc = 0; for each block b in increasing order:
+//     isum = Σ_{p in b} qx[i][p] * qw[j][p]            (int32, exact)
+//     acc = fma(float(isum), sx[i][b] * sw[j][b], acc)   (fp32)
+// The integer sums do not depend on any order, so AVX512-VNNI (vpdpbusd,
+// with a +128 offset on x undone exactly) and the portable loop give the
+// same bits on every CPU; rows depend only on themselves, so it is
+// batch-invariant. Activations lose precision (int8 per 32 values), so it is
+// its own numerics (engines put it in the model fingerprint).
+enum class GemmNumerics { kFp32Chain, kBf16Dot, kInt8Dot };
+
+// kInt8Dot's activation rounding, per row and block of 32 (the last block
+// may be shorter): scale = max|x| / 127 (fp32), q = round-to-nearest-even(x /
+// scale) in [-127, 127] (0 where the block is all zero).
+// x: [m, k]; q: [m, padded k (multiple of 32)], padding 0; scales: [m, k/32
+// rounded up].
+void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
+                             float* scales);
+// Whether kInt8Dot runs the AVX512-VNNI kernel here (AVX-512 path active,
+// VNNI and VBMI present); else the portable loop with the same bits.
+bool Int8DotUsesVnni();
 
 // y[m, n] = x[m, k] · Wᵀ. w.cols() == k, w.layout() == kPanel16. y is
 // overwritten.

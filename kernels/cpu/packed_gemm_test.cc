@@ -25,7 +25,6 @@ void PrintTo(const Format& f, std::ostream* os) {
   *os << DTypeName(f.dtype)
       << (f.scaling == Int8Scaling::kBlock32 ? "/block32" : "");
 }
-void PrintTo(GemmIsa isa, std::ostream* os) { *os << GemmIsaName(isa); }
 using Param = std::tuple<GemmIsa, Format>;
 
 class PackedGemmTest : public ::testing::TestWithParam<Param> {
@@ -231,6 +230,192 @@ TEST_F(Bf16DotTest, OtherDtypesIgnoreIt) {
   const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, DType::kF16);
   std::vector<float> a(m * n), b(m * n);
   GemmNT(x.data(), m, k, w, a.data(), GemmNumerics::kBf16Dot);
+  GemmNT(x.data(), m, k, w, b.data());
+  EXPECT_EQ(a, b);
+}
+
+// kInt8Dot: int8 activations (per row and 32 k) times block-int8 weights,
+// exact integer sums per block. VNNI (where present) and the portable loop
+// must both equal the contract written plainly, at odd shapes, whatever m.
+class Int8DotTest : public ::testing::Test {
+ protected:
+  void TearDown() override { SetGemmIsa(previous_); }
+  std::vector<float> Random(size_t n, float scale) {
+    std::normal_distribution<float> dist(0.0f, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(rng_);
+    return v;
+  }
+  static WeightMatrix Pack(const std::vector<float>& w, int64_t n, int64_t k) {
+    return WeightMatrix::Pack(w.data(), n, k, DType::kI8,
+                              Int8Scaling::kBlock32);
+  }
+  // The paths to check: portable always, AVX-512 + VNNI where present.
+  static std::vector<GemmIsa> Paths() {
+    std::vector<GemmIsa> paths = {GemmIsa::kPortable};
+    if (GemmIsaSupported(GemmIsa::kAvx512)) {
+      EXPECT_TRUE(SetGemmIsa(GemmIsa::kAvx512));
+      if (Int8DotUsesVnni()) paths.push_back(GemmIsa::kAvx512);
+    }
+    if (paths.size() == 1) {
+      std::printf("no AVX512-VNNI+VBMI here (%s): portable path only\n",
+                  DetectCpuFeatures().ToString().c_str());
+    }
+    return paths;
+  }
+  std::vector<float> Run(GemmIsa isa, const float* x, int64_t m, int64_t k,
+                         const WeightMatrix& w) {
+    EXPECT_TRUE(SetGemmIsa(isa));
+    std::vector<float> y(m * w.rows(), -1.0f);
+    GemmNT(x, m, k, w, y.data(), GemmNumerics::kInt8Dot);
+    return y;
+  }
+  // The contract of packed_gemm.h, from the weights' public values.
+  static std::vector<float> Reference(const std::vector<float>& x, int64_t m,
+                                      int64_t k, const WeightMatrix& w) {
+    const int64_t blocks = (k + kInt8Block - 1) / kInt8Block;
+    const std::vector<float> wv = w.Widened();  // q * scale, exact
+    std::vector<float> y(m * w.rows());
+    for (int64_t i = 0; i < m; ++i) {
+      std::vector<int32_t> qx(k);
+      std::vector<float> sx(blocks);
+      for (int64_t b = 0; b < blocks; ++b) {
+        float amax = 0;
+        for (int64_t p = b * 32; p < std::min(k, b * 32 + 32); ++p)
+          amax = std::max(amax, std::fabs(x[i * k + p]));
+        sx[b] = amax / 127.0f;
+        for (int64_t p = b * 32; p < std::min(k, b * 32 + 32); ++p) {
+          qx[p] =
+              sx[b] > 0
+                  ? static_cast<int32_t>(std::nearbyint(x[i * k + p] / sx[b]))
+                  : 0;
+        }
+      }
+      for (int64_t j = 0; j < w.rows(); ++j) {
+        float acc = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float sw = w.BlockScale(j, b);
+          int32_t isum = 0;
+          for (int64_t p = b * 32; p < std::min(k, b * 32 + 32); ++p) {
+            const int32_t qw =
+                sw > 0
+                    ? static_cast<int32_t>(std::nearbyint(wv[j * k + p] / sw))
+                    : 0;
+            isum += qx[p] * qw;
+          }
+          acc = std::fma(static_cast<float>(isum), sx[b] * sw, acc);
+        }
+        y[i * w.rows() + j] = acc;
+      }
+    }
+    return y;
+  }
+  GemmIsa previous_ = ActiveGemmIsa();
+  std::mt19937 rng_{17};
+};
+
+TEST_F(Int8DotTest, EveryPathEqualsThePlainContractAtOddShapes) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  for (const Shape s :
+       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
+        Shape{33, 97, 515}, Shape{5, 130, 2049}}) {
+    auto x = Random(s.m * s.k, 1.0f);
+    if (s.k > 40) {  // an all-zero block and a single outlier
+      for (int64_t p = 32; p < 64 && p < s.k; ++p) x[p] = 0.0f;
+      x[s.k + 3 < s.m * s.k ? s.k + 3 : 0] = 40.0f;
+    }
+    const auto wf = Random(s.n * s.k, 0.05f);
+    const WeightMatrix w = Pack(wf, s.n, s.k);
+    const std::vector<float> want = Reference(x, s.m, s.k, w);
+    for (GemmIsa isa : Paths()) {
+      const auto y = Run(isa, x.data(), s.m, s.k, w);
+      ASSERT_EQ(0, std::memcmp(y.data(), want.data(), y.size() * sizeof(float)))
+          << GemmIsaName(isa) << " m=" << s.m << " n=" << s.n << " k=" << s.k;
+    }
+    // Near the exact product of x and the dequantized weights: each x is
+    // off by at most half its block's step.
+    const std::vector<float> wv = w.Widened();
+    for (int64_t i = 0; i < s.m; ++i) {
+      for (int64_t j = 0; j < s.n; ++j) {
+        double ref = 0, bound = 0;
+        for (int64_t b = 0; b * 32 < s.k; ++b) {
+          float amax = 0;
+          for (int64_t p = b * 32; p < std::min(s.k, b * 32 + 32); ++p)
+            amax = std::max(amax, std::fabs(x[i * s.k + p]));
+          for (int64_t p = b * 32; p < std::min(s.k, b * 32 + 32); ++p) {
+            ref += double(x[i * s.k + p]) * wv[j * s.k + p];
+            bound += std::fabs(wv[j * s.k + p]) * amax / 254.0 * (1 + 1e-5) +
+                     1e-6 * std::fabs(x[i * s.k + p] * wv[j * s.k + p]);
+          }
+        }
+        ASSERT_NEAR(want[i * s.n + j], ref, bound + 1e-6);
+      }
+    }
+  }
+}
+
+TEST_F(Int8DotTest, RowsDoNotDependOnBatchSizeOrThreads) {
+  const int64_t k = 301, n = 83, max_m = 70;
+  const auto x = Random(max_m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = Pack(wf, n, k);
+  for (GemmIsa isa : Paths()) {
+    const auto full = Run(isa, x.data(), max_m, k, w);
+    for (int64_t m : {1, 2, 3, 4, 5, 8, 9, 17, 33, 69}) {
+      for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
+        const auto y = Run(isa, x.data() + off * k, m, k, w);
+        ASSERT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
+                                 y.size() * sizeof(float)))
+            << GemmIsaName(isa) << " m=" << m << " off=" << off;
+      }
+    }
+    const int before = KernelThreads();
+    SetKernelThreads(1);
+    const auto one = Run(isa, x.data(), max_m, k, w);
+    SetKernelThreads(before);
+    EXPECT_EQ(0,
+              std::memcmp(one.data(), full.data(), one.size() * sizeof(float)));
+  }
+}
+
+TEST_F(Int8DotTest, ActivationQuantizationIsTheSameOnEveryPath) {
+  const int64_t m = 3, k = 77, kp = 96, blocks = 3;
+  auto x = Random(m * k, 2.0f);
+  for (int64_t p = 0; p < 32; ++p) x[k + p] = 0.0f;  // an all-zero block
+  x[2 * k] = 127.0f;                                 // exact ties below
+  x[2 * k + 1] = 0.5f;
+  x[2 * k + 2] = -1.5f;
+  x[2 * k + 3] = 2.5f;
+  std::vector<std::vector<int8_t>> qs;
+  std::vector<std::vector<float>> ss;
+  for (GemmIsa isa : Paths()) {
+    ASSERT_TRUE(SetGemmIsa(isa));
+    std::vector<int8_t> q(m * kp, 99);
+    std::vector<float> sc(m * blocks, -1.0f);
+    QuantizeActivationsInt8(x.data(), m, k, q.data(), sc.data());
+    EXPECT_EQ(sc[1 * blocks], 0.0f);
+    EXPECT_EQ(sc[2 * blocks], 1.0f);
+    EXPECT_EQ(q[2 * kp + 1], 0);   // 0.5 rounds to even
+    EXPECT_EQ(q[2 * kp + 2], -2);  // -1.5 too
+    EXPECT_EQ(q[2 * kp + 3], 2);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t p = k; p < kp; ++p) EXPECT_EQ(q[i * kp + p], 0);
+    qs.push_back(q);
+    ss.push_back(sc);
+  }
+  for (size_t i = 1; i < qs.size(); ++i) {
+    EXPECT_EQ(qs[i], qs[0]);
+    EXPECT_EQ(ss[i], ss[0]);
+  }
+}
+
+TEST_F(Int8DotTest, OtherFormatsIgnoreIt) {
+  const int64_t m = 3, n = 20, k = 40;
+  const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, DType::kI8);
+  std::vector<float> a(m * n), b(m * n);
+  GemmNT(x.data(), m, k, w, a.data(), GemmNumerics::kInt8Dot);
   GemmNT(x.data(), m, k, w, b.data());
   EXPECT_EQ(a, b);
 }
