@@ -12,6 +12,7 @@
 #include <random>
 #include <span>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -20,6 +21,7 @@
 #include "common/status_macros.h"
 #include "engine/block_manager.h"
 #include "router/kv_event_applier.h"
+#include "router/peer_pull.h"
 #include "router/prefix_index.h"
 #include "router/worker_registry.h"
 
@@ -35,6 +37,18 @@ constexpr int32_t kVocabSize = 32000;
 // run to keep the result independent of how fast the host simulates.
 constexpr absl::Duration kSpeculativeTtl = absl::Hours(24);
 constexpr char kOracle[] = "oracle";
+constexpr char kUnbounded[] = "unbounded";
+constexpr char kPullSuffix[] = "+pull";
+
+// "cache_aware+pull" -> "cache_aware".
+std::string BasePolicy(const std::string& name) {
+  return absl::EndsWith(name, kPullSuffix)
+             ? name.substr(0, name.size() - (sizeof(kPullSuffix) - 1))
+             : name;
+}
+bool IsOracle(const std::string& base) {
+  return base == kOracle || base == kUnbounded;
+}
 
 engine::ModelFingerprint SimFingerprint(int32_t block_size) {
   return {0x7064736572766573ULL /* "pdserves" */,
@@ -86,11 +100,17 @@ struct Prepared {
 class Simulation {
  public:
   Simulation(const SimConfig& config, const std::vector<Prepared>& requests,
-             std::string policy, int32_t num_prefill)
+             std::string policy, int32_t num_prefill,
+             int64_t working_set_blocks, int64_t max_request_blocks)
       : c_(config),
         requests_(requests),
         policy_name_(std::move(policy)),
-        oracle_(policy_name_ == kOracle),
+        base_policy_(BasePolicy(policy_name_)),
+        oracle_(IsOracle(base_policy_)),
+        unbounded_(base_policy_ == kUnbounded),
+        pull_(!oracle_ && base_policy_ != policy_name_),
+        working_set_blocks_(working_set_blocks),
+        max_request_blocks_(max_request_blocks),
         num_prefill_(num_prefill),
         num_decode_(config.decode_workers),
         bs_(config.block_size),
@@ -101,8 +121,15 @@ class Simulation {
 
   absl::StatusOr<SimRun> Run() {
     ASSIGN_OR_RETURN(
-        policy_, router::Policy::Create(oracle_ ? "least_loaded" : policy_name_,
+        policy_, router::Policy::Create(oracle_ ? "least_loaded" : base_policy_,
                                         c_.policy, &index_));
+    pull_config_.enabled = pull_;
+    pull_config_.overhead_seconds = c_.pull_overhead_ms / 1000;
+    pull_config_.default_prefill_tokens_per_second =
+        c_.prefill_us_per_token > 0 ? 1e6 / c_.prefill_us_per_token : 1e12;
+    // The sim counts KV in tokens: one "byte" per token.
+    pull_config_.default_transfer_bytes_per_second =
+        c_.transfer_us_per_token > 0 ? 1e6 / c_.transfer_us_per_token : 1e12;
     Build();
     Schedule(0, Ev::kHeartbeat, 0);
     size_t next_arrival = 0;
@@ -178,6 +205,11 @@ class Simulation {
     std::vector<int32_t> d_blocks;
     int32_t d_hit_blocks = 0;
     int64_t hit_tokens = 0;
+    // Peer pull: the holder (view index, -1: none) and the leading blocks it
+    // holds, decided at routing; the blocks pulled when the prompt started.
+    int32_t pull_holder = -1;
+    int32_t pull_blocks = 0;
+    int32_t pulled_blocks = 0;
     int64_t remaining = 0;  // decode tokens still to generate
     int64_t context = 0;    // tokens in the decode worker's KV
     bool in_batch = false;
@@ -204,16 +236,29 @@ class Simulation {
   };
 
   void Build() {
-    const int64_t p_blocks = c_.prefill_cache_tokens / bs_;
-    const int64_t d_blocks = c_.decode_kv_tokens / bs_;
+    int64_t p_blocks = c_.prefill_cache_tokens / bs_;
+    int64_t d_blocks = c_.decode_kv_tokens / bs_;
     const int32_t n = num_prefill_ + num_decode_;
+    if (c_.pool_fraction > 0) {
+      p_blocks = std::max<int64_t>(
+          1,
+          static_cast<int64_t>(c_.pool_fraction *
+                               static_cast<double>(working_set_blocks_) / n));
+      d_blocks = std::max(p_blocks, max_request_blocks_);
+    }
+    prefill_pool_tokens_ = p_blocks * bs_;
+    decode_pool_tokens_ = d_blocks * bs_;
     auto sink = [this](int32_t w) {
       return [this, w](const engine::KvEvent& e) { Emit(w, e); };
     };
     if (oracle_) {
       // One cache for the whole tier; nothing routes on it, so no events.
-      caches_.push_back(
-          std::make_unique<engine::BlockManager>(p_blocks * num_prefill_));
+      // Unbounded: the working set plus every prefill worker's prompt in
+      // flight, so nothing is ever evicted.
+      caches_.push_back(std::make_unique<engine::BlockManager>(
+          unbounded_
+              ? working_set_blocks_ + (num_prefill_ + 1) * max_request_blocks_
+              : p_blocks * num_prefill_));
     } else {
       for (int32_t w = 0; w < num_prefill_; ++w) {
         caches_.push_back(
@@ -341,6 +386,8 @@ class Simulation {
     views_[q.prefill >= 0 ? q.prefill : q.decode].routed_prefill_tokens +=
         q.routed_uncached;
     views_[q.decode].routed_requests += 1;
+    // Peer pull, as the service asks it: before the speculative entries.
+    if (pull_ && q.prefill >= 0) DecidePull(r);
     // As the service does right after routing (`hashes` holds exactly
     // prep.hashes: same fingerprint, salt and block size).
     if (q.prefill >= 0 && !oracle_)
@@ -349,6 +396,69 @@ class Simulation {
     decode_[q.decode - num_prefill_].admit.push_back(r);
     TryAdmit(q.decode - num_prefill_);
     return absl::OkStatus();
+  }
+
+  // router_service's PeerPullFor on the simulated views and index.
+  void DecidePull(int32_t r) {
+    Req& q = reqs_[r];
+    const std::vector<BlockHash>& chain = P(r).hashes;
+    // The engine always computes at least the last token.
+    const size_t usable = std::min<size_t>(
+        chain.size(), static_cast<size_t>((Input(r) - 1) / bs_));
+    std::vector<int32_t> counts;
+    index_.LeadingBlocksOfPrompt(
+        usable, [&](size_t i) { return chain[i]; }, &counts);
+    auto held = [&](int32_t w) {
+      return static_cast<size_t>(w) < counts.size() ? counts[w] : 0;
+    };
+    router::PeerPullInput in;
+    in.prefill = q.prefill;
+    in.prefill_cached_blocks = held(q.prefill);
+    in.prompt_blocks = static_cast<int32_t>(usable);
+    in.block_size = bs_;
+    in.bytes_per_block = bs_;
+    for (const router::WorkerView& w : views_) {
+      if (held(w.index) <= in.prefill_cached_blocks) continue;
+      router::PeerPullCandidate c;
+      c.index = w.index;
+      c.address = w.address;
+      c.id = w.id;
+      c.up = w.up;
+      c.same_cache = true;
+      c.leading_blocks = held(w.index);
+      in.candidates.push_back(std::move(c));
+    }
+    const router::PeerPullDecision d = router::DecidePeerPull(pull_config_, in);
+    if (!d.pull) return;
+    q.pull_holder = d.holder;
+    q.pull_blocks = d.blocks;
+  }
+
+  engine::BlockManager* PoolOf(int32_t w) {
+    return w < num_prefill_ ? prefill_[w].cache
+                            : decode_[w - num_prefill_].kv.get();
+  }
+
+  // The pull of blocks [have, q.pull_blocks) from the holder as the prompt
+  // starts: all of them if it still holds them (they are pinned while sent,
+  // which refreshes them in its LRU), else none. Returns the blocks pulled.
+  int32_t Pull(int32_t r, int32_t have) {
+    Req& q = reqs_[r];
+    if (q.pull_holder < 0 || q.pull_blocks <= have) return 0;
+    engine::BlockManager* holder = PoolOf(q.pull_holder);
+    const std::span<const BlockHash> want =
+        std::span<const BlockHash>(P(r).hashes)
+            .subspan(have, q.pull_blocks - have);
+    std::vector<int32_t> blocks = holder->Lookup(want);
+    if (blocks.size() < want.size()) {
+      ++peer_pulls_failed_;
+      return 0;
+    }
+    holder->Acquire(blocks);
+    std::reverse(blocks.begin(), blocks.end());
+    holder->Release(blocks);
+    ++peer_pulls_;
+    return static_cast<int32_t>(want.size());
   }
 
   // Admits waiting requests FIFO while the KV pool can reserve prompt +
@@ -427,17 +537,28 @@ class Simulation {
       q.p_blocks = std::move(hits);
       p.cache->Allocate(need, &q.p_blocks);
       q.p_cached = true;
+      // Pulled blocks fill the fresh ones after the hits and are committed
+      // with the computed ones when the prompt ends.
+      q.pulled_blocks = Pull(r, q.p_hit_blocks);
     } else {
       // The prompt does not fit the cache: computed, not kept.
       q.p_hit_blocks = 0;
       q.p_cached = false;
     }
-    q.hit_tokens = int64_t{q.p_hit_blocks} * bs_;
+    const int64_t pulled_tokens = int64_t{q.pulled_blocks} * bs_;
+    pulled_tokens_ += pulled_tokens;
+    q.hit_tokens = int64_t{q.p_hit_blocks} * bs_ + pulled_tokens;
     const int64_t computed = Input(r) - q.hit_tokens;
     q.prefill_start = now_;
     p.running = r;
     p.run_start = now_;
-    p.run_end = now_ + FromMs(c_.prefill_overhead_ms) +
+    const Micros pull_time = q.pulled_blocks == 0
+                                 ? 0
+                                 : FromMs(c_.pull_overhead_ms) +
+                                       static_cast<Micros>(std::llround(
+                                           static_cast<double>(pulled_tokens) *
+                                           c_.transfer_us_per_token));
+    p.run_end = now_ + FromMs(c_.prefill_overhead_ms) + pull_time +
                 static_cast<Micros>(std::llround(static_cast<double>(computed) *
                                                  c_.prefill_us_per_token));
     p.run_computed = computed;
@@ -620,13 +741,23 @@ class Simulation {
     run.events_lost = events_lost_;
     run.resyncs = resyncs_;
     run.makespan_s = static_cast<double>(makespan_) / 1e6;
+    run.pulled_tokens = pulled_tokens_;
+    run.peer_pulls = peer_pulls_;
+    run.peer_pulls_failed = peer_pulls_failed_;
+    run.prefill_pool_tokens = prefill_pool_tokens_;
+    run.decode_pool_tokens = decode_pool_tokens_;
     return run;
   }
 
   const SimConfig& c_;
   const std::vector<Prepared>& requests_;
   const std::string policy_name_;
-  const bool oracle_;
+  const std::string base_policy_;  // without "+pull"
+  const bool oracle_, unbounded_, pull_;
+  const int64_t working_set_blocks_, max_request_blocks_;
+  router::PeerPullConfig pull_config_;
+  int64_t pulled_tokens_ = 0, peer_pulls_ = 0, peer_pulls_failed_ = 0;
+  int64_t prefill_pool_tokens_ = 0, decode_pool_tokens_ = 0;
   const int32_t num_prefill_, num_decode_;
   const int32_t bs_;
   const engine::ModelFingerprint fingerprint_;
@@ -690,9 +821,17 @@ absl::Status SimConfig::Validate() const {
     return absl::InvalidArgumentError("no routing policy to simulate");
   router::PrefixIndex index;
   for (const std::string& p : policies) {
-    if (p == kOracle) continue;
-    RETURN_IF_ERROR(router::Policy::Create(p, policy, &index).status());
+    const std::string base = BasePolicy(p);
+    if (IsOracle(base)) {
+      if (base != p)
+        return absl::InvalidArgumentError("an oracle has no peer pull");
+      continue;
+    }
+    RETURN_IF_ERROR(router::Policy::Create(base, policy, &index).status());
   }
+  if (!(pool_fraction >= 0) || !(pull_overhead_ms >= 0))
+    return absl::InvalidArgumentError(
+        "--pool-fraction and the pull overhead must be >= 0");
   if (prefill_workers.empty())
     return absl::InvalidArgumentError("no prefill worker count to simulate");
   for (int32_t n : prefill_workers) {
@@ -770,6 +909,17 @@ absl::Status ApplyEngineCalibration(absl::string_view bench_engine_json,
   return absl::OkStatus();
 }
 
+double SimReport::HitVsUnbounded(const SimRun& run) const {
+  for (const SimRun& o : runs) {
+    if (o.policy == kUnbounded && o.prefill_workers == run.prefill_workers &&
+        o.decode_workers == run.decode_workers) {
+      return o.hit_ratio > 0 ? run.hit_ratio / o.hit_ratio
+                             : std::numeric_limits<double>::quiet_NaN();
+    }
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
 double SimReport::HitVsOracle(const SimRun& run) const {
   for (const SimRun& o : runs) {
     if (o.policy == kOracle && o.prefill_workers == run.prefill_workers &&
@@ -810,7 +960,10 @@ std::string SimReport::ToJson() const {
         {"w_decode", c.policy.w_decode},
         {"local_prefill_threshold", c.policy.local_prefill_threshold},
         {"cache_threshold", c.policy.cache_threshold},
-        {"balance_slack", c.policy.balance_slack}}},
+        {"balance_slack", c.policy.balance_slack},
+        {"pool_fraction", c.pool_fraction},
+        {"pull_overhead_ms", c.pull_overhead_ms},
+        {"working_set_tokens", working_set_tokens}}},
       {"runs", json::OrderedValue::array()}};
   for (const SimRun& r : runs) {
     out["runs"].push_back({{"policy", r.policy},
@@ -846,7 +999,13 @@ std::string SimReport::ToJson() const {
                            {"index_bytes_per_block", r.index_bytes_per_block},
                            {"events_lost", r.events_lost},
                            {"resyncs", r.resyncs},
-                           {"makespan_s", r.makespan_s}});
+                           {"makespan_s", r.makespan_s},
+                           {"hit_vs_unbounded", HitVsUnbounded(r)},
+                           {"pulled_tokens", r.pulled_tokens},
+                           {"peer_pulls", r.peer_pulls},
+                           {"peer_pulls_failed", r.peer_pulls_failed},
+                           {"prefill_pool_tokens", r.prefill_pool_tokens},
+                           {"decode_pool_tokens", r.decode_pool_tokens}});
   }
   return json::Dump(out) + "\n";
 }
@@ -879,8 +1038,8 @@ std::string SimReport::ToTable() const {
             num(r.prefill_queue_p99_ms, 0), num(r.tpot_p50_ms, 1),
             num(r.decision_p50_us, 1), num(r.decision_p99_us, 1),
             num(r.hash_p99_us, 1),
-            r.policy == kOracle ? std::string("-")
-                                : num(r.index_bytes_per_block, 0)));
+            IsOracle(r.policy) ? std::string("-")
+                               : num(r.index_bytes_per_block, 0)));
   }
   return out;
 }
@@ -1081,9 +1240,26 @@ absl::StatusOr<SimReport> RunRouterSim(
     engine::ExtendBlockHashes(fp, "", tokens, config.block_size, &p.hashes);
   }
   report.trace_requests = static_cast<int64_t>(n);
+  // The working set: distinct full blocks over every prompt.
+  int64_t max_request_blocks = 0;
+  {
+    absl::flat_hash_set<BlockHash, engine::BlockHashHasher> distinct;
+    for (const Prepared& p : requests) {
+      distinct.insert(p.hashes.begin(), p.hashes.end());
+      max_request_blocks = std::max<int64_t>(
+          max_request_blocks, (p.trace->input_length + p.trace->output_length +
+                               config.block_size - 1) /
+                                  config.block_size);
+    }
+    report.working_set_tokens =
+        static_cast<int64_t>(distinct.size()) * config.block_size;
+  }
+  const int64_t working_set_blocks =
+      report.working_set_tokens / config.block_size;
   for (int32_t workers : config.prefill_workers) {
     for (const std::string& policy : config.policies) {
-      Simulation sim(config, requests, policy, workers);
+      Simulation sim(config, requests, policy, workers, working_set_blocks,
+                     max_request_blocks);
       ASSIGN_OR_RETURN(SimRun run, sim.Run());
       if (progress) progress(run);
       report.runs.push_back(std::move(run));

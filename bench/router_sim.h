@@ -25,7 +25,16 @@
 //    per_kctx x context/1000 and yields one token per running request;
 //  - the oracle routes like least_loaded but every prefill worker reads and
 //    fills one shared cache of the cluster's total capacity: the hit ratio a
-//    global LRU cache would reach, whatever the routing.
+//    global LRU cache would reach, whatever the routing; "unbounded" is the
+//    oracle with a cache that holds the whole working set;
+//  - peer pull (a policy name ending in "+pull", issue 20): right after
+//    routing, before its speculative entries, the router asks
+//    router::DecidePeerPull whether the chosen prefill worker should pull
+//    the prompt prefix it lacks from another worker's pool (prefill or
+//    decode: whoever the index says holds it), with the cost model's rates;
+//    when the prompt starts, a holder that still has the blocks sends them
+//    (pull_overhead_ms + transfer_us_per_token per token, counted as prefix
+//    hits and committed to the puller's cache), else the puller recomputes.
 // Speculative index entries are confirmed or dropped by the workers' events
 // in simulated time (their wall-clock TTL is set beyond any run).
 // Every figure except the measured decision latency is a function of the
@@ -85,6 +94,13 @@ struct SimConfig {
   double resync_delay_ms = 500;  // resubscribe back-off after a gap
   uint64_t seed = 1;             // token synthesis and event loss
   router::PolicyConfig policy;
+  // > 0: every worker's pool (prefill cache and decode KV) holds this
+  // fraction of the trace's working set (distinct prompt blocks) divided by
+  // the worker count (prefill + decode), instead of prefill_cache_tokens and
+  // decode_kv_tokens (a decode pool never below its largest request).
+  double pool_fraction = 0;
+  // Peer pull ("+pull" policies): fixed cost of one pull.
+  double pull_overhead_ms = 2;
 
   absl::Status Validate() const;
 };
@@ -133,14 +149,21 @@ struct SimRun {
   double index_bytes_per_block = 0;  // per (block hash, worker) entry
   int64_t events_lost = 0, resyncs = 0;
   double makespan_s = 0;  // simulated time until the last request finished
+  // Peer pull ("+pull"): prompt tokens pulled from a peer (in hit_tokens),
+  // pulls done, and pulls whose holder no longer had the blocks.
+  int64_t pulled_tokens = 0, peer_pulls = 0, peer_pulls_failed = 0;
+  int64_t prefill_pool_tokens = 0, decode_pool_tokens = 0;  // per worker
 };
 
 struct SimReport {
   SimConfig config;
   int64_t trace_requests = 0;
+  int64_t working_set_tokens = 0;  // distinct full prompt blocks x block_size
   std::vector<SimRun> runs;  // policies x prefill_workers, in config order
   // Hit ratio of `run` over the oracle's at the same size; NaN without one.
   double HitVsOracle(const SimRun& run) const;
+  // The same over the "unbounded" oracle's; NaN without one.
+  double HitVsUnbounded(const SimRun& run) const;
   std::string ToJson() const;
   std::string ToTable() const;
   // Hit ratio and imbalance against prefill worker count, one line per

@@ -156,6 +156,37 @@ TEST(RouterSimTest, HandBuiltFamiliesHitAsComputedByHand) {
   EXPECT_GT(aware.index_bytes_per_block, 0);
 }
 
+// Peer pull (issue 20): round robin sends 3 of the 9 repeats of a family's
+// 512-token prefix to the prefill worker that lacks it; with "+pull" that
+// worker pulls the prefix from the worker holding it instead, so every
+// repeat hits, as with cache_aware. TTFT of a pulled prompt: 5 ms + 2 ms
+// pull overhead + 512 x 0.5 us transfer + 512 x 100 us compute.
+TEST(RouterSimTest, PeerPullTurnsMissesOnTheWrongWorkerIntoHits) {
+  std::vector<TraceRequest> trace;
+  for (int k = 0; k < 12; ++k)
+    trace.push_back(Request(1000 * k, 1024, 2, {k % 3, 100 + k}));
+  SimConfig c = SmallConfig();
+  c.policies = {"round_robin", "round_robin+pull", "cache_aware+pull", "oracle",
+                "unbounded"};
+  auto r = RunRouterSim(c, trace);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const SimRun& rr = RunOf(*r, "round_robin", 2);
+  const SimRun& pull = RunOf(*r, "round_robin+pull", 2);
+  EXPECT_EQ(rr.hit_tokens, 6 * 512);
+  EXPECT_EQ(rr.peer_pulls, 0);
+  EXPECT_EQ(pull.hit_tokens, 9 * 512);
+  EXPECT_EQ(pull.pulled_tokens, 3 * 512);
+  EXPECT_EQ(pull.peer_pulls, 3);
+  EXPECT_EQ(pull.peer_pulls_failed, 0);
+  EXPECT_NEAR(pull.ttft_p99_ms, 5 + 1024 * 0.1, 1e-9);  // a cold prompt
+  // cache_aware already routes each family to its holder: nothing to pull.
+  EXPECT_EQ(RunOf(*r, "cache_aware+pull", 2).peer_pulls, 0);
+  EXPECT_EQ(RunOf(*r, "unbounded", 2).hit_tokens, 9 * 512);
+  EXPECT_DOUBLE_EQ(r->HitVsUnbounded(pull), 1.0);
+  c.policies = {"oracle+pull"};
+  EXPECT_FALSE(RunRouterSim(c, trace).ok());
+}
+
 // Every prompt starts with one shared 512-token block (a system prompt), then
 // 15 blocks of its own; arrivals never overlap. Without the balance slack the
 // worker that first cached the shared block is 512 tokens cheaper for every

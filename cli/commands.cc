@@ -63,6 +63,10 @@ ABSL_FLAG(double, time_scale, 1.0,
           "sim route: arrival time multiplier (< 1 raises the load)");
 ABSL_FLAG(int64_t, max_requests, 0,
           "sim route: first N trace requests (0 = all)");
+ABSL_FLAG(double, pool_fraction, 0,
+          "sim route: > 0 sizes every worker's KV pool as this fraction of "
+          "the trace's working set over the worker count (instead of "
+          "--cache-tokens)");
 ABSL_FLAG(bool, tiers, false,
           "sim route: model the KV tier instead (pool only, pool + tier, "
           "unbounded) on the trace");
@@ -262,6 +266,7 @@ int RunSimRoute(const std::vector<std::string>&) {
   c.block_size = absl::GetFlag(FLAGS_block_size);
   c.time_scale = absl::GetFlag(FLAGS_time_scale);
   c.max_requests = absl::GetFlag(FLAGS_max_requests);
+  c.pool_fraction = absl::GetFlag(FLAGS_pool_fraction);
   c.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
   auto report = bench::RunRouterSim(c, [](const bench::SimRun& r) {
     std::fprintf(stderr, "[sim] %s done\n", r.policy.c_str());
@@ -466,7 +471,10 @@ const std::vector<Command>& AllCommands() {
        "[--decode 8]\n"
        "          [--policy "
        "all|cache_aware,cache_threshold,least_loaded,round_robin,oracle]\n"
-       "          [--cache-tokens 900000] [--time-scale 1] [--max-requests N] "
+       "          (a policy name + \"+pull\", e.g. cache_aware+pull: with peer "
+       "pull; \"unbounded\": the oracle with an unbounded cache)\n"
+       "          [--cache-tokens 900000 | --pool-fraction 0.25] [--time-scale "
+       "1] [--max-requests N] "
        "[--out sim.json] [--json]\n"
        "sim route --trace FILE --tiers [--pool-fractions "
        "0.0625,0.125,0.25,0.5] "

@@ -213,6 +213,8 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
                               request.token_ids().end());
   absl::StatusOr<Plan> planned = loop_->Call([&](engine::Engine& e) {
     Plan p;
+    // Without a prefix cache the prefill would not find pulled blocks.
+    if (!e.config().enable_prefix_caching) return p;
     engine::ExtendBlockHashes(e.cache_fingerprint(), request.cache_salt(),
                               prompt, e.kv_spec().block_size, &p.hashes);
     p.hashes.resize(std::min<size_t>(p.hashes.size(), want.blocks()));
@@ -241,6 +243,7 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
     Count(PeerPullMetrics::kNoBlocks);
     return none;
   }
+  if (plan.hashes.empty()) return none;  // no prefix cache, or no full block
   if (plan.blocks.empty()) {
     Count(PeerPullMetrics::kLocal);
     return none;
