@@ -34,6 +34,11 @@ ABSL_FLAG(std::string, kv_offload_dir, "",
           "back on a prefix hit; emptied at start-up. Off when empty");
 ABSL_FLAG(std::string, kv_offload_bytes, "1GiB",
           "with --kv-offload-dir: the tier's byte cap (e.g. 4GiB)");
+ABSL_FLAG(std::string, kv_offload_memory, "",
+          "a host-memory KV tier of this many bytes below the pool (e.g. "
+          "8GiB; pinned memory with --device cuda): evicted prefix blocks "
+          "are copied there and back on a prefix hit. Off when empty or 0; "
+          "not with --kv-offload-dir");
 ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default), "
           "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
@@ -109,6 +114,10 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
   if (!c.kv_offload.dir.empty()) {
     ASSIGN_OR_RETURN(c.kv_offload.capacity_bytes,
                      ParseBytes(absl::GetFlag(FLAGS_kv_offload_bytes)));
+  }
+  if (!absl::GetFlag(FLAGS_kv_offload_memory).empty()) {
+    ASSIGN_OR_RETURN(c.kv_offload.memory_bytes,
+                     ParseBytes(absl::GetFlag(FLAGS_kv_offload_memory)));
   }
   auto mode = kernels::ParseMatMulMode(absl::GetFlag(FLAGS_matmul));
   if (!mode) {

@@ -455,6 +455,19 @@ int RunUp(const std::vector<std::string>&) {
     std::vector<std::string> args = {"worker", "--role=" + role, "--port=0",
                                      "--metrics-port=0"};
     args.insert(args.end(), engine_args.begin(), engine_args.end());
+    // KV tier flags pass through; a disk tier gets a directory per worker
+    // (a tier empties its directory at start-up).
+    if (!absl::GetFlag(FLAGS_kv_offload_dir).empty()) {
+      args.push_back("--kv-offload-dir=" +
+                     (std::filesystem::path(absl::GetFlag(FLAGS_kv_offload_dir)) /
+                      absl::StrCat(role, "-", i))
+                         .string());
+      args.push_back("--kv-offload-bytes=" +
+                     absl::GetFlag(FLAGS_kv_offload_bytes));
+    }
+    if (!absl::GetFlag(FLAGS_kv_offload_memory).empty())
+      args.push_back("--kv-offload-memory=" +
+                     absl::GetFlag(FLAGS_kv_offload_memory));
     args.insert(args.end(), tls_args.begin(), tls_args.end());
     auto child = Spawn(absl::StrCat(role, "-", i), args);
     if (!child.ok()) {
