@@ -98,9 +98,7 @@ int RunModelLogits(const std::vector<std::string>&) {
         absl::InvalidArgumentError("more tokens than max_position_embeddings"));
   }
   // fp32 KV: this command is the accuracy reference.
-  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers),
-                           static_cast<int32_t>(c.num_kv_heads),
-                           static_cast<int32_t>(c.head_dim), 16, DType::kF32};
+  engine::KvCacheSpec spec = c.KvSpec(16, DType::kF32);
   const int64_t blocks = (static_cast<int64_t>(tokens->size()) + 15) / 16;
   auto pool = engine::KvPool::Create(spec, blocks);
   if (!pool.ok()) return ReportError(pool.status());

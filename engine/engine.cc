@@ -90,10 +90,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     KvEventSink events) {
   RETURN_IF_ERROR(config.Validate());
   const ModelConfig& mc = weights->config;
-  KvCacheSpec spec{static_cast<int32_t>(mc.num_layers),
-                   static_cast<int32_t>(mc.num_kv_heads),
-                   static_cast<int32_t>(mc.head_dim), config.block_size,
-                   config.kv_dtype};
+  // K/V per head, or MLA latent rows (ModelConfig::KvSpec).
+  KvCacheSpec spec = mc.KvSpec(config.block_size, config.kv_dtype);
   spec.host_shared = config.kv_host_shared;
   BackendConfig bc;
   bc.device = config.device;

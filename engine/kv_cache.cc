@@ -15,6 +15,15 @@ absl::Status KvCacheSpec::Validate() const {
     return absl::InvalidArgumentError(
         "kv cache: layers, kv_heads and head_dim must be positive");
   }
+  if (kv_lora_rank < 0 || qk_rope_head_dim < 0 ||
+      (mla() && (num_kv_heads != 1 ||
+                 head_dim != kv_lora_rank + qk_rope_head_dim))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv cache: an MLA latent cache has kv_heads 1 and head_dim "
+        "kv_lora_rank + qk_rope_head_dim, got kv_heads=",
+        num_kv_heads, " head_dim=", head_dim, " kv_lora_rank=", kv_lora_rank,
+        " qk_rope_head_dim=", qk_rope_head_dim));
+  }
   if (block_size <= 0 || block_size > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
         "kv cache: block_size must be in [1, 256], got ", block_size));
@@ -23,7 +32,7 @@ absl::Status KvCacheSpec::Validate() const {
 }
 
 int64_t KvCacheSpec::BytesPerToken() const {
-  return int64_t{2} * num_layers * num_kv_heads * head_dim *
+  return int64_t{planes()} * num_layers * num_kv_heads * head_dim *
          static_cast<int64_t>(DTypeBytes(dtype));
 }
 
@@ -36,7 +45,7 @@ int64_t KvCacheSpec::BytesPerBlock() const {
 }
 
 int64_t KvCacheSpec::LayerBlockBytes() const {
-  return int64_t{2} * num_kv_heads * block_size * head_dim *
+  return int64_t{planes()} * num_kv_heads * block_size * head_dim *
          static_cast<int64_t>(DTypeBytes(dtype));
 }
 
@@ -48,7 +57,11 @@ int64_t KvCacheSpec::BlocksForMemory(int64_t memory_bytes) const {
 std::string KvCacheSpec::DebugString() const {
   return absl::StrCat("layers=", num_layers, " kv_heads=", num_kv_heads,
                       " head_dim=", head_dim, " block_size=", block_size,
-                      " dtype=", DTypeName(dtype));
+                      " dtype=", DTypeName(dtype),
+                      mla() ? absl::StrCat(" kv_lora_rank=", kv_lora_rank,
+                                           " qk_rope_head_dim=",
+                                           qk_rope_head_dim)
+                            : "");
 }
 
 namespace {

@@ -28,14 +28,26 @@ struct KvCacheSpec {
   int32_t head_dim = 0;
   int32_t block_size = 16;  // tokens per block
   DType dtype = DType::kF16;
+  // MLA (DeepSeek-V2/V3) when kv_lora_rank > 0: a (layer, block) span holds
+  // [block_size][kv_lora_rank + qk_rope_head_dim], one latent row per token
+  // (the kv_a_layernorm'd latent, then the shared RoPE'd key) and no separate
+  // V. Such a spec has num_kv_heads 1 and head_dim the row width, so the
+  // scale arithmetic is unchanged: int8 keeps 2 scales per (layer, block),
+  // one for the latent part and one for the rope part (engine/mla.h).
+  int32_t kv_lora_rank = 0;
+  int32_t qk_rope_head_dim = 0;
   // Not geometry: how a host pool (KvPool) allocates. True: in one memfd
   // region that other processes on the node can map (SharedRegions), which
   // the `shm` KV transport needs on the decode side. Ignored by device
   // storage.
   bool host_shared = false;
 
+  bool mla() const { return kv_lora_rank > 0; }
+  // Rows of head_dim per (token, kv head): 2 (K and V), or 1 latent row.
+  int32_t planes() const { return mla() ? 1 : 2; }
   absl::Status Validate() const;
-  // 2 x layers x kv_heads x head_dim x dtype bytes (scales excluded).
+  // 2 x layers x kv_heads x head_dim x dtype bytes (scales excluded);
+  // MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
   int64_t BytesPerToken() const;
   // Per-(block, head, K/V) fp32 scales of all layers; 0 unless int8 or fp8.
   int64_t ScaleBytesPerBlock() const;

@@ -13,7 +13,11 @@ LlamaModel::LlamaModel(std::shared_ptr<const ModelWeights> weights,
                        kernels::MatMulMode mode)
     : weights_(std::move(weights)), mode_(mode) {
   const ModelConfig& c = weights_->config;
-  inv_freq_ = kernels::RopeInvFreq(c.head_dim, c.rope_theta, c.rope_scaling);
+  if (c.IsMla()) {
+    mla_ = std::make_unique<MlaAttention>(c);
+  } else {
+    inv_freq_ = kernels::RopeInvFreq(c.head_dim, c.rope_theta, c.rope_scaling);
+  }
 }
 
 absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
@@ -21,14 +25,20 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
                                  const LayerWrittenFn& on_layer_written) {
   const ModelConfig& c = weights_->config;
   const KvCacheSpec& spec = pool->spec();
-  if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
-      spec.head_dim != c.head_dim) {
+  const KvCacheSpec want = c.KvSpec(spec.block_size, spec.dtype);
+  if (spec.num_layers != want.num_layers ||
+      spec.num_kv_heads != want.num_kv_heads ||
+      spec.head_dim != want.head_dim ||
+      spec.kv_lora_rank != want.kv_lora_rank ||
+      spec.qk_rope_head_dim != want.qk_rope_head_dim) {
     return absl::FailedPreconditionError(absl::StrCat(
         "kv pool (", spec.DebugString(), ") does not match the model"));
   }
   const int64_t hidden = c.hidden_size, hd = c.head_dim,
                 inter = c.intermediate_size;
-  const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
+  // MLA keeps its own scratch (engine/mla.h); these are for q/k/v heads.
+  const int64_t q_dim = c.IsMla() ? 0 : c.num_heads * hd;
+  const int64_t kv_dim = c.IsMla() ? 0 : c.num_kv_heads * hd;
   const int64_t qkv_dim = q_dim + 2 * kv_dim;
   const int bs = spec.block_size;
 
@@ -78,7 +88,6 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   }
 
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_->layers[l];
     if (l == 0) {
@@ -88,7 +97,45 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
       kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
                        total, hidden, eps, normed_.data());
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.qkv, qkv_.data(), mode_);
+    if (mla_) {
+      mla_->Forward(
+          w.mla, w.o_proj, normed_.data(), total, positions_.data(),
+          slots_.data(), attn_seqs, pool, static_cast<int32_t>(l), mode_,
+          [&] {
+            if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
+          },
+          proj_.data());
+    } else {
+      Attention(w, total, attn_seqs, pool, static_cast<int32_t>(l),
+                on_layer_written);
+    }
+    kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
+                     hidden, eps, normed_.data());
+    if (!w.moe.empty()) {
+      moe_.Forward(w.moe, c, normed_.data(), total, mode_, proj_.data());
+      continue;
+    }
+    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up, gate_up_.data(),
+                      mode_);
+    kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
+    kernels::MatMulNT(act_.data(), total, inter, w.down, proj_.data(), mode_);
+  }
+  return Finish(seqs, total, logits);
+}
+
+void LlamaModel::Attention(const LayerWeights& w, int64_t total,
+                           std::span<const kernels::AttentionSeq> attn_seqs,
+                           KvPool* pool, int32_t l,
+                           const LayerWrittenFn& on_layer_written) {
+  const ModelConfig& c = weights_->config;
+  const int64_t hd = c.head_dim;
+  const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
+  const int64_t qkv_dim = q_dim + 2 * kv_dim;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  {
+    kernels::MatMulNT(normed_.data(), total, c.hidden_size, w.qkv, qkv_.data(),
+                      mode_);
     for (int64_t r = 0; r < total; ++r) {
       float* src = &qkv_[r * qkv_dim];
       if (!w.qkv_bias.empty()) {
@@ -116,23 +163,20 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
                             attn_seqs, layer, scale, attn_.data());
     kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj, proj_.data(),
                       mode_);
-    kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
-                     hidden, eps, normed_.data());
-    if (!w.moe.empty()) {
-      moe_.Forward(w.moe, c, normed_.data(), total, mode_, proj_.data());
-      continue;
-    }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up, gate_up_.data(),
-                      mode_);
-    kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
-    kernels::MatMulNT(act_.data(), total, inter, w.down, proj_.data(), mode_);
   }
+}
+
+absl::Status LlamaModel::Finish(std::span<const SeqInput> seqs, int64_t total,
+                                std::vector<float>* logits) {
+  const ModelConfig& c = weights_->config;
+  const int64_t hidden = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
   kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total,
                    hidden, eps, normed_.data());
 
   // Gather the rows that need logits, then one product with the output matrix.
   rows_.clear();
-  row = 0;
+  int64_t row = 0;
   for (const SeqInput& s : seqs) {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     if (s.logits == Logits::kAll) {

@@ -1,5 +1,5 @@
 // Forward pass of a Llama-family decoder over a batch of sequences whose
-// K/V live in a paged KvPool. Each sequence contributes a run of new tokens
+// K/V live in a paged KvPool (for DeepSeek's MLA, latent rows: engine/mla.h). Each sequence contributes a run of new tokens
 // (a prefill chunk or one decode token) at consecutive positions; their K/V
 // are written into the sequence's blocks and attention reads the whole
 // prefix through its block table.
@@ -17,9 +17,11 @@
 
 #include "absl/status/status.h"
 #include "engine/kv_cache.h"
+#include "engine/mla.h"
 #include "engine/moe.h"
 #include "engine/weights.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/paged_attention.h"
 
 namespace pdserve::engine {
 
@@ -49,10 +51,19 @@ class LlamaModel {
                        const LayerWrittenFn& on_layer_written = nullptr);
 
  private:
+  // Layer l's GQA attention of normed_ into proj_ (o_proj output).
+  void Attention(const LayerWeights& w, int64_t total,
+                 std::span<const kernels::AttentionSeq> attn_seqs, KvPool* pool,
+                 int32_t l, const LayerWrittenFn& on_layer_written);
+  // The final norm and the logits rows.
+  absl::Status Finish(std::span<const SeqInput> seqs, int64_t total,
+                      std::vector<float>* logits);
+
   std::shared_ptr<const ModelWeights> weights_;
   kernels::MatMulMode mode_;
   std::vector<float> inv_freq_;
-  MoeMlp moe_;  // sparse layers' MLP (Mixtral, Qwen3-MoE)
+  MoeMlp moe_;  // sparse layers' MLP (Mixtral, Qwen3-MoE, DeepSeek)
+  std::unique_ptr<MlaAttention> mla_;  // DeepSeek-V2/V3 attention, else null
   // Scratch, grown as needed.
   std::vector<float> residual_, normed_, qkv_, q_, k_, v_, attn_, proj_,
       gate_up_, act_, rows_;

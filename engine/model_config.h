@@ -1,6 +1,7 @@
 // Llama-family model configuration read from a Hugging Face config.json:
-// Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), and the
-// Mixture-of-Experts Mixtral and Qwen3-MoE (engine/moe.h).
+// Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), the
+// Mixture-of-Experts Mixtral and Qwen3-MoE (engine/moe.h), and DeepSeek-V2/V3
+// (MLA attention, engine/mla.h, with DeepSeek's MoE).
 // Plain value type; thread-compatible.
 #pragma once
 
@@ -9,6 +10,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "engine/kv_cache.h"
 #include "kernels/cpu/ops.h"
 
 namespace pdserve::engine {
@@ -49,6 +52,51 @@ struct ModelConfig {
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
 
+  // DeepSeek-V2/V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM), as their
+  // Hugging Face modeling_deepseek.py. MLA attention: q through q_proj, or
+  // with q_lora_rank > 0 through q_a_proj -> q_a_layernorm -> q_b_proj, into
+  // per head [qk_nope_head_dim | qk_rope_head_dim]; kv_a_proj_with_mqa gives
+  // the latent [kv_lora_rank] (then kv_a_layernorm) and one shared rope key
+  // [qk_rope_head_dim]; kv_b_proj expands the latent into per head
+  // [qk_nope_head_dim (k) | v_head_dim (v)]. head_dim is set to
+  // qk_nope_head_dim + qk_rope_head_dim (the q/k width of a head).
+  int64_t q_lora_rank = 0;  // 0: no q LoRA (config null)
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  // rope_scaling {"type": "yarn"} (DeepSeek's YaRN); factor 0: none.
+  struct Yarn {
+    double factor = 0;
+    int64_t original_max_position_embeddings = 4096;
+    double beta_fast = 32, beta_slow = 1;
+    double mscale = 1, mscale_all_dim = 0;
+  } yarn;
+  // DeepSeek MoE: n_routed_experts go to num_experts. Scores are the
+  // softmax (V2) or sigmoid (V3) of the router logits; top-k is greedy,
+  // group_limited_greedy (V2: the topk_group groups of n_group with the
+  // highest max score) or noaux_tc (V3: groups ranked by the sum of their two
+  // best scores + e_score_correction_bias, experts chosen by that biased
+  // score, weighted by the unbiased one). Weights: V2 renormalises with
+  // norm_topk_prob, else multiplies by routed_scaling_factor; V3 renormalises
+  // with norm_topk_prob, then always multiplies. n_shared_experts experts run
+  // on every token (one MLP of n_shared_experts * moe_intermediate_size).
+  // Layer i is sparse when i >= first_k_dense_replace and
+  // i % moe_layer_freq == 0, else a dense MLP of intermediate_size.
+  enum class MoeScoring { kSoftmax, kSigmoid };
+  enum class MoeTopk { kGreedy, kGroupLimitedGreedy, kNoauxTc };
+  MoeScoring moe_scoring = MoeScoring::kSoftmax;
+  MoeTopk moe_topk = MoeTopk::kGreedy;
+  int64_t n_group = 1, topk_group = 1;
+  int64_t n_shared_experts = 0;
+  double routed_scaling_factor = 1.0;
+  int64_t first_k_dense_replace = 0, moe_layer_freq = 1;
+
+  bool IsDeepseek() const;
+  bool IsMla() const { return kv_lora_rank > 0; }
+  // The paged KV geometry of this model: kv_heads x head_dim K and V, or for
+  // MLA one latent row [kv_lora_rank + qk_rope_head_dim] per token.
+  KvCacheSpec KvSpec(int32_t block_size, DType dtype) const;
   bool IsMoeLayer(int64_t layer) const;
   bool IsEos(int64_t token) const;
 

@@ -70,6 +70,15 @@ struct PresetShape {
   int64_t experts = 0, experts_per_tok = 0, moe_intermediate = 0;
   bool norm_topk_prob = false;
   int64_t dense_layer = -1;  // Qwen3-MoE mlp_only_layers = [dense_layer]
+  // DeepSeek MLA (kv_lora > 0) and MoE: ranks and head widths, routing.
+  int64_t q_lora = 0, kv_lora = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
+  int64_t shared_experts = 0, first_dense = 0, n_group = 1, topk_group = 1;
+  double routed_scale = 1.0;
+  ModelConfig::MoeTopk topk = ModelConfig::MoeTopk::kGreedy;
+  // DeepSeek YaRN: factor 40 from an original 4096 context, as the real
+  // configs; mscale == mscale_all_dim (so the cos/sin factor is 1 and the
+  // softmax scale grows by mscale(40, m)^2).
+  double yarn_mscale = 0;  // 0: no rope_scaling
 };
 
 constexpr PresetShape kPresets[] = {
@@ -130,6 +139,67 @@ constexpr PresetShape kPresets[] = {
      .moe_intermediate = 48,
      .norm_topk_prob = true,
      .dense_layer = 1},
+    // DeepSeek-V2 (the full model's routing at tiny size): MLA without q
+    // LoRA (as V2-Lite), v_head_dim != qk_nope_head_dim, a dense first layer,
+    // 8 softmax-scored experts in 4 groups, group_limited_greedy top-3 from
+    // the best 2 groups, no renormalisation, routed_scaling_factor 2, two
+    // shared experts, YaRN with mscale 0.707.
+    {.name = "deepseek-v2",
+     .architecture = "DeepseekV2ForCausalLM",
+     .hidden = 64,
+     .intermediate = 160,
+     .layers = 3,
+     .heads = 4,
+     .kv_heads = 4,
+     .head_dim = 24,
+     .max_position = 4096,
+     .rope_theta = 1e4,
+     .rms_norm_eps = 1e-6,
+     .experts = 8,
+     .experts_per_tok = 3,
+     .moe_intermediate = 32,
+     .kv_lora = 32,
+     .qk_nope = 16,
+     .qk_rope = 8,
+     .v_head = 12,
+     .shared_experts = 2,
+     .first_dense = 1,
+     .n_group = 4,
+     .topk_group = 2,
+     .routed_scale = 2.0,
+     .topk = ModelConfig::MoeTopk::kGroupLimitedGreedy,
+     .yarn_mscale = 0.707},
+    // DeepSeek-V3: MLA with q LoRA, sigmoid scores with
+    // e_score_correction_bias, noaux_tc top-2 from the best 2 of 4 groups
+    // (groups ranked by their two best biased scores), renormalised then
+    // scaled by 2.5, one shared expert, a dense first layer, YaRN mscale 1.
+    {.name = "deepseek-v3",
+     .architecture = "DeepseekV3ForCausalLM",
+     .hidden = 64,
+     .intermediate = 160,
+     .layers = 3,
+     .heads = 4,
+     .kv_heads = 4,
+     .head_dim = 24,
+     .max_position = 4096,
+     .rope_theta = 1e4,
+     .rms_norm_eps = 1e-6,
+     .experts = 8,
+     .experts_per_tok = 2,
+     .moe_intermediate = 32,
+     .norm_topk_prob = true,
+     .q_lora = 48,
+     .kv_lora = 32,
+     .qk_nope = 16,
+     .qk_rope = 8,
+     .v_head = 12,
+     .shared_experts = 1,
+     .first_dense = 1,
+     .n_group = 4,
+     .topk_group = 2,
+     .routed_scale = 2.5,
+     .topk = ModelConfig::MoeTopk::kNoauxTc,
+     .yarn_mscale = 1.0},
 };
 
 }  // namespace
@@ -163,6 +233,29 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
           p.norm_topk_prob || c.architecture == "MixtralForCausalLM";
       if (p.dense_layer >= 0) c.mlp_only_layers = {p.dense_layer};
     }
+    if (p.kv_lora > 0) {
+      c.q_lora_rank = p.q_lora;
+      c.kv_lora_rank = p.kv_lora;
+      c.qk_nope_head_dim = p.qk_nope;
+      c.qk_rope_head_dim = p.qk_rope;
+      c.v_head_dim = p.v_head;
+      c.head_dim = p.qk_nope + p.qk_rope;
+      c.n_shared_experts = p.shared_experts;
+      c.first_k_dense_replace = p.first_dense;
+      c.n_group = p.n_group;
+      c.topk_group = p.topk_group;
+      c.routed_scaling_factor = p.routed_scale;
+      c.moe_topk = p.topk;
+      c.moe_scoring = p.topk == ModelConfig::MoeTopk::kNoauxTc
+                          ? ModelConfig::MoeScoring::kSigmoid
+                          : ModelConfig::MoeScoring::kSoftmax;
+      if (p.yarn_mscale > 0) {
+        c.yarn.factor = 40;
+        c.yarn.original_max_position_embeddings = 4096;
+        c.yarn.mscale = p.yarn_mscale;
+        c.yarn.mscale_all_dim = p.yarn_mscale;
+      }
+    }
     if (p.llama3_rope) {
       c.rope_scaling.factor = 8.0;
       c.rope_scaling.low_freq_factor = 1.0;
@@ -181,6 +274,60 @@ DType PresetDefaultDtype(const std::string& preset) {
   }
   return DType::kF32;
 }
+
+namespace {
+
+// DeepSeek MLA projections of one layer (prefix "model.layers.L."), each
+// scaled by 1/sqrt(fan-in) as the dense ones.
+template <typename AddFn>
+void AddMlaTensors(const ModelConfig& c, const std::string& p, AddFn& add) {
+  const int64_t h = c.hidden_size, heads = c.num_heads;
+  const int64_t qh = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  auto inv_sqrt = [](int64_t n) {
+    return 1.0f / std::sqrt(static_cast<float>(n));
+  };
+  const std::string a = p + "self_attn.";
+  if (c.q_lora_rank > 0) {
+    add(a + "q_a_proj.weight", {c.q_lora_rank, h}, inv_sqrt(h), 0.0f);
+    add(a + "q_a_layernorm.weight", {c.q_lora_rank}, 0.1f, 1.0f);
+    add(a + "q_b_proj.weight", {heads * qh, c.q_lora_rank},
+        inv_sqrt(c.q_lora_rank), 0.0f);
+  } else {
+    add(a + "q_proj.weight", {heads * qh, h}, inv_sqrt(h), 0.0f);
+  }
+  add(a + "kv_a_proj_with_mqa.weight",
+      {c.kv_lora_rank + c.qk_rope_head_dim, h}, inv_sqrt(h), 0.0f);
+  add(a + "kv_a_layernorm.weight", {c.kv_lora_rank}, 0.1f, 1.0f);
+  add(a + "kv_b_proj.weight",
+      {heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank},
+      inv_sqrt(c.kv_lora_rank), 0.0f);
+  add(a + "o_proj.weight", {h, heads * c.v_head_dim},
+      inv_sqrt(heads * c.v_head_dim), 0.0f);
+}
+
+// DeepSeek's e_score_correction_bias (noaux_tc) and shared experts.
+template <typename AddFn>
+void AddDeepseekMoeTensors(const ModelConfig& c, int64_t layer, AddFn& add) {
+  const int64_t h = c.hidden_size;
+  if (c.moe_topk == ModelConfig::MoeTopk::kNoauxTc) {
+    // Small next to the sigmoid scores' spread, so it shifts but rarely
+    // overturns the choice.
+    add(MoeRouterTensor(c, layer) + ".e_score_correction_bias",
+        {c.num_experts}, 0.05f, 0.0f);
+  }
+  if (c.n_shared_experts > 0) {
+    const int64_t shared = c.n_shared_experts * c.moe_intermediate_size;
+    const std::string sp =
+        absl::StrCat("model.layers.", layer, ".mlp.shared_experts.");
+    const float in_h = 1.0f / std::sqrt(static_cast<float>(h));
+    add(sp + "gate_proj.weight", {shared, h}, in_h, 0.0f);
+    add(sp + "up_proj.weight", {shared, h}, in_h, 0.0f);
+    add(sp + "down_proj.weight", {h, shared},
+        1.0f / std::sqrt(static_cast<float>(shared)), 0.0f);
+  }
+}
+
+}  // namespace
 
 absl::Status WriteRandomModel(const ModelInitOptions& options) {
   ASSIGN_OR_RETURN(ModelConfig c, PresetConfig(options.preset));
@@ -210,6 +357,8 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     add(p + "input_layernorm.weight", {h}, 0.1f, 1.0f);
+    if (c.IsMla()) AddMlaTensors(c, p, add);
+    if (!c.IsMla()) {
     add(p + "self_attn.q_proj.weight", {c.num_heads * hd, h}, in_h, 0.0f);
     add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
     add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
@@ -224,6 +373,7 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
     }
     add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
         1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
+    }  // !MLA
     add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
     if (c.IsMoeLayer(i)) {
       const int64_t inter = c.moe_intermediate_size;
@@ -239,6 +389,7 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
         add(MoeExpertTensor(c, i, e, ExpertProj::kDown) + ".weight", {h, inter},
             1.0f / std::sqrt(static_cast<float>(inter)), 0.0f);
       }
+      if (c.IsDeepseek()) AddDeepseekMoeTensors(c, i, add);
       continue;
     }
     add(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, in_h, 0.0f);

@@ -18,12 +18,16 @@ namespace pdserve::engine {
 //    "llama2" (MHA), "llama3" (GQA, rope_theta 5e5), "llama3.1" (plus llama3
 //    RoPE scaling), "mistral", "qwen2" (q/k/v bias, tied embeddings), "qwen3"
 //    (q/k RMSNorm, tied embeddings), "mixtral" (8 experts, top-2) and
-//    "qwen3-moe" (8 experts, top-3 with norm_topk_prob, one dense layer);
+//    "qwen3-moe" (8 experts, top-3 with norm_topk_prob, one dense layer),
+//    "deepseek-v2" (MLA without q LoRA, group_limited_greedy top-3 of 8
+//    experts, 2 shared experts, dense first layer, YaRN) and "deepseek-v3"
+//    (MLA with q LoRA, sigmoid noaux_tc top-2, 1 shared expert, dense first
+//    layer, YaRN);
 //  - "llama3.2-1b": the Llama 3.2 1B shape at full size (hidden 2048, 16
 //    layers, 32 heads, 8 KV heads, vocabulary 128256, tied), bf16 by default.
 inline constexpr const char* kPresetNames =
     "tiny, small, llama2, llama3, llama3.1, mistral, qwen2, qwen3, mixtral, "
-    "qwen3-moe, llama3.2-1b";
+    "qwen3-moe, deepseek-v2, deepseek-v3, llama3.2-1b";
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset);
 // The dtype a preset is written in when none is asked for (fp32; bf16 for
 // llama3.2-1b, as the real checkpoint).

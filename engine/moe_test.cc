@@ -134,6 +134,144 @@ TEST(MoeWeightsTest, Qwen3MoePresetHasOneDenseLayer) {
   EXPECT_FALSE(w->layers[1].gate_up.empty());
 }
 
+// A DeepSeek router config over 8 experts in 4 groups of 2.
+ModelConfig DeepseekRouting(const std::string& arch, ModelConfig::MoeTopk topk,
+                            int64_t k, bool norm, double scale) {
+  ModelConfig c;
+  c.architecture = arch;
+  c.num_experts = 8;
+  c.num_experts_per_tok = k;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.moe_topk = topk;
+  c.moe_scoring = topk == ModelConfig::MoeTopk::kNoauxTc
+                      ? ModelConfig::MoeScoring::kSigmoid
+                      : ModelConfig::MoeScoring::kSoftmax;
+  c.norm_topk_prob = norm;
+  c.routed_scaling_factor = scale;
+  return c;
+}
+
+TEST(DeepseekRoutingTest, GroupLimitedGreedyChoosesOnlyInsideTheBestGroups) {
+  // Groups {0,1} {2,3} {4,5} {6,7}; group maxima 1.0, 3.0, 2.9, 2.0. The
+  // best two groups are 1 and 2, so expert 7 (2.0, above 4's 1.5) is out.
+  const float logits[] = {1.0f, 0.5f, 3.0f, 0.0f, 2.9f, 1.5f, 2.0f, 2.0f};
+  const ModelConfig c = DeepseekRouting(
+      "DeepseekV2ForCausalLM", ModelConfig::MoeTopk::kGroupLimitedGreedy, 3,
+      false, 16.0);
+  int32_t experts[3];
+  float weights[3];
+  RouteDeepseek(logits, 1, c, nullptr, experts, weights);
+  EXPECT_EQ(experts[0], 2);
+  EXPECT_EQ(experts[1], 4);
+  EXPECT_EQ(experts[2], 5);
+  double z = 0;
+  for (float l : logits) z += std::exp(double{l});
+  // V2 without norm_topk_prob: the full softmax times routed_scaling_factor.
+  EXPECT_NEAR(weights[0], 16.0 * std::exp(3.0) / z, 1e-5);
+  EXPECT_NEAR(weights[2], 16.0 * std::exp(1.5) / z, 1e-5);
+  // Greedy ignores the groups and takes 7 (ties to the lower id: 6 first).
+  const ModelConfig g = DeepseekRouting(
+      "DeepseekV2ForCausalLM", ModelConfig::MoeTopk::kGreedy, 3, true, 16.0);
+  RouteDeepseek(logits, 1, g, nullptr, experts, weights);
+  EXPECT_EQ(experts[0], 2);
+  EXPECT_EQ(experts[1], 4);
+  EXPECT_EQ(experts[2], 6);
+  // V2 with norm_topk_prob renormalises and does not scale.
+  EXPECT_NEAR(weights[0] + weights[1] + weights[2], 1.0, 1e-6);
+}
+
+TEST(DeepseekRoutingTest, NoauxTcChoosesByBiasedScoreAndWeighsByTheSigmoid) {
+  const float logits[] = {2.0f, 1.9f, 0.0f, 0.1f, -1.0f, 1.0f, 0.5f, 0.4f};
+  // Bias lifts expert 4 (group 2) and sinks expert 1.
+  const float bias[] = {0.0f, -0.5f, 0.0f, 0.0f, 0.9f, 0.0f, 0.0f, 0.0f};
+  const ModelConfig c = DeepseekRouting(
+      "DeepseekV3ForCausalLM", ModelConfig::MoeTopk::kNoauxTc, 2, true, 2.5);
+  int32_t experts[2];
+  float weights[2];
+  RouteDeepseek(logits, 1, c, bias, experts, weights);
+  auto sig = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  // Group scores (sum of the two best biased): g0 sig(2)+sig(1.9)-0.5,
+  // g1 sig(0)+sig(.1), g2 sig(-1)+.9+sig(1), g3 sig(.5)+sig(.4): g2 and g0.
+  // Then by biased score: 0 (0.881), 4 (0.269 + 0.9 = 1.169) first.
+  EXPECT_EQ(experts[0], 4);
+  EXPECT_EQ(experts[1], 0);
+  const double w4 = sig(-1.0), w0 = sig(2.0);
+  // Renormalised unbiased sigmoids, then always times 2.5 (V3).
+  EXPECT_NEAR(weights[0], 2.5 * w4 / (w4 + w0), 1e-6);
+  EXPECT_NEAR(weights[1], 2.5 * w0 / (w4 + w0), 1e-6);
+  EXPECT_NEAR(weights[0] + weights[1], 2.5, 1e-5);
+}
+
+TEST(MoeConfigTest, DeepseekLayersFollowFirstKDenseAndFrequency) {
+  auto c = ModelConfig::FromJson(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 100,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 4,
+    "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 12,
+    "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+    "first_k_dense_replace": 2, "moe_layer_freq": 2,
+    "routed_scaling_factor": 2.5,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096}})",
+                                 "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  // V3 defaults: noaux_tc, sigmoid, norm_topk_prob.
+  EXPECT_EQ(c->moe_topk, ModelConfig::MoeTopk::kNoauxTc);
+  EXPECT_EQ(c->moe_scoring, ModelConfig::MoeScoring::kSigmoid);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_TRUE(c->IsMla());
+  EXPECT_EQ(c->head_dim, 12);  // qk_nope + qk_rope, not the config's 4
+  const std::vector<bool> sparse = {false, false, true, false, true, false};
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(c->IsMoeLayer(i), sparse[i]) << i;
+  auto again = ModelConfig::FromJson(c->ToJson(), "round trip");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->q_lora_rank, 16);
+  EXPECT_EQ(again->yarn.factor, 40);
+  EXPECT_EQ(again->routed_scaling_factor, 2.5);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(again->IsMoeLayer(i), sparse[i]);
+  // The KV cache holds one latent row per token: 8 + 4 wide, one "head".
+  const KvCacheSpec spec = c->KvSpec(16, DType::kBF16);
+  EXPECT_TRUE(spec.mla());
+  EXPECT_EQ(spec.num_kv_heads, 1);
+  EXPECT_EQ(spec.head_dim, 12);
+  EXPECT_EQ(spec.BytesPerToken(), 6 * 12 * 2);
+  EXPECT_EQ(spec.LayerBlockBytes(), 16 * 12 * 2);
+  // A top-k the chosen groups cannot hold is refused.
+  std::string text = c->ToJson();
+  text.replace(text.find("\"num_experts_per_tok\": 2"), 25,
+               "\"num_experts_per_tok\": 5");
+  EXPECT_EQ(ModelConfig::FromJson(text, "config.json").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MoeWeightsTest, DeepseekPresetsHaveADenseFirstLayerAndSharedExperts) {
+  for (const char* preset : {"deepseek-v2", "deepseek-v3"}) {
+    auto w = PresetWeights(preset);
+    const ModelConfig& c = w->config;
+    ASSERT_EQ(w->layers.size(), 3u) << preset;
+    EXPECT_TRUE(w->layers[0].moe.empty()) << preset;
+    EXPECT_FALSE(w->layers[0].gate_up.empty()) << preset;
+    for (int l : {1, 2}) {
+      const MoeWeights& m = w->layers[l].moe;
+      EXPECT_FALSE(m.empty()) << preset << " " << l;
+      EXPECT_EQ(m.shared_gate_up.rows(),
+                2 * c.n_shared_experts * c.moe_intermediate_size);
+      EXPECT_EQ(m.score_bias.size(),
+                c.moe_topk == ModelConfig::MoeTopk::kNoauxTc ? 8u : 0u);
+    }
+    // MLA: no fused qkv; q LoRA only in V3's preset.
+    const MlaWeights& a = w->layers[0].mla;
+    EXPECT_TRUE(w->layers[0].qkv.empty());
+    EXPECT_EQ(a.q_proj.empty(), c.q_lora_rank > 0) << preset;
+    EXPECT_EQ(a.uk_t.size(), static_cast<size_t>(c.num_heads));
+    EXPECT_EQ(w->layers[0].o_proj.cols(), c.num_heads * c.v_head_dim);
+  }
+}
+
 class MoeMlpTest : public ::testing::TestWithParam<std::string> {};
 
 // A token's MoE output is bit-identical alone and in any batch, and matches a
@@ -280,11 +418,19 @@ TEST_P(MoeEngineTest, PrefixHitEqualsCold) {
   }
 }
 
+// A name for each family preset's test instance.
+std::string FamilyName(const std::string& preset) {
+  if (preset == "mixtral") return "Mixtral";
+  if (preset == "qwen3-moe") return "Qwen3Moe";
+  if (preset == "deepseek-v2") return "DeepseekV2";
+  return "DeepseekV3";
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, MoeEngineTest,
-                         ::testing::Values("mixtral", "qwen3-moe"),
+                         ::testing::Values("mixtral", "qwen3-moe",
+                                           "deepseek-v2", "deepseek-v3"),
                          [](const auto& info) {
-                           return info.param == "mixtral" ? "Mixtral"
-                                                          : "Qwen3Moe";
+                           return FamilyName(info.param);
                          });
 
 }  // namespace

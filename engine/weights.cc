@@ -158,7 +158,7 @@ int64_t ModelWeights::ParameterBytes() const {
   int64_t floats = static_cast<int64_t>(norm.size());
   for (const auto& l : layers) {
     n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes() +
-         l.moe.bytes();
+         l.moe.bytes() + l.mla.bytes();
     floats += l.input_norm.size() + l.qkv_bias.size() + l.q_norm.size() +
               l.k_norm.size() + l.post_norm.size();
   }
@@ -251,16 +251,18 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
     LayerWeights l;
     RETURN_IF_ERROR(
         src.Append(p + "input_layernorm.weight", {h}, &l.input_norm));
-    RETURN_IF_ERROR(
-        src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &tmp));
-    RETURN_IF_ERROR(
-        src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &tmp));
-    RETURN_IF_ERROR(
-        src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &tmp));
-    l.qkv = pack(q_rows + 2 * kv_rows, h);
-    if (c.attention_bias) {
-      RETURN_IF_ERROR(
-          src.Append(p + "self_attn.q_proj.bias", {q_rows}, &l.qkv_bias));
+    if (c.IsMla()) {
+      RETURN_IF_ERROR(LoadMlaWeights(
+          c, i,
+          [&](const std::string& name, const std::vector<int64_t>& shape,
+              std::vector<float>* out) { return src.Append(name, shape, out); },
+          [&](const float* data, int64_t rows, int64_t cols) {
+            return blas
+                       ? kernels::WeightMatrix::RowMajorF32(data, rows, cols)
+                       : kernels::WeightMatrix::Pack(data, rows, cols, w.dtype);
+          },
+          &l.mla, &l.o_proj));
+    } else {
       RETURN_IF_ERROR(
           src.Append(p + "self_attn.k_proj.bias", {kv_rows}, &l.qkv_bias));
       RETURN_IF_ERROR(
@@ -270,11 +272,9 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
       RETURN_IF_ERROR(
           src.Append(p + "self_attn.q_norm.weight", {hd}, &l.q_norm));
       RETURN_IF_ERROR(
-          src.Append(p + "self_attn.k_norm.weight", {hd}, &l.k_norm));
-    }
-    RETURN_IF_ERROR(
-        src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &tmp));
-    l.o_proj = pack(h, q_rows);
+          src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &tmp));
+      l.o_proj = pack(h, q_rows);
+    }  // MLA
     RETURN_IF_ERROR(
         src.Append(p + "post_attention_layernorm.weight", {h}, &l.post_norm));
     if (c.IsMoeLayer(i)) {
@@ -305,6 +305,21 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
     l.down = pack(h, c.intermediate_size);
     w.layers.push_back(std::move(l));
   }
+      // DeepSeek-V3's selection bias and DeepSeek's shared experts.
+      if (c.IsDeepseek() && c.moe_topk == ModelConfig::MoeTopk::kNoauxTc) {
+        RETURN_IF_ERROR(
+            src.Append(MoeRouterTensor(c, i) + ".e_score_correction_bias",
+                       {c.num_experts}, &l.moe.score_bias));
+      }
+      if (c.IsDeepseek() && c.n_shared_experts > 0) {
+        const int64_t shared = c.n_shared_experts * inter;
+        const std::string sp = p + "mlp.shared_experts.";
+        RETURN_IF_ERROR(src.Append(sp + "gate_proj.weight", {shared, h}, &tmp));
+        RETURN_IF_ERROR(src.Append(sp + "up_proj.weight", {shared, h}, &tmp));
+        l.moe.shared_gate_up = pack(2 * shared, h);
+        RETURN_IF_ERROR(src.Append(sp + "down_proj.weight", {h, shared}, &tmp));
+        l.moe.shared_down = pack(h, shared);
+      }
   RETURN_IF_ERROR(src.Append("model.norm.weight", {h}, &w.norm));
   if (!c.tie_word_embeddings) {
     RETURN_IF_ERROR(src.Append("lm_head.weight", {c.vocab_size, h}, &tmp));

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "engine/mla.h"
 #include "engine/model_config.h"
 #include "engine/moe.h"
 #include "kernels/cpu/matmul.h"
@@ -46,6 +47,9 @@ struct LayerWeights {
   // Sparse layers (ModelConfig::IsMoeLayer): router and experts, and the
   // dense gate_up/down above stay empty.
   MoeWeights moe;
+  // DeepSeek MLA (ModelConfig::IsMla): its projections; qkv and the q/k
+  // norms stay empty, o_proj is [hidden, heads * v_head_dim].
+  MlaWeights mla;
 };
 
 // 128-bit identity of the weights, used in the prefix-cache block hash.

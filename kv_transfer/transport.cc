@@ -7,8 +7,9 @@ namespace pdserve::kv_transfer {
 
 KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec,
                             const std::string& fingerprint) {
-  return {fingerprint,   spec.num_layers, spec.num_kv_heads,
-          spec.head_dim, spec.block_size, spec.dtype};
+  return {fingerprint,     spec.num_layers,       spec.num_kv_heads,
+          spec.head_dim,   spec.block_size,       spec.dtype,
+          spec.kv_lora_rank, spec.qk_rope_head_dim};
 }
 
 namespace {
@@ -20,7 +21,9 @@ std::string DTypeText(const std::optional<DType>& t) {
 std::string KvLayout::DebugString() const {
   return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers,
                       " kv_heads=", kv_heads, " head_dim=", head_dim,
-                      " block_size=", block_size, " dtype=", DTypeText(dtype));
+                      " block_size=", block_size, " dtype=", DTypeText(dtype),
+                      " kv_lora_rank=", kv_lora_rank,
+                      " qk_rope_head_dim=", qk_rope_head_dim);
 }
 
 const char* KvTransportName(KvTransportKind kind) {
@@ -58,6 +61,17 @@ absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {
   cmp("kv_heads", sender.kv_heads, receiver.kv_heads);
   cmp("head_dim", sender.head_dim, receiver.head_dim);
   cmp("block_size", sender.block_size, receiver.block_size);
+  // An MLA cache (latent rows) and an MHA/GQA one (K and V per head) never
+  // exchange blocks, even where the row widths happen to agree.
+  auto attention = [](const KvLayout& l) {
+    return l.kv_lora_rank > 0 ? "MLA latent" : "MHA/GQA";
+  };
+  if ((sender.kv_lora_rank > 0) != (receiver.kv_lora_rank > 0)) {
+    diffs.push_back(absl::StrCat("kv cache kind: sender ", attention(sender),
+                                 " vs receiver ", attention(receiver)));
+  }
+  cmp("kv_lora_rank", sender.kv_lora_rank, receiver.kv_lora_rank);
+  cmp("qk_rope_head_dim", sender.qk_rope_head_dim, receiver.qk_rope_head_dim);
   if (sender.dtype != receiver.dtype || !sender.dtype) {
     diffs.push_back(absl::StrCat("kv dtype: sender ", DTypeText(sender.dtype),
                                  " vs receiver ", DTypeText(receiver.dtype)));

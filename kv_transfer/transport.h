@@ -38,6 +38,9 @@ struct KvLayout {
   // nullopt: a dtype this release does not know (from a peer); it matches
   // nothing, so the handshake fails.
   std::optional<DType> dtype;
+  // MLA latent geometry (engine::KvCacheSpec); 0 for MHA/GQA.
+  int32_t kv_lora_rank = 0;
+  int32_t qk_rope_head_dim = 0;
 
   static KvLayout FromSpec(const engine::KvCacheSpec& spec,
                            const std::string& fingerprint);

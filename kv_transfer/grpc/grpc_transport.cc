@@ -22,6 +22,8 @@ v1::KvLayout ToProto(const KvLayout& l) {
   p.set_block_size(l.block_size);
   p.set_dtype(l.dtype ? wire::DTypeToProto(*l.dtype)
                       : v1::KV_DTYPE_UNSPECIFIED);
+  p.set_kv_lora_rank(l.kv_lora_rank);
+  p.set_qk_rope_head_dim(l.qk_rope_head_dim);
   return p;
 }
 
@@ -31,7 +33,9 @@ KvLayout FromProto(const v1::KvLayout& p) {
           static_cast<int32_t>(p.kv_heads()),
           static_cast<int32_t>(p.head_dim()),
           static_cast<int32_t>(p.block_size()),
-          wire::DTypeFromProto(p.dtype())};
+          wire::DTypeFromProto(p.dtype()),
+          static_cast<int32_t>(p.kv_lora_rank()),
+          static_cast<int32_t>(p.qk_rope_head_dim())};
 }
 
 void ConfigureInternalServer(grpc::ServerBuilder* builder) {

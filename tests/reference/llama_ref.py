@@ -15,7 +15,9 @@ Covered: Llama / Llama-3.x (incl. "llama3" rope_scaling), Mistral-style GQA,
 Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE), tied
 embeddings, explicit head_dim, and the Mixture-of-Experts Mixtral (softmax
 top-k renormalised) and Qwen3-MoE (norm_topk_prob, decoder_sparse_step,
-mlp_only_layers); weights stored as
+mlp_only_layers), and DeepSeek-V2/V3 (MLA attention with or without q LoRA,
+decoupled interleaved RoPE with YaRN and its mscale, DeepSeek MoE routing with
+shared experts and dense first layers); weights stored as
 F32 / F16 / BF16 (F64 also accepted). All arithmetic is done in float64.
 No dependency on `safetensors` or `transformers`: the file format is parsed here.
 
@@ -231,8 +233,15 @@ class LlamaConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
+    # DeepSeek-V2/V3 (MLA attention + DeepSeek MoE): the config fields, as a
+    # dict (see load_deepseek); None for every other family.
+    deepseek: Optional[dict] = None
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.deepseek is not None:  # DeepseekV2DecoderLayer's rule
+            ds = self.deepseek
+            return (self.num_experts > 0 and i >= ds["first_k_dense_replace"]
+                    and i % ds["moe_layer_freq"] == 0)
         # transformers' Qwen3MoeDecoderLayer; Mixtral: every layer.
         return (self.moe is not None and self.num_experts > 0
                 and i not in self.mlp_only_layers
@@ -262,7 +271,11 @@ def load_config_dict(c: dict, path: str = "config.json") -> LlamaConfig:
     hidden = int(c["hidden_size"])
     heads = int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
+    archs = c.get("architectures") or []
+    deepseek = load_deepseek(c, archs, path)
     head_dim = c.get("head_dim")
+    if deepseek is not None:  # MLA: a head's q/k width; V3 configs write rope dim here
+        head_dim = deepseek["qk_nope_head_dim"] + deepseek["qk_rope_head_dim"]
     if head_dim is None:
         if hidden % heads:
             raise RefError(f"{path}: hidden_size {hidden} not divisible by num_attention_heads {heads}")
@@ -276,7 +289,6 @@ def load_config_dict(c: dict, path: str = "config.json") -> LlamaConfig:
     if act != "silu":
         raise RefError(f"{path}: unsupported hidden_act '{act}' (only silu)")
 
-    archs = c.get("architectures") or []
     is_qwen2 = "Qwen2ForCausalLM" in archs or c.get("model_type") == "qwen2"
     is_mixtral = "MixtralForCausalLM" in archs or c.get("model_type") == "mixtral"
     is_qwen3_moe = "Qwen3MoeForCausalLM" in archs or c.get("model_type") == "qwen3_moe"
@@ -298,6 +310,14 @@ def load_config_dict(c: dict, path: str = "config.json") -> LlamaConfig:
                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
                    decoder_sparse_step=int(c.get("decoder_sparse_step", 1)),
                    mlp_only_layers=tuple(int(l) for l in (c.get("mlp_only_layers") or [])))
+    if deepseek is not None:
+        moe = dict(moe="deepseek",
+                   num_experts=deepseek["n_routed_experts"],
+                   num_experts_per_tok=deepseek["num_experts_per_tok"],
+                   moe_intermediate_size=deepseek["moe_intermediate_size"],
+                   norm_topk_prob=deepseek["norm_topk_prob"])
+        if moe["num_experts"] == 0:
+            moe = {}
     if moe and not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
         raise RefError(f"{path}: num_experts_per_tok must be in [1, num_experts]")
 
@@ -318,8 +338,50 @@ def load_config_dict(c: dict, path: str = "config.json") -> LlamaConfig:
         o_bias=attention_bias and not is_qwen2 and not is_qwen3,
         qk_norm=is_qwen3,
         max_position_embeddings=c.get("max_position_embeddings"),
+        deepseek=deepseek,
         **moe,
     )
+
+
+def load_deepseek(c: dict, archs: list, path: str) -> Optional[dict]:
+    """DeepSeek-V2/V3 fields with the defaults of DeepseekV2Config /
+    DeepseekV3Config (modeling_deepseek.py's trust_remote_code configs)."""
+    v2 = "DeepseekV2ForCausalLM" in archs or c.get("model_type") == "deepseek_v2"
+    v3 = "DeepseekV3ForCausalLM" in archs or c.get("model_type") == "deepseek_v3"
+    if not (v2 or v3):
+        return None
+
+    def get(key, default):
+        v = c.get(key)
+        return default if v is None else v
+
+    ds = dict(
+        version=3 if v3 else 2,
+        q_lora_rank=int(get("q_lora_rank", 0)),
+        kv_lora_rank=int(get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(get("qk_rope_head_dim", 64)),
+        v_head_dim=int(get("v_head_dim", 128)),
+        n_routed_experts=int(get("n_routed_experts", 0)),
+        num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(get("moe_intermediate_size", 1407)),
+        n_shared_experts=int(get("n_shared_experts", 0)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        topk_method=get("topk_method", "noaux_tc" if v3 else "greedy"),
+        scoring_func=get("scoring_func", "sigmoid" if v3 else "softmax"),
+        n_group=int(get("n_group", 1)),
+        topk_group=int(get("topk_group", 1)),
+        norm_topk_prob=bool(get("norm_topk_prob", v3)),
+        first_k_dense_replace=int(get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(get("moe_layer_freq", 1)),
+    )
+    if ds["topk_method"] not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise RefError(f"{path}: unsupported topk_method {ds['topk_method']}")
+    if ds["scoring_func"] not in ("softmax", "sigmoid"):
+        raise RefError(f"{path}: unsupported scoring_func {ds['scoring_func']}")
+    if ds["qk_rope_head_dim"] % 2:
+        raise RefError(f"{path}: qk_rope_head_dim must be even")
+    return ds
 
 
 # --------------------------------------------------------------------------
@@ -441,6 +503,163 @@ def moe_mlp(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torc
     return out
 
 
+# --------------------------------------------------------------------------
+# DeepSeek-V2/V3: MLA attention and DeepSeek MoE, as modeling_deepseek.py
+# computes them (K and V expanded from the latent for every position; no
+# weight absorption here, unlike pdserve's engine/mla.cc).
+# --------------------------------------------------------------------------
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_rope(cfg: LlamaConfig, T: int):
+    """cos, sin [T, qk_rope_head_dim] of DeepseekV2RotaryEmbedding, or of
+    DeepseekV2YarnRotaryEmbedding (with its mscale factor) for rope_scaling
+    type yarn."""
+    ds = cfg.deepseek
+    dim, base = ds["qk_rope_head_dim"], cfg.rope_theta
+    idx = torch.arange(0, dim, 2, dtype=torch.float64)
+    inv_freq = 1.0 / (base ** (idx / dim))
+    factor_cs = 1.0
+    rs = cfg.rope_scaling
+    if rs:
+        kind = rs.get("type", rs.get("rope_type"))
+        if kind != "yarn":
+            raise RefError(f"unsupported DeepSeek rope_scaling type '{kind}' (supported: yarn)")
+        factor = float(rs["factor"])
+        orig = float(rs.get("original_max_position_embeddings", 4096))
+        beta_fast = float(rs.get("beta_fast", 32))
+        beta_slow = float(rs.get("beta_slow", 1))
+        mscale = float(rs.get("mscale", 1))
+        mscale_all_dim = float(rs.get("mscale_all_dim", 0))
+
+        def correction_dim(rotations):
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+        extrapolate = 1.0 - ramp  # 1: keep the original frequency
+        inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+        factor_cs = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    t = torch.arange(T, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * factor_cs, emb.sin() * factor_cs
+
+
+def deepseek_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """modeling_deepseek.py's apply_rotary_pos_emb: de-interleave the pairs
+    (x[2i], x[2i+1]) into two halves, then rotate_half RoPE. x: [..., T, d]."""
+    *lead, T, d = x.shape
+    x = x.reshape(*lead, T, d // 2, 2).transpose(-1, -2).reshape(*lead, T, d)
+    return x * cos + rotate_half(x) * sin
+
+
+def mla_softmax_scale(cfg: LlamaConfig) -> float:
+    ds = cfg.deepseek
+    scale = (ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"]) ** -0.5
+    rs = cfg.rope_scaling
+    if rs and float(rs.get("mscale_all_dim", 0)):
+        m = yarn_get_mscale(float(rs["factor"]), float(rs["mscale_all_dim"]))
+        scale = scale * m * m
+    return scale
+
+
+def mla_attention(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepseekV2Attention of layer i. x: [T, hidden] -> [T, hidden]."""
+    ds = cfg.deepseek
+    T, E, H = x.shape[0], cfg.hidden_size, cfg.num_attention_heads
+    nope, rope, vd = ds["qk_nope_head_dim"], ds["qk_rope_head_dim"], ds["v_head_dim"]
+    R, QL = ds["kv_lora_rank"], ds["q_lora_rank"]
+    qh = nope + rope
+    p = f"model.layers.{i}.self_attn."
+    if QL:
+        qa = x @ ckpt.get(p + "q_a_proj.weight", [QL, E]).T
+        qa = rms_norm(qa, ckpt.get(p + "q_a_layernorm.weight", [QL]), cfg.rms_norm_eps)
+        q = qa @ ckpt.get(p + "q_b_proj.weight", [H * qh, QL]).T
+    else:
+        q = x @ ckpt.get(p + "q_proj.weight", [H * qh, E]).T
+    q = q.view(T, H, qh).transpose(0, 1)  # [H, T, qh]
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    ckv = x @ ckpt.get(p + "kv_a_proj_with_mqa.weight", [R + rope, E]).T  # [T, R + rope]
+    latent, k_pe = ckv[:, :R], ckv[:, R:]
+    latent = rms_norm(latent, ckpt.get(p + "kv_a_layernorm.weight", [R]), cfg.rms_norm_eps)
+    kv = latent @ ckpt.get(p + "kv_b_proj.weight", [H * (nope + vd), R]).T
+    kv = kv.view(T, H, nope + vd).transpose(0, 1)  # [H, T, nope + v]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    q_pe = deepseek_apply_rope(q_pe, cos, sin)
+    k_pe = deepseek_apply_rope(k_pe.view(1, T, rope), cos, sin).expand(H, T, rope)
+    qs = torch.cat((q_nope, q_pe), dim=-1)
+    ks = torch.cat((k_nope, k_pe), dim=-1)
+    scores = (qs @ ks.transpose(1, 2)) * mla_softmax_scale(cfg)  # [H, T, T]
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [H, T, v]
+    out = out.transpose(0, 1).reshape(T, H * vd)
+    return out @ ckpt.get(p + "o_proj.weight", [E, H * vd]).T
+
+
+def topk_stable(values: torch.Tensor, k: int):
+    """Top-k along the last dim, descending, equal values to the lower index."""
+    v, idx = torch.sort(values, dim=-1, descending=True, stable=True)
+    return v[..., :k], idx[..., :k]
+
+
+def deepseek_moe(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torch.Tensor:
+    """DeepseekV2MoE / DeepseekV3MoE: MoEGate routing (softmax or sigmoid;
+    greedy, group_limited_greedy or noaux_tc), the chosen experts weighted,
+    plus the shared experts. Every expert runs on every token here."""
+    ds = cfg.deepseek
+    T, E = x.shape
+    N, K, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    p = f"model.layers.{i}.mlp."
+    logits = x @ ckpt.get(p + "gate.weight", [N, E]).T  # [T, N]
+    scores = torch.softmax(logits, dim=-1) if ds["scoring_func"] == "softmax" else torch.sigmoid(logits)
+    method = ds["topk_method"]
+    choice = scores
+    if method == "noaux_tc":
+        choice = scores + ckpt.get(p + "gate.e_score_correction_bias", [N])[None, :]
+    if method in ("group_limited_greedy", "noaux_tc"):
+        G = ds["n_group"]
+        grouped = choice.view(T, G, N // G)
+        if method == "group_limited_greedy":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = topk_stable(grouped, 2)[0].sum(dim=-1)
+        _, group_idx = topk_stable(group_scores, ds["topk_group"])
+        group_mask = torch.zeros(T, G, dtype=torch.bool)
+        group_mask.scatter_(1, group_idx, True)
+        score_mask = group_mask[:, :, None].expand(T, G, N // G).reshape(T, N)
+        choice = choice.masked_fill(~score_mask, 0.0)
+    top_w, top_e = topk_stable(choice, K)
+    if method == "noaux_tc":
+        top_w = scores.gather(1, top_e)
+    scale = ds["routed_scaling_factor"]
+    if K > 1 and ds["norm_topk_prob"]:
+        top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        if ds["version"] == 3:
+            top_w = top_w * scale
+    else:
+        top_w = top_w * scale
+    out = torch.zeros_like(x)
+    for e in range(N):
+        weight = (top_w * (top_e == e)).sum(dim=-1, keepdim=True)
+        if bool((top_e == e).any()):
+            ep = f"{p}experts.{e}."
+            out = out + weight * swiglu(ckpt, x, ep + "gate_proj", ep + "up_proj", ep + "down_proj", E, F)
+    if ds["n_shared_experts"]:
+        sp = p + "shared_experts."
+        out = out + swiglu(ckpt, x, sp + "gate_proj", sp + "up_proj", sp + "down_proj",
+                           E, F * ds["n_shared_experts"])
+    return out
+
+
 def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tensor:
     """Logits for every position: float64 tensor [T, vocab_size]."""
     if not tokens:
@@ -454,17 +673,22 @@ def forward(cfg: LlamaConfig, ckpt: Checkpoint, tokens: List[int]) -> torch.Tens
     embed = ckpt.get("model.embed_tokens.weight", [V, E])
     x = embed[torch.tensor(tokens, dtype=torch.long)]  # [T, E]
 
-    positions = torch.arange(T, dtype=torch.float64)
-    angles = positions[:, None] * rope_inv_freq(cfg)[None, :]  # [T, D/2]
-    emb = torch.cat((angles, angles), dim=-1)  # [T, D]
-    cos, sin = emb.cos(), emb.sin()
+    if cfg.deepseek is not None:
+        cos, sin = deepseek_rope(cfg, T)
+        attn, sparse = mla_attention, deepseek_moe
+    else:
+        positions = torch.arange(T, dtype=torch.float64)
+        angles = positions[:, None] * rope_inv_freq(cfg)[None, :]  # [T, D/2]
+        emb = torch.cat((angles, angles), dim=-1)  # [T, D]
+        cos, sin = emb.cos(), emb.sin()
+        attn, sparse = attention, moe_mlp
 
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         h = rms_norm(x, ckpt.get(p + "input_layernorm.weight", [E]), cfg.rms_norm_eps)
-        x = x + attention(cfg, ckpt, i, h, cos, sin)
+        x = x + attn(cfg, ckpt, i, h, cos, sin)
         h = rms_norm(x, ckpt.get(p + "post_attention_layernorm.weight", [E]), cfg.rms_norm_eps)
-        x = x + (moe_mlp(cfg, ckpt, i, h) if cfg.is_moe_layer(i) else mlp(cfg, ckpt, i, h))
+        x = x + (sparse(cfg, ckpt, i, h) if cfg.is_moe_layer(i) else mlp(cfg, ckpt, i, h))
 
     x = rms_norm(x, ckpt.get("model.norm.weight", [E]), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):

@@ -14,7 +14,11 @@ Qwen2ForCausalLM config), --qk-norm (per-head q/k RMSNorm weights, written as
 a Qwen3ForCausalLM config), --mistral (a MistralForCausalLM config with a
 sliding window), --tied (tie_word_embeddings, no lm_head.weight),
 --rope-llama3 (llama3 rope_scaling chosen so all three frequency bands occur),
---kv-heads, plus the sizes (--hidden, --heads, --head-dim, --layers, ...).
+--kv-heads, plus the sizes (--hidden, --heads, --head-dim, --layers, ...);
+--deepseek 2|3 writes a DeepSeek-V2/V3 checkpoint (MLA + DeepSeek MoE, see
+make_deepseek_model: --q-lora-rank, --kv-lora-rank, --qk-nope, --qk-rope,
+--v-head, --topk-method, --n-group, --topk-group, --shared, --first-dense,
+--yarn FACTOR MSCALE MSCALE_ALL_DIM, ...).
 
 make_model() is importable; it also returns the weights exactly as stored
 (rounded to the storage dtype, as float64 numpy arrays).
@@ -210,6 +214,142 @@ def make_model(out_dir, *, hidden=32, intermediate=48, layers=2, heads=4, kv_hea
     return config, stored
 
 
+def make_deepseek_model(out_dir, *, version=2, hidden=32, intermediate=48, layers=3, heads=4,
+                        vocab=64, dtype="F32", shards=1, q_lora_rank=0, kv_lora_rank=16,
+                        qk_nope=8, qk_rope=4, v_head=6, experts=8, top_k=2, moe_intermediate=12,
+                        n_group=4, topk_group=2, topk_method=None, shared=1, first_dense=1,
+                        moe_layer_freq=1, norm_topk_prob=None, routed_scale=2.0,
+                        yarn=None, rope_theta=10000.0, eps=1e-6, seed=0):
+    """A random DeepSeek-V2 (version 2) or V3 (version 3) checkpoint in the
+    layout of their Hugging Face releases: MLA projections (q_proj, or with
+    q_lora_rank q_a_proj/q_a_layernorm/q_b_proj; kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj), mlp.gate (+ e_score_correction_bias
+    for noaux_tc), mlp.experts.E.*, mlp.shared_experts.* and dense mlp.* on
+    the first `first_dense` layers and those off moe_layer_freq.
+    yarn: None, or (factor, mscale, mscale_all_dim). Returns (config, stored)."""
+    v3 = version == 3
+    topk_method = topk_method or ("noaux_tc" if v3 else "group_limited_greedy")
+    norm_topk_prob = v3 if norm_topk_prob is None else norm_topk_prob
+    rng = np.random.default_rng(seed)
+
+    def linear(n_out, n_in):
+        return rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+
+    def norm_weight(n):
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    qh = qk_nope + qk_rope
+    w = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden))}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w[p + "input_layernorm.weight"] = norm_weight(hidden)
+        if q_lora_rank:
+            w[a + "q_a_proj.weight"] = linear(q_lora_rank, hidden)
+            w[a + "q_a_layernorm.weight"] = norm_weight(q_lora_rank)
+            w[a + "q_b_proj.weight"] = linear(heads * qh, q_lora_rank)
+        else:
+            w[a + "q_proj.weight"] = linear(heads * qh, hidden)
+        w[a + "kv_a_proj_with_mqa.weight"] = linear(kv_lora_rank + qk_rope, hidden)
+        w[a + "kv_a_layernorm.weight"] = norm_weight(kv_lora_rank)
+        w[a + "kv_b_proj.weight"] = linear(heads * (qk_nope + v_head), kv_lora_rank)
+        w[a + "o_proj.weight"] = linear(hidden, heads * v_head)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(hidden)
+        if experts and i >= first_dense and i % moe_layer_freq == 0:
+            m = p + "mlp."
+            w[m + "gate.weight"] = 2.0 * linear(experts, hidden)
+            if topk_method == "noaux_tc":
+                w[m + "gate.e_score_correction_bias"] = 0.05 * rng.standard_normal(experts)
+            for e in range(experts):
+                ep = f"{m}experts.{e}."
+                w[ep + "gate_proj.weight"] = linear(moe_intermediate, hidden)
+                w[ep + "up_proj.weight"] = linear(moe_intermediate, hidden)
+                w[ep + "down_proj.weight"] = linear(hidden, moe_intermediate)
+            if shared:
+                sp = m + "shared_experts."
+                w[sp + "gate_proj.weight"] = linear(shared * moe_intermediate, hidden)
+                w[sp + "up_proj.weight"] = linear(shared * moe_intermediate, hidden)
+                w[sp + "down_proj.weight"] = linear(hidden, shared * moe_intermediate)
+            continue
+        w[p + "mlp.gate_proj.weight"] = linear(intermediate, hidden)
+        w[p + "mlp.up_proj.weight"] = linear(intermediate, hidden)
+        w[p + "mlp.down_proj.weight"] = linear(hidden, intermediate)
+    w["model.norm.weight"] = norm_weight(hidden)
+    w["lm_head.weight"] = linear(vocab, hidden)
+
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "moe_intermediate_size": moe_intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_shared_experts": shared or None,
+        "n_routed_experts": experts,
+        "routed_scaling_factor": routed_scale,
+        "kv_lora_rank": kv_lora_rank,
+        "q_lora_rank": q_lora_rank or None,
+        "qk_rope_head_dim": qk_rope,
+        "v_head_dim": v_head,
+        "qk_nope_head_dim": qk_nope,
+        "topk_method": topk_method,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "num_experts_per_tok": top_k,
+        "moe_layer_freq": moe_layer_freq,
+        "first_k_dense_replace": first_dense,
+        "norm_topk_prob": norm_topk_prob,
+        "scoring_func": "sigmoid" if topk_method == "noaux_tc" else "softmax",
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
+    }
+    if v3:
+        config["head_dim"] = qk_rope  # as transformers' DeepseekV3Config writes it
+    if yarn:
+        factor, mscale, mscale_all_dim = yarn
+        # original 64: positions of the test prompts cross every yarn band.
+        config["rope_scaling"] = {"type": "yarn", "factor": factor,
+                                  "original_max_position_embeddings": 64,
+                                  "beta_fast": 32, "beta_slow": 1,
+                                  "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    return write_model(out_dir, config, w, dtype, shards)
+
+
+def write_model(out_dir, config, w, dtype, shards):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    stored, encoded = {}, {}
+    for name, value in w.items():
+        raw, back = encode(value, dtype)
+        encoded[name] = (raw, dtype, value.shape)
+        stored[name] = back
+    meta = {"format": "pt"}
+    if shards <= 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), encoded, meta)
+    else:
+        names = list(encoded)
+        weight_map = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: encoded[n] for n in names[s::shards]}
+            write_safetensors(os.path.join(out_dir, fname), part, meta)
+            weight_map.update({n: fname for n in part})
+        total = sum(len(raw) for raw, _, _ in encoded.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return config, stored
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
@@ -239,7 +379,38 @@ def main(argv=None) -> int:
     ap.add_argument("--no-norm-topk-prob", action="store_true", help="Qwen3-MoE norm_topk_prob false")
     ap.add_argument("--sparse-step", type=int, default=1, help="Qwen3-MoE decoder_sparse_step")
     ap.add_argument("--mlp-only", type=int, nargs="*", default=[], help="Qwen3-MoE mlp_only_layers")
+    ap.add_argument("--deepseek", type=int, choices=[2, 3], default=None,
+                    help="DeepseekV2ForCausalLM / DeepseekV3ForCausalLM (MLA + DeepSeek MoE)")
+    ap.add_argument("--q-lora-rank", type=int, default=0, help="DeepSeek q LoRA rank (0: q_proj)")
+    ap.add_argument("--kv-lora-rank", type=int, default=16)
+    ap.add_argument("--qk-nope", type=int, default=8)
+    ap.add_argument("--qk-rope", type=int, default=4)
+    ap.add_argument("--v-head", type=int, default=6)
+    ap.add_argument("--n-group", type=int, default=4)
+    ap.add_argument("--topk-group", type=int, default=2)
+    ap.add_argument("--topk-method", default=None,
+                    choices=["greedy", "group_limited_greedy", "noaux_tc"])
+    ap.add_argument("--shared", type=int, default=1, help="DeepSeek n_shared_experts")
+    ap.add_argument("--first-dense", type=int, default=1, help="DeepSeek first_k_dense_replace")
+    ap.add_argument("--moe-layer-freq", type=int, default=1)
+    ap.add_argument("--routed-scale", type=float, default=2.0)
+    ap.add_argument("--yarn", type=float, nargs=3, default=None,
+                    metavar=("FACTOR", "MSCALE", "MSCALE_ALL_DIM"), help="DeepSeek YaRN rope_scaling")
     a = ap.parse_args(argv)
+    if a.deepseek:
+        make_deepseek_model(
+            a.out_dir, version=a.deepseek, hidden=a.hidden, intermediate=a.intermediate,
+            layers=a.layers, heads=a.heads, vocab=a.vocab, dtype=a.dtype, shards=a.sharded,
+            q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope=a.qk_nope,
+            qk_rope=a.qk_rope, v_head=a.v_head, experts=a.experts, top_k=a.top_k,
+            moe_intermediate=a.moe_intermediate, n_group=a.n_group, topk_group=a.topk_group,
+            topk_method=a.topk_method, shared=a.shared, first_dense=a.first_dense,
+            moe_layer_freq=a.moe_layer_freq,
+            norm_topk_prob=(False if a.no_norm_topk_prob else None),
+            routed_scale=a.routed_scale, yarn=tuple(a.yarn) if a.yarn else None,
+            rope_theta=a.rope_theta, eps=a.eps, seed=a.seed)
+        print(f"wrote test model to {a.out_dir}")
+        return 0
     make_model(a.out_dir, hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
                heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, vocab=a.vocab,
                dtype=a.dtype, shards=a.sharded, qkv_bias=a.qkv_bias, tied=a.tied,
