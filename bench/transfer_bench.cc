@@ -22,6 +22,9 @@
 #include "common/metrics.h"
 #include "common/status_macros.h"
 #include "kv_transfer/grpc/grpc_transport.h"
+#include "kv_transfer/ipc/ipc_service.h"
+#include "kv_transfer/ipc/ipc_transport.h"
+#include "kv_transfer/nccl/grpc_control_channel.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/transfer_metrics.h"
 
@@ -105,7 +108,11 @@ struct PoolPair {
                                          int64_t num_blocks) {
     PoolPair p;
     ASSIGN_OR_RETURN(p.sender, engine::KvPool::Create(spec, num_blocks));
-    ASSIGN_OR_RETURN(p.receiver, engine::KvPool::Create(spec, num_blocks));
+    // In a memfd, as a decode worker's pool is under --kv-transport shm, so
+    // the shm transport can map it; grpc writes into the same memory.
+    engine::KvCacheSpec shared = spec;
+    shared.host_shared = true;
+    ASSIGN_OR_RETURN(p.receiver, engine::KvPool::Create(shared, num_blocks));
     const size_t bytes = static_cast<size_t>(spec.LayerBlockBytes());
     const size_t scale_bytes = ScaleBytes(spec);
     for (int32_t b = 0; b < num_blocks; ++b) {
@@ -174,7 +181,8 @@ struct PoolPair {
 
 // A decode worker's receiving side in this process: KvReceiver on the
 // receiver pool (counting into `metrics`, as a worker's does) behind a
-// KvTransferService on 127.0.0.1, port 0.
+// KvTransfer service on 127.0.0.1, port 0 that takes grpc pushes and, on its
+// Control stream, shm transfers (as a --kv-transport shm worker's does).
 class LoopbackReceiver {
  public:
   static absl::StatusOr<std::unique_ptr<LoopbackReceiver>> Start(
@@ -182,10 +190,15 @@ class LoopbackReceiver {
       kv_transfer::TransferMetrics* metrics) {
     std::unique_ptr<LoopbackReceiver> r(
         new LoopbackReceiver(pool, layout, metrics));
+    ASSIGN_OR_RETURN(r->endpoint_,
+                     kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
+                         &r->receiver_, pool, r->shm_.get()));
+    r->service_ = std::make_unique<kv_transfer::ipc::IpcKvTransferService>(
+        &r->receiver_, r->endpoint_.get());
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
                              &r->port_);
-    builder.RegisterService(&r->service_);
+    builder.RegisterService(r->service_.get());
     // As decode_service/worker_server.cc configures it.
     kv_transfer::ConfigureInternalServer(&builder);
     r->server_ = builder.BuildAndStart();
@@ -197,6 +210,7 @@ class LoopbackReceiver {
   }
   ~LoopbackReceiver() {
     if (server_) server_->Shutdown(std::chrono::system_clock::now());
+    if (endpoint_) endpoint_->Shutdown();
   }
 
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
@@ -205,10 +219,13 @@ class LoopbackReceiver {
  private:
   LoopbackReceiver(engine::KvPool* pool, const kv_transfer::KvLayout& layout,
                    kv_transfer::TransferMetrics* metrics)
-      : receiver_(pool, layout, metrics->ForReceiver()), service_(&receiver_) {}
+      : receiver_(pool, layout, metrics->ForReceiver()),
+        shm_(kv_transfer::ipc::NewShmBackend()) {}
 
   kv_transfer::KvReceiver receiver_;
-  kv_transfer::KvTransferService service_;
+  std::unique_ptr<kv_transfer::ipc::PeerMemoryBackend> shm_;
+  std::unique_ptr<kv_transfer::ipc::IpcKvReceiveEndpoint> endpoint_;
+  std::unique_ptr<kv_transfer::ipc::IpcKvTransferService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };
@@ -216,11 +233,13 @@ class LoopbackReceiver {
 // One transfer of every layer of `plan.blocks`, driven as a prefill worker
 // would: Expect on the receiver, Open, SendLayers over all layers, Finish,
 // Wait. Times from Open to the receiver's completion.
-absl::StatusOr<Timing> TimeGrpcTransfer(
-    kv_transfer::GrpcKvTransport& transport, LoopbackReceiver& end,
-    engine::KvPool* sender_pool, kv_transfer::SendPlan plan,
-    const std::vector<int32_t>& receive_blocks, int64_t expected_bytes,
-    absl::Duration timeout) {
+absl::StatusOr<Timing> TimeTransfer(kv_transfer::KvTransport& transport,
+                                    LoopbackReceiver& end,
+                                    engine::KvPool* sender_pool,
+                                    kv_transfer::SendPlan plan,
+                                    const std::vector<int32_t>& receive_blocks,
+                                    int64_t expected_bytes,
+                                    absl::Duration timeout) {
   kv_transfer::KvReceiver& receiver = end.receiver();
   const int32_t num_layers = sender_pool->spec().num_layers;
   plan.reservation_id =
@@ -393,6 +412,15 @@ absl::StatusOr<TransferFigure> MeasureOne(
                                            &transfer_metrics));
   kv_transfer::GrpcKvTransport transport(&transfer_metrics,
                                          config.transfer_timeout);
+  // shm: the sender maps the receiver pool's memfd and memcpys into it; its
+  // control stream is the KvTransfer.Control stream of the same server.
+  kv_transfer::nccl::GrpcControlChannelFactory control;
+  std::unique_ptr<kv_transfer::ipc::PeerMemoryBackend> shm_backend =
+      kv_transfer::ipc::NewShmBackend();
+  kv_transfer::ipc::IpcTransportConfig shm_config;
+  shm_config.timeout = config.transfer_timeout;
+  kv_transfer::ipc::IpcKvTransport shm(&control, shm_backend.get(),
+                                       &transfer_metrics, shm_config);
   kv_transfer::SendPlan plan;
   plan.destination = end->address();
   plan.sender_id = "bench-transfer";
@@ -405,22 +433,30 @@ absl::StatusOr<TransferFigure> MeasureOne(
   // cleared so verification sees only the bytes of a timed transfer.
   plan.blocks = pools.send_blocks;
   plan.request_id = "warm-up";
-  if (auto w = TimeGrpcTransfer(transport, *end, pools.sender.get(), plan,
-                                pools.receive_blocks, f.bytes,
-                                config.transfer_timeout);
+  if (auto w =
+          TimeTransfer(transport, *end, pools.sender.get(), plan,
+                       pools.receive_blocks, f.bytes, config.transfer_timeout);
       !w.ok()) {
     return Annotate(w.status(), absl::StrCat(what, ": grpc warm-up"));
   }
   pools.ClearReceived();
+  plan.request_id = "warm-up-shm";  // maps the receiver pool once
+  if (auto w =
+          TimeTransfer(shm, *end, pools.sender.get(), plan,
+                       pools.receive_blocks, f.bytes, config.transfer_timeout);
+      !w.ok()) {
+    return Annotate(w.status(), absl::StrCat(what, ": shm warm-up"));
+  }
+  pools.ClearReceived();
 
-  std::vector<Timing> grpc_timings, tcp_timings;
+  std::vector<Timing> grpc_timings, tcp_timings, shm_timings;
   // grpc and raw TCP alternate so that noise from other load on the machine
   // affects both alike.
   for (int32_t rep = 0; rep < config.repetitions; ++rep) {
     plan.request_id = absl::StrCat("bench-", rep);
-    auto g = TimeGrpcTransfer(transport, *end, pools.sender.get(), plan,
-                              pools.receive_blocks, f.bytes,
-                              config.transfer_timeout);
+    auto g =
+        TimeTransfer(transport, *end, pools.sender.get(), plan,
+                     pools.receive_blocks, f.bytes, config.transfer_timeout);
     if (!g.ok()) {
       return Annotate(g.status(), absl::StrCat(what, ": grpc transfer"));
     }
@@ -431,17 +467,34 @@ absl::StatusOr<TransferFigure> MeasureOne(
     auto t = TimeRawTcp(f.bytes, tcp_source, tcp_sink);
     if (!t.ok()) return Annotate(t.status(), what);
     tcp_timings.push_back(*t);
+    if (rep == 0) pools.ClearReceived();
+    plan.request_id = absl::StrCat("bench-shm-", rep);
+    auto m =
+        TimeTransfer(shm, *end, pools.sender.get(), plan, pools.receive_blocks,
+                     f.bytes, config.transfer_timeout);
+    if (!m.ok()) {
+      return Annotate(m.status(), absl::StrCat(what, ": shm transfer"));
+    }
+    shm_timings.push_back(*m);
+    if (rep == 0) {
+      RETURN_IF_ERROR(pools.Verify(absl::StrCat(what, " over shm")));
+    }
   }
   Summarize(grpc_timings, f.bytes, &f.grpc_gb_per_s, &f.grpc_median_gb_per_s,
             &f.grpc_cpu_s_per_gb);
   Summarize(tcp_timings, f.bytes, &f.tcp_gb_per_s, &f.tcp_median_gb_per_s,
             &f.tcp_cpu_s_per_gb);
+  Summarize(shm_timings, f.bytes, &f.shm_gb_per_s, &f.shm_median_gb_per_s,
+            &f.shm_cpu_s_per_gb);
   f.ratio = f.grpc_gb_per_s / f.tcp_gb_per_s;
+  f.shm_over_grpc = f.shm_gb_per_s / f.grpc_gb_per_s;
   std::fprintf(stderr,
                "[bench] transfer %s: grpc %.3f GB/s, raw TCP %.3f GB/s, ratio "
-               "%.2f; CPU s/GB grpc %.2f, raw TCP %.2f\n",
+               "%.2f; shm %.3f GB/s (%.2fx grpc); CPU s/GB grpc %.2f, raw TCP "
+               "%.2f, shm %.2f\n",
                what.c_str(), f.grpc_gb_per_s, f.tcp_gb_per_s, f.ratio,
-               f.grpc_cpu_s_per_gb, f.tcp_cpu_s_per_gb);
+               f.shm_gb_per_s, f.shm_over_grpc, f.grpc_cpu_s_per_gb,
+               f.tcp_cpu_s_per_gb, f.shm_cpu_s_per_gb);
   return f;
 }
 
@@ -556,6 +609,10 @@ std::string TransferBenchResult::ToJson() const {
     v["ratio"] = f.ratio;
     v["grpc_cpu_s_per_gb"] = f.grpc_cpu_s_per_gb;
     v["tcp_cpu_s_per_gb"] = f.tcp_cpu_s_per_gb;
+    v["shm_gb_per_s"] = f.shm_gb_per_s;
+    v["shm_median_gb_per_s"] = f.shm_median_gb_per_s;
+    v["shm_cpu_s_per_gb"] = f.shm_cpu_s_per_gb;
+    v["shm_over_grpc"] = f.shm_over_grpc;
     out["figures"].push_back(std::move(v));
   }
   return json::Dump(out);
@@ -563,20 +620,25 @@ std::string TransferBenchResult::ToJson() const {
 
 std::string TransferBenchResult::ToTable() const {
   std::string out = absl::StrFormat(
-      "%-12s %7s %7s %9s %17s %17s %8s %14s\n", "layout", "tokens", "blocks",
-      "MB", "grpc GB/s (med)", "raw GB/s (med)", "grpc/raw", "CPU s/GB g|raw");
+      "%-12s %7s %7s %9s %17s %17s %8s %14s %17s %8s\n", "layout", "tokens",
+      "blocks", "MB", "grpc GB/s (med)", "raw GB/s (med)", "grpc/raw",
+      "CPU s/GB g|raw", "shm GB/s (med)", "shm/grpc");
   for (const TransferFigure& f : figures) {
     absl::StrAppendFormat(
         &out,
-        "%-12s %7d %7d %9.1f %7.3f (%7.3f) %7.3f (%7.3f) %8.2f %6.2f|%-6.2f\n",
+        "%-12s %7d %7d %9.1f %7.3f (%7.3f) %7.3f (%7.3f) %8.2f %6.2f|%-6.2f "
+        "%7.3f (%7.3f) %8.2f\n",
         f.layout, f.tokens, f.blocks, f.bytes / 1e6, f.grpc_gb_per_s,
         f.grpc_median_gb_per_s, f.tcp_gb_per_s, f.tcp_median_gb_per_s, f.ratio,
-        f.grpc_cpu_s_per_gb, f.tcp_cpu_s_per_gb);
+        f.grpc_cpu_s_per_gb, f.tcp_cpu_s_per_gb, f.shm_gb_per_s,
+        f.shm_median_gb_per_s, f.shm_over_grpc);
   }
   absl::StrAppendFormat(
       &out,
       "\nGB/s: best of %d repetitions (median in parentheses), GB = 1e9 bytes, "
       "loopback, both ends in one process; grpc/raw compares the best runs.\n"
+      "shm: the same-node transport (memcpy into the receiver's mapped "
+      "memfd pool, control over gRPC); shm/grpc compares the best runs.\n"
       "CPU s/GB: process CPU (all threads, user + system) per GB moved, least "
       "of the repetitions.\n"
       "goal grpc/raw >= %.2f at >= %d tokens: %s\n",

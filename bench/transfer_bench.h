@@ -1,11 +1,12 @@
 // `pdserve bench transfer`: throughput of the `grpc` KV transport on
 // loopback, against raw loopback TCP moving the same number of bytes in the
-// same run. Both ends live in this process: a GrpcKvTransport sender session
-// reading one engine::KvPool, and a KvTransferService + KvReceiver on
-// 127.0.0.1 (port 0) writing another. Every (layout, tokens) measurement gets
-// pools sized for exactly its blocks (2 x tokens x BytesPerToken in all),
-// freed before the next one, starts with one untimed warm-up transfer, and
-// checks byte for byte that its first timed transfer delivered what was sent.
+// same run, and of the same-node `shm` transport into the same pool. Both ends
+// live in this process: a GrpcKvTransport sender session reading one
+// engine::KvPool, and a KvTransferService + KvReceiver on 127.0.0.1 (port 0)
+// writing another. Every (layout, tokens) measurement gets pools sized for
+// exactly its blocks (2 x tokens x BytesPerToken in all), freed before the next
+// one, starts with one untimed warm-up transfer, and checks byte for byte that
+// its first timed transfer delivered what was sent.
 //
 // Single-threaded driver (it starts its own server and socket threads);
 // not thread-safe.
@@ -68,6 +69,11 @@ struct TransferFigure {
   // shared cores; the grpc/raw gap here is the transport's own overhead.
   double grpc_cpu_s_per_gb = 0;
   double tcp_cpu_s_per_gb = 0;
+  // The `shm` transport (kv_transfer/ipc) into the same receiver pool.
+  double shm_gb_per_s = 0;  // best repetition
+  double shm_median_gb_per_s = 0;
+  double shm_cpu_s_per_gb = 0;
+  double shm_over_grpc = 0;  // shm_gb_per_s / grpc_gb_per_s
 };
 
 struct TransferBenchResult {

@@ -33,6 +33,8 @@ TEST(TransferBenchTest, MovesVerifiedBytesAndReportsPositiveFigures) {
     EXPECT_GE(g.grpc_gb_per_s, g.grpc_median_gb_per_s);
     EXPECT_GT(g.tcp_gb_per_s, 0);
     EXPECT_GT(g.ratio, 0);
+    EXPECT_GT(g.shm_gb_per_s, 0);  // shm moved (and verified) the same bytes
+    EXPECT_GE(g.shm_gb_per_s, g.shm_median_gb_per_s);
   }
   EXPECT_THAT(r->ToJson(),
               HasSubstr("\"layout\": \"tiny-int8\", \"tokens\": 64"));

@@ -425,17 +425,16 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     if (config.kv_transport == kv_transfer::KvTransportKind::kShm) {
       impl->ipc_backend = kv_transfer::ipc::NewShmBackend();
     } else {
-      ASSIGN_OR_RETURN(
-          impl->ipc_backend,
-          kv_transfer::ipc::NewCudaIpcBackend(storage->memory().device));
+      ASSIGN_OR_RETURN(impl->ipc_backend, kv_transfer::ipc::NewCudaIpcBackend(
+                                              storage->memory().device));
     }
     if (impl->serves_decode) {
       kv_transfer::ipc::IpcReceiverConfig receive;
       receive.timeout = config.kv_stall_timeout;
-      ASSIGN_OR_RETURN(impl->ipc_endpoint,
-                       kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
-                           impl->receiver.get(), storage,
-                           impl->ipc_backend.get(), receive));
+      ASSIGN_OR_RETURN(
+          impl->ipc_endpoint,
+          kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
+              impl->receiver.get(), storage, impl->ipc_backend.get(), receive));
     }
     impl->kv_service = std::make_unique<kv_transfer::ipc::IpcKvTransferService>(
         impl->receiver.get(), impl->ipc_endpoint.get());

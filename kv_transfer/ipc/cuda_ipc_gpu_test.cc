@@ -100,8 +100,8 @@ TEST(CudaIpcGpuTest, CopyRateAgainstCudaMemcpyDeviceToDevice) {
   peer.kind = PeerMemoryKind::kCudaIpc;
   peer.device = 0;
   peer.regions.push_back(
-      {kBytes, std::string(reinterpret_cast<const char*>(&handle),
-                           sizeof handle)});
+      {kBytes,
+       std::string(reinterpret_cast<const char*>(&handle), sizeof handle)});
   auto mapping = (*backend)->Map(peer);
   ASSERT_TRUE(mapping.ok()) << mapping.status();
   void *src = nullptr, *local = nullptr;
@@ -127,11 +127,11 @@ TEST(CudaIpcGpuTest, CopyRateAgainstCudaMemcpyDeviceToDevice) {
   }
   // What landed in the exporter's memory is what was sent.
   std::vector<uint8_t> back(kSpan);
-  ASSERT_EQ(cudaMemcpy(back.data(), (*mapping)->base(0) + kBytes - kSpan,
-                       kSpan, cudaMemcpyDeviceToHost),
+  ASSERT_EQ(cudaMemcpy(back.data(), (*mapping)->base(0) + kBytes - kSpan, kSpan,
+                       cudaMemcpyDeviceToHost),
             cudaSuccess);
-  EXPECT_TRUE(std::all_of(back.begin(), back.end(),
-                          [](uint8_t b) { return b == 7; }));
+  EXPECT_TRUE(
+      std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 7; }));
   const double gb = static_cast<double>(kBytes) / 1e9;
   std::printf(
       "BENCH cuda_ipc %zu MiB in %zu KiB spans: %.1f GB/s; cudaMemcpy D2D "
@@ -150,6 +150,10 @@ class CudaIpcServingTest : public ::testing::Test {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
       GTEST_SKIP() << "no CUDA device visible: cuda_ipc serving not run";
+    // The workers are real processes of the build tree's binary; a bundle
+    // that carries only this test cannot start them.
+    if (access(PDSERVE_BIN, X_OK) != 0)
+      GTEST_SKIP() << PDSERVE_BIN << " is missing: cuda_ipc serving not run";
     model_ = std::filesystem::temp_directory_path() /
              ("pdserve_cuda_ipc_" + std::to_string(::getpid()));
     pdserve::testing::RunCli(PDSERVE_BIN,

@@ -48,13 +48,13 @@ class CudaIpcMapping final : public PeerMapping {
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, region.handle.data(), sizeof handle);
     void* p = nullptr;
-    const cudaError_t e = cudaIpcOpenMemHandle(
-        &p, handle, cudaIpcMemLazyEnablePeerAccess);
+    const cudaError_t e =
+        cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-less error
       return absl::UnavailableError(absl::StrCat(
-          "cuda_ipc: cannot map the decode worker's KV region (",
-          region.bytes, " bytes): ", cudaGetErrorName(e),
+          "cuda_ipc: cannot map the decode worker's KV region (", region.bytes,
+          " bytes): ", cudaGetErrorName(e),
           " (cuda_ipc needs both workers on one node, a GPU each can reach, "
           "and distinct processes)"));
     }

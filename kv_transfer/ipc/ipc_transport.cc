@@ -41,7 +41,8 @@ absl::StatusOr<T> Expect(ControlChannel* channel, absl::Time deadline) {
   ASSIGN_OR_RETURN(std::string bytes, channel->Receive(deadline));
   ASSIGN_OR_RETURN(IpcMessage m, DecodeMessage(bytes));
   if (T* t = std::get_if<T>(&m)) return std::move(*t);
-  if (ReplyMessage* r = std::get_if<ReplyMessage>(&m); r && r->code != absl::StatusCode::kOk)
+  if (ReplyMessage* r = std::get_if<ReplyMessage>(&m);
+      r && r->code != absl::StatusCode::kOk)
     return StatusOf(*r);
   return absl::InternalError("KV ipc control stream: unexpected message");
 }
@@ -65,7 +66,8 @@ class IpcSendSession : public KvSendSession {
         channel_(std::move(channel)),
         peer_(std::move(peer)),
         started_(absl::Now()) {
-    const uint64_t span = peer_->exported.data_bytes + peer_->exported.scale_bytes;
+    const uint64_t span =
+        peer_->exported.data_bytes + peer_->exported.scale_bytes;
     spans_per_batch_ = static_cast<size_t>(
         std::max<uint64_t>(1, transport_->config_.max_batch_bytes / span));
     if (transport_->metrics_) transport_->metrics_->in_flight->Increment();
@@ -89,9 +91,9 @@ class IpcSendSession : public KvSendSession {
     }
     for (const BlockRef& b : blocks) {
       if (b.second < 0 || b.second >= storage_->num_blocks()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sender block ", b.second, " is outside this pool of ",
-            storage_->num_blocks(), " blocks"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("sender block ", b.second, " is outside this pool of ",
+                         storage_->num_blocks(), " blocks"));
       }
     }
     std::vector<std::pair<SpanName, int32_t>> batch;
@@ -162,7 +164,8 @@ class IpcSendSession : public KvSendSession {
     ManifestMessage manifest;
     manifest.spans.reserve(batch.size());
     for (const auto& [name, physical] : batch) manifest.spans.push_back(name);
-    if (absl::Status s = Send(channel_.get(), manifest); !s.ok()) return Fail(s);
+    if (absl::Status s = Send(channel_.get(), manifest); !s.ok())
+      return Fail(s);
     absl::StatusOr<ReplyMessage> reply =
         Expect<ReplyMessage>(channel_.get(), Deadline());
     // The receiver holds these spans claimed for its timeout from the moment
@@ -172,9 +175,9 @@ class IpcSendSession : public KvSendSession {
     if (absl::Status s = StatusOf(*reply); !s.ok()) return Fail(s);
     const KvExport& e = peer_->exported;
     if (reply->blocks.size() != batch.size()) {
-      return Fail(absl::InternalError(absl::StrCat(
-          "decode worker named ", reply->blocks.size(), " blocks for ",
-          batch.size(), " spans")));
+      return Fail(absl::InternalError(
+          absl::StrCat("decode worker named ", reply->blocks.size(),
+                       " blocks for ", batch.size(), " spans")));
     }
     std::vector<CopyOp> ops;
     ops.reserve(batch.size() * (e.scale_bytes > 0 ? 2 : 1));
@@ -184,9 +187,9 @@ class IpcSendSession : public KvSendSession {
       // The only addresses written: inside [0, num_blocks) of the layer's
       // exported range, which Validate proved lies inside its region.
       if (block < 0 || block >= e.num_blocks) {
-        return Fail(absl::InternalError(absl::StrCat(
-            "decode worker named block ", block, " outside its pool of ",
-            e.num_blocks, " blocks")));
+        return Fail(absl::InternalError(
+            absl::StrCat("decode worker named block ", block,
+                         " outside its pool of ", e.num_blocks, " blocks")));
       }
       const LayerPlacement& p = e.layers[layer];
       const engine::KvSpan src = storage_->Span(layer, batch[i].second);
@@ -205,8 +208,7 @@ class IpcSendSession : public KvSendSession {
     // and freed its blocks: a copy starts only within half the timeout of
     // the reply (the receiver waits the whole timeout, and both ends use
     // the same one), and must complete by then.
-    const absl::Time copy_deadline =
-        replied + transport_->config_.timeout / 2;
+    const absl::Time copy_deadline = replied + transport_->config_.timeout / 2;
     if (absl::Now() >= copy_deadline) {
       (void)Send(channel_.get(), CopiedMessage{false});
       return Fail(absl::DeadlineExceededError(
@@ -269,9 +271,9 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> IpcKvTransport::Open(
                    plan.request_id, plan.layout};
   absl::Status s = Send(channel->get(), open);
   absl::StatusOr<ReplyMessage> reply =
-      s.ok() ? Expect<ReplyMessage>(channel->get(),
-                                    absl::Now() + config_.timeout)
-             : absl::StatusOr<ReplyMessage>(s);
+      s.ok()
+          ? Expect<ReplyMessage>(channel->get(), absl::Now() + config_.timeout)
+          : absl::StatusOr<ReplyMessage>(s);
   if (reply.ok()) s = StatusOf(*reply);
   if (!reply.ok()) s = reply.status();
   if (s.ok() && !reply->exported) {
@@ -281,8 +283,10 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> IpcKvTransport::Open(
   if (s.ok()) {
     absl::StatusOr<std::shared_ptr<Peer>> p =
         PeerFor(plan.destination, *reply->exported, storage->spec());
-    if (p.ok()) peer = *std::move(p);
-    else s = p.status();
+    if (p.ok())
+      peer = *std::move(p);
+    else
+      s = p.status();
   }
   if (!s.ok()) {
     (*channel)->Close();
@@ -467,8 +471,9 @@ void IpcKvReceiveEndpoint::RunStream(ControlChannel* channel) {
           }
           RETURN_IF_ERROR(Send(channel, where));
           replied = true;
-          ASSIGN_OR_RETURN(CopiedMessage copied,
-                           Expect<CopiedMessage>(channel, absl::Now() + timeout));
+          ASSIGN_OR_RETURN(
+              CopiedMessage copied,
+              Expect<CopiedMessage>(channel, absl::Now() + timeout));
           if (!copied.ok) {
             return absl::DataLossError(
                 "the prefill worker's copy into the reserved blocks failed");

@@ -94,9 +94,9 @@ class IpcKvTransport : public KvTransport {
   struct Peer;
 
  private:
-  absl::StatusOr<std::shared_ptr<Peer>> PeerFor(const std::string& destination,
-                                                const KvExport& exported,
-                                                const engine::KvCacheSpec& spec);
+  absl::StatusOr<std::shared_ptr<Peer>> PeerFor(
+      const std::string& destination, const KvExport& exported,
+      const engine::KvCacheSpec& spec);
   void Forget(const std::string& destination, const Peer* peer);
   friend class IpcSendSession;
 

@@ -24,9 +24,9 @@
 namespace pdserve::kv_transfer::ipc {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::ExpectedSpan;
 using testing::FillBlock;
+using ::testing::HasSubstr;
 using testing::ScaleBytes;
 using testing::TestSpec;
 
@@ -345,8 +345,8 @@ TEST(IpcExportTest, PrivateHostPoolsAndWrongKindsCannotBeExported) {
   auto exported = ExportStorage(pool.get(), backend.get());
   EXPECT_EQ(exported.status().code(), absl::StatusCode::kFailedPrecondition);
   engine::KvPool* raw = pool.get();
-  testing::DeviceFacedStorage device(raw,
-                                     testing::DeviceFacedStorage::kPoisonPointers);
+  testing::DeviceFacedStorage device(
+      raw, testing::DeviceFacedStorage::kPoisonPointers);
   exported = ExportStorage(&device, backend.get());
   EXPECT_EQ(exported.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(exported.status().message(), HasSubstr("cuda:3"));
@@ -389,8 +389,14 @@ TEST(IpcMessagesTest, RoundTripAndTruncationsNeverCrash) {
   ReplyMessage reply;
   reply.code = absl::StatusCode::kNotFound;
   reply.message = "no";
-  reply.exported = KvExport{42, PeerMemoryKind::kShm, -1, 8, 128, 0,
-                            {{4096, "/proc/1/fd/3"}}, {{0, 0, 0, 0}}};
+  reply.exported = KvExport{42,
+                            PeerMemoryKind::kShm,
+                            -1,
+                            8,
+                            128,
+                            0,
+                            {{4096, "/proc/1/fd/3"}},
+                            {{0, 0, 0, 0}}};
   reply.blocks = {1, 2, 3};
   const std::vector<IpcMessage> messages = {
       open, ManifestMessage{{{0, 1}, {2, 3}}}, CopiedMessage{true},

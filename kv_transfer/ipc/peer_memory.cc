@@ -36,10 +36,11 @@ absl::Status KvExport::Validate(const engine::KvCacheSpec& spec) const {
       DTypeHasScales(spec.dtype) ? 2ull * spec.num_kv_heads * sizeof(float) : 0;
   auto mismatch = [](const char* what, auto got, auto want) {
     return absl::FailedPreconditionError(
-        absl::StrCat("KV export of the decode worker: ", what, " ", got,
-                     " vs ", want, " of this worker's pool"));
+        absl::StrCat("KV export of the decode worker: ", what, " ", got, " vs ",
+                     want, " of this worker's pool"));
   };
-  if (data_bytes != want_data) return mismatch("span bytes", data_bytes, want_data);
+  if (data_bytes != want_data)
+    return mismatch("span bytes", data_bytes, want_data);
   if (scale_bytes != want_scales)
     return mismatch("scale bytes", scale_bytes, want_scales);
   if (layers.size() != static_cast<size_t>(spec.num_layers))
@@ -98,8 +99,7 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
   }
   // Each layer's block 0 names where its spans start; the validation below
   // proves all of them lie in that region.
-  auto locate = [&](const void* p, uint32_t* region,
-                    uint64_t* offset) -> bool {
+  auto locate = [&](const void* p, uint32_t* region, uint64_t* offset) -> bool {
     const auto* at = static_cast<const uint8_t*>(p);
     for (size_t i = 0; i < shared.size(); ++i) {
       const auto* base = static_cast<const uint8_t*>(shared[i].base);
@@ -127,9 +127,10 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
     ok = ok && static_cast<const uint8_t*>(e.data) ==
                    static_cast<const uint8_t*>(s.data) + last * out.data_bytes;
     if (!ok) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "KV pool layer ", l, " is not one strided range inside its shared "
-          "regions; it cannot be exported"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("KV pool layer ", l,
+                       " is not one strided range inside its shared "
+                       "regions; it cannot be exported"));
     }
     out.layers.push_back(p);
   }
@@ -153,14 +154,15 @@ class ShmMapping final : public PeerMapping {
           "one user)"));
     }
     struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < region.bytes) {
+    if (fstat(fd, &st) != 0 ||
+        static_cast<uint64_t>(st.st_size) < region.bytes) {
       close(fd);
       return absl::UnavailableError(absl::StrCat(
           "shm: the decode worker's KV pool ", region.handle, " is smaller (",
           st.st_size, " bytes) than exported (", region.bytes, ")"));
     }
-    void* p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                   fd, 0);
+    void* p =
+        mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);  // the mapping keeps the memory
     if (p == MAP_FAILED) {
       return absl::UnavailableError(

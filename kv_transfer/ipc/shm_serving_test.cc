@@ -23,9 +23,11 @@ using ::testing::HasSubstr;
 class ShmServingTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    model_ = new std::string(std::filesystem::temp_directory_path() /
-                             ("pdserve_shm_serving_" + std::to_string(::getpid())));
-    RunCli(PDSERVE_BIN, "model init --preset tiny --out " + *model_ + " --seed 5");
+    model_ =
+        new std::string(std::filesystem::temp_directory_path() /
+                        ("pdserve_shm_serving_" + std::to_string(::getpid())));
+    RunCli(PDSERVE_BIN,
+           "model init --preset tiny --out " + *model_ + " --seed 5");
     ASSERT_TRUE(std::filesystem::exists(*model_ + "/config.json"));
   }
   static void TearDownTestSuite() {
@@ -38,15 +40,17 @@ std::string* ShmServingTest::model_ = nullptr;
 
 TEST_F(ShmServingTest, DisaggregatedOverShmEqualsColocatedGreedyAndSeeded) {
   for (const char* dtype : {"fp32", "int8"}) {
-    const std::vector<std::string> flags = {
-        "--kv-transport=shm", absl::StrCat("--kv-dtype=", dtype),
-        "--block-size=8"};
+    const std::vector<std::string> flags = {"--kv-transport=shm",
+                                            absl::StrCat("--kv-dtype=", dtype),
+                                            "--block-size=8"};
     Cluster disagg =
         Cluster::Start(*model_, 1, 1, {"--local-prefill-threshold=-1"}, flags);
-    Cluster coloc = Cluster::Start(
-        *model_, 0, 1, {}, {absl::StrCat("--kv-dtype=", dtype), "--block-size=8"});
+    Cluster coloc =
+        Cluster::Start(*model_, 0, 1, {},
+                       {absl::StrCat("--kv-dtype=", dtype), "--block-size=8"});
     std::string prompt = "Shared memory moves the prompt's KV: ";
-    for (int i = 0; i < 10; ++i) absl::StrAppend(&prompt, "block ", i, " of it. ");
+    for (int i = 0; i < 10; ++i)
+      absl::StrAppend(&prompt, "block ", i, " of it. ");
     for (auto [temp, seed] : {std::pair{0.0f, 0ull}, {0.8f, 1234ull}}) {
       auto a = Generate(disagg.stub.get(), Request(prompt, 16, temp, seed));
       auto b = Generate(coloc.stub.get(), Request(prompt, 16, temp, seed));
@@ -63,22 +67,23 @@ TEST_F(ShmServingTest, DisaggregatedOverShmEqualsColocatedGreedyAndSeeded) {
     const std::string mapped((std::istreambuf_iterator<char>(maps)),
                              std::istreambuf_iterator<char>());
     EXPECT_THAT(mapped, HasSubstr("memfd:pdserve-kv-pool")) << dtype;
-    const double sent = MetricValue(
-        Scrape(disagg.prefill[0].metrics_port),
-        "pdserve_kv_transfer_bytes_total{direction=\"sent\"}");
+    const double sent =
+        MetricValue(Scrape(disagg.prefill[0].metrics_port),
+                    "pdserve_kv_transfer_bytes_total{direction=\"sent\"}");
     EXPECT_GT(sent, 0) << dtype;
-    const double received = MetricValue(
-        Scrape(disagg.decode[0].metrics_port),
-        "pdserve_kv_transfer_bytes_total{direction=\"received\"}");
+    const double received =
+        MetricValue(Scrape(disagg.decode[0].metrics_port),
+                    "pdserve_kv_transfer_bytes_total{direction=\"received\"}");
     EXPECT_EQ(received, sent) << dtype;
   }
 }
 
 TEST_F(ShmServingTest, CudaIpcOnACpuWorkerIsAClearError) {
-  const std::string out = RunCli(
-      PDSERVE_BIN, "worker --role decode --insecure --port 0 --metrics-port 0 "
-                   "--kv-transport cuda_ipc --model " +
-                       *model_ + " 2>&1 | cat");
+  const std::string out =
+      RunCli(PDSERVE_BIN,
+             "worker --role decode --insecure --port 0 --metrics-port 0 "
+             "--kv-transport cuda_ipc --model " +
+                 *model_ + " 2>&1 | cat");
   EXPECT_THAT(out, HasSubstr("cuda_ipc"));
   EXPECT_THAT(out, HasSubstr("--device cuda"));
 }
