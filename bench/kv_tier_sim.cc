@@ -63,19 +63,24 @@ TierSimCase Replay(const std::vector<TraceRequest>& trace, int64_t n,
                                req.input_length - k * kTraceBlockTokens);
     };
     size_t k = 0;
+    std::vector<int64_t> from_tier;
     for (; k < blocks; ++k) {
       const int64_t id = req.hash_ids[k];
       if (pool.Contains(id)) {
         out.pool_hit_tokens += tokens_of(k);
       } else if (tier_blocks != 0 && tier.Contains(id)) {
         out.tier_hit_tokens += tokens_of(k);
-        tier.Touch(id);
+        from_tier.push_back(id);
       } else {
         break;
       }
     }
+    // As the engine does: tier hits become the most recent with the chain's
+    // head last (KvTier::Match), and the pool releases a sequence's blocks
+    // tail first, so its LRU evicts a chain's tail before its head.
+    for (size_t j = from_tier.size(); j-- > 0;) tier.Touch(from_tier[j]);
     for (size_t j = k; j < blocks; ++j) missed += tokens_of(j);
-    for (size_t j = 0; j < blocks; ++j) {
+    for (size_t j = blocks; j-- > 0;) {
       const int64_t victim = pool.Touch(req.hash_ids[j]);
       if (victim >= 0 && tier_blocks != 0) tier.Offer(victim);
     }

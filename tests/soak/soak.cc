@@ -17,8 +17,14 @@
 //  - no worker has an active KV block left (pdserve_kv_cache_blocks
 //    {state="active"} on /metrics) once the load stops;
 //  - no process grew its resident memory without bound (VmRSS samples);
-//  - the router's prefix index agrees with each worker's cache (ListWorkers'
-//    indexed_blocks/indexed_digest vs the worker's KV event snapshot).
+//  - the router's prefix index agrees with each worker's cache, pool and KV
+//    tier (ListWorkers' indexed_blocks/indexed_digest and indexed_tier_*
+//    vs the pool's and the tier's part of the worker's KV event snapshot).
+//
+// With --kv_tier (the default) every worker has a disk KV tier
+// (--kv-offload-dir, 4x its pool), and the chaos thread also corrupts,
+// truncates and deletes tier files at random while the load runs: each
+// must end in a recompute with the reference's tokens, never wrong output.
 // and prints a summary (also as JSON with --json). Exit status 0 = pass.
 //
 // --slow runs the `small` preset with long prompts (1-3.5 K tokens): an
@@ -80,6 +86,9 @@ ABSL_FLAG(std::string, json, "", "also write the summary as JSON here");
 ABSL_FLAG(bool, long_prompts, false,
           "prompts of 1-3.5 KB (tokens) instead of 10-900 bytes, and KV pools "
           "sized for them");
+ABSL_FLAG(bool, kv_tier, true,
+          "workers with a disk KV tier (4x the pool) and tier-file faults "
+          "(corrupt, truncate, delete) in the chaos mix");
 ABSL_FLAG(bool, slow, false,
           "the slow-model soak: --preset=small --long_prompts, so that an "
           "engine step (512 prompt tokens) takes over a second and the slow "
@@ -627,6 +636,11 @@ class Soak {
     std::vector<std::string> worker_flags = {"--model=" + model_, "--threads=1",
                                              "--kv-cache-memory=" + kv_memory,
                                              "--drain-timeout-ms=5000"};
+    if (absl::GetFlag(FLAGS_kv_tier)) {
+      worker_flags.push_back(absl::StrCat(
+          "--kv-offload-bytes=",
+          4 * kv_bytes_per_token * (long_prompts ? 6144 : 512) / 1024, "KiB"));
+    }
     // Plaintext on loopback: binaries that demand TLS or an explicit choice
     // get --insecure.
     if (Run({cluster_.bin, "router", "--insecure", "--model=/nonexistent"},
@@ -634,16 +648,27 @@ class Soak {
             .find("Unknown command line flag") == std::string::npos)
       security_.push_back("--insecure");
     worker_flags.insert(worker_flags.end(), security_.begin(), security_.end());
+    // One tier directory per worker (a tier empties its own at start-up).
+    auto tier_flag = [&](const std::string& name) {
+      std::vector<std::string> a;
+      if (!absl::GetFlag(FLAGS_kv_tier)) return a;
+      tier_dirs_[name] = dir_ + "/tier/" + name;
+      a.push_back("--kv-offload-dir=" + tier_dirs_[name]);
+      return a;
+    };
     for (int i = 0; i < 2; ++i) {
+      const std::string name = absl::StrCat("prefill-", i);
       std::vector<std::string> a = {"worker", "--role=prefill"};
       a.insert(a.end(), worker_flags.begin(), worker_flags.end());
-      prefill_.push_back(
-          cluster_.Add(absl::StrCat("prefill-", i), "prefill", a));
+      for (std::string& f : tier_flag(name)) a.push_back(f);
+      prefill_.push_back(cluster_.Add(name, "prefill", a));
     }
     for (int i = 0; i < 2; ++i) {
+      const std::string name = absl::StrCat("decode-", i);
       std::vector<std::string> a = {"worker", "--role=decode"};
       a.insert(a.end(), worker_flags.begin(), worker_flags.end());
-      decode_.push_back(cluster_.Add(absl::StrCat("decode-", i), "decode", a));
+      for (std::string& f : tier_flag(name)) a.push_back(f);
+      decode_.push_back(cluster_.Add(name, "decode", a));
     }
     std::vector<std::string> paddr, daddr;
     for (Proc* p : prefill_) paddr.push_back(p->address());
@@ -960,8 +985,9 @@ class Soak {
     std::mt19937_64 rng(seed);
     std::exponential_distribution<double> gap(1.0 / interval);
     Sleep(std::min(3.0, interval));
+    const int kinds = tier_dirs_.empty() ? 6 : 8;
     while (Now() < end - 5) {
-      const int kind = static_cast<int>(rng() % 6);
+      const int kind = static_cast<int>(rng() % kinds);
       std::vector<Proc*> workers = prefill_;
       workers.insert(workers.end(), decode_.begin(), decode_.end());
       Proc* w = workers[rng() % workers.size()];
@@ -1005,9 +1031,67 @@ class Soak {
           cluster_.Start(router_);
           break;
         }
+        case 6:
+        case 7:  // damage tier files of a running worker
+          TierFault(w, rng);
+          break;
       }
       Sleep(std::min(gap(rng), 4 * interval));
     }
+  }
+
+  // Corrupts (flips a byte), truncates or deletes up to 3 of `w`'s tier
+  // block files. The worker finds out only when it loads one: it must then
+  // recompute (same tokens) and drop the block (a `removed` event).
+  void TierFault(Proc* w, std::mt19937_64& rng) {
+    namespace fs = std::filesystem;
+    std::vector<fs::path> files;
+    std::error_code ec;
+    for (fs::recursive_directory_iterator it(tier_dirs_[w->name], ec), end;
+         !ec && it != end; it.increment(ec)) {
+      if (it->path().extension() == ".kvb") files.push_back(it->path());
+    }
+    if (files.empty()) {
+      Fault("tier_no_files_yet");
+      return;
+    }
+    // The newest files: the blocks the pool evicted last, the likeliest to
+    // be read back soon (an old file may be dropped unread).
+    std::sort(files.begin(), files.end(),
+              [&](const fs::path& a, const fs::path& b) {
+                std::error_code e1, e2;
+                return fs::last_write_time(a, e1) > fs::last_write_time(b, e2);
+              });
+    if (files.size() > 8) files.resize(8);
+    const int how = static_cast<int>(rng() % 3);
+    const char* names[] = {"tier_file_corrupt", "tier_file_truncate",
+                           "tier_file_delete"};
+    const int n = 1 + static_cast<int>(rng() % 3);
+    int done = 0;
+    for (int i = 0; i < n; ++i) {
+      const fs::path& f = files[rng() % files.size()];
+      const auto size = fs::file_size(f, ec);
+      if (ec || size == 0) continue;
+      if (how == 0) {
+        std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+        const std::streamoff at = static_cast<std::streamoff>(rng() % size);
+        char c = 0;
+        io.seekg(at);
+        io.read(&c, 1);
+        c = static_cast<char>(c ^ 0x5a);
+        io.seekp(at);
+        io.write(&c, 1);
+        done += static_cast<bool>(io);
+      } else if (how == 1) {
+        fs::resize_file(f, rng() % size, ec);
+        done += !ec;
+      } else {
+        done += fs::remove(f, ec);
+      }
+    }
+    Log(absl::StrCat("fault: ", names[how], " x", done, " on ", w->name));
+    absl::MutexLock l(&mu_);
+    faults_[names[how]] += done;
   }
 
   // After the load: everything up, no active blocks, index == caches.
@@ -1039,6 +1123,19 @@ class Soak {
       if (total == 0 || Now() > until) break;
       Sleep(1);
     }
+    // The tiers' counters (since each worker's last start).
+    for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1]}) {
+      const std::string m = Scrape(p->metrics_port);
+      tier_hit_tokens_ +=
+          std::max(0.0, Metric(m, "pdserve_kv_tier_hit_tokens_total"));
+      for (const char* r : {"missing", "short", "corrupt", "write_error",
+                            "full", "queue_full"}) {
+        tier_failures_[r] += std::max(
+            0.0, Metric(m, absl::StrCat("pdserve_kv_tier_failures_total{"
+                                        "reason=\"",
+                                        r, "\"}")));
+      }
+    }
     blocks_leaked_ = 0;
     for (const auto& [name, a] : active) {
       if (a != 0) {
@@ -1053,6 +1150,7 @@ class Soak {
     while (!index_agrees_ && Now() < index_until) {
       index_agrees_ = true;
       index_report_.clear();
+      tier_blocks_at_end_ = 0;
       std::map<std::string, v1::WorkerInfo> routed;
       {
         auto stub = RouterStub();
@@ -1079,29 +1177,44 @@ class Soak {
         const bool got = reader->Read(&snapshot);
         ctx.TryCancel();
         reader->Finish();
-        uint64_t hi = 0, lo = 0, n = 0;
-        std::set<std::string> seen;
-        for (const auto& e : snapshot.events())
+        // The snapshot's events per tier (pool, then the tier below it).
+        struct Digest {
+          uint64_t hi = 0, lo = 0, n = 0;
+          std::set<std::string> seen;
+          std::string Hex() const {
+            return absl::StrFormat("%016x%016x", hi, lo);
+          }
+        } pool, tier;
+        for (const auto& e : snapshot.events()) {
+          Digest& d = e.tier() == v1::KV_TIER_POOL ? pool : tier;
           for (const std::string& h : e.hashes()) {
-            if (h.size() != 16 || !seen.insert(h).second) continue;
+            if (h.size() != 16 || !d.seen.insert(h).second) continue;
             uint64_t a = 0, b = 0;
             for (int i = 0; i < 8; ++i) {
               a = (a << 8) | static_cast<uint8_t>(h[i]);
               b = (b << 8) | static_cast<uint8_t>(h[8 + i]);
             }
-            hi ^= a;
-            lo ^= b;
-            ++n;
+            d.hi ^= a;
+            d.lo ^= b;
+            ++d.n;
           }
-        const std::string digest = absl::StrFormat("%016x%016x", hi, lo);
+        }
         const v1::WorkerInfo& r = routed[p->address()];
-        const bool same =
-            got && r.indexed_blocks() == n && r.indexed_digest() == digest;
-        index_agrees_ = index_agrees_ && same;
+        const bool same_pool = got && r.indexed_blocks() == pool.n &&
+                               r.indexed_digest() == pool.Hex();
+        // A worker without a tier sends no tier event; the router then
+        // indexes none (indexed_tier_blocks 0, digest empty).
+        const bool same_tier =
+            got && r.indexed_tier_blocks() == tier.n &&
+            (tier.n == 0 || r.indexed_tier_digest() == tier.Hex());
+        index_agrees_ = index_agrees_ && same_pool && same_tier;
         index_report_[p->name] = absl::StrCat(
-            "worker ", n, " blocks ", digest.substr(0, 8), "…, router ",
-            r.indexed_blocks(), " blocks ", r.indexed_digest().substr(0, 8),
-            "…", same ? "" : "  MISMATCH");
+            "pool: worker ", pool.n, " blocks ", pool.Hex().substr(0, 8),
+            "…, router ", r.indexed_blocks(), " blocks ",
+            r.indexed_digest().substr(0, 8), "…", same_pool ? "" : " MISMATCH",
+            "; tier: worker ", tier.n, ", router ", r.indexed_tier_blocks(),
+            same_tier ? "" : " MISMATCH");
+        tier_blocks_at_end_ += tier.n;
       }
       if (!index_agrees_) Sleep(1);
     }
@@ -1248,6 +1361,14 @@ class Soak {
     for (const auto& [k, v] : cluster_.crashes)
       absl::StrAppend(&s, k, " x", v, "  ");
     absl::StrAppend(&s, "\nblocks leaked       ", blocks_leaked_, "\n");
+    if (!tier_dirs_.empty()) {
+      absl::StrAppend(&s, "kv tier (disk)      ", tier_blocks_at_end_,
+                      " blocks at the end, ", tier_hit_tokens_,
+                      " tokens read back; not loaded/offloaded:");
+      for (const auto& [k, v] : tier_failures_)
+        absl::StrAppend(&s, " ", k, "=", v);
+      absl::StrAppend(&s, " (since each worker's last start)\n");
+    }
     absl::StrAppend(&s, "peak RSS (MiB)     ");
     for (const auto& [k, v] : peak_rss)
       absl::StrAppendFormat(&s, " %s=%.1f", k, v / 1024.0);
@@ -1279,6 +1400,10 @@ class Soak {
             {"p90", quantile(0.9)},
             {"max", quantile(1.0)}}},
           {"index_agrees", index_agrees_},
+          {"kv_tier",
+           {{"blocks_at_end", tier_blocks_at_end_},
+            {"hit_tokens", tier_hit_tokens_},
+            {"failures", tier_failures_}}},
           {"crashes", cluster_.crashes.size()},
           {"faults", faults_},
           {"statuses", errors_},
@@ -1312,6 +1437,10 @@ class Soak {
   double blocks_leaked_ = 0;
   bool index_agrees_ = false;
   std::map<std::string, std::string> index_report_;
+  std::map<std::string, std::string> tier_dirs_;  // by worker name
+  uint64_t tier_blocks_at_end_ = 0;
+  double tier_hit_tokens_ = 0;
+  std::map<std::string, double> tier_failures_;
 };
 
 }  // namespace
