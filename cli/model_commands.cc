@@ -30,6 +30,12 @@ ABSL_FLAG(bool, all_positions, false, "print logits for every position");
 ABSL_FLAG(int64_t, layers, 0, "number of layers");
 ABSL_FLAG(int64_t, kv_heads, 0, "number of KV heads");
 ABSL_FLAG(int64_t, head_dim, 0, "head dimension");
+ABSL_FLAG(int64_t, kv_lora_rank, 0,
+          "kv-budget: MLA latent rank (DeepSeek kv_lora_rank); with "
+          "--qk-rope-head-dim the cache holds one latent row per token, and "
+          "--kv-heads/--head-dim then describe the MHA cache to compare with");
+ABSL_FLAG(int64_t, qk_rope_head_dim, 0,
+          "kv-budget: MLA shared rope key width (DeepSeek qk_rope_head_dim)");
 ABSL_FLAG(std::string, memory, "",
           "memory budget in bytes (suffixes KiB, MiB, GiB allowed)");
 
@@ -137,6 +143,24 @@ int RunKvBudget(const std::vector<std::string>&) {
   spec.num_kv_heads = static_cast<int32_t>(absl::GetFlag(FLAGS_kv_heads));
   spec.head_dim = static_cast<int32_t>(absl::GetFlag(FLAGS_head_dim));
   spec.block_size = absl::GetFlag(FLAGS_block_size);
+  // MLA: one latent row [kv_lora_rank + qk_rope_head_dim] per token and
+  // layer. --kv-heads H --head-dim D, if given, are the attention heads of
+  // the same model, whose MHA cache (K and V per head) is reported beside it.
+  const int64_t lora = absl::GetFlag(FLAGS_kv_lora_rank);
+  const int64_t rope = absl::GetFlag(FLAGS_qk_rope_head_dim);
+  const bool mla = lora != 0 || rope != 0;
+  const int64_t mha_heads = spec.num_kv_heads, mha_dim = spec.head_dim;
+  if (mla) {
+    if (lora <= 0 || rope <= 0 || lora > (1 << 20) || rope > (1 << 20)) {
+      return ReportError(absl::InvalidArgumentError(
+          "--kv-lora-rank and --qk-rope-head-dim go together and must be "
+          "positive"));
+    }
+    spec.kv_lora_rank = static_cast<int32_t>(lora);
+    spec.qk_rope_head_dim = static_cast<int32_t>(rope);
+    spec.num_kv_heads = 1;
+    spec.head_dim = static_cast<int32_t>(lora + rope);
+  }
   const std::string dt =
       absl::GetFlag(FLAGS_dtype).empty() ? "fp16" : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
@@ -155,6 +179,24 @@ int RunKvBudget(const std::vector<std::string>&) {
                             {"block_size", spec.block_size},
                             {"bytes_per_token", spec.BytesPerToken()},
                             {"bytes_per_block", spec.BytesPerBlock()}};
+  if (mla) {
+    out["kv_heads"] = nullptr;
+    out["head_dim"] = nullptr;
+    out["kv_lora_rank"] = lora;
+    out["qk_rope_head_dim"] = rope;
+    out["formula"] = "layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes";
+    if (mha_heads > 0 && mha_dim > 0) {
+      // As DeepSeek-V2's Table 1: 2 n_h d_h l elements per token.
+      const int64_t mha = 2 * int64_t{spec.num_layers} * mha_heads * mha_dim *
+                          static_cast<int64_t>(DTypeBytes(spec.dtype));
+      out["mha_heads"] = mha_heads;
+      out["mha_head_dim"] = mha_dim;
+      out["mha_bytes_per_token"] = mha;
+      out["mha_formula"] = "2 x layers x heads x head_dim x dtype bytes";
+      out["mha_over_mla"] =
+          static_cast<double>(mha) / static_cast<double>(spec.BytesPerToken());
+    }
+  }
   int64_t tokens = 0;
   if (!absl::GetFlag(FLAGS_tokens).empty() &&
       (!absl::SimpleAtoi(absl::GetFlag(FLAGS_tokens), &tokens) ||

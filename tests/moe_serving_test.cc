@@ -1,5 +1,5 @@
 // The equivalence contract on the Mixture-of-Experts presets (mixtral,
-// qwen3-moe), end to end: router + 2 prefill + 2 decode workers (the topology
+// qwen3-moe, and the MLA + MoE deepseek-v2/v3), end to end: router + 2 prefill + 2 decode workers (the topology
 // `pdserve up --prefill 2 --decode 2` starts), a colocated worker, and the
 // local `pdserve generate --model` path give the same tokens, greedy and
 // seeded, with and without prefix-cache hits. Real processes on loopback.
@@ -69,11 +69,16 @@ TEST_P(MoeServingTest, DisaggregatedColocatedAndLocalAgreeWithPrefixHits) {
   std::filesystem::remove_all(model);
 }
 
+// deepseek-v2/v3 are MLA + MoE: the prefill workers ship latent blocks.
 INSTANTIATE_TEST_SUITE_P(Families, MoeServingTest,
-                         ::testing::Values("mixtral", "qwen3-moe"),
+                         ::testing::Values("mixtral", "qwen3-moe",
+                                           "deepseek-v2", "deepseek-v3"),
                          [](const auto& info) {
-                           return info.param == "mixtral" ? "Mixtral"
-                                                          : "Qwen3Moe";
+                           const std::string& p = info.param;
+                           return p == "mixtral"       ? "Mixtral"
+                                  : p == "qwen3-moe"   ? "Qwen3Moe"
+                                  : p == "deepseek-v2" ? "DeepseekV2"
+                                                       : "DeepseekV3";
                          });
 
 }  // namespace
