@@ -629,14 +629,91 @@ void Int8DotPortable(const int8_t* qx, const float* sx, int64_t kp,
 // Σ (q + 128) w - 128 Σ w = Σ q w, exactly. A block's weights are stored
 // [32 k][16 columns]; vpermb turns 4 k x 16 columns into the 16 dwords of 4
 // consecutive k that vpdpbusd wants.
+// With more rows than one tile holds, a tile's weights are prepared once
+// for all row tiles: per block, [8 groups][NV][64 B] permuted weights, then
+// [NV] x 16 int32 of 128 Σ w, then [NV] x 16 fp32 scales (PrepBlockBytes(nv)
+// bytes). The kernel then reads these instead of permuting and summing again;
+// the integers and scales are the same, so are the bits.
+constexpr int64_t PrepBlockBytes(int nv) { return (512 + 64 + 64) * nv; }
+
+PDSERVE_VNNI inline __m512i Int8DotOrder() {
+  alignas(64) uint8_t order[64];
+  for (int c = 0; c < kPanel; ++c)
+    for (int kk = 0; kk < 4; ++kk) order[c * 4 + kk] = kk * kPanel + c;
+  return _mm512_load_si512(order);
+}
+
+PDSERVE_VNNI void PrepareInt8DotTile(const uint8_t* w, int64_t panel_bytes,
+                                     int nv, int64_t blocks, uint8_t* out) {
+  const __m512i idx = Int8DotOrder();
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* o = out + b * PrepBlockBytes(nv);
+    for (int v = 0; v < nv; ++v) {
+      const uint8_t* blk = w + v * panel_bytes + b * kBlockBytes;
+      __m512i wsum = _mm512_setzero_si512();
+      for (int g = 0; g < kInt8Block / 4; ++g) {
+        const __m512i wg = _mm512_permutexvar_epi8(
+            idx, _mm512_loadu_si512(blk + g * 4 * kPanel));
+        wsum = _mm512_dpbusd_epi32(wsum, ones, wg);
+        _mm512_storeu_si512(o + (g * nv + v) * 64, wg);
+      }
+      _mm512_storeu_si512(o + 512 * nv + v * 64, _mm512_slli_epi32(wsum, 7));
+      _mm512_storeu_ps(
+          o + 576 * nv + v * 64,
+          _mm512_cvtph_ps(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(blk + kInt8Block * kPanel))));
+    }
+  }
+}
+
+template <int MR, int NV>
+PDSERVE_VNNI void Int8DotVnniPrepared(const uint8_t* ux, const float* sx,
+                                      int64_t kp, int64_t blocks,
+                                      const uint8_t* prep, int64_t /*unused*/,
+                                      float* io) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* o = prep + b * PrepBlockBytes(NV);
+    __m512i isum[MR][NV];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) isum[i][v] = _mm512_setzero_si512();
+    for (int g = 0; g < kInt8Block / 4; ++g) {
+      __m512i wg[NV];
+      for (int v = 0; v < NV; ++v)
+        wg[v] = _mm512_loadu_si512(o + (g * NV + v) * 64);
+      for (int i = 0; i < MR; ++i) {
+        uint32_t u4;
+        std::memcpy(&u4, ux + i * kp + b * kInt8Block + g * 4, 4);
+        const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
+        for (int v = 0; v < NV; ++v)
+          isum[i][v] = _mm512_dpbusd_epi32(isum[i][v], u, wg[v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512i corr = _mm512_loadu_si512(o + 512 * NV + v * 64);
+      const __m512 sw = _mm512_loadu_ps(o + 576 * NV + v * 64);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 scale =
+            _mm512_mul_ps(_mm512_set1_ps(sx[i * blocks + b]), sw);
+        acc[i][v] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], corr)), scale,
+            acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + (i * NV + v) * kPanel, acc[i][v]);
+}
+
 template <int MR, int NV>
 PDSERVE_VNNI void Int8DotVnni(const uint8_t* ux, const float* sx, int64_t kp,
                               int64_t blocks, const uint8_t* w,
                               int64_t panel_bytes, float* io) {
-  alignas(64) uint8_t order[64];
-  for (int c = 0; c < kPanel; ++c)
-    for (int kk = 0; kk < 4; ++kk) order[c * 4 + kk] = kk * kPanel + c;
-  const __m512i idx = _mm512_load_si512(order);
+  const __m512i idx = Int8DotOrder();
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
@@ -694,6 +771,14 @@ Int8DotFn Int8DotVnniTile(int rows, int nv) {
        &Int8DotVnni<4, 2>}};
   return kFns[nv - 1][rows - 1];
 }
+Int8DotFn Int8DotVnniPreparedTile(int rows, int nv) {
+  static constexpr Int8DotFn kFns[kInt8DotPanels][kInt8DotRows] = {
+      {&Int8DotVnniPrepared<1, 1>, &Int8DotVnniPrepared<2, 1>,
+       &Int8DotVnniPrepared<3, 1>, &Int8DotVnniPrepared<4, 1>},
+      {&Int8DotVnniPrepared<1, 2>, &Int8DotVnniPrepared<2, 2>,
+       &Int8DotVnniPrepared<3, 2>, &Int8DotVnniPrepared<4, 2>}};
+  return kFns[nv - 1][rows - 1];
+}
 
 // One row of QuantizeActivationsInt8; the AVX-512 one gives the same bytes
 // (max is exact, division and round-to-nearest-even are IEEE in both).
@@ -745,6 +830,11 @@ PDSERVE_VNNI void QuantizeRowAvx512(const float* x, int64_t k, int64_t kp,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + q0 + 16),
                      QuantizeAvx512(c, sv));
   }
+}
+
+std::vector<uint8_t>& Int8DotPrepBuffer() {
+  thread_local std::vector<uint8_t> buffer;
+  return buffer;
 }
 
 bool VnniUsable() {
@@ -1157,10 +1247,20 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
     const int64_t c0 = p0 * kPanel;
     const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
     const uint8_t* wp = w.data() + p0 * pb;
+    const bool prepared = hw && row_tiles > 1;
+    std::vector<uint8_t>& prep = Int8DotPrepBuffer();
+    if (prepared) {
+      prep.resize(blocks * PrepBlockBytes(nv));
+      PrepareInt8DotTile(wp, pb, nv, blocks, prep.data());
+    }
     for (int64_t rt = 0; rt < row_tiles; ++rt) {
       const int64_t i0 = m * rt / row_tiles;
       const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-      if (hw) {
+      if (prepared) {
+        Int8DotVnniPreparedTile(rows, nv)(
+            reinterpret_cast<const uint8_t*>(qx.data()) + i0 * kp,
+            sx.data() + i0 * blocks, kp, blocks, prep.data(), 0, io);
+      } else if (hw) {
         Int8DotVnniTile(rows, nv)(
             reinterpret_cast<const uint8_t*>(qx.data()) + i0 * kp,
             sx.data() + i0 * blocks, kp, blocks, wp, pb, io);
@@ -1216,14 +1316,20 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // k is cut in blocks so that this thread's packed x (m x kc floats) stays
   // in L2 while a tile's weights pass every row tile: up to 64 rows (decode
   // batches) that is usually all of k, so each panel streams from memory
-  // once, front to back; prefill chunks use 256 (a bf16 tile is then 24 KiB,
-  // L1). The fp32 partial sums wait in y between blocks.
+  // once, front to back. Prefill chunks take up to 4 MiB of x (kc = 2048 at
+  // 512 rows): each k block costs a round trip of the fp32 partial sums
+  // through y (m x n floats) and a barrier, and 256-wide blocks made that
+  // dominate on a loaded machine (measured: 512 x 2048 x 16384 bf16 ran at
+  // 60 GFLOP/s with kc 256, 130-240 with kc >= 2048, load 4-5).
   const int64_t kc =
-      m > 64 ? 256
-             : std::max<int64_t>(
-                   256,
-                   std::min<int64_t>((k + 1) & ~int64_t{1},
-                                     ((int64_t{128} << 10) / m) & ~int64_t{1}));
+      m > 64
+          ? std::max<int64_t>(
+                256, std::min<int64_t>((k + 1) & ~int64_t{1},
+                                       ((int64_t{1} << 20) / m) & ~int64_t{1}))
+          : std::max<int64_t>(
+                256,
+                std::min<int64_t>((k + 1) & ~int64_t{1},
+                                  ((int64_t{128} << 10) / m) & ~int64_t{1}));
   const int threads =
       static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);

@@ -74,10 +74,11 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
   struct Shape {
     int64_t m, n, k;
   };
-  // m > 16 takes the k-blocked schedule; k = 515 leaves an odd tail there.
+  // m > 6 (4 for avx2/portable) widens once per stage for all row tiles;
+  // 130 x 8111 takes two k blocks (partial sums through y) with an odd tail.
   for (const Shape s :
        {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
-        Shape{33, 97, 515}, Shape{1, 130, 2049}}) {
+        Shape{33, 97, 515}, Shape{1, 130, 2049}, Shape{130, 33, 8111}}) {
     const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
     const WeightMatrix w = Pack(wf, s.n, s.k);
     std::vector<float> y(s.m * s.n, -1.0f);
