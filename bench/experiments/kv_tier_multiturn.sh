@@ -40,7 +40,11 @@ for mode in ${MODES:-off on}; do
   $BIN router --insecure --model "$M" --port 50581 --metrics-port 19482 \
     --both-workers "$ADDR" >"$OUT/router_$mode.log" 2>&1 &
   RP=$!
-  sleep 2
+  # Until the router has polled the worker (a loaded machine is slow).
+  for _ in $(seq 50); do
+    curl -s localhost:19482/metrics | grep -q '^pdserve_workers{.*state="up".*} [1-9]' && break
+    sleep 0.2
+  done
   $BIN bench serve --router 127.0.0.1:50581 --trace "$OUT/trace_$SHAPE.jsonl" \
     --concurrency 1 --json >"$OUT/bench_${SHAPE}_$mode.json"
   curl -s localhost:19481/metrics | grep -E '^pdserve_(kv_tier|prefix_cache)' >"$OUT/metrics_${SHAPE}_$mode.txt"
