@@ -105,6 +105,7 @@ bool BlockManager::Allocate(int64_t n, std::vector<int32_t>* out) {
   }
   if (!removed.empty())
     Publish(KvEvent::Type::kRemoved, {}, std::move(removed));
+  FlushEvictions();
   return true;
 }
 
@@ -116,20 +117,27 @@ void BlockManager::Evict(int32_t block, std::vector<BlockHash>* removed) {
     removed->push_back(hash);
     return;
   }
-  // With a tier, each eviction is published at once, after the events the
-  // offer caused (the hook publishes those: blocks the tier dropped to make
-  // room), so that one stream orders the pool's and the tier's changes.
+  // With a tier, the evictions are published in order with the events the
+  // offers caused (the hook publishes those: blocks the tier dropped to make
+  // room; PublishTierEvent flushes the evictions queued before them), so
+  // that one stream orders the pool's and the tier's changes. A run of
+  // evictions of one kind is one event.
   const bool kept = tier_hooks_.on_evict(block, hash);
-  KvEvent e;
-  e.hashes.push_back(hash);
-  if (kept) {
-    e.type = KvEvent::Type::kMoved;
-    e.tier = tier_hooks_.kind;
-    e.from_tier = KvTierKind::kPool;
-  } else {
-    e.type = KvEvent::Type::kRemoved;
-  }
-  PublishTierEvent(std::move(e));
+  const KvEvent::Type type =
+      kept ? KvEvent::Type::kMoved : KvEvent::Type::kRemoved;
+  if (!evictions_.hashes.empty() && evictions_.type != type) FlushEvictions();
+  evictions_.type = type;
+  evictions_.tier = kept ? tier_hooks_.kind : KvTierKind::kPool;
+  evictions_.from_tier = KvTierKind::kPool;
+  evictions_.hashes.push_back(hash);
+}
+
+void BlockManager::FlushEvictions() {
+  if (evictions_.hashes.empty()) return;
+  KvEvent e = std::move(evictions_);
+  evictions_ = KvEvent();
+  e.seq = ++event_seq_;
+  if (sink_) sink_(e);
 }
 
 void BlockManager::Release(std::span<const int32_t> blocks) {
@@ -184,6 +192,7 @@ void BlockManager::Publish(KvEvent::Type type, const BlockHash& parent,
 }
 
 void BlockManager::PublishTierEvent(KvEvent e) {
+  FlushEvictions();
   e.seq = ++event_seq_;
   if (sink_) sink_(e);
 }

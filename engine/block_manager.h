@@ -135,8 +135,10 @@ class BlockManager {
   void Publish(KvEvent::Type type, const BlockHash& parent,
                std::vector<BlockHash> hashes);
   // Without a tier, appends the block's hash to `removed` (one event per
-  // Allocate); with one, publishes its removed or moved event at once.
+  // Allocate); with one, queues its removed or moved event in evictions_.
   void Evict(int32_t block, std::vector<BlockHash>* removed);
+  // Publishes the queued evictions (a tier's run of one type).
+  void FlushEvictions();
 
   std::vector<int32_t> ref_;
   std::vector<std::optional<BlockHash>> hash_of_;
@@ -146,6 +148,7 @@ class BlockManager {
   absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> cached_;
   KvEventSink sink_;
   TierHooks tier_hooks_;
+  KvEvent evictions_;  // with a tier: evictions not yet published
   uint64_t event_seq_ = 0;
 };
 
