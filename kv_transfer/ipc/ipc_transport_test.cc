@@ -6,8 +6,10 @@
 // logic cuda_ipc runs on a GPU (only PeerMemoryBackend differs).
 #include "kv_transfer/ipc/ipc_transport.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cctype>
@@ -16,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "kv_transfer/ipc/ipc_messages.h"
 #include "kv_transfer/nccl/fake_control_channel.h"
@@ -371,9 +374,25 @@ TEST(IpcExportTest, ExportsOutsideTheirRegionsAreRejectedBeforeMapping) {
   EXPECT_EQ(other.Validate(layout).code(),
             absl::StatusCode::kFailedPrecondition);
   KvExport missing = e;
-  missing.regions[0].handle = "/proc/self/fd/987654";
+  missing.regions[0].handle = absl::StrCat("/proc/", getpid(), "/fd/987654");
   EXPECT_EQ(backend->Map(missing).status().code(),
             absl::StatusCode::kUnavailable);
+  // A peer cannot point the sender's writes at an ordinary file.
+  const std::string file = ::testing::TempDir() + "ipc_not_a_pool";
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  const int fd = open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  KvExport other_file = e;
+  other_file.regions[0].handle = absl::StrCat("/proc/", getpid(), "/fd/", fd);
+  EXPECT_EQ(backend->Map(other_file).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  other_file.regions[0].handle = file;
+  EXPECT_EQ(backend->Map(other_file).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  close(fd);
+  std::remove(file.c_str());
 }
 
 TEST(IpcCudaTest, CudaIpcWithoutADeviceIsAClearError) {

@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <random>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "engine/kv_cache.h"
@@ -139,12 +141,34 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
 
 namespace {
 
+// "/proc/<pid>/fd/<n>" naming a memfd made by KvPool (engine/kv_cache.cc
+// names it "pdserve-kv-pool"; the kernel shows it as "/memfd:<name>").
+bool IsPoolMemfd(const std::string& path) {
+  int pid = 0, fd = 0, end = 0;
+  if (std::sscanf(path.c_str(), "/proc/%d/fd/%d%n", &pid, &fd, &end) != 2 ||
+      static_cast<size_t>(end) != path.size()) {
+    return false;
+  }
+  char target[256];
+  const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
+  if (n <= 0) return true;  // unreadable: open() reports why
+  const std::string_view link(target, static_cast<size_t>(n));
+  return link.rfind("/memfd:pdserve-kv-pool", 0) == 0;
+}
+
 class ShmMapping final : public PeerMapping {
  public:
   ~ShmMapping() override {
     for (auto& [p, n] : maps_) munmap(p, n);
   }
   absl::Status Add(const ExportedRegion& region) {
+    // Only a KvPool memfd of a process on this node: a peer must not be
+    // able to point this process's writes at an arbitrary file.
+    if (!IsPoolMemfd(region.handle)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shm: \"", region.handle,
+          "\" is not the KV pool memfd of a process on this node"));
+    }
     const int fd = open(region.handle.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) {
       return absl::UnavailableError(absl::StrCat(
