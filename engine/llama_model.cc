@@ -133,37 +133,33 @@ void LlamaModel::Attention(const LayerWeights& w, int64_t total,
   const int64_t qkv_dim = q_dim + 2 * kv_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  {
-    kernels::MatMulNT(normed_.data(), total, c.hidden_size, w.qkv, qkv_.data(),
-                      mode_);
-    for (int64_t r = 0; r < total; ++r) {
-      float* src = &qkv_[r * qkv_dim];
-      if (!w.qkv_bias.empty()) {
-        for (int64_t i = 0; i < qkv_dim; ++i) src[i] += w.qkv_bias[i];
-      }
-      std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
-      std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
-      std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim,
-                  kv_dim * sizeof(float));
+  kernels::MatMulNT(normed_.data(), total, c.hidden_size, w.qkv, qkv_.data(),
+                    mode_);
+  for (int64_t r = 0; r < total; ++r) {
+    float* src = &qkv_[r * qkv_dim];
+    if (!w.qkv_bias.empty()) {
+      for (int64_t i = 0; i < qkv_dim; ++i) src[i] += w.qkv_bias[i];
     }
-    if (!w.q_norm.empty()) {  // Qwen3: RMSNorm of every head, before RoPE
-      kernels::RmsNorm(q_.data(), nullptr, w.q_norm.data(), total * c.num_heads,
-                       hd, eps, q_.data());
-      kernels::RmsNorm(k_.data(), nullptr, w.k_norm.data(),
-                       total * c.num_kv_heads, hd, eps, k_.data());
-    }
-    kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
-                       inv_freq_.data());
-    kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
-                       inv_freq_.data());
-    const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
-    kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
-    if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
-    kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
-                            attn_seqs, layer, scale, attn_.data());
-    kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj, proj_.data(),
-                      mode_);
+    std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
+    std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
+    std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim, kv_dim * sizeof(float));
   }
+  if (!w.q_norm.empty()) {  // Qwen3: RMSNorm of every head, before RoPE
+    kernels::RmsNorm(q_.data(), nullptr, w.q_norm.data(), total * c.num_heads,
+                     hd, eps, q_.data());
+    kernels::RmsNorm(k_.data(), nullptr, w.k_norm.data(),
+                     total * c.num_kv_heads, hd, eps, k_.data());
+  }
+  kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
+                     inv_freq_.data());
+  kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
+                     inv_freq_.data());
+  const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
+  kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
+  if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
+  kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
+                          attn_seqs, layer, scale, attn_.data());
+  kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj, proj_.data(), mode_);
 }
 
 absl::Status LlamaModel::Finish(std::span<const SeqInput> seqs, int64_t total,

@@ -1,8 +1,8 @@
 // Forward pass of a Llama-family decoder over a batch of sequences whose
-// K/V live in a paged KvPool (for DeepSeek's MLA, latent rows: engine/mla.h). Each sequence contributes a run of new tokens
-// (a prefill chunk or one decode token) at consecutive positions; their K/V
-// are written into the sequence's blocks and attention reads the whole
-// prefix through its block table.
+// K/V live in a paged KvPool (for DeepSeek's MLA, latent rows: engine/mla.h).
+// Each sequence contributes a run of new tokens (a prefill chunk or one decode
+// token) at consecutive positions; their K/V are written into the sequence's
+// blocks and attention reads the whole prefix through its block table.
 //
 // With MatMulMode::kDeterministic a token's hidden states and logits depend
 // only on its own sequence, never on what else is in the batch.

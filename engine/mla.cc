@@ -66,8 +66,8 @@ void RopeInterleaved(float* x, int64_t d, const float* cos, const float* sin,
 }  // namespace
 
 int64_t MlaWeights::bytes() const {
-  int64_t n = q_proj.bytes() + q_a_proj.bytes() + q_b_proj.bytes() +
-              kv_a_proj.bytes();
+  int64_t n =
+      q_proj.bytes() + q_a_proj.bytes() + q_b_proj.bytes() + kv_a_proj.bytes();
   for (const auto& m : uk_t) n += m.bytes();
   for (const auto& m : uv) n += m.bytes();
   return n + static_cast<int64_t>((q_a_norm.size() + kv_a_norm.size()) *
@@ -101,7 +101,8 @@ absl::Status LoadMlaWeights(const ModelConfig& c, int64_t layer,
   RETURN_IF_ERROR(matrix("kv_a_proj_with_mqa", r + rope, h, &w->kv_a_proj));
   RETURN_IF_ERROR(fetch(p + "kv_a_layernorm.weight", {r}, &w->kv_a_norm));
   tmp.clear();
-  RETURN_IF_ERROR(fetch(p + "kv_b_proj.weight", {heads * (nope + vd), r}, &tmp));
+  RETURN_IF_ERROR(
+      fetch(p + "kv_b_proj.weight", {heads * (nope + vd), r}, &tmp));
   const std::vector<float> kv_b = std::move(tmp);
   std::vector<float> part;
   for (int64_t hd = 0; hd < heads; ++hd) {
@@ -138,8 +139,7 @@ std::vector<double> MlaRopeInvFreq(const ModelConfig& c) {
                     (rotations * 2 * M_PI)) /
            (2 * std::log(base));
   };
-  const double low =
-      std::max(std::floor(correction_dim(y.beta_fast)), 0.0);
+  const double low = std::max(std::floor(correction_dim(y.beta_fast)), 0.0);
   double high = std::min(std::ceil(correction_dim(y.beta_slow)),
                          static_cast<double>(dim - 1));
   if (low == high) high += 0.001;
@@ -152,8 +152,9 @@ std::vector<double> MlaRopeInvFreq(const ModelConfig& c) {
 }
 
 float MlaSoftmaxScale(const ModelConfig& c) {
-  double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_nope_head_dim +
-                                                     c.qk_rope_head_dim));
+  double scale =
+      1.0 /
+      std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim));
   if (c.yarn.factor > 0 && c.yarn.mscale_all_dim != 0) {
     const double m = YarnMscale(c.yarn.factor, c.yarn.mscale_all_dim);
     scale *= m * m;
@@ -181,7 +182,8 @@ void WriteLatentRows(const float* rows, int64_t num_tokens,
       float& scale = scales[block * 2 + part];
       if (offset == 0) scale = 0;  // the block was just given to this sequence
       float amax = 0;
-      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(src[i]));
+      for (int64_t i = lo; i < hi; ++i)
+        amax = std::max(amax, std::fabs(src[i]));
       const float needed = amax / 127.0f;
       if (needed > scale) {
         // Requantise this part of the block's earlier rows to the new scale.
@@ -223,21 +225,18 @@ void ReadLatentBlock(const KvCacheSpec& spec, const void* data,
 MlaAttention::MlaAttention(const ModelConfig& c)
     : c_(c), inv_freq_(MlaRopeInvFreq(c)), scale_(MlaSoftmaxScale(c)) {
   if (c.yarn.factor > 0) {
-    rope_mscale_ = static_cast<float>(
-        YarnMscale(c.yarn.factor, c.yarn.mscale) /
-        YarnMscale(c.yarn.factor, c.yarn.mscale_all_dim));
+    rope_mscale_ =
+        static_cast<float>(YarnMscale(c.yarn.factor, c.yarn.mscale) /
+                           YarnMscale(c.yarn.factor, c.yarn.mscale_all_dim));
   }
 }
 
-void MlaAttention::Forward(const MlaWeights& w,
-                           const kernels::WeightMatrix& o_proj, const float* x,
-                           int64_t total, const int32_t* positions,
-                           const int64_t* slots,
-                           std::span<const kernels::AttentionSeq> seqs,
-                           KvPool* pool, int32_t layer,
-                           kernels::MatMulMode mode,
-                           const std::function<void()>& on_written,
-                           float* out) {
+void MlaAttention::Forward(
+    const MlaWeights& w, const kernels::WeightMatrix& o_proj, const float* x,
+    int64_t total, const int32_t* positions, const int64_t* slots,
+    std::span<const kernels::AttentionSeq> seqs, KvPool* pool, int32_t layer,
+    kernels::MatMulMode mode, const std::function<void()>& on_written,
+    float* out) {
   const ModelConfig& c = c_;
   const int64_t hidden = c.hidden_size, heads = c.num_heads;
   const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;

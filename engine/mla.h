@@ -93,8 +93,7 @@ void WriteLatentRows(const float* rows, int64_t num_tokens,
                      float* scales);
 // Reads `count` rows of one block as fp32 into out [count][width].
 void ReadLatentBlock(const KvCacheSpec& spec, const void* data,
-                     const float* scales, int64_t block, int count,
-                     float* out);
+                     const float* scales, int64_t block, int count, float* out);
 
 class MlaAttention {
  public:

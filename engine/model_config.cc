@@ -65,9 +65,9 @@ absl::Status ParseDeepseek(const json::Value& root, const std::string& path,
   } else if (topk == "noaux_tc") {
     c->moe_topk = ModelConfig::MoeTopk::kNoauxTc;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": unsupported topk_method \"", topk,
-        "\" (supported: greedy, group_limited_greedy, noaux_tc)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": unsupported topk_method \"", topk,
+                     "\" (supported: greedy, group_limited_greedy, noaux_tc)"));
   }
   ASSIGN_OR_RETURN(
       std::string scoring,
@@ -83,8 +83,8 @@ absl::Status ParseDeepseek(const json::Value& root, const std::string& path,
   }
   if (c->moe_topk == ModelConfig::MoeTopk::kNoauxTc &&
       c->moe_scoring != ModelConfig::MoeScoring::kSigmoid) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": topk_method noaux_tc needs scoring_func sigmoid"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": topk_method noaux_tc needs scoring_func sigmoid"));
   }
   ASSIGN_OR_RETURN(std::string act,
                    json::GetString(root, "hidden_act", path, "silu"));
@@ -111,9 +111,9 @@ absl::Status ParseYarn(const json::Value& rs, const std::string& path,
   }
   ModelConfig::Yarn& y = c->yarn;
   ASSIGN_OR_RETURN(y.factor, json::GetDouble(rs, "factor", path));
-  ASSIGN_OR_RETURN(y.original_max_position_embeddings,
-                   json::GetInt(rs, "original_max_position_embeddings", path,
-                                4096));
+  ASSIGN_OR_RETURN(
+      y.original_max_position_embeddings,
+      json::GetInt(rs, "original_max_position_embeddings", path, 4096));
   ASSIGN_OR_RETURN(y.beta_fast, json::GetDouble(rs, "beta_fast", path, 32.0));
   ASSIGN_OR_RETURN(y.beta_slow, json::GetDouble(rs, "beta_slow", path, 1.0));
   ASSIGN_OR_RETURN(y.mscale, json::GetDouble(rs, "mscale", path, 1.0));
@@ -448,16 +448,15 @@ std::string ModelConfig::ToJson() const {
             {"original_max_position_embeddings",
              rope_scaling.original_max_position_embeddings}};
   }
-  const char* model_type = architecture == "Qwen2ForCausalLM"      ? "qwen2"
-                           : architecture == "Qwen3ForCausalLM"    ? "qwen3"
-                           : architecture == "MistralForCausalLM"  ? "mistral"
-                           : architecture == "MixtralForCausalLM"  ? "mixtral"
-                           : architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
-                           : architecture == "DeepseekV2ForCausalLM"
-                               ? "deepseek_v2"
-                           : architecture == "DeepseekV3ForCausalLM"
-                               ? "deepseek_v3"
-                               : "llama";
+  const char* model_type =
+      architecture == "Qwen2ForCausalLM"        ? "qwen2"
+      : architecture == "Qwen3ForCausalLM"      ? "qwen3"
+      : architecture == "MistralForCausalLM"    ? "mistral"
+      : architecture == "MixtralForCausalLM"    ? "mixtral"
+      : architecture == "Qwen3MoeForCausalLM"   ? "qwen3_moe"
+      : architecture == "DeepseekV2ForCausalLM" ? "deepseek_v2"
+      : architecture == "DeepseekV3ForCausalLM" ? "deepseek_v3"
+                                                : "llama";
   // No EOS is written as null: -1 would read back as an out-of-vocabulary id.
   json::OrderedValue eos;
   if (eos_token_ids.size() > 1) {
@@ -498,15 +497,14 @@ std::string ModelConfig::ToJson() const {
     // head_dim is derived (qk_nope + qk_rope); DeepSeek configs carry none.
     config.erase("head_dim");
     if (yarn.factor > 0) {
-      config["rope_scaling"] = {
-          {"type", "yarn"},
-          {"factor", yarn.factor},
-          {"original_max_position_embeddings",
-           yarn.original_max_position_embeddings},
-          {"beta_fast", yarn.beta_fast},
-          {"beta_slow", yarn.beta_slow},
-          {"mscale", yarn.mscale},
-          {"mscale_all_dim", yarn.mscale_all_dim}};
+      config["rope_scaling"] = {{"type", "yarn"},
+                                {"factor", yarn.factor},
+                                {"original_max_position_embeddings",
+                                 yarn.original_max_position_embeddings},
+                                {"beta_fast", yarn.beta_fast},
+                                {"beta_slow", yarn.beta_slow},
+                                {"mscale", yarn.mscale},
+                                {"mscale_all_dim", yarn.mscale_all_dim}};
     }
     json::OrderedValue q_lora;  // null: no q LoRA
     if (q_lora_rank > 0) q_lora = q_lora_rank;

@@ -295,8 +295,8 @@ void AddMlaTensors(const ModelConfig& c, const std::string& p, AddFn& add) {
   } else {
     add(a + "q_proj.weight", {heads * qh, h}, inv_sqrt(h), 0.0f);
   }
-  add(a + "kv_a_proj_with_mqa.weight",
-      {c.kv_lora_rank + c.qk_rope_head_dim, h}, inv_sqrt(h), 0.0f);
+  add(a + "kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, h},
+      inv_sqrt(h), 0.0f);
   add(a + "kv_a_layernorm.weight", {c.kv_lora_rank}, 0.1f, 1.0f);
   add(a + "kv_b_proj.weight",
       {heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank},
@@ -312,8 +312,8 @@ void AddDeepseekMoeTensors(const ModelConfig& c, int64_t layer, AddFn& add) {
   if (c.moe_topk == ModelConfig::MoeTopk::kNoauxTc) {
     // Small next to the sigmoid scores' spread, so it shifts but rarely
     // overturns the choice.
-    add(MoeRouterTensor(c, layer) + ".e_score_correction_bias",
-        {c.num_experts}, 0.05f, 0.0f);
+    add(MoeRouterTensor(c, layer) + ".e_score_correction_bias", {c.num_experts},
+        0.05f, 0.0f);
   }
   if (c.n_shared_experts > 0) {
     const int64_t shared = c.n_shared_experts * c.moe_intermediate_size;
@@ -359,20 +359,20 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
     add(p + "input_layernorm.weight", {h}, 0.1f, 1.0f);
     if (c.IsMla()) AddMlaTensors(c, p, add);
     if (!c.IsMla()) {
-    add(p + "self_attn.q_proj.weight", {c.num_heads * hd, h}, in_h, 0.0f);
-    add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
-    add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
-    if (c.attention_bias) {
-      add(p + "self_attn.q_proj.bias", {c.num_heads * hd}, 0.1f, 0.0f);
-      add(p + "self_attn.k_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
-      add(p + "self_attn.v_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
-    }
-    if (c.qk_norm) {
-      add(p + "self_attn.q_norm.weight", {hd}, 0.1f, 1.0f);
-      add(p + "self_attn.k_norm.weight", {hd}, 0.1f, 1.0f);
-    }
-    add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
-        1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
+      add(p + "self_attn.q_proj.weight", {c.num_heads * hd, h}, in_h, 0.0f);
+      add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
+      add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, h}, in_h, 0.0f);
+      if (c.attention_bias) {
+        add(p + "self_attn.q_proj.bias", {c.num_heads * hd}, 0.1f, 0.0f);
+        add(p + "self_attn.k_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
+        add(p + "self_attn.v_proj.bias", {c.num_kv_heads * hd}, 0.1f, 0.0f);
+      }
+      if (c.qk_norm) {
+        add(p + "self_attn.q_norm.weight", {hd}, 0.1f, 1.0f);
+        add(p + "self_attn.k_norm.weight", {hd}, 0.1f, 1.0f);
+      }
+      add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
+          1.0f / std::sqrt(static_cast<float>(c.num_heads * hd)), 0.0f);
     }  // !MLA
     add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
     if (c.IsMoeLayer(i)) {

@@ -354,8 +354,9 @@ TEST_P(MlaModelTest, ABlockHoldsOnlyTheLatentAndTheRopeKey) {
   const int64_t width = c.kv_lora_rank + c.qk_rope_head_dim;
   EXPECT_EQ(pool_->Span(0, 0).data_bytes,
             static_cast<size_t>(16 * width * DTypeBytes(spec_.dtype)));
-  EXPECT_EQ(spec_.BytesPerToken(),
-            c.num_layers * width * static_cast<int64_t>(DTypeBytes(spec_.dtype)));
+  EXPECT_EQ(
+      spec_.BytesPerToken(),
+      c.num_layers * width * static_cast<int64_t>(DTypeBytes(spec_.dtype)));
   // int8: one scale for the latent part, one for the rope part.
   EXPECT_EQ(pool_->Span(0, 0).scale_bytes,
             spec_.dtype == DType::kI8 ? 2 * sizeof(float) : 0u);
@@ -449,7 +450,8 @@ TEST_P(MlaCompactKvTest, CompactKvStaysCloseToFp32Kv) {
   for (int64_t p = 0; p < positions; ++p) {
     double e = 0;
     for (int64_t i = 0; i < vocab; ++i)
-      e = std::max(e, std::fabs(double(ref[p * vocab + i]) - got[p * vocab + i]));
+      e = std::max(e,
+                   std::fabs(double(ref[p * vocab + i]) - got[p * vocab + i]));
     total_err += e;
     close += e / mag <= tol;
   }
@@ -479,7 +481,8 @@ TEST(MlaKernelTest, Int8LatentWritesTokenByTokenEqualOneChunk) {
   ASSERT_TRUE(spec.Validate().ok());
   std::vector<float> rows(16 * 12);
   for (size_t i = 0; i < rows.size(); ++i)
-    rows[i] = std::sin(0.7f * i) * (1.0f + (i / 12) * 0.4f) * (i % 12 < 8 ? 1 : 9);
+    rows[i] =
+        std::sin(0.7f * i) * (1.0f + (i / 12) * 0.4f) * (i % 12 < 8 ? 1 : 9);
   std::vector<int64_t> slots(16);
   std::iota(slots.begin(), slots.end(), 16);  // block 1
   auto a = std::move(*KvPool::Create(spec, 3));

@@ -88,12 +88,15 @@ void RouteDeepseek(const float* router_logits, int64_t m, const ModelConfig& c,
   std::vector<char> kept(groups);
   auto by = [](const std::vector<float>& v) {
     // Descending; equal values keep the lower id first.
-    return [&v](int32_t a, int32_t b) { return v[a] != v[b] ? v[a] > v[b] : a < b; };
+    return [&v](int32_t a, int32_t b) {
+      return v[a] != v[b] ? v[a] > v[b] : a < b;
+    };
   };
   for (int64_t t = 0; t < m; ++t) {
     const float* z = router_logits + t * n;
     if (c.moe_scoring == ModelConfig::MoeScoring::kSigmoid) {
-      for (int64_t e = 0; e < n; ++e) score[e] = 1.0f / (1.0f + std::exp(-z[e]));
+      for (int64_t e = 0; e < n; ++e)
+        score[e] = 1.0f / (1.0f + std::exp(-z[e]));
     } else {
       float max = z[0];
       for (int64_t e = 1; e < n; ++e) max = std::max(max, z[e]);
@@ -128,9 +131,8 @@ void RouteDeepseek(const float* router_logits, int64_t m, const ModelConfig& c,
         }
         group_order[g] = static_cast<int32_t>(g);
       }
-      std::partial_sort(group_order.begin(),
-                        group_order.begin() + c.topk_group, group_order.end(),
-                        by(group_score));
+      std::partial_sort(group_order.begin(), group_order.begin() + c.topk_group,
+                        group_order.end(), by(group_score));
       std::fill(kept.begin(), kept.end(), 0);
       for (int64_t r = 0; r < c.topk_group; ++r) kept[group_order[r]] = 1;
       // As masked_fill(~mask, 0.0) in the reference code.

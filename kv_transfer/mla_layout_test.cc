@@ -36,9 +36,9 @@ class MlaTransferTest : public ::testing::Test {
     pool_ = std::move(*engine::KvPool::Create(spec_, 16));
     blocks_ = std::make_unique<engine::BlockManager>(16);
     metrics_ = std::make_unique<TransferMetrics>(registry_);
-    receiver_ = std::make_unique<KvReceiver>(
-        pool_.get(), KvLayout::FromSpec(spec_, "model"),
-        metrics_->ForReceiver());
+    receiver_ = std::make_unique<KvReceiver>(pool_.get(),
+                                             KvLayout::FromSpec(spec_, "model"),
+                                             metrics_->ForReceiver());
     service_ = std::make_unique<KvTransferService>(receiver_.get());
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
@@ -132,8 +132,9 @@ TEST_F(MlaTransferTest, MlaSenderAndGqaReceiverFailThePreconditionByName) {
   // ends (not ok) and is freed.
   const absl::Status sent = Send(sender.get(), id, 2);
   EXPECT_EQ(sent.code(), absl::StatusCode::kFailedPrecondition) << sent;
-  EXPECT_THAT(std::string(sent.message()),
-              HasSubstr("kv cache kind: sender MLA latent vs receiver MHA/GQA"));
+  EXPECT_THAT(
+      std::string(sent.message()),
+      HasSubstr("kv cache kind: sender MLA latent vs receiver MHA/GQA"));
   EXPECT_THAT(std::string(sent.message()),
               HasSubstr("kv_lora_rank: sender 32 vs receiver 0"));
   const absl::Status s =
@@ -152,8 +153,7 @@ TEST(MlaLayoutTest, CheckLayoutsNamesTheMlaGeometry) {
   engine::KvCacheSpec other = MlaSpec(DType::kBF16);
   other.qk_rope_head_dim = 16;
   other.head_dim = 48;
-  const absl::Status s =
-      CheckLayouts(mla, KvLayout::FromSpec(other, "m"));
+  const absl::Status s = CheckLayouts(mla, KvLayout::FromSpec(other, "m"));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()),
               HasSubstr("qk_rope_head_dim: sender 8 vs receiver 16"));
@@ -161,8 +161,9 @@ TEST(MlaLayoutTest, CheckLayoutsNamesTheMlaGeometry) {
   // A GQA receiver: the kind and the rank are named.
   const absl::Status g =
       CheckLayouts(KvLayout::FromSpec(GqaSpec(DType::kBF16), "m"), mla);
-  EXPECT_THAT(std::string(g.message()),
-              HasSubstr("kv cache kind: sender MHA/GQA vs receiver MLA latent"));
+  EXPECT_THAT(
+      std::string(g.message()),
+      HasSubstr("kv cache kind: sender MHA/GQA vs receiver MLA latent"));
   // The proto round trip keeps the geometry.
   const KvLayout back = FromProto(ToProto(mla));
   EXPECT_EQ(back, mla);

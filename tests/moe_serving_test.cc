@@ -1,8 +1,9 @@
 // The equivalence contract on the Mixture-of-Experts presets (mixtral,
-// qwen3-moe, and the MLA + MoE deepseek-v2/v3), end to end: router + 2 prefill + 2 decode workers (the topology
-// `pdserve up --prefill 2 --decode 2` starts), a colocated worker, and the
-// local `pdserve generate --model` path give the same tokens, greedy and
-// seeded, with and without prefix-cache hits. Real processes on loopback.
+// qwen3-moe, and the MLA + MoE deepseek-v2/v3), end to end: router + 2 prefill
+// + 2 decode workers (the topology `pdserve up --prefill 2 --decode 2` starts),
+// a colocated worker, and the local `pdserve generate --model` path give the
+// same tokens, greedy and seeded, with and without prefix-cache hits. Real
+// processes on loopback.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
