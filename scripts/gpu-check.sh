@@ -26,12 +26,14 @@ BUILD_DIR=${BUILD_DIR:-build-gpu}
 #   engine's (engine/cuda_sampling_test.cc), and (PDSERVE_GPU_BENCH=1) the
 #   1B-shape benchmark: BENCH prefill tokens/s, decode ITL p50/p99.
 # nccl_transport_gpu_test: the NCCL KV transport (kv_transfer/nccl).
+# mla_moe_cuda_test: the MLA decode kernel over paged latent blocks and the
+#   grouped-expert MoE path vs float64 CPU references (issue 19).
 # worker_gpu_test: GPU prefill + decode workers on one GPU over grpc vs colocated.
 # worker_gpu_bench_test: (PDSERVE_GPU_BENCH=1) BENCH TTFT and ITL p50/p99 on the
 #   1B shape, colocated vs a one-GPU P/D pair over grpc and over cuda_ipc.
 # The two benchmarks share a random Llama-3.2-1B-shaped bf16 model written once
 # to /tmp/pdserve-bench-llama3.2-1b (2.5 GB; PDSERVE_BENCH_MODEL_DIR overrides).
-TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test worker_gpu_test cuda_ipc_gpu_test worker_gpu_bench_test)
+TESTS=(kernels_cuda_test engine_cuda_test nccl_transport_gpu_test worker_gpu_test cuda_ipc_gpu_test worker_gpu_bench_test mla_moe_cuda_test)
 
 build_targets() {
   if [ "$BUILD_DIR" != build ]; then
