@@ -1,5 +1,3 @@
-#include "kernels/cuda/mla_attention.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -8,12 +6,13 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kv_access.cuh"
+#include "kernels/cuda/mla_attention.cuh"
 
 namespace pdserve::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kTile = 32;      // context rows per online-softmax step
+constexpr int kThreads = 128;           // 4 warps
+constexpr int kTile = 32;               // context rows per online-softmax step
 constexpr int kMaxLatentPerThread = 8;  // kv_lora_rank <= 8 * kThreads
 
 template <typename T>
@@ -31,13 +30,13 @@ __device__ __forceinline__ float LoadLatent(const T* row, const float* scales,
 // width floats of the query.
 template <typename T>
 __global__ void MlaDecodeKernel(
-    const float* __restrict__ q_abs,  // [queries, heads, width]
-    const T* __restrict__ data,       // [blocks, block_size, width]
-    const float* __restrict__ scales,  // [blocks, 2] or null
+    const float* __restrict__ q_abs,           // [queries, heads, width]
+    const T* __restrict__ data,                // [blocks, block_size, width]
+    const float* __restrict__ scales,          // [blocks, 2] or null
     const int32_t* __restrict__ block_tables,  // [queries, max_blocks]
-    int32_t max_blocks, const int32_t* __restrict__ context_lens,
-    int32_t heads, int32_t rank, int32_t width, int32_t block_size,
-    float scale, float* __restrict__ out) {  // [queries, heads, rank]
+    int32_t max_blocks, const int32_t* __restrict__ context_lens, int32_t heads,
+    int32_t rank, int32_t width, int32_t block_size, float scale,
+    float* __restrict__ out) {  // [queries, heads, rank]
   extern __shared__ float q_sm[];
   __shared__ float score_sm[kTile];
   const int query = blockIdx.x, head = blockIdx.y;
@@ -98,9 +97,8 @@ __global__ void MlaDecodeKernel(
 template <typename T>
 absl::Status Launch(const float* q_abs, const MlaLatentView& c,
                     const int32_t* block_tables, int32_t max_blocks,
-                    const int32_t* context_lens, int32_t queries,
-                    int32_t heads, float scale, float* out,
-                    cudaStream_t stream) {
+                    const int32_t* context_lens, int32_t queries, int32_t heads,
+                    float scale, float* out, cudaStream_t stream) {
   const int32_t width = c.kv_lora_rank + c.rope_dim;
   const dim3 grid(queries, heads);
   MlaDecodeKernel<T><<<grid, kThreads, width * sizeof(float), stream>>>(
@@ -112,10 +110,10 @@ absl::Status Launch(const float* q_abs, const MlaLatentView& c,
 }  // namespace
 
 absl::Status InvokeMlaDecodeAttention(
-    const float* q_abs, const MlaLatentView& cache,
-    const int32_t* block_tables, int32_t max_blocks_per_seq,
-    const int32_t* context_lens, int32_t num_queries, int32_t num_heads,
-    float scale, float* out_lat, cudaStream_t stream) {
+    const float* q_abs, const MlaLatentView& cache, const int32_t* block_tables,
+    int32_t max_blocks_per_seq, const int32_t* context_lens,
+    int32_t num_queries, int32_t num_heads, float scale, float* out_lat,
+    cudaStream_t stream) {
   if (cache.kv_lora_rank <= 0 ||
       cache.kv_lora_rank > kMaxLatentPerThread * kThreads ||
       cache.rope_dim < 0 || cache.block_size <= 0) {
@@ -127,17 +125,16 @@ absl::Status InvokeMlaDecodeAttention(
   switch (cache.dtype) {
     case KvDtype::kF32:
       return Launch<float>(q_abs, cache, block_tables, max_blocks_per_seq,
-                           context_lens, num_queries, num_heads, scale,
-                           out_lat, stream);
+                           context_lens, num_queries, num_heads, scale, out_lat,
+                           stream);
     case KvDtype::kF16:
       return Launch<__half>(q_abs, cache, block_tables, max_blocks_per_seq,
                             context_lens, num_queries, num_heads, scale,
                             out_lat, stream);
     case KvDtype::kBF16:
-      return Launch<__nv_bfloat16>(q_abs, cache, block_tables,
-                                   max_blocks_per_seq, context_lens,
-                                   num_queries, num_heads, scale, out_lat,
-                                   stream);
+      return Launch<__nv_bfloat16>(
+          q_abs, cache, block_tables, max_blocks_per_seq, context_lens,
+          num_queries, num_heads, scale, out_lat, stream);
     case KvDtype::kI8:
       return Launch<int8_t>(q_abs, cache, block_tables, max_blocks_per_seq,
                             context_lens, num_queries, num_heads, scale,

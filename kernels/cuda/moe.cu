@@ -1,7 +1,6 @@
-#include "kernels/cuda/moe.cuh"
-
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe.cuh"
 
 namespace pdserve::kernels::cuda {
 namespace {
@@ -106,8 +105,8 @@ absl::Status InvokeGroupedMoe(const float* x, const int32_t* experts,
   if (m < 0 || k <= 0 || hidden <= 0 || inter <= 0 || num_experts <= 0) {
     return absl::InvalidArgumentError("grouped MoE: bad shape");
   }
-  const int64_t need = GroupedMoeWorkspaceBytes(m, k, hidden, inter,
-                                                num_experts);
+  const int64_t need =
+      GroupedMoeWorkspaceBytes(m, k, hidden, inter, num_experts);
   if (workspace_bytes < need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "grouped MoE: workspace of ", workspace_bytes, " bytes, need ", need));
