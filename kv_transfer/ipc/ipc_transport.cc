@@ -317,6 +317,17 @@ absl::StatusOr<std::shared_ptr<IpcKvTransport::Peer>> IpcKvTransport::PeerFor(
   std::shared_ptr<Peer> dropped;  // unmapped after the lock is released
   std::vector<std::shared_ptr<Peer>> evicted;
   absl::MutexLock l(&mu_);
+  // Unmap idle peers whose storage is gone (a decode worker that died and
+  // never came back at its address), so their memory is released.
+  for (auto p = peers_.begin(); p != peers_.end();) {
+    if (p->first != destination && p->second.peer.use_count() == 1 &&
+        !p->second.peer->mapping->PeerAlive()) {
+      evicted.push_back(std::move(p->second.peer));
+      peers_.erase(p++);
+    } else {
+      ++p;
+    }
+  }
   auto it = peers_.find(destination);
   if (it != peers_.end()) {
     if (it->second.peer->exported.export_id == exported.export_id) {

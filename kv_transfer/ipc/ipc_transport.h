@@ -60,7 +60,9 @@ struct IpcTransportConfig {
   // Largest batch of spans (data + scales, bytes) named in one Manifest.
   uint64_t max_batch_bytes = uint64_t{64} << 20;
   // Peers whose mappings are kept; beyond it the least recently used
-  // mapping no session holds is unmapped (remapped on next use).
+  // mapping no session holds is unmapped (remapped on next use). Mapping a
+  // new peer also unmaps idle ones whose storage is gone
+  // (PeerMapping::PeerAlive).
   int max_peers = 16;
   // Tests: runs before each batch's copies (e.g. to stall or kill a sender
   // mid-transfer). May be null.

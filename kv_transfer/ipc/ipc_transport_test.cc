@@ -342,6 +342,42 @@ TEST_F(IpcTransportSafetyTest, APeerIsMappedOnceAndRemappedAfterRestart) {
   EXPECT_EQ(transport_->num_mappings(), 1);
 }
 
+TEST_F(IpcTransportSafetyTest, AGonePeerIsUnmappedWhenANewOneIsMapped) {
+  Start(DType::kF16);
+  const uint64_t res = receiver_->Expect("r", {1}, 0);
+  auto session = transport_->Open(Plan(res, {{0, 0}}), prefill_pool_.get());
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)->SendLayers(0, spec_.num_layers).ok());
+  ASSERT_TRUE((*session)->Finish().ok());
+  session->reset();
+  ASSERT_EQ(transport_->num_mappings(), 1);
+  // The decode worker goes away for good: its pool (and memfd) is gone.
+  network_.StopListening(kDecode);
+  endpoint_->Shutdown();
+  endpoint_.reset();
+  receiver_.reset();
+  decode_pool_.reset();
+  // A second decode worker elsewhere: mapping it unmaps the dead one.
+  engine::KvCacheSpec shared = spec_;
+  shared.host_shared = true;
+  auto pool2 = *engine::KvPool::Create(shared, kBlocks);
+  KvReceiver receiver2(pool2.get(), layout_);
+  auto endpoint2 =
+      *IpcKvReceiveEndpoint::Create(&receiver2, pool2.get(), backend_.get());
+  network_.Listen("decode:2", [&](std::unique_ptr<ControlChannel> c) {
+    endpoint2->Serve(std::move(c));
+  });
+  const uint64_t res2 = receiver2.Expect("r", {1}, 0);
+  SendPlan plan = Plan(res2, {{0, 0}});
+  plan.destination = "decode:2";
+  auto next = transport_->Open(plan, prefill_pool_.get());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(transport_->num_mappings(), 1);
+  (*next)->Cancel();
+  network_.StopListening("decode:2");
+  endpoint2->Shutdown();
+}
+
 TEST(IpcExportTest, PrivateHostPoolsAndWrongKindsCannotBeExported) {
   auto backend = NewShmBackend();
   auto pool = *engine::KvPool::Create(TestSpec(DType::kF16), 4);

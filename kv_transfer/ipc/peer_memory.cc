@@ -194,7 +194,19 @@ class ShmMapping final : public PeerMapping {
                        region.handle, " failed: ", std::strerror(errno)));
     }
     maps_.emplace_back(static_cast<uint8_t*>(p), region.bytes);
+    exported_.push_back({region.handle, st.st_dev, st.st_ino});
     return absl::OkStatus();
+  }
+  bool PeerAlive() override {
+    // The same memfd (inode) still open at the same /proc path: a reused fd
+    // number or pid names another file.
+    for (const Exported& e : exported_) {
+      struct stat st {};
+      if (stat(e.path.c_str(), &st) != 0 || st.st_dev != e.dev ||
+          st.st_ino != e.ino)
+        return false;
+    }
+    return true;
   }
   uint8_t* base(size_t region) override { return maps_[region].first; }
   absl::Status Copy(std::span<const CopyOp> ops, absl::Time deadline) override {
@@ -207,6 +219,12 @@ class ShmMapping final : public PeerMapping {
 
  private:
   std::vector<std::pair<uint8_t*, size_t>> maps_;
+  struct Exported {
+    std::string path;  // the exporter's /proc/<pid>/fd/<n>
+    dev_t dev;
+    ino_t ino;
+  };
+  std::vector<Exported> exported_;
 };
 
 class ShmBackend final : public PeerMemoryBackend {

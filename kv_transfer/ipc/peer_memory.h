@@ -105,6 +105,10 @@ class PeerMapping {
   // its own timeout passes, see ipc_transport.h).
   virtual absl::Status Copy(std::span<const CopyOp> ops,
                             absl::Time deadline) = 0;
+  // False once the exporting storage is known to be gone (shm: its memfd is
+  // no longer open in its process), so the sender can unmap it: a mapping
+  // keeps a dead peer's pool memory allocated. Cheap (a readlink per region).
+  virtual bool PeerAlive() { return true; }
 };
 
 class PeerMemoryBackend {
