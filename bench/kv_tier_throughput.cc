@@ -1,8 +1,9 @@
 // Disk throughput of the KV file tier (engine/kv_tier.h), a tool, not a test:
 // offers N pool blocks (of the `small` preset's geometry, fp32) to a tier in
 // DIR and times until every file is written, then times loading them all
-// back. Prints JSON. Compare with `dd` on the same directory.
-//   kv_tier_throughput DIR [BLOCKS=2048]
+// back. Prints JSON. Compare with `dd` on the same directory. DIR `mem`
+// times the host-memory tier instead (--kv-offload-memory).
+//   kv_tier_throughput DIR|mem [BLOCKS=2048]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,12 +18,14 @@ int main(int argc, char** argv) {
   using namespace pdserve::engine;
   if (argc < 2 || argv[1][0] == '-') {
     // --help (or any flag): usage, never a directory named after the flag.
-    std::fprintf(argc < 2 ? stderr : stdout,
-                 "usage: %s DIR [BLOCKS]\n"
-                 "Writes BLOCKS (default 2048) small-preset KV blocks into a "
-                 "disk tier in DIR, reads them back, and prints JSON with the "
-                 "GB/s of each.\n",
-                 argv[0]);
+    std::fprintf(
+        argc < 2 ? stderr : stdout,
+        "usage: %s DIR|mem [BLOCKS]\n"
+        "Writes BLOCKS (default 2048) small-preset KV blocks into a "
+        "disk tier in DIR (mem: the host-memory tier), reads them back, and "
+        "prints JSON with the "
+        "GB/s of each.\n",
+        argv[0]);
     return argc < 2 ? 2 : 0;
   }
   const int64_t n = argc > 2 ? std::atoll(argv[2]) : 2048;
@@ -35,7 +38,11 @@ int main(int argc, char** argv) {
       std::memset(s.data, static_cast<int>((l * 31 + b) & 0xff), s.data_bytes);
     }
   KvTierConfig cfg;
-  cfg.dir = argv[1];
+  if (std::strcmp(argv[1], "mem") == 0) {
+    cfg.memory_bytes = n * (int64_t{64} + spec.LayerBlockBytes() * 8);
+  } else {
+    cfg.dir = argv[1];
+  }
   cfg.capacity_bytes = int64_t{1} << 40;
   cfg.max_pending_bytes = int64_t{1} << 40;
   auto tier = KvTier::Create(cfg, {1, 2}, **pool);

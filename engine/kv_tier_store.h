@@ -61,7 +61,7 @@ class KvTierStore {
   virtual void Remove(const BlockHash& hash, unsigned char* handle) = 0;
 
   // For tests and tools: the file of `hash` (file store), else "".
-  virtual std::string PathFor(const BlockHash& hash) const { return ""; }
+  virtual std::string PathFor(const BlockHash&) const { return ""; }
 };
 
 // Files under `dir/<fingerprint hex>/`. Creates the directory and removes

@@ -287,6 +287,9 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         "Bytes written to and read from the KV tier", {"direction"}));
     auto* tier_written = metrics::Must(tier_bytes->WithLabels({"written"}));
     auto* tier_read = metrics::Must(tier_bytes->WithLabels({"read"}));
+    auto* tier_load_s = metrics::CounterChild(
+        r, "pdserve_kv_tier_load_seconds_total",
+        "Engine-thread seconds spent reading KV tier blocks back");
     auto* tier_failures_family = metrics::Must(r.AddCounter(
         "pdserve_kv_tier_failures_total",
         "KV tier blocks not offloaded or not loaded (then recomputed)",
@@ -318,6 +321,8 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
                                                   last->kv_tier.bytes_written));
       tier_read->Increment(
           static_cast<double>(s.kv_tier.bytes_read - last->kv_tier.bytes_read));
+      tier_load_s->Increment(s.kv_tier.load_seconds -
+                             last->kv_tier.load_seconds);
       for (int f = 0; f < engine::kNumKvTierFailures; ++f) {
         tier_failures[f]->Increment(static_cast<double>(
             s.kv_tier.failures[f] - last->kv_tier.failures[f]));
