@@ -1202,15 +1202,32 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
   }
 }
 
-void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
-                             float* scales) {
+namespace {
+void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
+                         float* scales, bool unsigned_bytes) {
   const int64_t kp = (k + kInt8Block - 1) / kInt8Block * kInt8Block;
   const int64_t blocks = kp / kInt8Block;
   const bool hw = ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
+  // Rows are independent; a prefill chunk has thousands of blocks per row.
+  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), m));
+#pragma omp parallel for num_threads(threads) if (threads > 1 && \
+                                                  m * k > (int64_t{1} << 16))
   for (int64_t i = 0; i < m; ++i) {
     (hw ? QuantizeRowAvx512 : QuantizeRowPortable)(x + i * k, k, kp, q + i * kp,
                                                    scales + i * blocks);
+    if (unsigned_bytes) {  // x + 128 as unsigned bytes, for VPDPBUSD
+      for (int64_t p = 0; p < kp; ++p)
+        q[i * kp + p] =
+            static_cast<int8_t>(static_cast<uint8_t>(q[i * kp + p]) ^ 0x80);
+    }
   }
+}
+
+}  // namespace
+
+void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
+                             float* scales) {
+  QuantizeActivations(x, m, k, q, scales, /*unsigned_bytes=*/false);
 }
 
 bool Int8DotUsesVnni() {
@@ -1224,13 +1241,16 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t n = w.rows(), kp = w.padded_k(), blocks = kp / kInt8Block;
   const int64_t pb = w.panel_bytes();
   const bool hw = Int8DotUsesVnni();
-  std::vector<int8_t> qx(m * kp);
-  std::vector<float> sx(m * blocks);
-  QuantizeActivationsInt8(x, m, k, qx.data(), sx.data());
-  if (hw) {  // x + 128 as unsigned bytes, in place
-    for (int8_t& v : qx)
-      v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
-  }
+  // Reused across calls (a decode step makes ~100 of them); every byte is
+  // written by the quantizer.
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> sx;
+  qx.resize(m * kp);
+  sx.resize(m * blocks);
+  QuantizeActivations(x, m, k, qx.data(), sx.data(), /*unsigned_bytes=*/hw);
+  // (thread_local: the OpenMP threads below must use these, not their own.)
+  const int8_t* const qxp = qx.data();
+  const float* const sxp = sx.data();
   const int max_nv = hw ? kInt8DotPanels : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
@@ -1258,15 +1278,15 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
       const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
       if (prepared) {
         Int8DotVnniPreparedTile(rows, nv)(
-            reinterpret_cast<const uint8_t*>(qx.data()) + i0 * kp,
-            sx.data() + i0 * blocks, kp, blocks, prep.data(), 0, io);
+            reinterpret_cast<const uint8_t*>(qxp) + i0 * kp, sxp + i0 * blocks,
+            kp, blocks, prep.data(), 0, io);
       } else if (hw) {
         Int8DotVnniTile(rows, nv)(
-            reinterpret_cast<const uint8_t*>(qx.data()) + i0 * kp,
-            sx.data() + i0 * blocks, kp, blocks, wp, pb, io);
+            reinterpret_cast<const uint8_t*>(qxp) + i0 * kp, sxp + i0 * blocks,
+            kp, blocks, wp, pb, io);
       } else {
-        Int8DotPortable(qx.data() + i0 * kp, sx.data() + i0 * blocks, kp,
-                        blocks, rows, nv, wp, pb, io);
+        Int8DotPortable(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks, rows, nv,
+                        wp, pb, io);
       }
       for (int i = 0; i < rows; ++i) {
         std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
