@@ -321,26 +321,33 @@ void MlaAttention::Forward(
       ReadLatentBlock(spec, view.data, view.scales, s.block_table[b], count,
                       &ctx_[b * bs * width]);
     }
-    scores_.resize(ctx);
-    for (int32_t i = 0; i < s.num_q; ++i) {
-      const int64_t row = s.q_row + i, n = int64_t{s.start_pos} + i + 1;
-      for (int64_t h = 0; h < heads; ++h) {
+    // (query, head) tasks are independent and each runs the same fixed-order
+    // arithmetic on whichever thread takes it.
+    const int64_t tasks = int64_t{s.num_q} * heads;
+#pragma omp parallel num_threads(kernels::KernelThreads()) if (tasks * ctx > \
+                                                               4096)
+    {
+      std::vector<float> scores(ctx);
+#pragma omp for schedule(static)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t i = task / heads, h = task % heads;
+        const int64_t row = s.q_row + i, n = int64_t{s.start_pos} + i + 1;
         const float* qa = &qabs_[(row * heads + h) * width];
         float max = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
-          scores_[j] =
+          scores[j] =
               kernels::DotFixedOrder(qa, &ctx_[j * width], width) * scale_;
-          max = std::max(max, scores_[j]);
+          max = std::max(max, scores[j]);
         }
         float sum = 0.0f;
         for (int64_t j = 0; j < n; ++j) {
-          scores_[j] = std::exp(scores_[j] - max);
-          sum += scores_[j];
+          scores[j] = std::exp(scores[j] - max);
+          sum += scores[j];
         }
         float* o = &out_lat_[(row * heads + h) * r];
         std::fill(o, o + r, 0.0f);
         for (int64_t j = 0; j < n; ++j) {
-          const float p = scores_[j];
+          const float p = scores[j];
           const float* cj = &ctx_[j * width];
           for (int64_t k = 0; k < r; ++k) o[k] += p * cj[k];
         }

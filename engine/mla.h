@@ -117,7 +117,7 @@ class MlaAttention {
   float rope_mscale_ = 1.0f;  // YaRN cos/sin multiplier
   float scale_ = 1.0f;        // softmax scale
   std::vector<float> qa_, q_, kv_a_, latent_, rows_, qabs_, gather_, part_,
-      ctx_, scores_, out_lat_, attn_;
+      ctx_, out_lat_, attn_;
 };
 
 }  // namespace pdserve::engine
