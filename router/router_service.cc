@@ -109,7 +109,15 @@ struct RouterMetrics {
             "pdserve_limit_rejections_total",
             "Requests refused by a router-wide limit (overload is load "
             "shedding; the others are per-request bounds)",
-            {"limit"}))) {
+            {"limit"}))),
+        peer_pulls(metrics::Must(r.AddCounter(
+            "pdserve_router_peer_pull_decisions_total",
+            "With --peer-pull: remote prefills told to pull their prefix from "
+            "a peer (pull), or not (no_holder: no live peer holds more; "
+            "not_faster: recompute estimated faster)",
+            {"decision"}))) {
+    for (const char* d : {"pull", "no_holder", "not_faster"})
+      metrics::Must(peer_pulls->WithLabels({d}));
     for (const char* reason : {"missing", "invalid", "no_client_cert"})
       metrics::Must(auth_failures->WithLabels({reason}));
     for (const char* limit :
@@ -147,6 +155,11 @@ struct RouterMetrics {
   metrics::CounterFamily* auth_failures;
   metrics::CounterFamily* tenant_rejections;
   metrics::CounterFamily* limit_rejections;
+  metrics::CounterFamily* peer_pulls;
+  // `decision`: "pull" or a PeerPullDecision::reason.
+  void CountPeerPull(const std::string& decision) {
+    metrics::Must(peer_pulls->WithLabels({decision}))->Increment();
+  }
   void AuthFailure(const char* reason) {
     metrics::Must(auth_failures->WithLabels({reason}))->Increment();
   }
@@ -369,7 +382,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
     WorkerView decode;
     std::optional<WorkerView> prefill;  // none: the decode worker prefills
     std::vector<int32_t> tokens;        // prompt + tokens generated so far
-    int64_t uncached = 0;  // prefill tokens charged to the prefill side
+    int64_t uncached = 0;    // prefill tokens charged to the prefill side
     v1::PeerPull peer_pull;  // blocks == 0: no pull
   };
 
@@ -491,8 +504,8 @@ struct RouterServer::Impl final : public v1::Router::Service,
     // Peer pull: asked before the speculative entries below, which would
     // credit the prefill worker with the whole prompt.
     if (route.prefill && config.peer_pull.enabled) {
-      route.peer_pull = PeerPullFor(*route.prefill, hashes_for(*route.prefill),
-                                    workers);
+      route.peer_pull =
+          PeerPullFor(*route.prefill, hashes_for(*route.prefill), workers);
     }
     if (route.prefill) {
       index.Speculate(route.prefill->index, hashes_for(*route.prefill),
@@ -538,6 +551,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
       in.candidates.push_back(std::move(c));
     }
     const PeerPullDecision d = DecidePeerPull(config.peer_pull, in);
+    m->CountPeerPull(d.pull ? "pull" : d.reason);
     v1::PeerPull out;
     if (d.pull) {
       out.set_holder_address(d.holder_address);

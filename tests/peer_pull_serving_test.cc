@@ -107,6 +107,16 @@ TEST_F(PeerPullServingTest, RepeatedPromptOnTheOtherPrefillWorkerIsPulled) {
   EXPECT_GT(Sum(c, "pdserve_kv_peer_pull_blocks_total"), 0);
   EXPECT_EQ(Sum(c, "pdserve_kv_peer_pull_served_total{outcome=\"sent\"}"), 1);
   EXPECT_GT(second.last.usage().cached_prompt_tokens(), 0u);
+  // The router's side: nobody held the prompt the first time.
+  const std::string router_metrics = Scrape(c.router.metrics_port);
+  EXPECT_EQ(MetricValue(router_metrics,
+                        "pdserve_router_peer_pull_decisions_total{decision="
+                        "\"no_holder\"}"),
+            1);
+  EXPECT_EQ(MetricValue(router_metrics,
+                        "pdserve_router_peer_pull_decisions_total{decision="
+                        "\"pull\"}"),
+            1);
   ExpectNoActiveBlocks(c);
 }
 
