@@ -418,6 +418,60 @@ TEST_P(MoeEngineTest, PrefixHitEqualsCold) {
   }
 }
 
+// The latent pool through the engine: sized by latent bytes per block, its
+// blocks published as KV events, evicted into a host-memory tier and read
+// back from it with the same tokens as a cold run.
+TEST(DeepseekEngineTest, LatentPoolEventsAndTierKeepTheTokens) {
+  auto weights = PresetWeights("deepseek-v2");
+  const KvCacheSpec spec = weights->config.KvSpec(16, DType::kF32);
+  ASSERT_TRUE(spec.mla());
+  auto req = [](const std::string& id, int salt) {
+    EngineRequest r;
+    r.id = id;
+    for (int i = 0; i < 50; ++i) r.prompt.push_back((i * 31 + salt * 17) % 256);
+    r.sampling.max_tokens = 6;
+    r.sampling.ignore_eos = true;
+    return r;
+  };
+  auto cold = Engine::Create(weights, EngineConfig{}, nullptr);
+  ASSERT_TRUE(cold.ok()) << cold.status();
+  ASSERT_TRUE((*cold)->AddRequest(req("a", 1)).ok());
+  const auto want = testing::DrainEngine(cold->get()).at("a");
+
+  EngineConfig cfg;
+  cfg.kv_cache_bytes = 6 * spec.BytesPerBlock();  // 6 latent blocks
+  cfg.kv_dtype = DType::kF32;
+  cfg.kv_offload.memory_bytes = 64 * spec.BytesPerBlock();
+  std::vector<KvEvent> events;
+  auto e = Engine::Create(weights, cfg,
+                          [&](const KvEvent& ev) { events.push_back(ev); });
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->block_manager().num_blocks(), 6);
+  ASSERT_TRUE((*e)->AddRequest(req("a", 1)).ok());
+  EXPECT_EQ(testing::DrainEngine(e->get()).at("a"), want);
+  size_t stored = 0;
+  for (const KvEvent& ev : events) {
+    if (ev.type == KvEvent::Type::kStored && ev.tier == KvTierKind::kPool)
+      stored += ev.hashes.size();
+  }
+  EXPECT_EQ(stored, 3u);  // the prompt's 3 full blocks
+  // Two other prompts push a's blocks out of the 6-block pool.
+  for (int salt : {2, 3}) {
+    ASSERT_TRUE((*e)->AddRequest(req(absl::StrCat("o", salt), salt)).ok());
+    testing::DrainEngine(e->get());
+  }
+  bool removed = false;
+  for (const KvEvent& ev : events) {
+    removed |=
+        ev.type == KvEvent::Type::kRemoved || ev.type == KvEvent::Type::kMoved;
+  }
+  EXPECT_TRUE(removed);
+  ASSERT_TRUE((*e)->AddRequest(req("a2", 1)).ok());
+  std::map<std::string, StepOutput> last;
+  EXPECT_EQ(testing::DrainEngine(e->get(), &last).at("a2"), want);
+  EXPECT_GT(last.at("a2").cached_prompt_tokens, 0);
+}
+
 // A name for each family preset's test instance.
 std::string FamilyName(const std::string& preset) {
   if (preset == "mixtral") return "Mixtral";
