@@ -44,13 +44,16 @@ class DropTransport : public kv_transfer::KvTransport {
   }
 };
 
-// Holder behaviour under test: the real one, or one that pushes the first
-// requested block and then dies (its transfer stream aborts, the RPC fails).
-enum class HolderMode { kReal, kDiesMidPull };
+// Holder behaviour under test: the real one, one that pushes the first
+// requested block and then dies (its transfer stream aborts, the RPC fails),
+// or one that hangs: it never answers until the caller gives up.
+enum class HolderMode { kReal, kDiesMidPull, kHangs };
 
 class Node : public v1::Worker::Service {
  public:
-  explicit Node(HolderMode mode = HolderMode::kReal) : mode_(mode) {
+  explicit Node(HolderMode mode = HolderMode::kReal,
+                absl::Duration pull_timeout = absl::Seconds(5))
+      : mode_(mode) {
     engine::EngineConfig config;
     config.block_size = 4;
     config.kv_cache_bytes = int64_t{4} << 20;
@@ -80,7 +83,7 @@ class Node : public v1::Worker::Service {
         &transfer_rate_, metrics_.get());
     puller_ = std::make_unique<PeerPuller>(
         loop_.get(), receiver_.get(), layout_,
-        PeerPullerOptions{address_, absl::Seconds(5), metrics_.get()});
+        PeerPullerOptions{address_, pull_timeout, metrics_.get()});
     PrefillOptions options;
     options.puller = puller_.get();
     options.prefill_rate = &prefill_rate_;
@@ -102,6 +105,13 @@ class Node : public v1::Worker::Service {
                           const v1::PullBlocksRequest* req,
                           v1::PullBlocksResponse* resp) override {
     if (mode_ == HolderMode::kReal) return holder_->PullBlocks(ctx, *req, resp);
+    if (mode_ == HolderMode::kHangs) {
+      // Until the puller's deadline cancels the call (bounded for safety).
+      const absl::Time until = absl::Now() + absl::Seconds(30);
+      while (!ctx->IsCancelled() && absl::Now() < until)
+        absl::SleepFor(absl::Milliseconds(10));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "gave up");
+    }
     // Dies mid-pull: pins the first block, pushes it, aborts the stream.
     std::vector<engine::BlockHash> first(1);
     EXPECT_TRUE(BlockHashFromBytes(req->hashes(0), &first[0]));
@@ -290,6 +300,21 @@ TEST_F(PeerPullTest, HolderThatDiesMidPullMeansRecompute) {
   auto again = puller.Run(puller.Request("again", kTokens));
   ASSERT_TRUE(again.ok());
   ExpectSameOutput(cold, *again);
+}
+
+TEST_F(PeerPullTest, HolderThatHangsIsGivenUpAtThePullDeadline) {
+  Node holder(HolderMode::kHangs);
+  Node puller(HolderMode::kReal, absl::Milliseconds(300));
+  Node reference;
+  const v1::PrefillResponse cold = Warm(reference);
+  const absl::Time start = absl::Now();
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 0u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kFailed), 1);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
 }
 
 TEST_F(PeerPullTest, GoneHolderMeansRecompute) {
