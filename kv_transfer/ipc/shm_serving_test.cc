@@ -78,6 +78,40 @@ TEST_F(ShmServingTest, DisaggregatedOverShmEqualsColocatedGreedyAndSeeded) {
   }
 }
 
+// A prefill worker that mapped the decode pool is killed: the next request
+// is retried on the other prefill worker over shm, tokens are unchanged, and
+// no worker keeps an active block.
+TEST_F(ShmServingTest, KilledPrefillWorkerIsRetriedAndLeavesNoBlocks) {
+  Cluster c = Cluster::Start(*model_, 2, 1, {"--local-prefill-threshold=0"},
+                             {"--kv-transport=shm"});
+  std::string prompt = "A prompt that survives a dead prefill worker: ";
+  for (int i = 0; i < 8; ++i) absl::StrAppend(&prompt, "line ", i, ". ");
+  auto warm = Generate(c.stub.get(), Request(prompt, 3));
+  ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
+  for (auto& p : c.prefill) {
+    if (warm.last.prefill_worker() == "prefill@" + p.address) Kill(&p);
+  }
+  auto res = Generate(c.stub.get(), Request(prompt, 8));
+  ASSERT_TRUE(res.status.ok()) << res.status.error_message();
+  const std::string local =
+      RunCli(PDSERVE_BIN, absl::StrCat("generate --model ", *model_,
+                                       " --json --ignore-eos --max-tokens 8",
+                                       " --prompt '", prompt, "'"));
+  EXPECT_EQ(res.tokens, IdsFromJson(local));
+  for (Proc* p : c.All()) {
+    if (!p->alive() || p->role == "router") continue;
+    double active = -1;
+    WaitUntil(
+        [&] {
+          active = MetricValue(Scrape(p->metrics_port),
+                               "pdserve_kv_cache_blocks{state=\"active\"}");
+          return active == 0;
+        },
+        std::chrono::seconds(10));
+    EXPECT_EQ(active, 0) << p->role << " " << p->address;
+  }
+}
+
 TEST_F(ShmServingTest, CudaIpcOnACpuWorkerIsAClearError) {
   const std::string out =
       RunCli(PDSERVE_BIN,
