@@ -417,7 +417,7 @@ int RunUp(const std::vector<std::string>&) {
           (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
       // Every worker of `up` is on this node, so prefill writes straight
       // into the decode pool: cuda_ipc on a GPU (NCCL cannot join two ranks
-      // on one GPU), shm on CPU (measured 3.0-3.8x grpc's GB/s by `pdserve
+      // on one GPU), shm on CPU (measured 2.6-3.8x grpc's GB/s by `pdserve
       // bench transfer`, kv_transfer/README.md).
       "--kv-transport=" + (absl::GetFlag(FLAGS_kv_transport) != "auto"
                                ? absl::GetFlag(FLAGS_kv_transport)
