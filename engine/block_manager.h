@@ -122,8 +122,23 @@ class BlockManager {
   // published as moved(pool -> kind) instead of removed. on_clear runs on
   // ClearCache, whose `cleared` covers the tier.
   struct TierHooks {
+    using OnEvict = std::function<bool(int32_t block, const BlockHash& hash)>;
+    TierHooks() = default;
+    TierHooks(KvTierKind kind, OnEvict on_evict, std::function<void()> on_clear)
+        : kind(kind),
+          on_evict(std::move(on_evict)),
+          on_clear(std::move(on_clear)) {}
+    // A tier that does not say what it holds (a model, e.g. in `sim
+    // route`): every eviction is published as removed from the pool.
+    TierHooks(std::function<void(int32_t block, const BlockHash& hash)> offer,
+              std::function<void()> on_clear)
+        : on_evict([offer = std::move(offer)](int32_t b, const BlockHash& h) {
+            if (offer) offer(b, h);
+            return false;
+          }),
+          on_clear(std::move(on_clear)) {}
     KvTierKind kind = KvTierKind::kDisk;
-    std::function<bool(int32_t block, const BlockHash& hash)> on_evict;
+    OnEvict on_evict;
     std::function<void()> on_clear;
   };
   void set_tier_hooks(TierHooks hooks) { tier_hooks_ = std::move(hooks); }
