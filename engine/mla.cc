@@ -53,10 +53,11 @@ inline void StoreElem(void* base, DType t, int64_t i, float v) {
 // pair i is (x[2i], x[2i+1]); the result is de-interleaved as
 // modeling_deepseek.py's apply_rotary_pos_emb leaves it.
 void RopeInterleaved(float* x, int64_t d, const float* cos, const float* sin,
-                     float* tmp) {
+                     float* tmp, bool interleaved = true) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float a = x[2 * i], b = x[2 * i + 1];
+    const float a = interleaved ? x[2 * i] : x[i];
+    const float b = interleaved ? x[2 * i + 1] : x[i + half];
     tmp[i] = a * cos[i] - b * sin[i];
     tmp[i + half] = b * cos[i] + a * sin[i];
   }
@@ -278,10 +279,11 @@ void MlaAttention::Forward(
     float* row = &rows_[t * width];
     std::memcpy(row, &latent_[t * r], r * sizeof(float));
     std::memcpy(row + r, &kv_a_[t * width + r], rope * sizeof(float));
-    RopeInterleaved(row + r, rope, cos.data(), sin.data(), tmp.data());
+    RopeInterleaved(row + r, rope, cos.data(), sin.data(), tmp.data(),
+                    c.rope_interleave);
     for (int64_t h = 0; h < heads; ++h) {
       RopeInterleaved(&q_[(t * heads + h) * qh + nope], rope, cos.data(),
-                      sin.data(), tmp.data());
+                      sin.data(), tmp.data(), c.rope_interleave);
     }
   }
 

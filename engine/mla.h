@@ -25,7 +25,9 @@
 //
 // RoPE follows modeling_deepseek.py: the rope part is read as interleaved
 // pairs (x[2i], x[2i+1]) rotated by position * inv_freq[i] and written out
-// de-interleaved ([all first elements | all second elements]), with YaRN's
+// de-interleaved ([all first elements | all second elements]); with
+// rope_interleave false (transformers' option) the pairs are (x[i], x[i+d/2])
+// as in Llama. With YaRN's
 // inv_freq and its cos/sin multiplier mscale(factor, mscale) /
 // mscale(factor, mscale_all_dim); the softmax scale is (qk_nope + qk_rope)^-0.5
 // times mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set.

@@ -36,6 +36,8 @@ absl::Status ParseDeepseek(const json::Value& root, const std::string& path,
   ASSIGN_OR_RETURN(c->qk_rope_head_dim,
                    json::GetInt(root, "qk_rope_head_dim", path, 64));
   ASSIGN_OR_RETURN(c->v_head_dim, json::GetInt(root, "v_head_dim", path, 128));
+  ASSIGN_OR_RETURN(c->rope_interleave,
+                   json::GetBool(root, "rope_interleave", path, true));
   c->head_dim = c->qk_nope_head_dim + c->qk_rope_head_dim;
   ASSIGN_OR_RETURN(c->num_experts,
                    json::GetInt(root, "n_routed_experts", path, 0));
@@ -513,6 +515,7 @@ std::string ModelConfig::ToJson() const {
     config["qk_nope_head_dim"] = qk_nope_head_dim;
     config["qk_rope_head_dim"] = qk_rope_head_dim;
     config["v_head_dim"] = v_head_dim;
+    if (!rope_interleave) config["rope_interleave"] = false;
     config["n_routed_experts"] = num_experts;
     config["n_shared_experts"] = n_shared_experts;
     config["num_experts_per_tok"] = num_experts_per_tok;

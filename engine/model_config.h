@@ -65,6 +65,9 @@ struct ModelConfig {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+  // DeepSeek's RoPE pairs (x[2i], x[2i+1]) (config rope_interleave, default
+  // true); false: the rotate_half pairing (x[i], x[i + d/2]).
+  bool rope_interleave = true;
   // rope_scaling {"type": "yarn"} (DeepSeek's YaRN); factor 0: none.
   struct Yarn {
     double factor = 0;

@@ -374,6 +374,7 @@ def load_deepseek(c: dict, archs: list, path: str) -> Optional[dict]:
         norm_topk_prob=bool(get("norm_topk_prob", v3)),
         first_k_dense_replace=int(get("first_k_dense_replace", 0)),
         moe_layer_freq=int(get("moe_layer_freq", 1)),
+        rope_interleave=bool(get("rope_interleave", True)),
     )
     if ds["topk_method"] not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise RefError(f"{path}: unsupported topk_method {ds['topk_method']}")
@@ -552,11 +553,14 @@ def deepseek_rope(cfg: LlamaConfig, T: int):
     return emb.cos() * factor_cs, emb.sin() * factor_cs
 
 
-def deepseek_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def deepseek_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        interleave: bool = True) -> torch.Tensor:
     """modeling_deepseek.py's apply_rotary_pos_emb: de-interleave the pairs
-    (x[2i], x[2i+1]) into two halves, then rotate_half RoPE. x: [..., T, d]."""
+    (x[2i], x[2i+1]) into two halves, then rotate_half RoPE (interleave False:
+    rotate_half directly, transformers' rope_interleave=False). x: [..., T, d]."""
     *lead, T, d = x.shape
-    x = x.reshape(*lead, T, d // 2, 2).transpose(-1, -2).reshape(*lead, T, d)
+    if interleave:
+        x = x.reshape(*lead, T, d // 2, 2).transpose(-1, -2).reshape(*lead, T, d)
     return x * cos + rotate_half(x) * sin
 
 
@@ -593,8 +597,9 @@ def mla_attention(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor,
     kv = latent @ ckpt.get(p + "kv_b_proj.weight", [H * (nope + vd), R]).T
     kv = kv.view(T, H, nope + vd).transpose(0, 1)  # [H, T, nope + v]
     k_nope, v = kv[..., :nope], kv[..., nope:]
-    q_pe = deepseek_apply_rope(q_pe, cos, sin)
-    k_pe = deepseek_apply_rope(k_pe.view(1, T, rope), cos, sin).expand(H, T, rope)
+    il = ds["rope_interleave"]
+    q_pe = deepseek_apply_rope(q_pe, cos, sin, il)
+    k_pe = deepseek_apply_rope(k_pe.view(1, T, rope), cos, sin, il).expand(H, T, rope)
     qs = torch.cat((q_nope, q_pe), dim=-1)
     ks = torch.cat((k_nope, k_pe), dim=-1)
     scores = (qs @ ks.transpose(1, 2)) * mla_softmax_scale(cfg)  # [H, T, T]

@@ -219,7 +219,8 @@ def make_deepseek_model(out_dir, *, version=2, hidden=32, intermediate=48, layer
                         qk_nope=8, qk_rope=4, v_head=6, experts=8, top_k=2, moe_intermediate=12,
                         n_group=4, topk_group=2, topk_method=None, shared=1, first_dense=1,
                         moe_layer_freq=1, norm_topk_prob=None, routed_scale=2.0,
-                        yarn=None, rope_theta=10000.0, eps=1e-6, seed=0):
+                        yarn=None, rope_theta=10000.0, eps=1e-6, seed=0,
+                        rope_interleave=True):
     """A random DeepSeek-V2 (version 2) or V3 (version 3) checkpoint in the
     layout of their Hugging Face releases: MLA projections (q_proj, or with
     q_lora_rank q_a_proj/q_a_layernorm/q_b_proj; kv_a_proj_with_mqa,
@@ -314,6 +315,8 @@ def make_deepseek_model(out_dir, *, version=2, hidden=32, intermediate=48, layer
     }
     if v3:
         config["head_dim"] = qk_rope  # as transformers' DeepseekV3Config writes it
+    if not rope_interleave:
+        config["rope_interleave"] = False
     if yarn:
         factor, mscale, mscale_all_dim = yarn
         # original 64: positions of the test prompts cross every yarn band.
@@ -394,6 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--first-dense", type=int, default=1, help="DeepSeek first_k_dense_replace")
     ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--routed-scale", type=float, default=2.0)
+    ap.add_argument("--no-rope-interleave", action="store_true",
+                    help="DeepSeek rope_interleave false (rotate_half pairs)")
     ap.add_argument("--yarn", type=float, nargs=3, default=None,
                     metavar=("FACTOR", "MSCALE", "MSCALE_ALL_DIM"), help="DeepSeek YaRN rope_scaling")
     a = ap.parse_args(argv)
@@ -408,7 +413,8 @@ def main(argv=None) -> int:
             moe_layer_freq=a.moe_layer_freq,
             norm_topk_prob=(False if a.no_norm_topk_prob else None),
             routed_scale=a.routed_scale, yarn=tuple(a.yarn) if a.yarn else None,
-            rope_theta=a.rope_theta, eps=a.eps, seed=a.seed)
+            rope_theta=a.rope_theta, eps=a.eps, seed=a.seed,
+            rope_interleave=not a.no_rope_interleave)
         print(f"wrote test model to {a.out_dir}")
         return 0
     make_model(a.out_dir, hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
