@@ -22,8 +22,10 @@ std::string KvLayout::DebugString() const {
   return absl::StrCat("fingerprint=", fingerprint, " layers=", num_layers,
                       " kv_heads=", kv_heads, " head_dim=", head_dim,
                       " block_size=", block_size, " dtype=", DTypeText(dtype),
-                      " kv_lora_rank=", kv_lora_rank,
-                      " qk_rope_head_dim=", qk_rope_head_dim);
+                      kv_lora_rank > 0 || qk_rope_head_dim > 0
+                          ? absl::StrCat(" kv_lora_rank=", kv_lora_rank,
+                                         " qk_rope_head_dim=", qk_rope_head_dim)
+                          : "");
 }
 
 const char* KvTransportName(KvTransportKind kind) {
