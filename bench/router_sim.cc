@@ -3,15 +3,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <fstream>
 #include <limits>
+#include <list>
 #include <memory>
 #include <queue>
 #include <random>
 #include <span>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -39,13 +42,49 @@ constexpr absl::Duration kSpeculativeTtl = absl::Hours(24);
 constexpr char kOracle[] = "oracle";
 constexpr char kUnbounded[] = "unbounded";
 constexpr char kPullSuffix[] = "+pull";
+constexpr char kTierSuffix[] = "+tier";
 
-// "cache_aware+pull" -> "cache_aware".
+// "cache_aware+tier+pull" -> "cache_aware" (the suffixes in any order).
 std::string BasePolicy(const std::string& name) {
-  return absl::EndsWith(name, kPullSuffix)
-             ? name.substr(0, name.size() - (sizeof(kPullSuffix) - 1))
-             : name;
+  std::string base = name;
+  for (bool again = true; again;) {
+    again = false;
+    for (const char* suffix : {kPullSuffix, kTierSuffix}) {
+      if (absl::EndsWith(base, suffix)) {
+        base.resize(base.size() - std::strlen(suffix));
+        again = true;
+      }
+    }
+  }
+  return base;
 }
+bool HasOption(const std::string& name, const char* suffix) {
+  return absl::StrContains(name, suffix);
+}
+
+// A prefill worker's lower tier in the sim (engine/kv_tier.h's policy): the
+// hashes of blocks its pool evicted, an LRU of `capacity`; a hit leaves the
+// block there.
+class SimTier {
+ public:
+  explicit SimTier(int64_t capacity) : capacity_(capacity) {}
+  void Offer(const BlockHash& h) {
+    if (capacity_ <= 0 || pos_.contains(h)) return;
+    if (static_cast<int64_t>(lru_.size()) >= capacity_) {
+      pos_.erase(lru_.front());
+      lru_.pop_front();
+    }
+    pos_[h] = lru_.insert(lru_.end(), h);
+  }
+  bool Contains(const BlockHash& h) const { return pos_.contains(h); }
+
+ private:
+  const int64_t capacity_;
+  std::list<BlockHash> lru_;  // least recent first
+  absl::flat_hash_map<BlockHash, std::list<BlockHash>::iterator,
+                      engine::BlockHashHasher>
+      pos_;
+};
 bool IsOracle(const std::string& base) {
   return base == kOracle || base == kUnbounded;
 }
@@ -108,7 +147,8 @@ class Simulation {
         base_policy_(BasePolicy(policy_name_)),
         oracle_(IsOracle(base_policy_)),
         unbounded_(base_policy_ == kUnbounded),
-        pull_(!oracle_ && base_policy_ != policy_name_),
+        pull_(!oracle_ && HasOption(policy_name_, kPullSuffix)),
+        tier_(!oracle_ && HasOption(policy_name_, kTierSuffix)),
         working_set_blocks_(working_set_blocks),
         max_request_blocks_(max_request_blocks),
         num_prefill_(num_prefill),
@@ -210,8 +250,9 @@ class Simulation {
     int32_t pull_holder = -1;
     int32_t pull_blocks = 0;
     int32_t pulled_blocks = 0;
-    int64_t remaining = 0;  // decode tokens still to generate
-    int64_t context = 0;    // tokens in the decode worker's KV
+    int32_t tier_blocks = 0;  // "+tier": read from the worker's own tier
+    int64_t remaining = 0;    // decode tokens still to generate
+    int64_t context = 0;      // tokens in the decode worker's KV
     bool in_batch = false;
     Micros admitted = 0, prefill_start = 0, first_token = 0, join = 0;
   };
@@ -263,6 +304,15 @@ class Simulation {
       for (int32_t w = 0; w < num_prefill_; ++w) {
         caches_.push_back(
             std::make_unique<engine::BlockManager>(p_blocks, sink(w)));
+        if (tier_) {
+          tiers_.push_back(std::make_unique<SimTier>(static_cast<int64_t>(
+              c_.tier_multiple * static_cast<double>(p_blocks))));
+          SimTier* t = tiers_.back().get();
+          std::function<void(int32_t, const BlockHash&)> offer =
+              [t](int32_t, const BlockHash& h) { t->Offer(h); };
+          caches_.back()->set_tier_hooks(engine::BlockManager::TierHooks(
+              std::move(offer), std::function<void()>()));
+        }
         feeds_.push_back(
             std::make_unique<SimEventStream>(&index_, w, caches_.back().get()));
       }
@@ -537,17 +587,27 @@ class Simulation {
       q.p_blocks = std::move(hits);
       p.cache->Allocate(need, &q.p_blocks);
       q.p_cached = true;
-      // Pulled blocks fill the fresh ones after the hits and are committed
-      // with the computed ones when the prompt ends.
-      q.pulled_blocks = Pull(r, q.p_hit_blocks);
+      // Tier hits continue the pool's, then pulled blocks; both fill the
+      // fresh blocks after the hits and are committed with the computed
+      // ones when the prompt ends.
+      if (tier_) {
+        const SimTier& t = *tiers_[w];
+        while (static_cast<size_t>(q.p_hit_blocks + q.tier_blocks) < usable &&
+               t.Contains(hashes[q.p_hit_blocks + q.tier_blocks])) {
+          ++q.tier_blocks;
+        }
+      }
+      q.pulled_blocks = Pull(r, q.p_hit_blocks + q.tier_blocks);
     } else {
       // The prompt does not fit the cache: computed, not kept.
       q.p_hit_blocks = 0;
       q.p_cached = false;
     }
     const int64_t pulled_tokens = int64_t{q.pulled_blocks} * bs_;
+    const int64_t tier_tokens = int64_t{q.tier_blocks} * bs_;
     pulled_tokens_ += pulled_tokens;
-    q.hit_tokens = int64_t{q.p_hit_blocks} * bs_ + pulled_tokens;
+    tier_hit_tokens_ += tier_tokens;
+    q.hit_tokens = int64_t{q.p_hit_blocks} * bs_ + tier_tokens + pulled_tokens;
     const int64_t computed = Input(r) - q.hit_tokens;
     q.prefill_start = now_;
     p.running = r;
@@ -558,7 +618,9 @@ class Simulation {
                                        static_cast<Micros>(std::llround(
                                            static_cast<double>(pulled_tokens) *
                                            c_.transfer_us_per_token));
-    p.run_end = now_ + FromMs(c_.prefill_overhead_ms) + pull_time +
+    const Micros tier_time = static_cast<Micros>(std::llround(
+        static_cast<double>(tier_tokens) * c_.tier_read_us_per_token));
+    p.run_end = now_ + FromMs(c_.prefill_overhead_ms) + pull_time + tier_time +
                 static_cast<Micros>(std::llround(static_cast<double>(computed) *
                                                  c_.prefill_us_per_token));
     p.run_computed = computed;
@@ -742,6 +804,7 @@ class Simulation {
     run.resyncs = resyncs_;
     run.makespan_s = static_cast<double>(makespan_) / 1e6;
     run.pulled_tokens = pulled_tokens_;
+    run.tier_hit_tokens = tier_hit_tokens_;
     run.peer_pulls = peer_pulls_;
     run.peer_pulls_failed = peer_pulls_failed_;
     run.prefill_pool_tokens = prefill_pool_tokens_;
@@ -753,7 +816,9 @@ class Simulation {
   const std::vector<Prepared>& requests_;
   const std::string policy_name_;
   const std::string base_policy_;  // without "+pull"
-  const bool oracle_, unbounded_, pull_;
+  const bool oracle_, unbounded_, pull_, tier_;
+  std::vector<std::unique_ptr<SimTier>> tiers_;  // per prefill worker (+tier)
+  int64_t tier_hit_tokens_ = 0;
   const int64_t working_set_blocks_, max_request_blocks_;
   router::PeerPullConfig pull_config_;
   int64_t pulled_tokens_ = 0, peer_pulls_ = 0, peer_pulls_failed_ = 0;
@@ -824,12 +889,13 @@ absl::Status SimConfig::Validate() const {
     const std::string base = BasePolicy(p);
     if (IsOracle(base)) {
       if (base != p)
-        return absl::InvalidArgumentError("an oracle has no peer pull");
+        return absl::InvalidArgumentError("an oracle has no peer pull or tier");
       continue;
     }
     RETURN_IF_ERROR(router::Policy::Create(base, policy, &index).status());
   }
-  if (!(pool_fraction >= 0) || !(pull_overhead_ms >= 0))
+  if (!(pool_fraction >= 0) || !(pull_overhead_ms >= 0) ||
+      !(tier_multiple >= 0) || !(tier_read_us_per_token >= 0))
     return absl::InvalidArgumentError(
         "--pool-fraction and the pull overhead must be >= 0");
   if (prefill_workers.empty())
@@ -963,6 +1029,8 @@ std::string SimReport::ToJson() const {
         {"balance_slack", c.policy.balance_slack},
         {"pool_fraction", c.pool_fraction},
         {"pull_overhead_ms", c.pull_overhead_ms},
+        {"tier_multiple", c.tier_multiple},
+        {"tier_read_us_per_token", c.tier_read_us_per_token},
         {"working_set_tokens", working_set_tokens}}},
       {"runs", json::OrderedValue::array()}};
   for (const SimRun& r : runs) {
@@ -1002,6 +1070,7 @@ std::string SimReport::ToJson() const {
                            {"makespan_s", r.makespan_s},
                            {"hit_vs_unbounded", HitVsUnbounded(r)},
                            {"pulled_tokens", r.pulled_tokens},
+                           {"tier_hit_tokens", r.tier_hit_tokens},
                            {"peer_pulls", r.peer_pulls},
                            {"peer_pulls_failed", r.peer_pulls_failed},
                            {"prefill_pool_tokens", r.prefill_pool_tokens},

@@ -34,7 +34,10 @@
 //    decode: whoever the index says holds it), with the cost model's rates;
 //    when the prompt starts, a holder that still has the blocks sends them
 //    (pull_overhead_ms + transfer_us_per_token per token, counted as prefix
-//    hits and committed to the puller's cache), else the puller recomputes.
+//    hits and committed to the puller's cache), else the puller recomputes;
+//  - a lower tier per prefill worker (a name with "+tier"): evicted prefix
+//    blocks go to an LRU tier of tier_multiple x the pool, and a prompt's
+//    prefix continues there after its pool hits (before any pull).
 // Speculative index entries are confirmed or dropped by the workers' events
 // in simulated time (their wall-clock TTL is set beyond any run).
 // Every figure except the measured decision latency is a function of the
@@ -101,6 +104,12 @@ struct SimConfig {
   double pool_fraction = 0;
   // Peer pull ("+pull" policies): fixed cost of one pull.
   double pull_overhead_ms = 2;
+  // "+tier" policies: each prefill worker keeps the hashes its pool evicts
+  // in an LRU tier of tier_multiple x its pool (engine/kv_tier.h), and a
+  // prompt's prefix continues there after its pool hits, read at this cost
+  // (default: 128 KiB/token at 2 GB/s, as `sim route --tiers`).
+  double tier_multiple = 4;
+  double tier_read_us_per_token = 65.536;
 
   absl::Status Validate() const;
 };
@@ -152,6 +161,7 @@ struct SimRun {
   // Peer pull ("+pull"): prompt tokens pulled from a peer (in hit_tokens),
   // pulls done, and pulls whose holder no longer had the blocks.
   int64_t pulled_tokens = 0, peer_pulls = 0, peer_pulls_failed = 0;
+  int64_t tier_hit_tokens = 0;  // "+tier": read from a worker's tier
   int64_t prefill_pool_tokens = 0, decode_pool_tokens = 0;  // per worker
 };
 

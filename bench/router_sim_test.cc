@@ -187,6 +187,26 @@ TEST(RouterSimTest, PeerPullTurnsMissesOnTheWrongWorkerIntoHits) {
   EXPECT_FALSE(RunRouterSim(c, trace).ok());
 }
 
+// "+tier": a prefill worker's pool of 128 blocks (two 1,024-token prompts)
+// evicts a family's prefix before it comes back; the worker's own tier still
+// has it, so the repeat hits there instead of being recomputed.
+TEST(RouterSimTest, TierKeepsWhatTheSmallPoolEvicted) {
+  std::vector<TraceRequest> trace;
+  // One prefill worker: families 0, 1, 2 (512 tokens each), then 0 again.
+  for (int k = 0; k < 4; ++k)
+    trace.push_back(Request(1000 * k, 1024, 2, {k % 3, 100 + k}));
+  SimConfig c = SmallConfig();
+  c.prefill_workers = {1};
+  c.prefill_cache_tokens = 2 * 1024;
+  c.policies = {"cache_aware", "cache_aware+tier"};
+  auto r = RunRouterSim(c, trace);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(RunOf(*r, "cache_aware", 1).hit_tokens, 0);
+  const SimRun& tier = RunOf(*r, "cache_aware+tier", 1);
+  EXPECT_EQ(tier.hit_tokens, 512);
+  EXPECT_EQ(tier.tier_hit_tokens, 512);
+}
+
 // Every prompt starts with one shared 512-token block (a system prompt), then
 // 15 blocks of its own; arrivals never overlap. Without the balance slack the
 // worker that first cached the shared block is 512 tokens cheaper for every

@@ -272,6 +272,7 @@ int RunSimRoute(const std::vector<std::string>&) {
   c.time_scale = absl::GetFlag(FLAGS_time_scale);
   c.max_requests = absl::GetFlag(FLAGS_max_requests);
   c.pool_fraction = absl::GetFlag(FLAGS_pool_fraction);
+  c.tier_multiple = absl::GetFlag(FLAGS_tier_multiple);  // "+tier" policies
   c.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
   auto report = bench::RunRouterSim(c, [](const bench::SimRun& r) {
     std::fprintf(stderr, "[sim] %s done\n", r.policy.c_str());
@@ -476,8 +477,11 @@ const std::vector<Command>& AllCommands() {
        "[--decode 8]\n"
        "          [--policy "
        "all|cache_aware,cache_threshold,least_loaded,round_robin,oracle]\n"
-       "          (a policy name + \"+pull\", e.g. cache_aware+pull: with peer "
-       "pull; \"unbounded\": the oracle with an unbounded cache)\n"
+       "          (a policy name + \"+pull\" and/or \"+tier\", e.g. "
+       "cache_aware+tier+pull: with peer pull, with a tier of "
+       "--tier-multiple x the pool\n"
+       "          per prefill worker; \"unbounded\": the oracle with an "
+       "unbounded cache)\n"
        "          [--cache-tokens 900000 | --pool-fraction 0.25] [--time-scale "
        "1] [--max-requests N] "
        "[--out sim.json] [--json]\n"
