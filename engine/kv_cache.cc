@@ -16,8 +16,8 @@ absl::Status KvCacheSpec::Validate() const {
         "kv cache: layers, kv_heads and head_dim must be positive");
   }
   if (kv_lora_rank < 0 || qk_rope_head_dim < 0 ||
-      (mla() && (num_kv_heads != 1 ||
-                 head_dim != kv_lora_rank + qk_rope_head_dim))) {
+      (mla() &&
+       (num_kv_heads != 1 || head_dim != kv_lora_rank + qk_rope_head_dim))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "kv cache: an MLA latent cache has kv_heads 1 and head_dim "
         "kv_lora_rank + qk_rope_head_dim, got kv_heads=",
@@ -55,13 +55,12 @@ int64_t KvCacheSpec::BlocksForMemory(int64_t memory_bytes) const {
 }
 
 std::string KvCacheSpec::DebugString() const {
-  return absl::StrCat("layers=", num_layers, " kv_heads=", num_kv_heads,
-                      " head_dim=", head_dim, " block_size=", block_size,
-                      " dtype=", DTypeName(dtype),
-                      mla() ? absl::StrCat(" kv_lora_rank=", kv_lora_rank,
-                                           " qk_rope_head_dim=",
-                                           qk_rope_head_dim)
-                            : "");
+  return absl::StrCat(
+      "layers=", num_layers, " kv_heads=", num_kv_heads, " head_dim=", head_dim,
+      " block_size=", block_size, " dtype=", DTypeName(dtype),
+      mla() ? absl::StrCat(" kv_lora_rank=", kv_lora_rank,
+                           " qk_rope_head_dim=", qk_rope_head_dim)
+            : "");
 }
 
 namespace {

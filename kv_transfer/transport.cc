@@ -7,8 +7,8 @@ namespace pdserve::kv_transfer {
 
 KvLayout KvLayout::FromSpec(const engine::KvCacheSpec& spec,
                             const std::string& fingerprint) {
-  return {fingerprint,     spec.num_layers,       spec.num_kv_heads,
-          spec.head_dim,   spec.block_size,       spec.dtype,
+  return {fingerprint,       spec.num_layers,      spec.num_kv_heads,
+          spec.head_dim,     spec.block_size,      spec.dtype,
           spec.kv_lora_rank, spec.qk_rope_head_dim};
 }
 

@@ -71,17 +71,17 @@ TEST_F(CliTest, KvBudgetReproducesTheReferenceFigures) {
 // bf16): (512 + 64) x 60 x 2 = 69,120 B per token, beside the MHA cache of
 // its 128 heads of 128 dims: 2 x 60 x 128 x 128 x 2 = 3,932,160 B.
 TEST_F(CliTest, KvBudgetReportsMlaLatentBytesBesideMha) {
-  auto r = Run(
-      "kv-budget --layers 60 --kv-lora-rank 512 --qk-rope-head-dim 64 "
-      "--dtype bf16 --kv-heads 128 --head-dim 128 --tokens 1000");
+  auto r =
+      Run("kv-budget --layers 60 --kv-lora-rank 512 --qk-rope-head-dim 64 "
+          "--dtype bf16 --kv-heads 128 --head-dim 128 --tokens 1000");
   ASSERT_EQ(r.exit_code, 0) << Stderr();
   EXPECT_THAT(r.out, HasSubstr("\"bytes_per_token\": 69120"));
   EXPECT_THAT(r.out, HasSubstr("\"bytes\": 69120000"));
   EXPECT_THAT(r.out, HasSubstr("\"mha_bytes_per_token\": 3932160"));
   // Without heads there is no MHA figure, and the latent needs both flags.
-  r = Run(
-      "kv-budget --layers 60 --kv-lora-rank 512 --qk-rope-head-dim 64 "
-      "--dtype bf16");
+  r =
+      Run("kv-budget --layers 60 --kv-lora-rank 512 --qk-rope-head-dim 64 "
+          "--dtype bf16");
   ASSERT_EQ(r.exit_code, 0) << Stderr();
   EXPECT_THAT(r.out, HasSubstr("\"bytes_per_token\": 69120"));
   EXPECT_THAT(r.out, Not(HasSubstr("mha_bytes_per_token")));
