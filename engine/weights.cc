@@ -264,13 +264,26 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
           &l.mla, &l.o_proj));
     } else {
       RETURN_IF_ERROR(
-          src.Append(p + "self_attn.k_proj.bias", {kv_rows}, &l.qkv_bias));
+          src.Append(p + "self_attn.q_proj.weight", {q_rows, h}, &tmp));
       RETURN_IF_ERROR(
-          src.Append(p + "self_attn.v_proj.bias", {kv_rows}, &l.qkv_bias));
-    }
-    if (c.qk_norm) {
+          src.Append(p + "self_attn.k_proj.weight", {kv_rows, h}, &tmp));
       RETURN_IF_ERROR(
-          src.Append(p + "self_attn.q_norm.weight", {hd}, &l.q_norm));
+          src.Append(p + "self_attn.v_proj.weight", {kv_rows, h}, &tmp));
+      l.qkv = pack(q_rows + 2 * kv_rows, h);
+      if (c.attention_bias) {
+        RETURN_IF_ERROR(
+            src.Append(p + "self_attn.q_proj.bias", {q_rows}, &l.qkv_bias));
+        RETURN_IF_ERROR(
+            src.Append(p + "self_attn.k_proj.bias", {kv_rows}, &l.qkv_bias));
+        RETURN_IF_ERROR(
+            src.Append(p + "self_attn.v_proj.bias", {kv_rows}, &l.qkv_bias));
+      }
+      if (c.qk_norm) {
+        RETURN_IF_ERROR(
+            src.Append(p + "self_attn.q_norm.weight", {hd}, &l.q_norm));
+        RETURN_IF_ERROR(
+            src.Append(p + "self_attn.k_norm.weight", {hd}, &l.k_norm));
+      }
       RETURN_IF_ERROR(
           src.Append(p + "self_attn.o_proj.weight", {h, q_rows}, &tmp));
       l.o_proj = pack(h, q_rows);
@@ -292,19 +305,6 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
         RETURN_IF_ERROR(src.Append(name(ExpertProj::kDown), {h, inter}, &tmp));
         l.moe.down.push_back(pack(h, inter));
       }
-      w.layers.push_back(std::move(l));
-      continue;
-    }
-    RETURN_IF_ERROR(
-        src.Append(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, &tmp));
-    RETURN_IF_ERROR(
-        src.Append(p + "mlp.up_proj.weight", {c.intermediate_size, h}, &tmp));
-    l.gate_up = pack(2 * c.intermediate_size, h);
-    RETURN_IF_ERROR(
-        src.Append(p + "mlp.down_proj.weight", {h, c.intermediate_size}, &tmp));
-    l.down = pack(h, c.intermediate_size);
-    w.layers.push_back(std::move(l));
-  }
       // DeepSeek-V3's selection bias and DeepSeek's shared experts.
       if (c.IsDeepseek() && c.moe_topk == ModelConfig::MoeTopk::kNoauxTc) {
         RETURN_IF_ERROR(
@@ -320,6 +320,19 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
         RETURN_IF_ERROR(src.Append(sp + "down_proj.weight", {h, shared}, &tmp));
         l.moe.shared_down = pack(h, shared);
       }
+      w.layers.push_back(std::move(l));
+      continue;
+    }
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, &tmp));
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.up_proj.weight", {c.intermediate_size, h}, &tmp));
+    l.gate_up = pack(2 * c.intermediate_size, h);
+    RETURN_IF_ERROR(
+        src.Append(p + "mlp.down_proj.weight", {h, c.intermediate_size}, &tmp));
+    l.down = pack(h, c.intermediate_size);
+    w.layers.push_back(std::move(l));
+  }
   RETURN_IF_ERROR(src.Append("model.norm.weight", {h}, &w.norm));
   if (!c.tie_word_embeddings) {
     RETURN_IF_ERROR(src.Append("lm_head.weight", {c.vocab_size, h}, &tmp));
