@@ -996,6 +996,7 @@ class Soak {
         case 1: {  // SIGKILL a worker, restart it on the same ports
           Log("fault: SIGKILL " + w->name);
           Fault("sigkill_" + w->role);
+          AddTierCounters(w);
           cluster_.Signal(w, SIGKILL);
           Sleep(0.5 + (rng() % 1500) / 1000.0);
           cluster_.Start(w);
@@ -1004,6 +1005,7 @@ class Soak {
         case 2: {  // SIGTERM: graceful drain, then restart
           Log("fault: SIGTERM " + w->name);
           Fault("sigterm_" + w->role);
+          AddTierCounters(w);
           if (!cluster_.Signal(w, SIGTERM, 20)) {
             Log(w->name + " did not exit within 20 s of SIGTERM");
             Fault("sigterm_hang");
@@ -1040,6 +1042,23 @@ class Soak {
     }
   }
 
+  // Adds a worker's KV tier counters (they restart from 0 with the worker):
+  // called before the chaos thread stops it, and at the end.
+  void AddTierCounters(Proc* p) {
+    if (tier_dirs_.empty()) return;
+    const std::string m = Scrape(p->metrics_port);
+    absl::MutexLock l(&mu_);
+    tier_hit_tokens_ +=
+        std::max(0.0, Metric(m, "pdserve_kv_tier_hit_tokens_total"));
+    for (const char* r :
+         {"missing", "short", "corrupt", "write_error", "full", "queue_full"}) {
+      tier_failures_[r] += std::max(
+          0.0,
+          Metric(m, absl::StrCat("pdserve_kv_tier_failures_total{reason=\"", r,
+                                 "\"}")));
+    }
+  }
+
   // Corrupts (flips a byte), truncates or deletes up to 3 of `w`'s tier
   // block files. The worker finds out only when it loads one: it must then
   // recompute (same tokens) and drop the block (a `removed` event).
@@ -1056,12 +1075,18 @@ class Soak {
       return;
     }
     // The newest files: the blocks the pool evicted last, the likeliest to
-    // be read back soon (an old file may be dropped unread).
-    std::sort(files.begin(), files.end(),
-              [&](const fs::path& a, const fs::path& b) {
-                std::error_code e1, e2;
-                return fs::last_write_time(a, e1) > fs::last_write_time(b, e2);
-              });
+    // be read back soon (an old file may be dropped unread). Each time is
+    // read once: files vanish meanwhile, and a comparator that reads them
+    // would not be a consistent order for std::sort.
+    std::vector<std::pair<fs::file_time_type, fs::path>> by_time;
+    for (const fs::path& f : files) {
+      std::error_code e;
+      by_time.push_back({fs::last_write_time(f, e), f});
+    }
+    std::sort(by_time.begin(), by_time.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    files.clear();
+    for (const auto& [t, f] : by_time) files.push_back(f);
     if (files.size() > 8) files.resize(8);
     const int how = static_cast<int>(rng() % 3);
     const char* names[] = {"tier_file_corrupt", "tier_file_truncate",
@@ -1123,19 +1148,10 @@ class Soak {
       if (total == 0 || Now() > until) break;
       Sleep(1);
     }
-    // The tiers' counters (since each worker's last start).
-    for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1]}) {
-      const std::string m = Scrape(p->metrics_port);
-      tier_hit_tokens_ +=
-          std::max(0.0, Metric(m, "pdserve_kv_tier_hit_tokens_total"));
-      for (const char* r : {"missing", "short", "corrupt", "write_error",
-                            "full", "queue_full"}) {
-        tier_failures_[r] += std::max(
-            0.0, Metric(m, absl::StrCat("pdserve_kv_tier_failures_total{"
-                                        "reason=\"",
-                                        r, "\"}")));
-      }
-    }
+    // The tiers' counters of the last incarnations (the earlier ones were
+    // added when the chaos thread stopped them).
+    for (Proc* p : {prefill_[0], prefill_[1], decode_[0], decode_[1]})
+      AddTierCounters(p);
     blocks_leaked_ = 0;
     for (const auto& [name, a] : active) {
       if (a != 0) {
@@ -1364,10 +1380,10 @@ class Soak {
     if (!tier_dirs_.empty()) {
       absl::StrAppend(&s, "kv tier (disk)      ", tier_blocks_at_end_,
                       " blocks at the end, ", tier_hit_tokens_,
-                      " tokens read back; not loaded/offloaded:");
+                      " tokens read back; not loaded or not offloaded:");
       for (const auto& [k, v] : tier_failures_)
         absl::StrAppend(&s, " ", k, "=", v);
-      absl::StrAppend(&s, " (since each worker's last start)\n");
+      absl::StrAppend(&s, " (all incarnations but a hung SIGTERM's)\n");
     }
     absl::StrAppend(&s, "peak RSS (MiB)     ");
     for (const auto& [k, v] : peak_rss)
@@ -1439,8 +1455,8 @@ class Soak {
   std::map<std::string, std::string> index_report_;
   std::map<std::string, std::string> tier_dirs_;  // by worker name
   uint64_t tier_blocks_at_end_ = 0;
-  double tier_hit_tokens_ = 0;
-  std::map<std::string, double> tier_failures_;
+  double tier_hit_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, double> tier_failures_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
