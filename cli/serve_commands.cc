@@ -460,10 +460,9 @@ int RunUp(const std::vector<std::string>&) {
     // KV tier flags pass through; a disk tier gets a directory per worker
     // (a tier empties its directory at start-up).
     if (!absl::GetFlag(FLAGS_kv_offload_dir).empty()) {
+      const std::filesystem::path dir = absl::GetFlag(FLAGS_kv_offload_dir);
       args.push_back("--kv-offload-dir=" +
-                     (std::filesystem::path(absl::GetFlag(FLAGS_kv_offload_dir)) /
-                      absl::StrCat(role, "-", i))
-                         .string());
+                     (dir / absl::StrCat(role, "-", i)).string());
       args.push_back("--kv-offload-bytes=" +
                      absl::GetFlag(FLAGS_kv_offload_bytes));
     }
