@@ -51,6 +51,14 @@ build_targets() {
     fi
   done
   BUILT=("${built[@]}")
+  # The serving GPU tests start real worker processes: the bundle carries the
+  # pdserve binary too, and run() points them at it with PDSERVE_BIN.
+  if flock /tmp/pdserve-build.lock cmake --build "$BUILD_DIR" --target pdserve -j "${JOBS:-$(nproc)}"; then
+    HELPER_BINS=(pdserve)
+  else
+    echo "WARNING: pdserve did not build; the GPU serving tests will skip" >&2
+    HELPER_BINS=()
+  fi
 }
 
 build() {
@@ -59,7 +67,7 @@ build() {
   local stage
   stage=$(mktemp -d)
   mkdir -p "$stage/bin" "$stage/lib"
-  for t in "${BUILT[@]}"; do
+  for t in "${BUILT[@]}" "${HELPER_BINS[@]}"; do
     cp "$BUILD_DIR/bin/$t" "$stage/bin/"
     # Every shared library except the C runtime, the CUDA driver, and CUDA's
     # big libraries (taken from the GPU machine, see above).
@@ -112,6 +120,9 @@ PY
 )
   export LD_LIBRARY_PATH="$dir/lib:/usr/local/cuda/lib64:${extra}:${LD_LIBRARY_PATH:-}"
   export PDSERVE_GPU_BENCH=1
+  # tests/cluster.h starts worker processes from this binary, not the build
+  # tree's path compiled into the tests.
+  [ -x "$dir/bin/pdserve" ] && export PDSERVE_BIN="$dir/bin/pdserve"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   local failed=0
   for t in "${TESTS[@]}"; do

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <string>
@@ -31,6 +32,13 @@ struct Proc {
   bool alive() const { return pid > 0; }
 };
 
+// The pdserve binary the tests start: $PDSERVE_BIN when set (the GPU check
+// bundle runs away from the build tree), else the build tree's.
+inline std::string PdserveBin() {
+  const char* env = std::getenv("PDSERVE_BIN");
+  return env != nullptr && *env != '\0' ? env : PDSERVE_BIN;
+}
+
 // Starts `pdserve ARGS` and waits for its "listening on" line.
 inline Proc StartProcess(const std::string& role,
                          const std::vector<std::string>& args) {
@@ -41,12 +49,12 @@ inline Proc StartProcess(const std::string& role,
     dup2(fds[1], 1);
     close(fds[0]);
     std::vector<char*> argv;
-    std::string bin = PDSERVE_BIN;
+    std::string bin = PdserveBin();
     argv.push_back(bin.data());
     std::vector<std::string> copy = args;
     for (auto& a : copy) argv.push_back(a.data());
     argv.push_back(nullptr);
-    execv(PDSERVE_BIN, argv.data());
+    execv(bin.c_str(), argv.data());
     _exit(127);
   }
   close(fds[1]);

@@ -152,12 +152,12 @@ class CudaIpcServingTest : public ::testing::Test {
       GTEST_SKIP() << "no CUDA device visible: cuda_ipc serving not run";
     // The workers are real processes of the build tree's binary; a bundle
     // that carries only this test cannot start them.
-    if (access(PDSERVE_BIN, X_OK) != 0)
-      GTEST_SKIP() << PDSERVE_BIN << " is missing: cuda_ipc serving not run";
+    const std::string bin = pdserve::testing::PdserveBin();
+    if (access(bin.c_str(), X_OK) != 0)
+      GTEST_SKIP() << bin << " is missing: cuda_ipc serving not run";
     model_ = std::filesystem::temp_directory_path() /
              ("pdserve_cuda_ipc_" + std::to_string(::getpid()));
-    pdserve::testing::RunCli(PDSERVE_BIN,
-                             "model init --preset tiny --out " + model_);
+    pdserve::testing::RunCli(bin, "model init --preset tiny --out " + model_);
     ASSERT_TRUE(std::filesystem::exists(model_ + "/config.json"));
   }
   void TearDown() override {
