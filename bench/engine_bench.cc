@@ -76,9 +76,7 @@ absl::StatusOr<std::vector<float>> AllLogits(
     kernels::MatMulMode mode = kernels::MatMulMode::kDeterministic) {
   const auto& c = w->config;
   const int64_t n = static_cast<int64_t>(tokens.size());
-  engine::KvCacheSpec spec{static_cast<int32_t>(c.num_layers),
-                           static_cast<int32_t>(c.num_kv_heads),
-                           static_cast<int32_t>(c.head_dim), 16, DType::kF32};
+  const engine::KvCacheSpec spec = c.KvSpec(16, DType::kF32);
   ASSIGN_OR_RETURN(auto pool, engine::KvPool::Create(spec, (n + 15) / 16));
   std::vector<int32_t> table((n + 15) / 16);
   std::iota(table.begin(), table.end(), 0);
@@ -304,11 +302,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   }
 
   const int64_t bytes_per_token = [&] {
-    engine::KvCacheSpec s{static_cast<int32_t>(mc.num_layers),
-                          static_cast<int32_t>(mc.num_kv_heads),
-                          static_cast<int32_t>(mc.head_dim),
-                          config.engine.block_size, config.engine.kv_dtype};
-    return s.BytesPerToken();
+    return mc.KvSpec(config.engine.block_size, config.engine.kv_dtype)
+        .BytesPerToken();
   }();
   // Decode: one engine per batch size, all warmed up first; then the timed
   // steps go round-robin over the batch sizes, each round starting with a

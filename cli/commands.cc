@@ -416,9 +416,13 @@ const std::vector<Command>& AllCommands() {
       {"kv-budget", "KV cache size arithmetic as JSON",
        "kv-budget --layers L --kv-heads H --head-dim D [--dtype fp16] "
        "[--tokens T]\n"
-       "          [--block-size 16] [--memory BYTES]\n\n"
-       "bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes. With "
-       "--tokens,\n"
+       "          [--block-size 16] [--memory BYTES]\n"
+       "          [--kv-lora-rank R --qk-rope-head-dim D  (MLA: DeepSeek-V2/V3)]"
+       "\n\n"
+       "bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes; with "
+       "MLA\n"
+       "layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, beside the "
+       "MHA figure. With --tokens,\n"
        "the bytes and blocks for T tokens; with --memory, the blocks and "
        "tokens that fit\n"
        "(int8 blocks include their fp32 per-(block, head) scales).\n",

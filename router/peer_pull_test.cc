@@ -146,6 +146,16 @@ TEST_F(PeerPullTest, BytesPerBlockFollowsTheLayout) {
   EXPECT_EQ(BytesPerBlock(layout), 2 * (2 * 4 * 16 * 8 * 4));
   layout.set_dtype(v1::KV_DTYPE_INT8);
   EXPECT_EQ(BytesPerBlock(layout), 2 * (2 * 4 * 16 * 8 + 2 * 4 * 4));
+  // MLA: one latent row per token (kv_heads 1, head_dim the latent width).
+  v1::KvLayout mla;
+  mla.set_num_layers(3);
+  mla.set_kv_heads(1);
+  mla.set_head_dim(512 + 64);
+  mla.set_block_size(16);
+  mla.set_kv_lora_rank(512);
+  mla.set_qk_rope_head_dim(64);
+  mla.set_dtype(v1::KV_DTYPE_BF16);
+  EXPECT_EQ(BytesPerBlock(mla), 3 * (16 * 576 * 2));
 }
 
 TEST(PeerPullConfigTest, ValidateRefusesBadValues) {
