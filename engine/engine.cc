@@ -296,6 +296,7 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
   if (from_tier > 0 && need_for(from_tier) + hits_idle > blocks_.num_free()) {
     unpin(0, from_tier);
     from_tier = 0;
+  }
   const int64_t need = need_for(from_tier);
   if (need + hits_idle > blocks_.num_free()) {
     unpin(0, from_tier);

@@ -166,19 +166,6 @@ TEST_F(CliTest, BadInputGivesClearErrorsNotCrashes) {
   EXPECT_EQ(r.exit_code, 2);
 }
 
-TEST_F(CliTest, EveryCommandHasHelp) {
-  for (const char* cmd : {"model init", "model logits", "generate", "kv-budget",
-                          "bench engine"}) {
-    auto r = Run(std::string(cmd) + " --help");
-    EXPECT_EQ(r.exit_code, 0) << cmd;
-    EXPECT_THAT(r.out, HasSubstr(std::string("usage: pdserve ") + cmd));
-  }
-  auto top = Run("--help");
-  EXPECT_EQ(top.exit_code, 0);
-  EXPECT_THAT(top.out, HasSubstr("kv-budget"));
-}
-
-}  // namespace
 TEST_F(CliTest, RouterRegistryFlagsAreValidated) {
   const std::string router = "router --model " + Model() +
                              " --insecure --decode-workers 127.0.0.1:1"
@@ -194,3 +181,16 @@ TEST_F(CliTest, RouterRegistryFlagsAreValidated) {
   EXPECT_THAT(r.out + Stderr(), HasSubstr("--worker-status-timeout-ms"));
 }
 
+TEST_F(CliTest, EveryCommandHasHelp) {
+  for (const char* cmd : {"model init", "model logits", "generate", "kv-budget",
+                          "bench engine"}) {
+    auto r = Run(std::string(cmd) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << cmd;
+    EXPECT_THAT(r.out, HasSubstr(std::string("usage: pdserve ") + cmd));
+  }
+  auto top = Run("--help");
+  EXPECT_EQ(top.exit_code, 0);
+  EXPECT_THAT(top.out, HasSubstr("kv-budget"));
+}
+
+}  // namespace
