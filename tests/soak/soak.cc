@@ -89,6 +89,10 @@ ABSL_FLAG(bool, long_prompts, false,
 ABSL_FLAG(bool, kv_tier, true,
           "workers with a disk KV tier (4x the pool) and tier-file faults "
           "(corrupt, truncate, delete) in the chaos mix");
+ABSL_FLAG(int32_t, kv_tier_multiple, 4,
+          "with --kv_tier: each worker's tier holds this many times its pool "
+          "(larger: damaged files are likelier to be read back before the "
+          "tier drops them)");
 ABSL_FLAG(bool, slow, false,
           "the slow-model soak: --preset=small --long_prompts, so that an "
           "engine step (512 prompt tokens) takes over a second and the slow "
@@ -639,7 +643,9 @@ class Soak {
     if (absl::GetFlag(FLAGS_kv_tier)) {
       worker_flags.push_back(absl::StrCat(
           "--kv-offload-bytes=",
-          4 * kv_bytes_per_token * (long_prompts ? 6144 : 512) / 1024, "KiB"));
+          int64_t{absl::GetFlag(FLAGS_kv_tier_multiple)} * kv_bytes_per_token *
+              (long_prompts ? 6144 : 512) / 1024,
+          "KiB"));
     }
     // Plaintext on loopback: binaries that demand TLS or an explicit choice
     // get --insecure.
