@@ -165,9 +165,8 @@ int RunKvBudget(const std::vector<std::string>&) {
       absl::GetFlag(FLAGS_dtype).empty() ? "fp16" : absl::GetFlag(FLAGS_dtype);
   auto dtype = ParseDType(dt);
   if (!dtype)
-    return ReportError(
-        absl::InvalidArgumentError(
-            "--dtype must be fp32, bf16, fp16, int8 or fp8"));
+    return ReportError(absl::InvalidArgumentError(
+        "--dtype must be fp32, bf16, fp16, int8 or fp8"));
   // fp8 (e4m3, a CUDA KV dtype) and int8: 1 byte an element plus fp32
   // scales per (block, K/V, head), which bytes_per_block counts.
   spec.dtype = *dtype;

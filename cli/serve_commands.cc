@@ -279,7 +279,8 @@ int RunRouter(const std::vector<std::string>&) {
       absl::Milliseconds(absl::GetFlag(FLAGS_worker_heartbeat_ms));
   config.workers.status_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_worker_status_timeout_ms));
-  config.workers.max_missed_polls = absl::GetFlag(FLAGS_worker_max_missed_polls);
+  config.workers.max_missed_polls =
+      absl::GetFlag(FLAGS_worker_max_missed_polls);
   config.workers.forget_registered_after =
       absl::Milliseconds(absl::GetFlag(FLAGS_worker_forget_after_ms));
   config.peer_pull.enabled = absl::GetFlag(FLAGS_peer_pull);

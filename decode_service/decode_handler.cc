@@ -112,7 +112,8 @@ grpc::Status DecodeHandler::Generate(
   prefill.set_skip_blocks(static_cast<uint32_t>(reservation->cached_blocks));
   *prefill.mutable_layout() = kv_transfer::ToProto(receiver_->layout());
   // The router's peer-pull instruction is the prefill worker's to follow.
-  if (request.has_peer_pull()) *prefill.mutable_peer_pull() = request.peer_pull();
+  if (request.has_peer_pull())
+    *prefill.mutable_peer_pull() = request.peer_pull();
   v1::PrefillResponse prefilled;
   // A child call: the client's deadline and its cancellation pass on to the
   // prefill worker, which then stops computing for a request nobody awaits.

@@ -70,11 +70,10 @@ size_t Align64(size_t n) { return (n + 63) & ~size_t{63}; }
 size_t KvPool::TotalBytes(const KvCacheSpec& spec, int64_t num_blocks) {
   const size_t data = Align64(static_cast<size_t>(spec.LayerBlockBytes()) *
                               static_cast<size_t>(num_blocks));
-  const size_t scales =
-      DTypeHasScales(spec.dtype)
-          ? Align64(static_cast<size_t>(num_blocks) * 2 * spec.num_kv_heads *
-                    sizeof(float))
-          : 0;
+  const size_t scales = DTypeHasScales(spec.dtype)
+                            ? Align64(static_cast<size_t>(num_blocks) * 2 *
+                                      spec.num_kv_heads * sizeof(float))
+                            : 0;
   return (data + scales) * static_cast<size_t>(spec.num_layers);
 }
 
@@ -151,11 +150,10 @@ std::vector<KvSharedRegion> KvPool::SharedRegions() {
 }
 
 kernels::KvLayerView KvPool::Layer(int layer) {
-  return {data_[layer], DTypeHasScales(spec_.dtype) ? scales_[layer] : nullptr,
-          spec_.dtype,
-          spec_.num_kv_heads,
-          spec_.head_dim,
-          spec_.block_size};
+  return {
+      data_[layer],   DTypeHasScales(spec_.dtype) ? scales_[layer] : nullptr,
+      spec_.dtype,    spec_.num_kv_heads,
+      spec_.head_dim, spec_.block_size};
 }
 
 uint8_t* KvPool::LayerBlockData(int layer, int64_t block) {

@@ -100,8 +100,8 @@ class KvTransferTest : public ::testing::Test {
 
 TEST_F(KvTransferTest,
        EveryDtypeArrivesByteIdenticalWithAndWithoutLayerwiseStreaming) {
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8,
-                      DType::kFp8E4M3}) {
+  for (DType dtype :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     for (const char* mode : {"all", "layerwise"}) {
       StartReceiver(dtype);
       const int num_blocks = 5,

@@ -47,9 +47,9 @@ absl::StatusOr<KvTransportKind> ParseKvTransport(absl::string_view name) {
   if (name == "nccl") return KvTransportKind::kNccl;
   if (name == "shm") return KvTransportKind::kShm;
   if (name == "cuda_ipc") return KvTransportKind::kCudaIpc;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--kv-transport must be grpc, nccl, shm or cuda_ipc, got \"", name,
-      "\""));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-transport must be grpc, nccl, shm or cuda_ipc, got \"",
+                   name, "\""));
 }
 
 absl::Status CheckLayouts(const KvLayout& sender, const KvLayout& receiver) {

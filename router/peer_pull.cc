@@ -92,8 +92,8 @@ int64_t BytesPerBlock(const v1::KvLayout& layout) {
   // MLA (kv_lora_rank > 0) keeps one latent row per token, no separate K
   // and V: kv_heads is 1 and head_dim the latent width (engine KvCacheSpec).
   const int64_t planes = layout.kv_lora_rank() > 0 ? 1 : 2;
-  const int64_t per_layer = planes * layout.kv_heads() *
-                                layout.block_size() * layout.head_dim() * elem +
+  const int64_t per_layer = planes * layout.kv_heads() * layout.block_size() *
+                                layout.head_dim() * elem +
                             scales;
   return per_layer * layout.num_layers();
 }

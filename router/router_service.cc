@@ -725,16 +725,14 @@ struct RouterServer::Impl final : public v1::Router::Service,
     const bool past_deadline =
         failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
         absl::Now() >= call.deadline;
-    if (past_deadline &&
-        call.deadline < call.start + config.request_timeout) {
+    if (past_deadline && call.deadline < call.start + config.request_timeout) {
       if (failure.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
         return failure;
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                           absl::StrCat("request deadline exceeded after ",
                                        call.generated.size(), " tokens"));
     }
-    if (past_deadline &&
-        call.deadline == call.start + config.request_timeout) {
+    if (past_deadline && call.deadline == call.start + config.request_timeout) {
       m->LimitRejection("deadline");
       return grpc::Status(
           grpc::StatusCode::DEADLINE_EXCEEDED,

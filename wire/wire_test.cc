@@ -35,8 +35,8 @@ TEST(WireEnumsTest, FinishReasonsSpellThePublicStrings) {
 }
 
 TEST(WireEnumsTest, KvDtypesRoundTripAndUnknownMatchesNothing) {
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8,
-                  DType::kFp8E4M3}) {
+  for (DType t :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     EXPECT_EQ(DTypeFromProto(DTypeToProto(t)), t);
   }
   EXPECT_FALSE(DTypeFromProto(v1::KV_DTYPE_UNSPECIFIED).has_value());

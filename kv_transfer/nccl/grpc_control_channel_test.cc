@@ -96,8 +96,8 @@ class GrpcControlChannelTest : public ::testing::Test {
 };
 
 TEST_F(GrpcControlChannelTest, EveryDtypeArrivesByteIdenticalOverGrpcControl) {
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8,
-                      DType::kFp8E4M3}) {
+  for (DType dtype :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     StartDecode(Spec(dtype));
     auto transport = Transport();
     // Two transfers on one link: the first whole, the second layer by layer

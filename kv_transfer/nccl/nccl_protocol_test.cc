@@ -166,8 +166,8 @@ class NcclProtocolTest : public ::testing::Test {
 };
 
 TEST_F(NcclProtocolTest, EveryDtypeArrivesByteIdenticalWholeAndLayerwise) {
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8,
-                      DType::kFp8E4M3}) {
+  for (DType dtype :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     for (bool layerwise : {false, true}) {
       StartReceiver(Spec(dtype));
       next_block_ = 15;
@@ -759,8 +759,7 @@ TEST(NcclLinkCacheTest, InvalidCapIsRefused) {
 }
 
 TEST(NcclDevicePathTest, DeviceSpansGoStraightThroughWireStaging) {
-  for (DType dtype :
-       {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
     FakeCommunicatorFactory comms;
     FakeControlNetwork network;
     const engine::KvCacheSpec spec = Spec(dtype);
