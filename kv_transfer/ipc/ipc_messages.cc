@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kv_transfer/byte_codec.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 
 namespace pdserve::kv_transfer::ipc {
@@ -17,61 +18,8 @@ enum Kind : uint8_t {
   kReply = 5
 };
 
-// Strings longer than this are rejected; no legitimate field comes close.
-constexpr uint32_t kMaxStringBytes = 1 << 20;
-
-class Writer {
- public:
-  void U8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
-  void U32(uint32_t v) { Raw(&v, sizeof v); }
-  void U64(uint64_t v) { Raw(&v, sizeof v); }
-  void I32(int32_t v) { Raw(&v, sizeof v); }
-  void I64(int64_t v) { Raw(&v, sizeof v); }
-  void Str(const std::string& s) {
-    U32(static_cast<uint32_t>(s.size()));
-    out_.append(s);
-  }
-  std::string Take() { return std::move(out_); }
-
- private:
-  // Little-endian hosts only, like pdserve's other binary formats.
-  void Raw(const void* p, size_t n) {
-    out_.append(static_cast<const char*>(p), n);
-  }
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(std::string_view in) : in_(in) {}
-  bool U8(uint8_t* v) { return Raw(v, sizeof *v); }
-  bool U32(uint32_t* v) { return Raw(v, sizeof *v); }
-  bool U64(uint64_t* v) { return Raw(v, sizeof *v); }
-  bool I32(int32_t* v) { return Raw(v, sizeof *v); }
-  bool I64(int64_t* v) { return Raw(v, sizeof *v); }
-  bool Str(std::string* s) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > kMaxStringBytes || n > in_.size()) return false;
-    s->assign(in_.substr(0, n));
-    in_.remove_prefix(n);
-    return true;
-  }
-  // A count of items of at least `item_bytes` each, checked against the
-  // bytes present before anything is reserved.
-  bool Count(uint32_t* n, size_t item_bytes) {
-    return U32(n) && *n <= in_.size() / item_bytes;
-  }
-  size_t remaining() const { return in_.size(); }
-
- private:
-  bool Raw(void* p, size_t n) {
-    if (in_.size() < n) return false;
-    std::memcpy(p, in_.data(), n);
-    in_.remove_prefix(n);
-    return true;
-  }
-  std::string_view in_;
-};
+using Writer = ByteWriter;
+using Reader = ByteReader;
 
 bool ValidKind(uint8_t k) {
   return k == static_cast<uint8_t>(PeerMemoryKind::kShm) ||

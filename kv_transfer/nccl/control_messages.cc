@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kv_transfer/byte_codec.h"
 #include "wire/enums.h"
 
 namespace pdserve::kv_transfer::nccl {
@@ -17,55 +18,8 @@ enum Kind : uint8_t {
   kReply = 5
 };
 
-// Strings longer than this are rejected; no legitimate field comes close.
-constexpr uint32_t kMaxStringBytes = 1 << 20;
-
-class Writer {
- public:
-  void U8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
-  void U32(uint32_t v) { Raw(&v, sizeof v); }
-  void U64(uint64_t v) { Raw(&v, sizeof v); }
-  void I32(int32_t v) { Raw(&v, sizeof v); }
-  void Str(const std::string& s) {
-    U32(static_cast<uint32_t>(s.size()));
-    out_.append(s);
-  }
-  std::string Take() { return std::move(out_); }
-
- private:
-  // Little-endian hosts only (x86-64, aarch64), like the rest of pdserve's
-  // binary formats.
-  void Raw(const void* p, size_t n) {
-    out_.append(static_cast<const char*>(p), n);
-  }
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(std::string_view in) : in_(in) {}
-  bool U8(uint8_t* v) { return Raw(v, sizeof *v); }
-  bool U32(uint32_t* v) { return Raw(v, sizeof *v); }
-  bool U64(uint64_t* v) { return Raw(v, sizeof *v); }
-  bool I32(int32_t* v) { return Raw(v, sizeof *v); }
-  bool Str(std::string* s) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > kMaxStringBytes || n > in_.size()) return false;
-    s->assign(in_.substr(0, n));
-    in_.remove_prefix(n);
-    return true;
-  }
-  size_t remaining() const { return in_.size(); }
-
- private:
-  bool Raw(void* p, size_t n) {
-    if (in_.size() < n) return false;
-    std::memcpy(p, in_.data(), n);
-    in_.remove_prefix(n);
-    return true;
-  }
-  std::string_view in_;
-};
+using Writer = ByteWriter;
+using Reader = ByteReader;
 
 void WriteLayout(Writer& w, const KvLayout& l) {
   w.Str(l.fingerprint);
@@ -76,13 +30,17 @@ void WriteLayout(Writer& w, const KvLayout& l) {
   // The dtype as its internal-proto number (0: unknown), so both ends agree
   // on one numbering.
   w.I32(l.dtype ? static_cast<int32_t>(wire::DTypeToProto(*l.dtype)) : 0);
+  // MLA geometry (0 for MHA/GQA), compared at the handshake like the rest.
+  w.I32(l.kv_lora_rank);
+  w.I32(l.qk_rope_head_dim);
 }
 
 bool ReadLayout(Reader& r, KvLayout* l) {
   int32_t dtype = 0;
   if (!(r.Str(&l->fingerprint) && r.I32(&l->num_layers) &&
         r.I32(&l->kv_heads) && r.I32(&l->head_dim) && r.I32(&l->block_size) &&
-        r.I32(&dtype))) {
+        r.I32(&dtype) && r.I32(&l->kv_lora_rank) &&
+        r.I32(&l->qk_rope_head_dim))) {
     return false;
   }
   l->dtype = wire::DTypeFromProto(static_cast<v1::KvDtype>(dtype));

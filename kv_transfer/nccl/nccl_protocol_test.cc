@@ -620,6 +620,10 @@ TEST(ControlMessagesTest, EveryMessageRoundTripsAndEveryTruncationIsRejected) {
   const std::vector<ControlMessage> messages = {
       HelloMessage{std::string(128, '\x01'), "prefill-0"},
       BeginMessage{7, 9, "req-1", layout},
+      // An MLA latent layout: its geometry travels so the receiver's
+      // CheckLayouts can compare it (it used to be dropped on this path).
+      BeginMessage{8, 10, "req-2",
+                   KvLayout{"fp", 3, 1, 576, 4, DType::kBF16, 512, 64}},
       ManifestMessage{7, {{0, 3}, {2, -1}}},
       EndMessage{7, true},
       ReplyMessage{absl::StatusCode::kNotFound, "no such", 1 << 20},
