@@ -74,8 +74,13 @@ fuzz() {
   local seconds=${1:-30}
   cmake --preset fuzz >/dev/null
   cmake --build "$FUZZ_BUILD_DIR" -j "$JOBS"
-  local failed=0 t
-  for t in $(sed -n 's/^set(PDSERVE_FUZZ_TARGETS \(.*\))$/\1/p' "$ROOT/tests/fuzz/CMakeLists.txt"); do
+  local failed=0 t targets
+  targets=$(sed -n 's/^set(PDSERVE_FUZZ_TARGETS \(.*\))$/\1/p' "$ROOT/tests/fuzz/CMakeLists.txt")
+  if [ -z "$targets" ]; then
+    echo "pdserve.sh fuzz: no PDSERVE_FUZZ_TARGETS line found in tests/fuzz/CMakeLists.txt" >&2
+    return 1
+  fi
+  for t in $targets; do
     "$ROOT/tests/fuzz/run_fuzz.sh" "$FUZZ_BUILD_DIR/bin/$t" "$ROOT/tests/fuzz/corpus/$t" \
       "$FUZZ_BUILD_DIR/work/$t" "$seconds" || failed=1
   done

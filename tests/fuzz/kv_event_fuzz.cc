@@ -5,9 +5,10 @@
 //
 // Input: frames of [u8 worker][u16 little-endian length][a serialized
 // pdserve.v1.KvEventBatch]. Besides ASan/UBSan, a plain reference model of
-// the stream rules (snapshot replaces, stored adds, removed erases, cleared
-// empties; an out-of-sequence or malformed batch leaves the worker unsynced
-// until the next snapshot) must agree with the index on every hash seen.
+// the stream rules per tier (snapshot replaces, stored adds, removed erases,
+// moved goes from one tier to another, cleared empties; an out-of-sequence or
+// malformed batch leaves the worker unsynced until the next snapshot) must
+// agree with the index on every hash seen, tier by tier.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -23,27 +24,40 @@ namespace {
 using pdserve::engine::BlockHash;
 using pdserve::engine::KvEvent;
 
+using Key = std::pair<uint64_t, uint64_t>;
+constexpr int kTiers = pdserve::engine::kNumKvTierKinds;
+
+// Each tier of a worker is its own set of hashes (issue 20): stored and
+// removed name a tier, moved takes the blocks from one tier to another,
+// cleared empties every tier, and events naming a tier this release does not
+// know change nothing (but still advance the sequence).
 struct Model {
-  std::set<std::pair<uint64_t, uint64_t>> hashes;
+  std::set<Key> hashes[kTiers];
   bool synced = false;
   uint64_t seq = 0;
+
+  static bool Known(pdserve::engine::KvTierKind t) {
+    return static_cast<int>(t) < kTiers;
+  }
+  static Key K(const BlockHash& h) { return {h.hi, h.lo}; }
 
   // Mirrors ApplyBatch on decoded events; an event's `ok` is false when it
   // failed to decode (the applier stops at the first bad event).
   void Apply(bool snapshot, const std::vector<std::pair<bool, KvEvent>>& evs) {
-    auto key = [](const BlockHash& h) { return std::make_pair(h.hi, h.lo); };
     if (snapshot) {
-      std::set<std::pair<uint64_t, uint64_t>> all;
+      std::set<Key> all[kTiers];
       uint64_t last = 0;
       for (const auto& [ok, e] : evs) {
         if (!ok || e.type != KvEvent::Type::kStored) {
           synced = false;
           return;
         }
-        for (const auto& h : e.hashes) all.insert(key(h));
         last = e.seq;
+        if (!Known(e.tier)) continue;
+        for (const auto& h : e.hashes)
+          all[static_cast<int>(e.tier)].insert(K(h));
       }
-      hashes = std::move(all);
+      for (int t = 0; t < kTiers; ++t) hashes[t] = std::move(all[t]);
       seq = last;
       synced = true;
       return;
@@ -54,12 +68,28 @@ struct Model {
         return;
       }
       seq = e.seq;
-      if (e.type == KvEvent::Type::kStored) {
-        for (const auto& h : e.hashes) hashes.insert(key(h));
-      } else if (e.type == KvEvent::Type::kRemoved) {
-        for (const auto& h : e.hashes) hashes.erase(key(h));
-      } else {
-        hashes.clear();
+      const int to = static_cast<int>(e.tier);
+      const int from = static_cast<int>(e.from_tier);
+      switch (e.type) {
+        case KvEvent::Type::kStored:
+          if (Known(e.tier))
+            for (const auto& h : e.hashes) hashes[to].insert(K(h));
+          break;
+        case KvEvent::Type::kRemoved:
+          if (Known(e.tier))
+            for (const auto& h : e.hashes) hashes[to].erase(K(h));
+          break;
+        case KvEvent::Type::kMoved:
+          if (Known(e.tier) && Known(e.from_tier) && to != from) {
+            for (const auto& h : e.hashes) {
+              hashes[to].insert(K(h));
+              hashes[from].erase(K(h));
+            }
+          }
+          break;
+        case KvEvent::Type::kCleared:
+          for (auto& tier : hashes) tier.clear();
+          break;
       }
     }
   }
@@ -103,11 +133,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<pdserve::router::WorkerIndex> workers = {0, 1};
   for (const auto& [hi, lo] : seen) {
     const BlockHash h{hi, lo};
-    const std::vector<int32_t> held = index.LeadingBlocks({&h, 1}, workers);
-    for (int w = 0; w < 2; ++w) {
-      // Unsynced workers keep what they had; the model does too.
-      if ((held[w] == 1) != (models[w].hashes.count({hi, lo}) == 1))
-        std::abort();
+    for (int t = 0; t < kTiers; ++t) {
+      const std::vector<int32_t> held =
+          index.LeadingBlocks({&h, 1}, workers,
+                              pdserve::router::TierBit(
+                                  static_cast<pdserve::engine::KvTierKind>(t)));
+      for (int w = 0; w < 2; ++w) {
+        // Unsynced workers keep what they had; the model does too.
+        if ((held[w] == 1) != (models[w].hashes[t].count({hi, lo}) == 1))
+          std::abort();
+      }
     }
   }
   return 0;
