@@ -427,8 +427,9 @@ grpc::Status KvTransferService::Control(
     grpc::ServerContext*,
     grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>*) {
   return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                      "this worker does not serve the nccl KV transport "
-                      "(start it with --kv-transport nccl)");
+                      "this worker serves only the grpc KV transport, not "
+                      "nccl, shm or cuda_ipc: start prefill and decode "
+                      "workers with the same --kv-transport");
 }
 
 }  // namespace pdserve::kv_transfer

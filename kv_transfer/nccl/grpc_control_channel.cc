@@ -106,8 +106,8 @@ class ClientControlChannel : public ControlChannel {
     if (!stream_->Write(frame)) {
       return absl::UnavailableError(
           absl::StrCat("KV control stream to ", destination_,
-                       " broke (is it up, and "
-                       "started with --kv-transport nccl?)"));
+                       " broke (is it up, and started with the same "
+                       "--kv-transport as this worker?)"));
     }
     return absl::OkStatus();
   }
