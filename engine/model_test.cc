@@ -41,6 +41,38 @@ std::shared_ptr<const ModelWeights> LoadTiny(
   return std::make_shared<const ModelWeights>(std::move(*w));
 }
 
+// Runs `a` in chunks of 13 and `b` one token at a time (the decode shape),
+// batched together, with all-position logits; appends each one's logits to
+// got_a / got_b.
+void ForwardChunkedBesideDecode(LlamaModel& model, KvPool* pool,
+                                const std::vector<int32_t>& a,
+                                const std::vector<int32_t>& b,
+                                const std::vector<int32_t>& ta,
+                                const std::vector<int32_t>& tb, int64_t vocab,
+                                std::vector<float>* got_a,
+                                std::vector<float>* got_b) {
+  const int len_a = static_cast<int>(a.size());
+  const int len_b = static_cast<int>(b.size());
+  int pa = 0, pb = 0;
+  while (pa < len_a || pb < len_b) {
+    std::vector<LlamaModel::SeqInput> batch;
+    const int na = std::min(13, len_a - pa);
+    if (na > 0)
+      batch.push_back(
+          {std::span<const int32_t>(a).subspan(pa, na), pa, ta, Logits::kAll});
+    if (pb < len_b)
+      batch.push_back(
+          {std::span<const int32_t>(b).subspan(pb, 1), pb, tb, Logits::kAll});
+    std::vector<float> out;
+    ASSERT_TRUE(model.Forward(batch, pool, &out).ok());
+    got_a->insert(got_a->end(), out.begin(), out.begin() + na * vocab);
+    if (pb < len_b)
+      got_b->insert(got_b->end(), out.begin() + na * vocab, out.end());
+    pa += na;
+    pb += pb < len_b;
+  }
+}
+
 class ModelTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -106,25 +138,10 @@ TEST_P(ModelDtypeTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
   ASSERT_TRUE(model.Forward({&ia, 1}, pool_.get(), &ref_a).ok());
   ASSERT_TRUE(model.Forward({&ib, 1}, pool_.get(), &ref_b).ok());
   // Now: a in chunks of 13, b one token at a time, batched together.
-  const int64_t v = weights_->config.vocab_size;
   std::vector<float> got_a, got_b;
-  int pa = 0, pb = 0;
-  while (pa < 40 || pb < 7) {
-    std::vector<LlamaModel::SeqInput> batch;
-    const int na = std::min(13, 40 - pa);
-    if (na > 0)
-      batch.push_back(
-          {std::span<const int32_t>(a).subspan(pa, na), pa, ta, Logits::kAll});
-    if (pb < 7)
-      batch.push_back(
-          {std::span<const int32_t>(b).subspan(pb, 1), pb, tb, Logits::kAll});
-    std::vector<float> out;
-    ASSERT_TRUE(model.Forward(batch, pool_.get(), &out).ok());
-    got_a.insert(got_a.end(), out.begin(), out.begin() + na * v);
-    if (pb < 7) got_b.insert(got_b.end(), out.begin() + na * v, out.end());
-    pa += na;
-    pb += pb < 7;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      ForwardChunkedBesideDecode(model, pool_.get(), a, b, ta, tb,
+                                 weights_->config.vocab_size, &got_a, &got_b));
   EXPECT_EQ(got_a, ref_a);
   EXPECT_EQ(got_b, ref_b);
 }
@@ -400,25 +417,10 @@ TEST_P(MlaInvarianceTest, ChunkedPrefillAndBatchedDecodeEqualOneAtATime) {
   // a in chunks of 13, b one token at a time (the decode shape), batched,
   // into fresh blocks.
   auto ta2 = Table(30, 4), tb2 = Table(40, 4);
-  const int64_t v = weights_->config.vocab_size;
   std::vector<float> got_a, got_b;
-  int pa = 0, pb = 0;
-  while (pa < 40 || pb < 7) {
-    std::vector<LlamaModel::SeqInput> batch;
-    const int na = std::min(13, 40 - pa);
-    if (na > 0)
-      batch.push_back(
-          {std::span<const int32_t>(a).subspan(pa, na), pa, ta2, Logits::kAll});
-    if (pb < 7)
-      batch.push_back(
-          {std::span<const int32_t>(b).subspan(pb, 1), pb, tb2, Logits::kAll});
-    std::vector<float> out;
-    ASSERT_TRUE(model.Forward(batch, pool_.get(), &out).ok());
-    got_a.insert(got_a.end(), out.begin(), out.begin() + na * v);
-    if (pb < 7) got_b.insert(got_b.end(), out.begin() + na * v, out.end());
-    pa += na;
-    pb += pb < 7;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      ForwardChunkedBesideDecode(model, pool_.get(), a, b, ta2, tb2,
+                                 weights_->config.vocab_size, &got_a, &got_b));
   EXPECT_EQ(got_a, ref_a);
   EXPECT_EQ(got_b, ref_b);
   // Block bytes do not depend on the chunking either (int8 requantises).

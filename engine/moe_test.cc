@@ -363,15 +363,8 @@ class MoeEngineTest : public ::testing::TestWithParam<std::string> {
   }
   static EngineRequest Req(const std::string& id, int len, int salt,
                            uint32_t max_tokens, float temperature) {
-    EngineRequest r;
-    r.id = id;
-    for (int i = 0; i < len; ++i)
-      r.prompt.push_back((i * 29 + salt * 13 + 7) % 256);
-    r.sampling.max_tokens = max_tokens;
-    r.sampling.temperature = temperature;
-    r.sampling.seed = 99 + salt;
-    r.sampling.ignore_eos = true;
-    return r;
+    return testing::SyntheticRequest(id, len, salt, max_tokens, temperature,
+                                     /*offset=*/7);
   }
   static std::map<std::string, std::vector<int32_t>> Drain(
       Engine* e, std::map<std::string, StepOutput>* last = nullptr) {

@@ -42,6 +42,23 @@ inline std::shared_ptr<const ModelWeights> TinyWeights(
   return slot;
 }
 
+// A request of `len` synthetic prompt tokens that differ by `salt` (and by
+// `offset`, which tells one test's prompts from another's), seeded by salt,
+// ignoring EOS so it runs its full `max_tokens`.
+inline EngineRequest SyntheticRequest(const std::string& id, int len, int salt,
+                                      uint32_t max_tokens, float temperature,
+                                      int offset) {
+  EngineRequest r;
+  r.id = id;
+  for (int i = 0; i < len; ++i)
+    r.prompt.push_back((i * 29 + salt * 13 + offset) % 256);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 99 + salt;
+  r.sampling.ignore_eos = true;
+  return r;
+}
+
 // Steps `e` until it has no work (at most 10,000 steps); returns the tokens
 // generated per request id, and each request's final StepOutput in `last`.
 inline std::map<std::string, std::vector<int32_t>> DrainEngine(
