@@ -126,6 +126,35 @@ float DotFixedOrder(const float* a, const float* b, int64_t k) {
   return HasAvx2() ? DotAvx2(a, b, k) : DotPortable(a, b, k);
 }
 
+void DotsFixedOrder(const float* x, int64_t m, int64_t ldx, const float* w,
+                    int64_t n, int64_t ldw, int64_t k, float* y, int64_t ldy) {
+  if (!HasAvx2()) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        y[i * ldy + j] = DotPortable(x + i * ldx, w + j * ldw, k);
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 3 <= n; j += 3) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+      TileAvx2<4, 3>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
+                     ldy);
+    for (; i < m; ++i)
+      TileAvx2<1, 3>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
+                     ldy);
+  }
+  for (; j < n; ++j) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+      TileAvx2<4, 1>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
+                     ldy);
+    for (; i < m; ++i)
+      TileAvx2<1, 1>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
+                     ldy);
+  }
+}
+
 void SetKernelThreads(int threads) {
   if (threads <= 0) return;
   ThreadsSetting() = threads;

@@ -51,6 +51,12 @@ void MatMulNT(const float* __restrict__ x, int64_t m, int64_t k,
 // used by attention scores), exposed for tests.
 float DotFixedOrder(const float* a, const float* b, int64_t k);
 
+// y[i * ldy + j] = DotFixedOrder(x + i * ldx, w + j * ldw, k) for i < m,
+// j < n, bit for bit, computed in register tiles on the calling thread (no
+// OpenMP): for attention scores of a query group against a KV block.
+void DotsFixedOrder(const float* x, int64_t m, int64_t ldx, const float* w,
+                    int64_t n, int64_t ldw, int64_t k, float* y, int64_t ldy);
+
 // Sets the threads used by kernels (OpenMP) and OpenBLAS. <= 0 keeps defaults.
 void SetKernelThreads(int threads);
 int KernelThreads();

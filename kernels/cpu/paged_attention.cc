@@ -1,5 +1,7 @@
 #include "kernels/cpu/paged_attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -77,7 +79,69 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
     StoreElem(c.data, DType::kI8, dst + d, src[d] * inv);
 }
 
+// One query state's online-softmax step over a block's `valid` scores:
+// scaled by the block's running max, the state's acc[d] rescaled, then
+// acc += p_t * v_t for t in order. Every element sees the same operations in
+// the same order in both versions (separate multiply and add: this file is
+// built in ISO C++ mode, so nothing is contracted into an FMA), so the AVX-512
+// version and the portable one agree bit for bit; p_t and the sum l do not
+// depend on acc, so computing them first changes no bit either.
+inline void ScoresToWeights(const float* scores, int valid, float* m, float* l,
+                            float* p, float* correction) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < valid; ++t) block_max = std::max(block_max, scores[t]);
+  const float new_m = std::max(*m, block_max);
+  *correction = std::exp(*m - new_m);
+  *l *= *correction;
+  for (int t = 0; t < valid; ++t) {
+    p[t] = std::exp(scores[t] - new_m);
+    *l += p[t];
+  }
+  *m = new_m;
+}
+
+void AccumulatePortable(const float* p, int valid, float correction,
+                        const float* v, int d, float* a) {
+  for (int i = 0; i < d; ++i) a[i] *= correction;
+  for (int t = 0; t < valid; ++t) {
+    const float* vv = v + int64_t{t} * d;
+    for (int i = 0; i < d; ++i) a[i] += p[t] * vv[i];
+  }
+}
+
+__attribute__((target("avx512f"))) void AccumulateAvx512(const float* p,
+                                                         int valid,
+                                                         float correction,
+                                                         const float* v, int d,
+                                                         float* a) {
+  const __m512 c = _mm512_set1_ps(correction);
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a + i), c);
+    for (int t = 0; t < valid; ++t) {
+      acc = _mm512_add_ps(
+          acc, _mm512_mul_ps(_mm512_set1_ps(p[t]),
+                             _mm512_loadu_ps(v + int64_t{t} * d + i)));
+    }
+    _mm512_storeu_ps(a + i, acc);
+  }
+  for (; i < d; ++i) {
+    float x = a[i] * correction;
+    for (int t = 0; t < valid; ++t) x += p[t] * v[int64_t{t} * d + i];
+    a[i] = x;
+  }
+}
+
+bool& Avx512Enabled() {
+  static bool enabled = __builtin_cpu_supports("avx512f");
+  return enabled;
+}
+
 }  // namespace
+
+void SetPagedAttentionAvx512(bool enabled) {
+  Avx512Enabled() = enabled && __builtin_cpu_supports("avx512f");
+}
 
 void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache) {
@@ -140,6 +204,9 @@ void PagedAttention(const float* q, int32_t num_heads,
   {
     std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
     std::vector<float> acc, m, l;
+    // A block's scores for the query group, [group][bs], then its weights.
+    std::vector<float> scores(int64_t{group} * bs), weights(bs);
+    const bool avx512 = Avx512Enabled();
 #pragma omp for schedule(dynamic, 1)
     for (size_t ti = 0; ti < tasks.size(); ++ti) {
       const Task& task = tasks[ti];
@@ -162,29 +229,26 @@ void PagedAttention(const float* q, int32_t num_heads,
           const int valid = std::min(count, pos - block_start + 1);
           if (valid <= 0) continue;
           const int64_t row = seq.q_row + task.q_begin + qi;
+          // The group's heads are consecutive in q: one tile of dots, each
+          // DotFixedOrder's bits, then scaled.
+          DotsFixedOrder(
+              q + row * row_stride + int64_t{task.kv_head} * group * d, group,
+              d, kbuf.data(), valid, d, d, scores.data(), bs);
           for (int g = 0; g < group; ++g) {
-            const int head = task.kv_head * group + g;
-            const float* qv = q + row * row_stride + int64_t{head} * d;
             const int st = qi * group + g;
+            float* s = scores.data() + int64_t{g} * bs;
+            for (int t = 0; t < valid; ++t) s[t] *= scale;
+            float correction;
+            ScoresToWeights(s, valid, &m[st], &l[st], weights.data(),
+                            &correction);
             float* a = acc.data() + int64_t{st} * d;
-            float scores[256];  // block_size <= 256 is validated
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int t = 0; t < valid; ++t) {
-              scores[t] =
-                  DotFixedOrder(qv, kbuf.data() + int64_t{t} * d, d) * scale;
-              block_max = std::max(block_max, scores[t]);
+            if (avx512) {
+              AccumulateAvx512(weights.data(), valid, correction, vbuf.data(),
+                               d, a);
+            } else {
+              AccumulatePortable(weights.data(), valid, correction, vbuf.data(),
+                                 d, a);
             }
-            const float new_m = std::max(m[st], block_max);
-            const float correction = std::exp(m[st] - new_m);
-            l[st] *= correction;
-            for (int i = 0; i < d; ++i) a[i] *= correction;
-            for (int t = 0; t < valid; ++t) {
-              const float p = std::exp(scores[t] - new_m);
-              l[st] += p;
-              const float* vv = vbuf.data() + int64_t{t} * d;
-              for (int i = 0; i < d; ++i) a[i] += p * vv[i];
-            }
-            m[st] = new_m;
           }
         }
       }

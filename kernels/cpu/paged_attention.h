@@ -64,8 +64,14 @@ struct AttentionSeq {
 // (sequence, KV head, query chunk) and shared by the whole query group.
 // Online softmax in fp32 over blocks in order, so a query's result does not
 // depend on how many other queries share the call (prefill == decode).
+// The softmax-weighted sum of V runs in AVX-512 where the CPU has it, else
+// portably; both give the same bits. Scores are DotFixedOrder's.
 void PagedAttention(const float* q, int32_t num_heads,
                     std::span<const AttentionSeq> seqs,
                     const KvLayerView& cache, float scale, float* out);
+
+// For tests: false forces the portable path (true: the best the CPU has).
+// Not synchronised with running attention calls.
+void SetPagedAttentionAvx512(bool enabled);
 
 }  // namespace pdserve::kernels
