@@ -7,7 +7,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
+#include <set>
 
 #include "tests/cluster.h"
 
@@ -82,6 +85,68 @@ TEST(ServeBenchTest, TraceParserNamesTheBadLine) {
   }
 }
 
+TEST(ServeBenchTest, MultiturnInterleavesConversationsThatExtendEachOther) {
+  WorkloadConfig c;
+  c.name = "multiturn";
+  c.num_requests = 36;
+  c.input_len = 448;
+  c.output_len = 8;
+  c.seed = 3;
+  auto w = MakeWorkload(c);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_EQ(w->size(), 36u);
+  const int conversations = 36 / kMultiturnTurns;
+  std::map<std::string, std::vector<int>> turns;  // group -> request indices
+  for (int i = 0; i < 36; ++i) turns[(*w)[i].prefix_group].push_back(i);
+  ASSERT_EQ(static_cast<int>(turns.size()), conversations);
+  std::vector<double> reuse;
+  std::set<std::string> heads;
+  for (const auto& [group, idx] : turns) {
+    ASSERT_EQ(static_cast<int>(idx.size()), kMultiturnTurns) << group;
+    EXPECT_EQ((*w)[idx[0]].prompt.size(), 448u) << group;
+    heads.insert((*w)[idx[0]].prompt.substr(0, 16));
+    for (size_t k = 1; k < idx.size(); ++k) {
+      // Interleaved: every other conversation has a turn in between.
+      EXPECT_EQ(idx[k] - idx[k - 1], conversations) << group;
+      const std::string& prev = (*w)[idx[k - 1]].prompt;
+      const std::string& cur = (*w)[idx[k]].prompt;
+      ASSERT_GT(cur.size(), prev.size()) << group << " turn " << k;
+      EXPECT_EQ(cur.compare(0, prev.size(), prev), 0)
+          << group << " turn " << k << " does not extend turn " << k - 1;
+      reuse.push_back(static_cast<double>(prev.size()) / cur.size());
+    }
+  }
+  // No two conversations share their first KV block (16 tokens).
+  EXPECT_EQ(static_cast<int>(heads.size()), conversations);
+  for (double r : reuse) {
+    EXPECT_GE(r, kMultiturnMinReuse - 0.01);
+    EXPECT_LE(r, kMultiturnMaxReuse + 0.01);
+  }
+  std::sort(reuse.begin(), reuse.end());
+  const double median = reuse[reuse.size() / 2];
+  EXPECT_GT(median, 0.8);
+  EXPECT_LT(median, 0.9);
+  // Deterministic for a seed; another seed draws other turns.
+  auto again = MakeWorkload(c);
+  ASSERT_TRUE(again.ok());
+  for (int i = 0; i < 36; ++i) EXPECT_EQ((*again)[i].prompt, (*w)[i].prompt);
+  c.seed = 4;
+  auto other = MakeWorkload(c);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE((*other)[35].prompt, (*w)[35].prompt);
+  // A count that is not a multiple of the turns: the last round is short.
+  c.num_requests = 10;
+  auto ten = MakeWorkload(c);
+  ASSERT_TRUE(ten.ok());
+  ASSERT_EQ(ten->size(), 10u);
+  EXPECT_EQ((*ten)[0].prefix_group, "conv0");
+  EXPECT_EQ((*ten)[1].prefix_group, "conv1");
+  EXPECT_EQ((*ten)[9].prefix_group, "conv1");
+  EXPECT_EQ(
+      (*ten)[9].prompt.compare(0, (*ten)[7].prompt.size(), (*ten)[7].prompt),
+      0);
+}
+
 TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
   const std::string model = std::filesystem::temp_directory_path() /
                             ("pdserve_bench_" + std::to_string(::getpid()));
@@ -121,6 +186,8 @@ TEST(ServeBenchTest, LiveClusterRequestAndTokenCountsMatchTheSchedule) {
       std::filesystem::temp_directory_path() / "pdserve_cdf_test.svg";
   ASSERT_TRUE(WriteCdfSvg(*open, svg).ok());
   EXPECT_GT(std::filesystem::file_size(svg), 200u);
+  std::filesystem::remove(svg);
+  std::filesystem::remove_all(model);
 }
 
 // A free TCP port on loopback (bound and released; the router takes it
@@ -178,6 +245,7 @@ TEST(ServeBenchTest, OpenAiModeCountsTheSameAsGrpcMode) {
   EXPECT_EQ(wrong->failed, 9);
   c.openai_url = "127.0.0.1:1";
   EXPECT_FALSE(RunServeBench(c).ok());
+  std::filesystem::remove_all(model);
 }
 
 }  // namespace

@@ -24,6 +24,55 @@ std::string Text(uint64_t seed, int64_t n) {
   return out;
 }
 
+int32_t NumConversations(const WorkloadConfig& c) {
+  return (c.num_requests + kMultiturnTurns - 1) / kMultiturnTurns;
+}
+
+// Request `i` of the multiturn workload: turn i / C of conversation i % C
+// (C conversations, round-robin), so that between two turns of a
+// conversation every other conversation has one: the KV working set is all
+// of them at once, as on a server with many users. Turn 0 is `input_len`
+// bytes; turn k + 1 is turn k's prompt, then an answer-like text (up to
+// `output_len` bytes: what the chat history keeps of the reply), then a new
+// user message. Its new bytes are drawn so that the previous prompt is a
+// fraction r of it, r uniform in [kMultiturnMinReuse, kMultiturnMaxReuse]
+// (median 0.85, the
+// Mooncake conversation trace's follow-up turns). `prompts` holds each
+// conversation's latest prompt.
+std::string MultiturnPrompt(const WorkloadConfig& c, int32_t i,
+                            std::vector<std::string>* prompts) {
+  const int32_t num_conv = NumConversations(c);
+  const int32_t conv = i % num_conv, turn = i / num_conv;
+  // One generator per (seed, conversation, turn): a turn does not depend on
+  // how many conversations there are or on other requests' draws.
+  std::mt19937_64 rng(c.seed * 0x9E3779B97F4A7C15ull +
+                      static_cast<uint64_t>(conv) * 1000003 + turn);
+  if (prompts->size() < static_cast<size_t>(num_conv))
+    prompts->resize(static_cast<size_t>(num_conv));
+  std::string& p = (*prompts)[static_cast<size_t>(conv)];
+  if (turn == 0) {
+    // A distinct head per conversation: no two share a first KV block.
+    p = absl::StrCat("Conversation ", conv, ". User: ");
+    p += Text(rng(), c.input_len - static_cast<int64_t>(p.size()));
+    p.resize(static_cast<size_t>(c.input_len));
+    return p;
+  }
+  // Uniform in [min, max) from 53 random bits (std:: distributions are not
+  // the same on every standard library).
+  const double r =
+      kMultiturnMinReuse + (kMultiturnMaxReuse - kMultiturnMinReuse) *
+                               static_cast<double>(rng() >> 11) * 0x1p-53;
+  const int64_t prev = static_cast<int64_t>(p.size());
+  const int64_t added = std::max<int64_t>(
+      2, std::llround(static_cast<double>(prev) * (1 - r) / r));
+  const int64_t answer = std::min<int64_t>(c.output_len, added / 2);
+  std::string text = "\nAssistant: " + Text(rng(), answer) + "\nUser: ";
+  text += Text(rng(), added - static_cast<int64_t>(text.size()));
+  text.resize(static_cast<size_t>(added));
+  p += text;
+  return p;
+}
+
 }  // namespace
 
 absl::Status WorkloadConfig::Validate() const {
@@ -48,6 +97,7 @@ absl::StatusOr<std::vector<RequestSpec>> MakeWorkload(const WorkloadConfig& c) {
   std::mt19937_64 rng(c.seed);
   std::exponential_distribution<double> gap(c.rate > 0 ? c.rate : 1.0);
   std::vector<RequestSpec> out;
+  std::vector<std::string> conversations;  // multiturn: each one's last prompt
   double t = 0;
   constexpr int kSystemPrompts = 4;
   for (int32_t i = 0; i < c.num_requests; ++i) {
@@ -65,11 +115,8 @@ absl::StatusOr<std::vector<RequestSpec>> MakeWorkload(const WorkloadConfig& c) {
                  ": " + Text(rng(), c.input_len / 4);
       r.max_tokens = static_cast<uint32_t>(c.output_len);
     } else if (c.name == "multiturn") {
-      // Conversations of 4 turns; each turn extends the previous prompt.
-      const int conv = i / 4, turn = i % 4;
-      r.prefix_group = absl::StrCat("conv", conv);
-      for (int k = 0; k <= turn; ++k)
-        r.prompt += Text(conv * 131 + k, c.input_len) + "\n";
+      r.prompt = MultiturnPrompt(c, i, &conversations);
+      r.prefix_group = absl::StrCat("conv", i % NumConversations(c));
       r.max_tokens = static_cast<uint32_t>(c.output_len);
     } else if (c.name == "longdoc") {
       r.prompt = Text(rng(), 8 * c.input_len);

@@ -30,6 +30,23 @@ struct WorkloadConfig {
   absl::Status Validate() const;
 };
 
+// The named workloads (sizes in bytes; the byte tokenizer makes them tokens):
+//   synthetic  independent prompts of input_len;
+//   chat       4 shared system prompts of 4 x input_len, then a user line;
+//   multiturn  ceil(num_requests / kMultiturnTurns) conversations of
+//              kMultiturnTurns turns, interleaved round-robin (turn k of
+//              every conversation, then turn k + 1): each turn is the previous
+//              prompt + an answer-like text (<= output_len) + new user text,
+//              sized so that it reuses a fraction uniform in
+//              [kMultiturnMinReuse, kMultiturnMaxReuse] of its prompt; turn 0
+//              is input_len bytes;
+//   longdoc    independent prompts of 8 x input_len, output_len / 4;
+//   mixed      every fourth a longdoc among input_len / 2 prompts decoding
+//              2 x output_len.
+// Deterministic for a seed.
+inline constexpr int32_t kMultiturnTurns = 6;
+inline constexpr double kMultiturnMinReuse = 0.75;
+inline constexpr double kMultiturnMaxReuse = 0.95;
 absl::StatusOr<std::vector<RequestSpec>> MakeWorkload(
     const WorkloadConfig& config);
 

@@ -518,7 +518,16 @@ const std::vector<Command>& AllCommands() {
        "\"prefix_group\": \"g1\"}. Goodput: the highest rate at which >= 90% "
        "of requests meet\n"
        "both SLOs (TTFT, and the request's mean inter-token latency), found by "
-       "bisection.\n",
+       "bisection.\n"
+       "multiturn: ceil(--num-requests / 6) conversations of 6 turns, "
+       "interleaved round-robin\n"
+       "(turn k of every conversation, then turn k + 1); turn 0 is "
+       "--input-len bytes, each later\n"
+       "turn is the previous prompt + an answer-like text (<= --output-len "
+       "bytes) + a new user\n"
+       "message, reusing 0.75-0.95 of its prompt (median 0.85, like the "
+       "Mooncake conversation\n"
+       "trace's follow-up turns).\n",
        RunBenchServe},
       {"bench transfer", "KV transfer throughput over grpc vs raw loopback TCP",
        "bench transfer [--transfer-tokens 1024,4096,16384] [--repetitions 3] "
