@@ -43,13 +43,14 @@ constexpr char kOracle[] = "oracle";
 constexpr char kUnbounded[] = "unbounded";
 constexpr char kPullSuffix[] = "+pull";
 constexpr char kTierSuffix[] = "+tier";
+constexpr char kDecodeTierSuffix[] = "+dtier";
 
 // "cache_aware+tier+pull" -> "cache_aware" (the suffixes in any order).
 std::string BasePolicy(const std::string& name) {
   std::string base = name;
   for (bool again = true; again;) {
     again = false;
-    for (const char* suffix : {kPullSuffix, kTierSuffix}) {
+    for (const char* suffix : {kPullSuffix, kTierSuffix, kDecodeTierSuffix}) {
       if (absl::EndsWith(base, suffix)) {
         base.resize(base.size() - std::strlen(suffix));
         again = true;
@@ -62,21 +63,40 @@ bool HasOption(const std::string& name, const char* suffix) {
   return absl::StrContains(name, suffix);
 }
 
-// A prefill worker's lower tier in the sim (engine/kv_tier.h's policy): the
-// hashes of blocks its pool evicted, an LRU of `capacity`; a hit leaves the
-// block there.
+// A worker's lower tier in the sim (engine/kv_tier.h's policy): the hashes
+// of blocks its pool evicted, an LRU of `capacity`; a hit leaves the block
+// there and makes it the most recent (as KvTier::Match). Its changes reach
+// the router's index as the engine's do: an eviction it keeps is a `moved`
+// (pool -> disk) event of the pool, a block it drops a `removed` event of
+// the tier, in the worker's one event stream.
 class SimTier {
  public:
   explicit SimTier(int64_t capacity) : capacity_(capacity) {}
-  void Offer(const BlockHash& h) {
-    if (capacity_ <= 0 || pos_.contains(h)) return;
+  // Keeps `h`; returns the hash dropped to make room, if any.
+  std::optional<BlockHash> Offer(const BlockHash& h) {
+    std::optional<BlockHash> dropped;
+    if (capacity_ <= 0 || pos_.contains(h)) return dropped;
     if (static_cast<int64_t>(lru_.size()) >= capacity_) {
+      dropped = lru_.front();
       pos_.erase(lru_.front());
       lru_.pop_front();
     }
     pos_[h] = lru_.insert(lru_.end(), h);
+    return dropped;
   }
   bool Contains(const BlockHash& h) const { return pos_.contains(h); }
+  // How many of `hashes` it holds, leading; they become the most recent,
+  // the first of them last (a chain's head is the last to be dropped).
+  int32_t Match(std::span<const BlockHash> hashes) {
+    size_t n = 0;
+    while (n < hashes.size() && pos_.contains(hashes[n])) ++n;
+    for (size_t i = n; i-- > 0;)
+      lru_.splice(lru_.end(), lru_, pos_.find(hashes[i])->second);
+    return static_cast<int32_t>(n);
+  }
+  std::vector<BlockHash> Hashes() const {
+    return std::vector<BlockHash>(lru_.begin(), lru_.end());
+  }
 
  private:
   const int64_t capacity_;
@@ -149,6 +169,7 @@ class Simulation {
         unbounded_(base_policy_ == kUnbounded),
         pull_(!oracle_ && HasOption(policy_name_, kPullSuffix)),
         tier_(!oracle_ && HasOption(policy_name_, kTierSuffix)),
+        decode_tier_(!oracle_ && HasOption(policy_name_, kDecodeTierSuffix)),
         working_set_blocks_(working_set_blocks),
         max_request_blocks_(max_request_blocks),
         num_prefill_(num_prefill),
@@ -250,9 +271,11 @@ class Simulation {
     int32_t pull_holder = -1;
     int32_t pull_blocks = 0;
     int32_t pulled_blocks = 0;
-    int32_t tier_blocks = 0;  // "+tier": read from the worker's own tier
-    int64_t remaining = 0;    // decode tokens still to generate
-    int64_t context = 0;      // tokens in the decode worker's KV
+    int32_t pulled_tier_blocks = 0;  // of pulled_blocks, from the holder's tier
+    bool pull_partial = false;       // fewer than asked: a second round trip
+    int32_t tier_blocks = 0;         // "+tier": read from the worker's own tier
+    int64_t remaining = 0;           // decode tokens still to generate
+    int64_t context = 0;             // tokens in the decode worker's KV
     bool in_batch = false;
     Micros admitted = 0, prefill_start = 0, first_token = 0, join = 0;
   };
@@ -304,17 +327,9 @@ class Simulation {
       for (int32_t w = 0; w < num_prefill_; ++w) {
         caches_.push_back(
             std::make_unique<engine::BlockManager>(p_blocks, sink(w)));
-        if (tier_) {
-          tiers_.push_back(std::make_unique<SimTier>(static_cast<int64_t>(
-              c_.tier_multiple * static_cast<double>(p_blocks))));
-          SimTier* t = tiers_.back().get();
-          std::function<void(int32_t, const BlockHash&)> offer =
-              [t](int32_t, const BlockHash& h) { t->Offer(h); };
-          caches_.back()->set_tier_hooks(engine::BlockManager::TierHooks(
-              std::move(offer), std::function<void()>()));
-        }
         feeds_.push_back(
             std::make_unique<SimEventStream>(&index_, w, caches_.back().get()));
+        if (tier_) AddTier(w, caches_.back().get(), p_blocks);
       }
     }
     prefill_.resize(num_prefill_);
@@ -326,6 +341,8 @@ class Simulation {
           d_blocks, sink(num_prefill_ + j));
       feeds_.push_back(std::make_unique<SimEventStream>(
           &index_, num_prefill_ + j, decode_[j].kv.get()));
+      if (decode_tier_)
+        AddTier(num_prefill_ + j, decode_[j].kv.get(), d_blocks);
     }
     for (auto& f : feeds_) f->Resync();  // subscribed before the first request
     views_.resize(n);
@@ -340,8 +357,56 @@ class Simulation {
       v.fingerprint = fingerprint_;
       v.status.set_role(v.role);
       v.status.mutable_layout()->set_block_size(bs_);
+      // The rates a worker measures and exports (the cost model's), for the
+      // policy's tier pricing and the pull decision.
+      if (c_.prefill_us_per_token > 0)
+        v.status.set_prefill_tokens_per_second(1e6 / c_.prefill_us_per_token);
+      if (TierOf(w) != nullptr) {
+        v.status.set_kv_tier(v1::KV_TIER_DISK);
+        if (c_.tier_read_us_per_token > 0)
+          v.status.set_kv_tier_load_tokens_per_second(
+              1e6 / c_.tier_read_us_per_token);
+      }
     }
     heartbeat_ = std::max<Micros>(1, FromMs(c_.heartbeat_ms));
+  }
+
+  // A tier of tier_multiple x `pool_blocks` below worker `w`'s pool, with
+  // the engine's events (engine.cc's tier hooks): a block it drops is
+  // published as removed from the tier before the pool's eviction that
+  // caused it, and an eviction it keeps as moved (pool -> disk).
+  void AddTier(int32_t w, engine::BlockManager* cache, int64_t pool_blocks) {
+    if (static_cast<int32_t>(tiers_.size()) <= w) tiers_.resize(w + 1);
+    tiers_[w] = std::make_unique<SimTier>(static_cast<int64_t>(
+        c_.tier_multiple * static_cast<double>(pool_blocks)));
+    SimTier* t = tiers_[w].get();
+    cache->set_tier_hooks(engine::BlockManager::TierHooks(
+        engine::KvTierKind::kDisk,
+        [t, cache](int32_t, const BlockHash& h) {
+          if (const std::optional<BlockHash> dropped = t->Offer(h)) {
+            engine::KvEvent e;
+            e.type = engine::KvEvent::Type::kRemoved;
+            e.tier = engine::KvTierKind::kDisk;
+            e.hashes = {*dropped};
+            cache->PublishTierEvent(std::move(e));
+          }
+          return t->Contains(h);
+        },
+        std::function<void()>()));
+    Feed(w).SetTier(engine::KvTierKind::kDisk, [t] { return t->Hashes(); });
+  }
+  // Leading blocks of `hashes` worker `w` holds now: its pool's run, then its
+  // tier's (no LRU change).
+  int32_t HeldRun(int32_t w, std::span<const BlockHash> hashes) {
+    size_t n = PoolOf(w)->Lookup(hashes).size();
+    if (const SimTier* t = TierOf(w); t != nullptr) {
+      while (n < hashes.size() && t->Contains(hashes[n])) ++n;
+    }
+    return static_cast<int32_t>(n);
+  }
+  SimTier* TierOf(int32_t w) {
+    return w >= 0 && static_cast<size_t>(w) < tiers_.size() ? tiers_[w].get()
+                                                            : nullptr;
   }
 
   void Schedule(Micros t, Ev type, int32_t id) {
@@ -448,34 +513,50 @@ class Simulation {
     return absl::OkStatus();
   }
 
-  // router_service's PeerPullFor on the simulated views and index.
+  // router_service's PeerPullFor on the simulated views and index: per tier,
+  // the pool's counts and the pool's plus the tiers'.
   void DecidePull(int32_t r) {
     Req& q = reqs_[r];
     const std::vector<BlockHash>& chain = P(r).hashes;
     // The engine always computes at least the last token.
     const size_t usable = std::min<size_t>(
         chain.size(), static_cast<size_t>((Input(r) - 1) / bs_));
-    std::vector<int32_t> counts;
+    std::vector<int32_t> counts, all_counts;
     index_.LeadingBlocksOfPrompt(
         usable, [&](size_t i) { return chain[i]; }, &counts);
+    if (tier_ || decode_tier_) {
+      index_.LeadingBlocksOfPrompt(
+          usable, [&](size_t i) { return chain[i]; }, &all_counts,
+          router::kAllTiers);
+    }
     auto held = [&](int32_t w) {
       return static_cast<size_t>(w) < counts.size() ? counts[w] : 0;
+    };
+    auto held_all = [&](int32_t w) {
+      return std::max(held(w), static_cast<size_t>(w) < all_counts.size()
+                                   ? all_counts[w]
+                                   : 0);
     };
     router::PeerPullInput in;
     in.prefill = q.prefill;
     in.prefill_cached_blocks = held(q.prefill);
+    in.prefill_tier_blocks = held_all(q.prefill);
+    in.prefill_tier_load_tokens_per_second =
+        views_[q.prefill].status.kv_tier_load_tokens_per_second();
     in.prompt_blocks = static_cast<int32_t>(usable);
     in.block_size = bs_;
     in.bytes_per_block = bs_;
     for (const router::WorkerView& w : views_) {
-      if (held(w.index) <= in.prefill_cached_blocks) continue;
+      if (held_all(w.index) <= in.prefill_cached_blocks) continue;
       router::PeerPullCandidate c;
       c.index = w.index;
       c.address = w.address;
       c.id = w.id;
       c.up = w.up;
       c.same_cache = true;
-      c.leading_blocks = held(w.index);
+      c.leading_blocks = held_all(w.index);
+      c.tier_blocks = c.leading_blocks - held(w.index);
+      c.tier_load_tokens_per_second = w.status.kv_tier_load_tokens_per_second();
       in.candidates.push_back(std::move(c));
     }
     const router::PeerPullDecision d = router::DecidePeerPull(pull_config_, in);
@@ -490,25 +571,47 @@ class Simulation {
   }
 
   // The pull of blocks [have, q.pull_blocks) from the holder as the prompt
-  // starts: all of them if it still holds them (they are pinned while sent,
-  // which refreshes them in its LRU), else none. Returns the blocks pulled.
-  int32_t Pull(int32_t r, int32_t have) {
+  // starts, as PeerBlockHolder serves it: the leading run still in its pool
+  // (pinned while sent, which refreshes it in its LRU), then the run its tier
+  // holds (read into free pool blocks of the holder, as many as it has room
+  // for, and given back uncommitted: that evicts the holder's LRU blocks as
+  // the live holder's allocation does). A shorter run than asked is a
+  // partial pull (the live puller asks again for what is there); none is a
+  // failed pull. Returns the blocks pulled; *from_tier gets those read from
+  // the holder's tier.
+  int32_t Pull(int32_t r, int32_t have, int32_t* from_tier) {
     Req& q = reqs_[r];
+    *from_tier = 0;
+    q.pull_partial = false;
     if (q.pull_holder < 0 || q.pull_blocks <= have) return 0;
     engine::BlockManager* holder = PoolOf(q.pull_holder);
     const std::span<const BlockHash> want =
         std::span<const BlockHash>(P(r).hashes)
             .subspan(have, q.pull_blocks - have);
     std::vector<int32_t> blocks = holder->Lookup(want);
-    if (blocks.size() < want.size()) {
+    const int32_t pool = static_cast<int32_t>(blocks.size());
+    holder->Acquire(blocks);
+    int32_t tier = 0;
+    if (SimTier* t = TierOf(q.pull_holder);
+        t != nullptr && static_cast<size_t>(pool) < want.size()) {
+      tier = t->Match(want.subspan(pool));
+      tier = static_cast<int32_t>(std::min<int64_t>(tier, holder->num_free()));
+      if (tier > 0) holder->Allocate(tier, &blocks);
+    }
+    std::reverse(blocks.begin(), blocks.end());
+    holder->Release(blocks);
+    const int32_t got = pool + tier;
+    if (got == 0) {
       ++peer_pulls_failed_;
       return 0;
     }
-    holder->Acquire(blocks);
-    std::reverse(blocks.begin(), blocks.end());
-    holder->Release(blocks);
     ++peer_pulls_;
-    return static_cast<int32_t>(want.size());
+    if (static_cast<size_t>(got) < want.size()) {
+      ++peer_pulls_partial_;
+      q.pull_partial = true;
+    }
+    *from_tier = tier;
+    return got;
   }
 
   // Admits waiting requests FIFO while the KV pool can reserve prompt +
@@ -536,9 +639,23 @@ class Simulation {
       if (need + idle > d.kv->num_free()) return;
       d.admit.pop_front();
       d.kv->Acquire(hits);
-      q.d_hit_blocks = static_cast<int32_t>(hits.size());
+      const int32_t pool_hits = static_cast<int32_t>(hits.size());
       q.d_blocks = std::move(hits);
       d.kv->Allocate(need, &q.d_blocks);
+      q.d_hit_blocks = pool_hits;
+      // "+dtier": the prompt continues in the decode worker's own tier, read
+      // back into the blocks just reserved and committed at once (as
+      // Engine::Reserve does): its own, not sent by the prefill worker.
+      if (SimTier* t = TierOf(q.decode); t != nullptr) {
+        const int32_t from_tier = t->Match(
+            std::span<const BlockHash>(P(r).hashes).subspan(pool_hits));
+        if (from_tier > 0) {
+          q.d_hit_blocks += from_tier;
+          Commit(d.kv.get(), P(r).hashes, pool_hits,
+                 std::vector<int32_t>(q.d_blocks.begin(),
+                                      q.d_blocks.begin() + q.d_hit_blocks));
+        }
+      }
       q.admitted = now_;
       StartPrefill(r);
     }
@@ -581,6 +698,15 @@ class Simulation {
     const int64_t need = blocks - static_cast<int64_t>(hits.size());
     int64_t idle = 0;
     for (int32_t b : hits) idle += p.cache->RefCount(b) == 0;
+    // Diagnosis: the longest run of this prompt's leading blocks one worker
+    // holds (pool, then its tier) as the prompt starts, this one or another.
+    int32_t held_anywhere = 0;
+    if (!oracle_) {
+      const std::span<const BlockHash> head =
+          std::span<const BlockHash>(hashes).first(usable);
+      for (int32_t v = 0; v < num_prefill_ + num_decode_; ++v)
+        held_anywhere = std::max(held_anywhere, HeldRun(v, head));
+    }
     if (need + idle <= p.cache->num_free()) {
       p.cache->Acquire(hits);
       q.p_hit_blocks = static_cast<int32_t>(hits.size());
@@ -590,14 +716,12 @@ class Simulation {
       // Tier hits continue the pool's, then pulled blocks; both fill the
       // fresh blocks after the hits and are committed with the computed
       // ones when the prompt ends.
-      if (tier_) {
-        const SimTier& t = *tiers_[w];
-        while (static_cast<size_t>(q.p_hit_blocks + q.tier_blocks) < usable &&
-               t.Contains(hashes[q.p_hit_blocks + q.tier_blocks])) {
-          ++q.tier_blocks;
-        }
+      if (SimTier* t = TierOf(w); t != nullptr) {
+        q.tier_blocks = t->Match(std::span<const BlockHash>(hashes).subspan(
+            q.p_hit_blocks, usable - q.p_hit_blocks));
       }
-      q.pulled_blocks = Pull(r, q.p_hit_blocks + q.tier_blocks);
+      q.pulled_blocks =
+          Pull(r, q.p_hit_blocks + q.tier_blocks, &q.pulled_tier_blocks);
     } else {
       // The prompt does not fit the cache: computed, not kept.
       q.p_hit_blocks = 0;
@@ -608,16 +732,24 @@ class Simulation {
     pulled_tokens_ += pulled_tokens;
     tier_hit_tokens_ += tier_tokens;
     q.hit_tokens = int64_t{q.p_hit_blocks} * bs_ + tier_tokens + pulled_tokens;
+    held_missed_tokens_ +=
+        std::max<int64_t>(0, int64_t{held_anywhere} * bs_ - q.hit_tokens);
     const int64_t computed = Input(r) - q.hit_tokens;
     q.prefill_start = now_;
     p.running = r;
     p.run_start = now_;
-    const Micros pull_time = q.pulled_blocks == 0
-                                 ? 0
-                                 : FromMs(c_.pull_overhead_ms) +
-                                       static_cast<Micros>(std::llround(
-                                           static_cast<double>(pulled_tokens) *
-                                           c_.transfer_us_per_token));
+    // A pull: its fixed cost (twice for a partial one: the holder says how
+    // many it has, then sends them), the holder's tier reads, the transfer.
+    const Micros pull_time =
+        q.pulled_blocks == 0
+            ? 0
+            : FromMs(c_.pull_overhead_ms) * (q.pull_partial ? 2 : 1) +
+                  static_cast<Micros>(std::llround(
+                      static_cast<double>(pulled_tokens) *
+                          c_.transfer_us_per_token +
+                      static_cast<double>(int64_t{q.pulled_tier_blocks} * bs_) *
+                          c_.tier_read_us_per_token));
+    pulled_tier_tokens_ += int64_t{q.pulled_tier_blocks} * bs_;
     const Micros tier_time = static_cast<Micros>(std::llround(
         static_cast<double>(tier_tokens) * c_.tier_read_us_per_token));
     p.run_end = now_ + FromMs(c_.prefill_overhead_ms) + pull_time + tier_time +
@@ -807,6 +939,9 @@ class Simulation {
     run.tier_hit_tokens = tier_hit_tokens_;
     run.peer_pulls = peer_pulls_;
     run.peer_pulls_failed = peer_pulls_failed_;
+    run.peer_pulls_partial = peer_pulls_partial_;
+    run.pulled_tier_tokens = pulled_tier_tokens_;
+    run.held_missed_tokens = held_missed_tokens_;
     run.prefill_pool_tokens = prefill_pool_tokens_;
     run.decode_pool_tokens = decode_pool_tokens_;
     return run;
@@ -816,12 +951,15 @@ class Simulation {
   const std::vector<Prepared>& requests_;
   const std::string policy_name_;
   const std::string base_policy_;  // without "+pull"
-  const bool oracle_, unbounded_, pull_, tier_;
-  std::vector<std::unique_ptr<SimTier>> tiers_;  // per prefill worker (+tier)
+  const bool oracle_, unbounded_, pull_, tier_, decode_tier_;
+  // By WorkerIndex: "+tier" prefill workers', "+dtier" decode workers'.
+  std::vector<std::unique_ptr<SimTier>> tiers_;
   int64_t tier_hit_tokens_ = 0;
   const int64_t working_set_blocks_, max_request_blocks_;
   router::PeerPullConfig pull_config_;
   int64_t pulled_tokens_ = 0, peer_pulls_ = 0, peer_pulls_failed_ = 0;
+  int64_t peer_pulls_partial_ = 0, pulled_tier_tokens_ = 0;
+  int64_t held_missed_tokens_ = 0;
   int64_t prefill_pool_tokens_ = 0, decode_pool_tokens_ = 0;
   const int32_t num_prefill_, num_decode_;
   const int32_t bs_;
@@ -856,7 +994,15 @@ class Simulation {
 void SimEventStream::Resync() {
   // Everything published so far is in the snapshot; later events follow it.
   in_flight_.clear();
-  applier_.Snapshot(cache_->last_event_seq(), cache_->CachedHashes());
+  if (tier_hashes_) {
+    router::KvEventApplier::TierHashes by_tier;
+    by_tier[static_cast<size_t>(engine::KvTierKind::kPool)] =
+        cache_->CachedHashes();
+    by_tier[static_cast<size_t>(tier_kind_)] = tier_hashes_();
+    applier_.SnapshotTiers(cache_->last_event_seq(), by_tier);
+  } else {
+    applier_.Snapshot(cache_->last_event_seq(), cache_->CachedHashes());
+  }
   broken_ = false;
 }
 
@@ -891,6 +1037,12 @@ absl::Status SimConfig::Validate() const {
       if (base != p)
         return absl::InvalidArgumentError("an oracle has no peer pull or tier");
       continue;
+    }
+    if (HasOption(p, kDecodeTierSuffix) && !HasOption(p, kTierSuffix)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p,
+                       ": \"+dtier\" (a tier on decode workers too) "
+                       "goes with \"+tier\""));
     }
     RETURN_IF_ERROR(router::Policy::Create(base, policy, &index).status());
   }
@@ -1073,6 +1225,9 @@ std::string SimReport::ToJson() const {
                            {"tier_hit_tokens", r.tier_hit_tokens},
                            {"peer_pulls", r.peer_pulls},
                            {"peer_pulls_failed", r.peer_pulls_failed},
+                           {"peer_pulls_partial", r.peer_pulls_partial},
+                           {"pulled_tier_tokens", r.pulled_tier_tokens},
+                           {"held_missed_tokens", r.held_missed_tokens},
                            {"prefill_pool_tokens", r.prefill_pool_tokens},
                            {"decode_pool_tokens", r.decode_pool_tokens}});
   }

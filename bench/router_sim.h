@@ -30,14 +30,19 @@
 //  - peer pull (a policy name ending in "+pull", issue 20): right after
 //    routing, before its speculative entries, the router asks
 //    router::DecidePeerPull whether the chosen prefill worker should pull
-//    the prompt prefix it lacks from another worker's pool (prefill or
-//    decode: whoever the index says holds it), with the cost model's rates;
-//    when the prompt starts, a holder that still has the blocks sends them
-//    (pull_overhead_ms + transfer_us_per_token per token, counted as prefix
-//    hits and committed to the puller's cache), else the puller recomputes;
-//  - a lower tier per prefill worker (a name with "+tier"): evicted prefix
-//    blocks go to an LRU tier of tier_multiple x the pool, and a prompt's
-//    prefix continues there after its pool hits (before any pull).
+//    the prompt prefix it lacks from another worker (prefill or decode:
+//    whoever the index says holds it, in its pool or its tier), with the
+//    cost model's rates; when the prompt starts, the holder sends the run it
+//    still has, from its pool and then its tier (pull_overhead_ms +
+//    transfer_us_per_token per token + tier_read_us_per_token per token read
+//    from its tier; counted as prefix hits and committed to the puller's
+//    cache); a shorter run is a partial pull, none a failed one, and the
+//    puller recomputes the rest;
+//  - a lower tier per prefill worker (a name with "+tier"; "+dtier": decode
+//    workers too): evicted prefix blocks go to an LRU tier of tier_multiple
+//    x the pool, published to the index as the engine does (moved / removed
+//    per tier), so routing and pulls see them; a prompt's prefix continues
+//    there after its pool hits (before any pull), and a hit refreshes it.
 // Speculative index entries are confirmed or dropped by the workers' events
 // in simulated time (their wall-clock TTL is set beyond any run).
 // Every figure except the measured decision latency is a function of the
@@ -161,6 +166,14 @@ struct SimRun {
   // Peer pull ("+pull"): prompt tokens pulled from a peer (in hit_tokens),
   // pulls done, and pulls whose holder no longer had the blocks.
   int64_t pulled_tokens = 0, peer_pulls = 0, peer_pulls_failed = 0;
+  // Of peer_pulls, those that got only part of what was asked (the holder
+  // had lost the rest); of pulled_tokens, those read from the holder's tier.
+  int64_t peer_pulls_partial = 0, pulled_tier_tokens = 0;
+  // Diagnosis of the misses: prompt tokens computed although, as the prompt
+  // started, one worker (this prefill worker or any other, pool then tier)
+  // held them as a leading run. The other misses were held nowhere: first
+  // seen (what "unbounded" misses too) or evicted everywhere.
+  int64_t held_missed_tokens = 0;
   int64_t tier_hit_tokens = 0;  // "+tier": read from a worker's tier
   int64_t prefill_pool_tokens = 0, decode_pool_tokens = 0;  // per worker
 };
@@ -207,10 +220,18 @@ class SimEventStream {
   // of the event that revealed a gap, once per broken stream.
   std::optional<int64_t> Deliver(int64_t until_us);
   bool broken() const { return broken_; }
+  // The worker has a tier below its pool: snapshots list its hashes too.
+  void SetTier(engine::KvTierKind kind,
+               std::function<std::vector<engine::BlockHash>()> hashes) {
+    tier_kind_ = kind;
+    tier_hashes_ = std::move(hashes);
+  }
 
  private:
   router::KvEventApplier applier_;
   const engine::BlockManager* cache_;
+  engine::KvTierKind tier_kind_ = engine::KvTierKind::kDisk;
+  std::function<std::vector<engine::BlockHash>()> tier_hashes_;  // may be null
   std::deque<std::pair<int64_t, engine::KvEvent>> in_flight_;
   bool broken_ = false;
 };

@@ -207,6 +207,43 @@ TEST(RouterSimTest, TierKeepsWhatTheSmallPoolEvicted) {
   EXPECT_EQ(tier.tier_hit_tokens, 512);
 }
 
+// A pull served from the holder's tier (issue 20): two prefill workers with
+// pools of two 1,024-token prompts, round robin. f0 goes to worker 0, whose
+// pool evicts it into its tier when f4 arrives (f0, f2, f4 there); the
+// decode pool (also two prompts) has dropped it too. When f0 comes back it
+// lands on worker 1, which lacks it: the index knows worker 0's tier holds
+// the family block (the tier's events), so worker 1 pulls it from there.
+TEST(RouterSimTest, PullIsServedFromTheHoldersTier) {
+  std::vector<TraceRequest> trace;
+  for (int k = 0; k < 5; ++k)
+    trace.push_back(Request(1000 * k, 1024, 2, {k, 100 + k}));
+  trace.push_back(Request(5000, 1024, 2, {0, 200}));
+  SimConfig c = SmallConfig();
+  c.prefill_cache_tokens = 2 * 1024;
+  c.decode_kv_tokens = 2 * 1024 + 64;
+  c.policies = {"round_robin+pull", "round_robin+tier",
+                "round_robin+tier+pull"};
+  auto r = RunRouterSim(c, trace);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Pool only: nobody's pool has f0 any more.
+  EXPECT_EQ(RunOf(*r, "round_robin+pull", 2).hit_tokens, 0);
+  EXPECT_EQ(RunOf(*r, "round_robin+pull", 2).peer_pulls, 0);
+  // A tier, no pull: f0's repeat is on the other worker.
+  EXPECT_EQ(RunOf(*r, "round_robin+tier", 2).hit_tokens, 0);
+  const SimRun& both = RunOf(*r, "round_robin+tier+pull", 2);
+  EXPECT_EQ(both.hit_tokens, 512);
+  EXPECT_EQ(both.pulled_tokens, 512);
+  EXPECT_EQ(both.pulled_tier_tokens, 512);
+  EXPECT_EQ(both.peer_pulls, 1);
+  EXPECT_EQ(both.peer_pulls_partial, 0);
+  EXPECT_EQ(both.peer_pulls_failed, 0);
+  // "+dtier" only goes with "+tier".
+  c.policies = {"round_robin+dtier"};
+  EXPECT_FALSE(RunRouterSim(c, trace).ok());
+  c.policies = {"round_robin+tier+dtier+pull"};
+  EXPECT_TRUE(RunRouterSim(c, trace).ok());
+}
+
 // Every prompt starts with one shared 512-token block (a system prompt), then
 // 15 blocks of its own; arrivals never overlap. Without the balance slack the
 // worker that first cached the shared block is 512 tokens cheaper for every

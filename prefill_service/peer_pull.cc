@@ -34,6 +34,8 @@ const char* PeerPullMetrics::OutcomeName(Outcome o) {
       return "no_blocks";
     case kLocal:
       return "local";
+    case kPartial:
+      return "partial";
     default:
       return "unknown";
   }
@@ -57,7 +59,21 @@ PeerPullMetrics::PeerPullMetrics(metrics::Registry& r)
       served_failed(metrics::CounterChild(
           r, "pdserve_kv_peer_pull_served_total",
           "Peer pulls this worker served as the holder, by outcome",
-          {"outcome"}, {"failed"})) {
+          {"outcome"}, {"failed"})),
+      served_partial(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"partial"})),
+      served_pool_blocks(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_blocks_total",
+          "KV blocks this worker sent to peers as the holder, by where they "
+          "were: its pool, or its KV tier (read back for the pull)",
+          {"source"}, {"pool"})),
+      served_tier_blocks(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_blocks_total",
+          "KV blocks this worker sent to peers as the holder, by where they "
+          "were: its pool, or its KV tier (read back for the pull)",
+          {"source"}, {"tier"})) {
   for (int o = 0; o < kNumOutcomes; ++o) {
     outcomes_[o] = metrics::CounterChild(
         r, "pdserve_kv_peer_pull_total",
@@ -119,27 +135,87 @@ grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
                                  "PullBlocks: a hash is not 16 bytes"));
     }
   }
-  // Pin every block, or none: a partial chain is not worth a transfer here,
-  // since the puller's reservation expects all of them.
-  absl::StatusOr<std::vector<int32_t>> pinned =
-      loop_->Call([&](engine::Engine& e) {
-        std::vector<int32_t> blocks = e.block_manager().Lookup(hashes);
-        if (blocks.size() < hashes.size()) return std::vector<int32_t>{};
-        e.block_manager().Acquire(blocks);
-        return blocks;
-      });
-  if (!pinned.ok()) return failed(ToGrpc(pinned.status()));
-  if (pinned->empty()) {
+  // On the engine thread: pin the leading blocks still in the pool; for the
+  // rest, pin the run the tier holds and take free pool blocks to read it
+  // into (reading happens below, on this thread, not the engine's).
+  struct Held {
+    std::vector<int32_t> blocks;  // pool hits, then blocks for tier reads
+    int32_t pool = 0;
+    int32_t tier = 0;  // of blocks, to read from `kv_tier` (pinned there)
+    engine::KvTier* kv_tier = nullptr;
+  };
+  absl::StatusOr<Held> held = loop_->Call([&](engine::Engine& e) {
+    Held h;
+    engine::BlockManager& bm = e.block_manager();
+    h.blocks = bm.Lookup(hashes);
+    h.pool = static_cast<int32_t>(h.blocks.size());
+    bm.Acquire(h.blocks);
+    h.kv_tier = e.kv_tier();
+    if (h.kv_tier != nullptr && h.blocks.size() < hashes.size()) {
+      const std::span<const engine::BlockHash> rest =
+          std::span<const engine::BlockHash>(hashes).subspan(h.pool);
+      h.tier = static_cast<int32_t>(h.kv_tier->MatchAndPin(rest));
+      // As many as the pool has room for (the rest is a shorter run).
+      const int32_t room =
+          static_cast<int32_t>(std::min<int64_t>(h.tier, bm.num_free()));
+      if (room < h.tier) {
+        h.kv_tier->Unpin(rest.subspan(room, h.tier - room));
+        h.tier = room;
+      }
+      if (h.tier > 0 && !bm.Allocate(h.tier, &h.blocks)) {
+        h.kv_tier->Unpin(rest.first(h.tier));  // not reached: room was there
+        h.tier = 0;
+      }
+    }
+    return h;
+  });
+  if (!held.ok()) return failed(ToGrpc(held.status()));
+  // Unpins on every path, after the session stopped reading (Finish or
+  // Cancel returned); Engine::ReleaseBlocks goes tail first. Blocks read
+  // from the tier were never committed: they go back to the free list.
+  auto unpin = [&] {
+    loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(held->blocks); })
+        .IgnoreError();
+  };
+  // The tier part: read in chain order; a missing, short or corrupt record
+  // (counted by the tier, which drops it) ends the run there.
+  const int32_t from_tier = held->tier;
+  const bool whole = held->pool + from_tier == request.hashes_size();
+  int32_t loaded = 0, tried = 0;
+  if (from_tier > 0 && whole) {
+    engine::KvStorage& storage = loop_->kv_storage_for_transfer();
+    while (loaded < from_tier) {
+      ++tried;
+      if (!held->kv_tier
+               ->Load(hashes[held->pool + loaded], storage,
+                      held->blocks[held->pool + loaded])
+               .ok()) {
+        break;
+      }
+      ++loaded;
+    }
+  }
+  // Load unpinned each hash it tried; the others are unpinned here.
+  if (from_tier > tried) {
+    held->kv_tier->Unpin(std::span<const engine::BlockHash>(hashes).subspan(
+        held->pool + tried, from_tier - tried));
+  }
+  // Not read yet when the run is short anyway: the puller asks again for
+  // what is there, and the reads happen then.
+  const int32_t available = held->pool + (whole ? loaded : from_tier);
+  if (available < request.hashes_size()) {
+    unpin();
+    if (available > 0 && request.partial_ok()) {
+      if (metrics_) metrics_->served_partial->Increment();
+      response->set_blocks_available(static_cast<uint32_t>(available));
+      response->set_worker_id(worker_id_);
+      return grpc::Status::OK;
+    }
     if (metrics_) metrics_->served_not_found->Increment();
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         "the pulled blocks are no longer cached here");
   }
-  // Unpins on every path, after the session stopped reading (Finish or
-  // Cancel returned); Engine::ReleaseBlocks goes tail first.
-  auto unpin = [&] {
-    loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(*pinned); })
-        .IgnoreError();
-  };
+  const std::vector<int32_t>* pinned = &held->blocks;
   kv_transfer::SendPlan plan;
   plan.destination = request.kv_destination();
   plan.request_id = request.request_id();
@@ -175,8 +251,13 @@ grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
     transfer_rate_->Add(static_cast<double>(stats->bytes),
                         absl::ToDoubleSeconds(absl::Now() - start));
   }
-  if (metrics_) metrics_->served_sent->Increment();
+  if (metrics_) {
+    metrics_->served_sent->Increment();
+    metrics_->served_pool_blocks->Increment(held->pool);
+    metrics_->served_tier_blocks->Increment(from_tier);
+  }
   response->set_blocks_sent(static_cast<uint32_t>(pinned->size()));
+  response->set_tier_blocks_sent(static_cast<uint32_t>(from_tier));
   response->set_bytes_sent(stats->bytes);
   response->set_worker_id(worker_id_);
   return grpc::Status::OK;
@@ -253,36 +334,70 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
     loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(plan.blocks); })
         .IgnoreError();
   };
-  // 2. The reservation the holder pushes into, then the holder's pull.
+  // 2. The reservation the holder pushes into, then the holder's pull. A
+  // holder that can serve only the first k blocks (the rest evicted, or a bad
+  // tier record) says so without sending; the pull then shrinks to those k
+  // (a new reservation over the same leading blocks, the others given back)
+  // and asks again, at most kMaxAttempts times in all, within one deadline.
+  constexpr int kMaxAttempts = 3;
   const std::string pull_id = absl::StrCat("pull:", request.request_id());
-  const uint64_t reservation =
-      receiver_->Expect(pull_id, plan.blocks, plan.local);
-  v1::PullBlocksRequest ask;
-  ask.set_request_id(pull_id);
-  for (size_t i = plan.local; i < plan.hashes.size(); ++i)
-    ask.add_hashes(BlockHashToBytes(plan.hashes[i]));
-  ask.set_first_block(static_cast<uint32_t>(plan.local));
-  ask.set_kv_destination(options_.kv_address);
-  ask.set_reservation_id(reservation);
-  *ask.mutable_layout() = kv_transfer::ToProto(layout_);
-  // A child call: the request's cancellation and deadline pass on, within
-  // the pull's own bound.
-  std::unique_ptr<grpc::ClientContext> ctx =
-      grpc::ClientContext::FromServerContext(*context);
   const absl::Time deadline = absl::Now() + options_.timeout;
-  ctx->set_deadline(absl::ToChronoTime(deadline));
+  const int32_t asked = static_cast<int32_t>(plan.hashes.size());
   v1::PullBlocksResponse answer;
-  const grpc::Status st =
-      HolderStub(want.holder_address())->PullBlocks(ctx.get(), ask, &answer);
-  absl::Status received =
-      st.ok() ? receiver_->Wait(reservation, options_.timeout, deadline,
-                                [context] { return context->IsCancelled(); })
-              : absl::UnavailableError(st.error_message());
+  grpc::Status st;
+  absl::Status received = absl::UnavailableError("no pull attempt");
+  for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+    const uint64_t reservation =
+        receiver_->Expect(pull_id, plan.blocks, plan.local);
+    v1::PullBlocksRequest ask;
+    ask.set_request_id(pull_id);
+    for (size_t i = plan.local; i < plan.hashes.size(); ++i)
+      ask.add_hashes(BlockHashToBytes(plan.hashes[i]));
+    ask.set_first_block(static_cast<uint32_t>(plan.local));
+    ask.set_kv_destination(options_.kv_address);
+    ask.set_reservation_id(reservation);
+    ask.set_partial_ok(true);
+    *ask.mutable_layout() = kv_transfer::ToProto(layout_);
+    // A child call: the request's cancellation and deadline pass on, within
+    // the pull's own bound.
+    std::unique_ptr<grpc::ClientContext> ctx =
+        grpc::ClientContext::FromServerContext(*context);
+    ctx->set_deadline(absl::ToChronoTime(deadline));
+    answer.Clear();
+    st = HolderStub(want.holder_address())->PullBlocks(ctx.get(), ask, &answer);
+    const int32_t wanted =
+        static_cast<int32_t>(plan.hashes.size()) - plan.local;
+    const int32_t available = static_cast<int32_t>(answer.blocks_available());
+    if (st.ok() && answer.blocks_sent() == 0 && available > 0 &&
+        available < wanted && attempt + 1 < kMaxAttempts) {
+      // Nothing was sent: end this reservation, keep the first `available`
+      // fresh blocks, give the others back, and ask again.
+      receiver_->Cancel(reservation);
+      const size_t keep = static_cast<size_t>(plan.local + available);
+      std::vector<int32_t> extra(plan.blocks.begin() + keep, plan.blocks.end());
+      loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(extra); })
+          .IgnoreError();
+      plan.blocks.resize(keep);
+      plan.hashes.resize(keep);
+      continue;
+    }
+    if (st.ok() && answer.blocks_sent() != static_cast<uint32_t>(wanted)) {
+      st = grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        "the holder sent no blocks");
+    }
+    received =
+        st.ok() ? receiver_->Wait(reservation, options_.timeout, deadline,
+                                  [context] { return context->IsCancelled(); })
+                : absl::UnavailableError(st.error_message());
+    if (!received.ok()) {
+      // Nothing writes into the blocks once Cancel (or Wait) returned.
+      receiver_->Cancel(reservation);
+    }
+    break;
+  }
   if (!received.ok()) {
-    // Nothing writes into the blocks once Cancel (or Wait) returned.
-    receiver_->Cancel(reservation);
     give_back();
-    Count(st.error_code() == grpc::StatusCode::NOT_FOUND
+    Count(st.ok() || st.error_code() == grpc::StatusCode::NOT_FOUND
               ? PeerPullMetrics::kEvicted
               : PeerPullMetrics::kFailed);
     return none;
@@ -302,8 +417,9 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
   Pulled out;
   out.held = std::move(plan.blocks);
   out.pulled_blocks = n - plan.local;
-  out.outcome = PeerPullMetrics::kPulled;
-  Count(PeerPullMetrics::kPulled);
+  out.outcome =
+      n < asked ? PeerPullMetrics::kPartial : PeerPullMetrics::kPulled;
+  Count(out.outcome);
   if (options_.metrics) {
     options_.metrics->blocks_pulled->Increment(out.pulled_blocks);
     options_.metrics->bytes_pulled->Increment(

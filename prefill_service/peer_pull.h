@@ -7,15 +7,24 @@
 // direction of the existing transfer): the puller P takes local blocks for
 // the prefix it lacks (pinning the part it has, so the chain stays whole),
 // registers them as a KvReceiver reservation, and calls PullBlocks on the
-// holder H with their hashes and the reservation. H pins the blocks it still
-// caches (all of them, or it answers NOT_FOUND and sends nothing), pushes
-// them with a KvSendSession of its own transport into P's reservation,
-// unpins, and answers. P then commits the blocks to its prefix cache (a KV
-// `stored` event), so the prefill that follows finds them as a prefix hit.
-// Any failure (NOT_FOUND, a dead or slow holder, a transfer error, no free
-// blocks on P) ends the pull: P cancels the reservation, frees the blocks and
-// recomputes, so the output is the same either way and no block leaks on
-// either side.
+// holder H with their hashes and the reservation. H pins the leading blocks
+// still in its pool; when the chain continues in H's KV tier (engine/
+// kv_tier.h: blocks its pool evicted), H pins that run in the tier, takes
+// free pool blocks and reads the records into them on the RPC thread (each
+// checksum checked; the engine thread does no I/O), holding them like the
+// pool's. With every block in hand, H pushes them with a KvSendSession of its
+// own transport into P's reservation, gives them back (the tier's copies were
+// never committed to H's pool: they return to its free list) and answers.
+// When only the first k blocks can be served (the rest evicted, or a tier
+// record missing, short or corrupt: the tier counts and drops it), H sends
+// nothing and answers blocks_available = k (NOT_FOUND when k = 0); P then
+// shrinks the pull to those k and asks again (at most 3 attempts), so it
+// gets what is valid and recomputes the rest. P then commits the blocks to
+// its prefix cache (a KV `stored` event), so the prefill that follows finds
+// them as a prefix hit. Any failure (NOT_FOUND, a dead or slow holder, a
+// transfer error, no free blocks on P) ends the pull: P cancels the
+// reservation, frees the blocks and recomputes, so the output is the same
+// either way and no block leaks on either side.
 //
 // Thread-safe: PeerPuller and PeerBlockHolder serve concurrent RPCs;
 // RateMeter and PeerPullMetrics may be shared.
@@ -58,17 +67,33 @@ class RateMeter {
 class PeerPullMetrics {
  public:
   // Puller outcomes (the `outcome` label of pdserve_kv_peer_pull_total).
-  enum Outcome { kPulled, kEvicted, kFailed, kNoBlocks, kLocal, kNumOutcomes };
+  // kPartial: the holder still had only the first part of the prefix (the
+  // rest evicted, or a bad tier record); that part was pulled, the rest
+  // recomputed.
+  enum Outcome {
+    kPulled,
+    kEvicted,
+    kFailed,
+    kNoBlocks,
+    kLocal,
+    kPartial,
+    kNumOutcomes
+  };
   static const char* OutcomeName(Outcome o);
   explicit PeerPullMetrics(metrics::Registry& r);
   void Count(Outcome o) { outcomes_[o]->Increment(); }
   double count(Outcome o) const { return outcomes_[o]->Value(); }
   metrics::Counter* blocks_pulled;
   metrics::Counter* bytes_pulled;
-  // Holder side: pulls served by outcome ("sent" | "not_found" | "failed").
+  // Holder side: pulls served by outcome ("sent" | "not_found" | "failed" |
+  // "partial": only the first blocks were there, and the puller was told how
+  // many), and blocks sent by source ("pool" | "tier").
   metrics::Counter* served_sent;
   metrics::Counter* served_not_found;
   metrics::Counter* served_failed;
+  metrics::Counter* served_partial;
+  metrics::Counter* served_pool_blocks;
+  metrics::Counter* served_tier_blocks;
 
  private:
   metrics::Counter* outcomes_[kNumOutcomes];

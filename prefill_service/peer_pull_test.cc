@@ -9,9 +9,12 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "engine/test_util.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "prefill_service/prefill_handler.h"
@@ -51,12 +54,17 @@ enum class HolderMode { kReal, kDiesMidPull, kHangs };
 
 class Node : public v1::Worker::Service {
  public:
+  // `tier`: a KV tier below the pool (with `pool_blocks` > 0: a pool of that
+  // many blocks, so that prompts push each other out into the tier).
   explicit Node(HolderMode mode = HolderMode::kReal,
-                absl::Duration pull_timeout = absl::Seconds(5))
+                absl::Duration pull_timeout = absl::Seconds(5),
+                engine::KvTierConfig tier = {}, int64_t pool_blocks = 0)
       : mode_(mode) {
     engine::EngineConfig config;
     config.block_size = 4;
-    config.kv_cache_bytes = int64_t{4} << 20;
+    config.kv_cache_bytes =
+        pool_blocks > 0 ? pool_blocks * BlockBytes() : int64_t{4} << 20;
+    config.kv_offload = tier;
     auto eng = engine::Engine::Create(engine::testing::TinyWeights(), config);
     EXPECT_TRUE(eng.ok()) << eng.status();
     loop_ = std::make_unique<engine::EngineLoop>(std::move(*eng));
@@ -172,6 +180,35 @@ class Node : public v1::Worker::Service {
       return static_cast<int64_t>(e.block_manager().Lookup(hashes).size());
     });
     return n.ok() ? *n : -1;
+  }
+  // fp32 KV, block size 4, every layer.
+  static int64_t BlockBytes() {
+    const engine::ModelConfig& mc = engine::testing::TinyWeights()->config;
+    return int64_t{4} * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4;
+  }
+  std::vector<engine::BlockHash> Hashes(const v1::PrefillRequest& r) {
+    std::vector<int32_t> prompt(r.token_ids().begin(), r.token_ids().end());
+    auto h = loop_->Call([&](engine::Engine& e) {
+      std::vector<engine::BlockHash> hashes;
+      engine::ExtendBlockHashes(e.cache_fingerprint(), r.cache_salt(), prompt,
+                                e.kv_spec().block_size, &hashes);
+      return hashes;
+    });
+    return h.ok() ? *h : std::vector<engine::BlockHash>{};
+  }
+  engine::KvTier* Tier() {
+    auto t = loop_->Call([](engine::Engine& e) { return e.kv_tier(); });
+    return t.ok() ? *t : nullptr;
+  }
+  // Leading blocks of `r`'s prompt the tier holds, once its writes are done.
+  int64_t TierPrefixBlocks(const v1::PrefillRequest& r) {
+    engine::KvTier* t = Tier();
+    if (t == nullptr || !t->WaitForWrites(absl::Seconds(30))) return -1;
+    return t->Match(Hashes(r));
+  }
+  engine::KvTierStats TierStats() {
+    auto s = loop_->Call([](engine::Engine& e) { return e.Stats(); });
+    return s.ok() ? s->kv_tier : engine::KvTierStats{};
   }
   void ClearCache() {
     ASSERT_TRUE(
@@ -395,6 +432,225 @@ TEST_F(PeerPullTest, HolderRefusesMalformedRequests) {
   EXPECT_EQ(stub->PullBlocks(&ctx, ask, &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(holder.ActiveBlocks(), 0);
+}
+
+// A holder whose pool pushed the prompt out into its disk tier (issue 20:
+// pulls are served from the tier too).
+class PeerPullFromTierTest : public PeerPullTest {
+ protected:
+  void SetUp() override {
+    dir_ = engine::testing::TempDir(
+        std::string("peer_pull_tier_") +
+        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  engine::KvTierConfig Tier() const {
+    engine::KvTierConfig t;
+    t.dir = dir_;
+    t.capacity_bytes = int64_t{64} << 20;
+    return t;
+  }
+  // A holder with a 16-block pool over a disk tier.
+  std::unique_ptr<Node> TieredHolder() {
+    return std::make_unique<Node>(HolderMode::kReal, absl::Seconds(5), Tier(),
+                                  16);
+  }
+  // Runs other prompts on `holder` until none of the reference prompt's
+  // blocks is left in its pool, and waits until they are in its tier.
+  void PushOutToTier(Node& holder) {
+    const v1::PrefillRequest a = holder.Request("x", kTokens);
+    for (int i = 0; i < 6 && holder.CachedPrefixBlocks(a) > 0; ++i) {
+      v1::PrefillRequest other = holder.Request(absl::StrCat("other", i), 40);
+      other.set_cache_salt(absl::StrCat("salt", i));
+      ASSERT_TRUE(holder.Run(other).ok());
+    }
+    ASSERT_EQ(holder.CachedPrefixBlocks(a), 0);
+    ASSERT_EQ(holder.TierPrefixBlocks(a), kBlocks);
+  }
+  std::string dir_;
+};
+
+TEST_F(PeerPullFromTierTest, PullServedFromTheHoldersTierGivesTheColdOutput) {
+  auto holder = TieredHolder();
+  Node puller;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  const int64_t loaded_before = holder->TierStats().blocks_loaded;
+  auto pulled = puller.Run(PullRequest(puller, *holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  EXPECT_GE(pulled->cached_prompt_tokens(), (kBlocks - 1) * 4u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPulled), 1);
+  EXPECT_EQ(holder->metrics().served_sent->Value(), 1);
+  EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), kBlocks);
+  EXPECT_EQ(holder->metrics().served_pool_blocks->Value(), 0);
+  EXPECT_EQ(holder->TierStats().blocks_loaded - loaded_before, kBlocks);
+  // The holder read them into blocks it never committed: its pool still
+  // lacks the prompt, and they went back to its free list.
+  EXPECT_EQ(holder->CachedPrefixBlocks(holder->Request("x", kTokens)), 0);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullFromTierTest, PullTakesThePoolPartAndTheTierPartOfOnePrefix) {
+  auto holder = TieredHolder();
+  Node puller;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  // A 17-token prompt with the same start loads the first 4 blocks back into
+  // the holder's pool; the other 6 stay in its tier only.
+  ASSERT_TRUE(holder->Run(holder->Request("head", 17)).ok());
+  ASSERT_EQ(holder->CachedPrefixBlocks(holder->Request("x", kTokens)), 4);
+  auto pulled = puller.Run(PullRequest(puller, *holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  EXPECT_EQ(holder->metrics().served_pool_blocks->Value(), 4);
+  EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), kBlocks - 4);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+enum class TierFault { kCorrupt, kTruncate, kDelete };
+
+class PeerPullTierFaultTest : public PeerPullFromTierTest,
+                              public ::testing::WithParamInterface<TierFault> {
+ protected:
+  // Damages the holder's tier file of block `i` of the reference prompt.
+  void Damage(Node& holder, int i) {
+    const std::vector<engine::BlockHash> hashes =
+        holder.Hashes(holder.Request("x", kTokens));
+    const std::string path = holder.Tier()->PathFor(hashes[i]);
+    ASSERT_TRUE(std::filesystem::exists(path)) << path;
+    switch (GetParam()) {
+      case TierFault::kCorrupt: {
+        std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekg(-1, std::ios::end);
+        char c = 0;
+        f.read(&c, 1);
+        f.seekp(-1, std::ios::end);
+        c = static_cast<char>(c ^ 0x5a);
+        f.write(&c, 1);
+        break;
+      }
+      case TierFault::kTruncate:
+        std::filesystem::resize_file(path,
+                                     std::filesystem::file_size(path) / 2);
+        break;
+      case TierFault::kDelete:
+        std::filesystem::remove(path);
+        break;
+    }
+  }
+  engine::KvTierFailure Expected() const {
+    switch (GetParam()) {
+      case TierFault::kCorrupt:
+        return engine::KvTierFailure::kCorrupt;
+      case TierFault::kTruncate:
+        return engine::KvTierFailure::kShort;
+      case TierFault::kDelete:
+        return engine::KvTierFailure::kMissing;
+    }
+    return engine::KvTierFailure::kCorrupt;
+  }
+};
+
+TEST_P(PeerPullTierFaultTest,
+       BadTierRecordEndsThePullThereAndTheRestIsRecomputed) {
+  auto holder = TieredHolder();
+  Node puller;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  Damage(*holder, 6);
+  auto pulled = puller.Run(PullRequest(puller, *holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  // Blocks 0..5 were valid: pulled; 6.. recomputed by the puller.
+  EXPECT_EQ(pulled->pulled_blocks(), 6u);
+  EXPECT_EQ(pulled->cached_prompt_tokens(), 6 * 4u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPartial), 1);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPulled), 0);
+  EXPECT_EQ(holder->metrics().served_partial->Value(), 1);
+  EXPECT_EQ(holder->metrics().served_sent->Value(), 1);
+  EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), 6);
+  EXPECT_EQ(holder->TierStats().failures[static_cast<int>(Expected())], 1);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+  // The puller now caches the whole prompt (6 pulled, the rest computed):
+  // a second run is a local hit with the same output.
+  auto again = puller.Run(puller.Request("again", kTokens));
+  ASSERT_TRUE(again.ok());
+  ExpectSameOutput(cold, *again);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_P(PeerPullTierFaultTest, BadFirstTierRecordMeansNotFoundAndRecompute) {
+  auto holder = TieredHolder();
+  Node puller;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  Damage(*holder, 0);
+  auto pulled = puller.Run(PullRequest(puller, *holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 0u);
+  EXPECT_EQ(pulled->cached_prompt_tokens(), 0u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kEvicted), 1);
+  EXPECT_EQ(holder->metrics().served_not_found->Value(), 1);
+  EXPECT_EQ(holder->metrics().served_sent->Value(), 0);
+  EXPECT_EQ(holder->TierStats().failures[static_cast<int>(Expected())], 1);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, PeerPullTierFaultTest,
+                         ::testing::Values(TierFault::kCorrupt,
+                                           TierFault::kTruncate,
+                                           TierFault::kDelete),
+                         [](const ::testing::TestParamInfo<TierFault>& info) {
+                           switch (info.param) {
+                             case TierFault::kCorrupt:
+                               return std::string("Corrupt");
+                             case TierFault::kTruncate:
+                               return std::string("Truncated");
+                             case TierFault::kDelete:
+                               return std::string("Missing");
+                           }
+                           return std::string("Unknown");
+                         });
+
+TEST_F(PeerPullFromTierTest,
+       HolderWithoutPartialOkAnswersNotFoundForAShortRun) {
+  // An older puller (no partial_ok) gets all or nothing, as before.
+  auto holder = TieredHolder();
+  Warm(*holder);
+  PushOutToTier(*holder);
+  // Block 6's tier file is gone.
+  const std::vector<engine::BlockHash> hashes =
+      holder->Hashes(holder->Request("x", kTokens));
+  ASSERT_TRUE(std::filesystem::remove(holder->Tier()->PathFor(hashes[6])));
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      holder->address(), grpc::InsecureChannelCredentials()));
+  v1::PullBlocksRequest ask;
+  ask.set_request_id("pull:old");
+  for (int i = 0; i < kBlocks; ++i) ask.add_hashes(BlockHashToBytes(hashes[i]));
+  ask.set_kv_destination("127.0.0.1:1");
+  ask.set_reservation_id(1);
+  *ask.mutable_layout() = holder->Request("x", 4).layout();
+  grpc::ClientContext ctx;
+  v1::PullBlocksResponse resp;
+  EXPECT_EQ(stub->PullBlocks(&ctx, ask, &resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(holder->metrics().served_not_found->Value(), 1);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  // With partial_ok, the same question is told how many are there.
+  ask.set_partial_ok(true);
+  grpc::ClientContext ctx2;
+  ASSERT_TRUE(stub->PullBlocks(&ctx2, ask, &resp).ok());
+  EXPECT_EQ(resp.blocks_sent(), 0u);
+  EXPECT_EQ(resp.blocks_available(), 6u);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
 }
 
 TEST(RateMeterTest, AveragesSamplesAndIgnoresEmptyOnes) {

@@ -12,7 +12,7 @@ absl::Status PeerPullConfig::Validate() const {
     return absl::InvalidArgumentError("peer pull min_blocks must be >= 1");
   }
   if (overhead_seconds < 0 || default_prefill_tokens_per_second <= 0 ||
-      default_transfer_bytes_per_second <= 0) {
+      default_transfer_bytes_per_second <= 0 || !(default_tier_load_cost > 0)) {
     return absl::InvalidArgumentError(
         "peer pull rates must be > 0 and the overhead >= 0");
   }
@@ -29,9 +29,32 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
   const double prefill_rate = input.prefill_tokens_per_second > 0
                                   ? input.prefill_tokens_per_second
                                   : config.default_prefill_tokens_per_second;
-  const PeerPullCandidate* best = nullptr;
-  double best_transfer = 0;
-  int32_t best_gain = 0;
+  const double bs = static_cast<double>(input.block_size);
+  // Reading `blocks` back from a tier measured at `rate` tokens/s.
+  auto tier_seconds = [&](int32_t blocks, double rate) {
+    if (blocks <= 0) return 0.0;
+    const double tokens = static_cast<double>(blocks) * bs;
+    return rate > 0 ? tokens / rate
+                    : tokens / prefill_rate * config.default_tier_load_cost;
+  };
+  // The first `held` blocks without a pull: P's pool, then its own tier's
+  // run, then recompute.
+  auto without_pull = [&](int32_t held) {
+    const int32_t own =
+        std::clamp(input.prefill_tier_blocks, input.prefill_cached_blocks,
+                   std::max(held, input.prefill_cached_blocks));
+    return tier_seconds(own - input.prefill_cached_blocks,
+                        input.prefill_tier_load_tokens_per_second) +
+           static_cast<double>(std::max(0, held - own)) * bs / prefill_rate;
+  };
+  struct Option {
+    const PeerPullCandidate* c = nullptr;
+    int32_t gain = 0, tier = 0;
+    double pull = 0, without = 0;
+    bool passes = false;
+    double saving() const { return without - pull; }
+  };
+  Option best;
   for (const PeerPullCandidate& c : input.candidates) {
     if (c.index == input.prefill || !c.up || c.address.empty() ||
         !c.same_cache) {
@@ -45,30 +68,37 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
     double rate = c.transfer_bytes_per_second;
     if (rate <= 0) rate = input.prefill_transfer_bytes_per_second;
     if (rate <= 0) rate = config.default_transfer_bytes_per_second;
-    const double transfer = config.overhead_seconds +
-                            static_cast<double>(gain) *
-                                static_cast<double>(input.bytes_per_block) /
-                                rate;
-    if (best == nullptr || gain > best_gain ||
-        (gain == best_gain && transfer < best_transfer)) {
-      best = &c;
-      best_gain = gain;
-      best_transfer = transfer;
+    Option o;
+    o.c = &c;
+    o.gain = gain;
+    // The tier part is the tail of what the holder holds.
+    o.tier = std::clamp(c.tier_blocks - (c.leading_blocks - held), 0, gain);
+    o.pull = config.overhead_seconds +
+             tier_seconds(o.tier, c.tier_load_tokens_per_second) +
+             static_cast<double>(gain) *
+                 static_cast<double>(input.bytes_per_block) / rate;
+    o.without = without_pull(held);
+    o.passes = o.without > config.min_speedup * o.pull;
+    if (best.c == nullptr || (o.passes && !best.passes) ||
+        (o.passes == best.passes &&
+         (o.saving() > best.saving() ||
+          (o.saving() == best.saving() && o.gain > best.gain)))) {
+      best = o;
     }
   }
-  if (best == nullptr) {
+  if (best.c == nullptr) {
     d.reason = "no_holder";
     return d;
   }
-  d.holder = best->index;
-  d.holder_address = best->address;
-  d.holder_id = best->id;
-  d.blocks = std::min(best->leading_blocks, input.prompt_blocks);
-  d.gain_blocks = best_gain;
-  d.transfer_seconds = best_transfer;
-  d.recompute_seconds =
-      static_cast<double>(best_gain) * input.block_size / prefill_rate;
-  d.pull = d.recompute_seconds > config.min_speedup * d.transfer_seconds;
+  d.holder = best.c->index;
+  d.holder_address = best.c->address;
+  d.holder_id = best.c->id;
+  d.blocks = std::min(best.c->leading_blocks, input.prompt_blocks);
+  d.gain_blocks = best.gain;
+  d.tier_blocks = best.tier;
+  d.transfer_seconds = best.pull;
+  d.recompute_seconds = best.without;
+  d.pull = best.passes;
   if (!d.pull) d.reason = "not_faster";
   return d;
 }

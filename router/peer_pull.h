@@ -1,10 +1,12 @@
 // Peer pull (the cluster as a KV tier): when the prefill worker chosen for a
-// request lacks a prompt prefix that another live worker holds in its pool,
-// the router may tell the prefill worker to pull those blocks from the
-// holder over the KV transport instead of recomputing them. DecidePeerPull
-// makes that choice from the prefix index's counts and the rates the workers
-// measured and export in WorkerStatus; it pulls only when the estimated
-// transfer time is below the estimated recompute time.
+// request lacks a prompt prefix that another live worker holds in its pool
+// or in its KV tier (read back by the holder for the pull), the router may
+// tell the prefill worker to pull those blocks from the holder over the KV
+// transport instead of recomputing them. DecidePeerPull makes that choice
+// from the prefix index's counts (per tier) and the rates the workers
+// measured and export in WorkerStatus; it pulls only when the estimated pull
+// time (the holder's tier reads, then the transfer) is below the estimated
+// time without it (the prefill worker's own tier reads, then recompute).
 //
 // Pure functions over value inputs: thread-safe.
 #pragma once
@@ -32,6 +34,9 @@ struct PeerPullConfig {
   // Used until a worker has measured and exported its own rate.
   double default_prefill_tokens_per_second = 2000;
   double default_transfer_bytes_per_second = 1e9;
+  // A tier token read back costs this fraction of a recompute until the
+  // worker has measured its tier's load rate (as PolicyConfig's).
+  double default_tier_load_cost = 0.25;
 
   absl::Status Validate() const;
 };
@@ -41,10 +46,16 @@ struct PeerPullCandidate {
   WorkerIndex index = -1;
   std::string address;  // empty: unknown, never pulled from
   std::string id;
-  bool up = false;             // the registry's view; a down worker is skipped
-  bool same_cache = false;     // same cache fingerprint and block size as P
-  int32_t leading_blocks = 0;  // leading prompt blocks it holds (index)
+  bool up = false;          // the registry's view; a down worker is skipped
+  bool same_cache = false;  // same cache fingerprint and block size as P
+  // Leading prompt blocks it holds in its pool, then its KV tier (index).
+  int32_t leading_blocks = 0;
+  // Of leading_blocks, the trailing ones only its tier holds: it reads them
+  // back before sending. 0: all in its pool.
+  int32_t tier_blocks = 0;
   double transfer_bytes_per_second = 0;  // its measured send rate; 0: unknown
+  double tier_load_tokens_per_second =
+      0;  // its tier's measured rate; 0: unknown
 };
 
 struct PeerPullInput {
@@ -55,6 +66,11 @@ struct PeerPullInput {
   int64_t bytes_per_block = 0;           // KV bytes of one block, all layers
   double prefill_tokens_per_second = 0;  // P's measured rate; 0: unknown
   double prefill_transfer_bytes_per_second = 0;  // P's send rate; 0: unknown
+  // Leading blocks P holds in its pool and then its own KV tier (at least
+  // prefill_cached_blocks): without a pull it reads those back from its tier
+  // instead of recomputing them. 0: as prefill_cached_blocks.
+  int32_t prefill_tier_blocks = 0;
+  double prefill_tier_load_tokens_per_second = 0;  // 0: unknown
   std::vector<PeerPullCandidate> candidates;
 };
 
@@ -64,15 +80,19 @@ struct PeerPullDecision {
   std::string holder_address, holder_id;
   int32_t blocks = 0;       // leading prompt blocks the holder holds
   int32_t gain_blocks = 0;  // of them, blocks P lacks
-  double transfer_seconds = 0, recompute_seconds = 0;  // estimates
+  int32_t tier_blocks = 0;  // of gain_blocks, read from the holder's tier
+  // Estimates: the pull (overhead, the holder's tier reads, the transfer),
+  // and the same blocks without it (P's own tier reads, then recompute).
+  double transfer_seconds = 0, recompute_seconds = 0;
   // "" when pulling; else why not: "disabled", "no_holder", "not_faster".
   std::string reason;
 };
 
-// The best holder: the one with the most blocks P lacks (ties: the fastest
-// estimated transfer), if pulling them is estimated faster than recomputing.
-// Never P itself, a down or unknown worker, one with another cache identity,
-// or one holding no more than P.
+// The best holder: among those whose pull beats going without it by
+// min_speedup, the one saving the most time (so the most blocks P lacks at
+// equal rates, the fastest at equal blocks). Never P itself, a down or
+// unknown worker, one with another cache identity, or one holding no more
+// than P has in its pool.
 PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
                                 const PeerPullInput& input);
 

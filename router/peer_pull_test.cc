@@ -158,10 +158,95 @@ TEST_F(PeerPullTest, BytesPerBlockFollowsTheLayout) {
   EXPECT_EQ(BytesPerBlock(mla), 3 * (16 * 576 * 2));
 }
 
+// Issue 20: a holder whose blocks are in its KV tier reads them back first.
+TEST_F(PeerPullTest, TierHolderIsPricedWithItsTierLoadPlusTheTransfer) {
+  // 32 blocks = 512 tokens, all in the holder's tier. Recompute 0.512 s;
+  // transfer 0.034 s; tier at 10,000 tokens/s: +0.0512 s.
+  PeerPullCandidate c = Holder(1, 32, 1e9);
+  c.tier_blocks = 32;
+  c.tier_load_tokens_per_second = 10000;
+  input_.candidates = {c};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.blocks, 32);
+  EXPECT_EQ(d.tier_blocks, 32);
+  const double transfer = 0.001 + 32.0 * (1 << 20) / 1e9;
+  EXPECT_NEAR(d.transfer_seconds, transfer + 512.0 / 10000, 1e-9);
+  EXPECT_NEAR(d.recompute_seconds, 0.512, 1e-9);
+  // A tier slower than recomputing (500 tokens/s: 1.02 s) is not worth it.
+  input_.candidates[0].tier_load_tokens_per_second = 500;
+  d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "not_faster");
+  // Unmeasured: default_tier_load_cost of a recompute (0.25 x 0.512 s).
+  input_.candidates[0].tier_load_tokens_per_second = 0;
+  d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_NEAR(d.transfer_seconds, transfer + 0.25 * 0.512, 1e-9);
+}
+
+TEST_F(PeerPullTest, OnlyTheTierPartOfAHoldersRunCostsATierRead) {
+  // 40 blocks: 10 in the pool, 30 in the tier; P has the first 4.
+  input_.prefill_cached_blocks = 4;
+  PeerPullCandidate c = Holder(1, 40, 1e9);
+  c.tier_blocks = 30;
+  c.tier_load_tokens_per_second = 1e5;
+  input_.candidates = {c};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.gain_blocks, 36);
+  EXPECT_EQ(d.tier_blocks, 30);
+  // Capped at a 20-block prompt: 10 of the tier's blocks are in it.
+  input_.prompt_blocks = 20;
+  d = DecidePeerPull(config_, input_);
+  EXPECT_EQ(d.blocks, 20);
+  EXPECT_EQ(d.gain_blocks, 16);
+  EXPECT_EQ(d.tier_blocks, 10);
+}
+
+TEST_F(PeerPullTest, PoolHolderBeatsATierHolderOfTheSameBlocks) {
+  PeerPullCandidate tier = Holder(1, 32, 1e9);
+  tier.tier_blocks = 32;
+  tier.tier_load_tokens_per_second = 20000;
+  input_.candidates = {tier, Holder(2, 32, 1e9)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.holder, 2);
+  EXPECT_EQ(d.tier_blocks, 0);
+  // A tier holder with many more blocks saves more and wins.
+  input_.candidates[0].leading_blocks = 60;
+  input_.candidates[0].tier_blocks = 60;
+  d = DecidePeerPull(config_, input_);
+  EXPECT_EQ(d.holder, 1);
+  EXPECT_EQ(d.gain_blocks, 60);
+}
+
+TEST_F(PeerPullTest, PrefillWorkersOwnTierIsTheAlternativeToAPull) {
+  // P has 32 blocks in its own fast tier (512 tokens at 1e6/s = 0.5 ms); a
+  // peer's pool copy over a slow link (100 MB/s: 0.34 s) is not worth it.
+  input_.prefill_tier_blocks = 32;
+  input_.prefill_tier_load_tokens_per_second = 1e6;
+  input_.candidates = {Holder(1, 32, 1e8)};
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_NEAR(d.recompute_seconds, 512.0 / 1e6, 1e-9);
+  // Beyond P's tier, P would recompute: with 96 more blocks (1.536 s) and a
+  // fast link (128 MiB at 1 GB/s: 0.135 s) the pull wins.
+  input_.prompt_blocks = 128;
+  input_.candidates[0].leading_blocks = 128;
+  input_.candidates[0].transfer_bytes_per_second = 1e9;
+  d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_NEAR(d.recompute_seconds, 512.0 / 1e6 + 96 * 16 / 1000.0, 1e-9);
+}
+
 TEST(PeerPullConfigTest, ValidateRefusesBadValues) {
   PeerPullConfig c;
   EXPECT_TRUE(c.Validate().ok());
   c.min_speedup = 0;
+  EXPECT_FALSE(c.Validate().ok());
+  c = PeerPullConfig();
+  c.default_tier_load_cost = 0;
   EXPECT_FALSE(c.Validate().ok());
 }
 

@@ -521,15 +521,29 @@ struct RouterServer::Impl final : public v1::Router::Service,
   v1::PeerPull PeerPullFor(const WorkerView& p,
                            const std::vector<engine::BlockHash>& chain,
                            const std::vector<WorkerView>& workers) {
-    std::vector<int32_t> counts;
+    // Per tier: the pool's counts, and the pool's plus the lower tiers' (a
+    // holder reads its tier's blocks back for the pull).
+    std::vector<int32_t> counts, all_counts;
     index.LeadingBlocksOfPrompt(
         chain.size(), [&](size_t i) { return chain[i]; }, &counts);
+    index.LeadingBlocksOfPrompt(
+        chain.size(), [&](size_t i) { return chain[i]; }, &all_counts,
+        kAllTiers);
     auto held = [&](WorkerIndex w) {
       return w >= 0 && static_cast<size_t>(w) < counts.size() ? counts[w] : 0;
+    };
+    auto held_all = [&](WorkerIndex w) {
+      return std::max(held(w),
+                      w >= 0 && static_cast<size_t>(w) < all_counts.size()
+                          ? all_counts[w]
+                          : 0);
     };
     PeerPullInput in;
     in.prefill = p.index;
     in.prefill_cached_blocks = held(p.index);
+    in.prefill_tier_blocks = held_all(p.index);
+    in.prefill_tier_load_tokens_per_second =
+        p.status.kv_tier_load_tokens_per_second();
     in.prompt_blocks = static_cast<int32_t>(chain.size());
     in.block_size = static_cast<int32_t>(p.status.layout().block_size());
     in.bytes_per_block = BytesPerBlock(p.status.layout());
@@ -538,7 +552,7 @@ struct RouterServer::Impl final : public v1::Router::Service,
         p.status.kv_transfer_bytes_per_second();
     const std::string p_layout = p.status.layout().SerializeAsString();
     for (const WorkerView& w : workers) {
-      if (held(w.index) <= in.prefill_cached_blocks) continue;
+      if (held_all(w.index) <= in.prefill_cached_blocks) continue;
       PeerPullCandidate c;
       c.index = w.index;
       c.address = w.address;
@@ -546,8 +560,10 @@ struct RouterServer::Impl final : public v1::Router::Service,
       c.up = w.up;
       c.same_cache = w.fingerprint == p.fingerprint &&
                      w.status.layout().SerializeAsString() == p_layout;
-      c.leading_blocks = held(w.index);
+      c.leading_blocks = held_all(w.index);
+      c.tier_blocks = c.leading_blocks - held(w.index);
       c.transfer_bytes_per_second = w.status.kv_transfer_bytes_per_second();
+      c.tier_load_tokens_per_second = w.status.kv_tier_load_tokens_per_second();
       in.candidates.push_back(std::move(c));
     }
     const PeerPullDecision d = DecidePeerPull(config.peer_pull, in);
