@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <map>
@@ -16,10 +17,37 @@
 
 namespace pdserve::engine::testing {
 
+// Removes, when the test binary exits, the directories TempDir made. Only in
+// the process that made them: a forked child (death tests, a worker started
+// by fork) that runs exit handlers must not delete its parent's files.
+class TempDirCleaner {
+ public:
+  static TempDirCleaner& Get() {
+    static TempDirCleaner cleaner;
+    return cleaner;
+  }
+  void Add(const std::filesystem::path& dir) { dirs_.push_back(dir); }
+  ~TempDirCleaner() {
+    if (::getpid() != owner_) return;
+    for (const auto& d : dirs_) {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+    }
+  }
+
+ private:
+  TempDirCleaner() : owner_(::getpid()) {}
+  const pid_t owner_;
+  std::vector<std::filesystem::path> dirs_;
+};
+
+// A directory under the system's temp dir, named for the test and the
+// process; removed when the test binary exits.
 inline std::string TempDir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("pdserve_test_" + name + "_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
+  TempDirCleaner::Get().Add(dir);
   return dir.string();
 }
 

@@ -29,6 +29,12 @@ class CliTest : public ::testing::Test {
                   .exit_code,
               0);
   }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*dir_, ec);
+    delete dir_;
+    dir_ = nullptr;
+  }
   static std::string Model() { return *dir_ + "/tiny"; }
   static Result Run(const std::string& args) {
     Result r;

@@ -80,6 +80,12 @@ class PeerPullServingTest : public ::testing::Test {
     RunCli("model init --preset tiny --out " + *model_ + " --seed 3");
     ASSERT_TRUE(std::filesystem::exists(*model_ + "/config.json"));
   }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*model_, ec);
+    delete model_;
+    model_ = nullptr;
+  }
   static std::string* model_;
 };
 std::string* PeerPullServingTest::model_ = nullptr;

@@ -64,6 +64,12 @@ class ServingTest : public ::testing::Test {
     RunCli("model init --preset tiny --out " + *model_ + " --seed 3");
     ASSERT_TRUE(std::filesystem::exists(*model_ + "/config.json"));
   }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*model_, ec);
+    delete model_;
+    model_ = nullptr;
+  }
   static std::string* model_;
 };
 std::string* ServingTest::model_ = nullptr;
@@ -459,6 +465,8 @@ TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
     EXPECT_EQ(rc, 0) << p->role << ": "
                      << std::string(std::istreambuf_iterator<char>(out), {});
   }
+  std::filesystem::remove(file);
+  std::filesystem::remove(file + ".out");
   // The one request shows in the counts: 5 tokens generated, a remote
   // prefill (threshold 0) whose KV went from the prefill to the decode worker.
   const std::string router = Scrape(c.router.metrics_port);
