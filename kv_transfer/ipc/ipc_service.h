@@ -3,10 +3,8 @@
 // handing each stream, one per transfer, to an IpcKvReceiveEndpoint. The
 // sending side's channels come from nccl::GrpcControlChannelFactory (the
 // same KvTransfer.Control stream; the protocol on it is ipc_messages.h).
-//
-// The server end of a stream is written here rather than shared with
-// nccl/grpc_control_channel.cc, whose equivalent is private to that file
-// (owned with the nccl transport); folding the two is a follow-up.
+// The server end of each stream is nccl::ServeControlStream's, as for the
+// nccl transport.
 //
 // Thread-safe.
 #pragma once

@@ -210,11 +210,12 @@ GrpcControlChannelFactory::Connect(const std::string& destination) {
       destination));
 }
 
-grpc::Status NcclKvTransferService::Control(
+grpc::Status ServeControlStream(
     grpc::ServerContext* context,
-    grpc::ServerReaderWriter<Frame, Frame>* stream) {
+    grpc::ServerReaderWriter<Frame, Frame>* stream,
+    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve) {
   auto call = std::make_shared<ServerCall>(context, stream);
-  endpoint_->Serve(std::make_unique<ServerControlChannel>(call));
+  serve(std::make_unique<ServerControlChannel>(call));
   Frame frame;
   while (stream->Read(&frame)) {
     call->inbox.Push(std::move(*frame.mutable_payload()));
@@ -222,6 +223,15 @@ grpc::Status NcclKvTransferService::Control(
   call->inbox.PeerDone();
   call->HandlerDone();
   return grpc::Status::OK;
+}
+
+grpc::Status NcclKvTransferService::Control(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<Frame, Frame>* stream) {
+  return ServeControlStream(context, stream,
+                            [this](std::unique_ptr<ControlChannel> channel) {
+                              endpoint_->Serve(std::move(channel));
+                            });
 }
 
 }  // namespace pdserve::kv_transfer::nccl

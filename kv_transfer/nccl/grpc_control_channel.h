@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/time/time.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/nccl/control_channel.h"
@@ -35,6 +36,18 @@ class GrpcControlChannelFactory : public ControlChannelFactory {
   absl::StatusOr<std::unique_ptr<ControlChannel>> Connect(
       const std::string& destination) override;
 };
+
+// The server end of one KvTransfer.Control call, for every transport whose
+// control plane rides that stream (nccl, shm, cuda_ipc): hands a
+// ControlChannel over the stream to `serve` (which keeps it, e.g. an
+// endpoint serving it on a link's thread), then reads the stream's frames
+// into that channel until the peer ends it or the channel is closed, and
+// returns OK. The channel stays valid after this returns: its Send and
+// Receive then fail with UNAVAILABLE.
+grpc::Status ServeControlStream(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>* stream,
+    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve);
 
 class NcclKvTransferService : public KvTransferService {
  public:
