@@ -547,14 +547,16 @@ class Simulation {
     in.block_size = bs_;
     in.bytes_per_block = bs_;
     for (const router::WorkerView& w : views_) {
-      if (held_all(w.index) <= in.prefill_cached_blocks) continue;
+      if ((c_.pull_from_tiers ? held_all(w.index) : held(w.index)) <=
+          in.prefill_cached_blocks)
+        continue;
       router::PeerPullCandidate c;
       c.index = w.index;
       c.address = w.address;
       c.id = w.id;
       c.up = w.up;
       c.same_cache = true;
-      c.leading_blocks = held_all(w.index);
+      c.leading_blocks = c_.pull_from_tiers ? held_all(w.index) : held(w.index);
       c.tier_blocks = c.leading_blocks - held(w.index);
       c.tier_load_tokens_per_second = w.status.kv_tier_load_tokens_per_second();
       in.candidates.push_back(std::move(c));
@@ -592,7 +594,7 @@ class Simulation {
     const int32_t pool = static_cast<int32_t>(blocks.size());
     holder->Acquire(blocks);
     int32_t tier = 0;
-    if (SimTier* t = TierOf(q.pull_holder);
+    if (SimTier* t = c_.pull_from_tiers ? TierOf(q.pull_holder) : nullptr;
         t != nullptr && static_cast<size_t>(pool) < want.size()) {
       tier = t->Match(want.subspan(pool));
       tier = static_cast<int32_t>(std::min<int64_t>(tier, holder->num_free()));

@@ -115,6 +115,10 @@ struct SimConfig {
   // (default: 128 KiB/token at 2 GB/s, as `sim route --tiers`).
   double tier_multiple = 4;
   double tier_read_us_per_token = 65.536;
+  // "+pull" with a "+tier": a holder serves a pull from its tier too (as
+  // PeerBlockHolder does); false: from its pool only (the index is then
+  // asked pool counts for holders), for comparison.
+  bool pull_from_tiers = true;
 
   absl::Status Validate() const;
 };

@@ -237,6 +237,14 @@ TEST(RouterSimTest, PullIsServedFromTheHoldersTier) {
   EXPECT_EQ(both.peer_pulls, 1);
   EXPECT_EQ(both.peer_pulls_partial, 0);
   EXPECT_EQ(both.peer_pulls_failed, 0);
+  // Holders serving pulls from their pool only: nothing to pull.
+  c.pull_from_tiers = false;
+  c.policies = {"round_robin+tier+pull"};
+  auto pool_only = RunRouterSim(c, trace);
+  ASSERT_TRUE(pool_only.ok());
+  EXPECT_EQ(pool_only->runs[0].peer_pulls, 0);
+  EXPECT_EQ(pool_only->runs[0].hit_tokens, 0);
+  c.pull_from_tiers = true;
   // "+dtier" only goes with "+tier".
   c.policies = {"round_robin+dtier"};
   EXPECT_FALSE(RunRouterSim(c, trace).ok());
