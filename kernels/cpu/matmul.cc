@@ -76,34 +76,25 @@ bool HasAvx2() {
   return has;
 }
 
+// Rows [0, m) of x against NR rows of w at a time, in register tiles.
+template <int NR>
+void DotColumns(const float* x, int64_t m, int64_t ldx, const float* w,
+                int64_t ldw, int64_t k, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4)
+    TileAvx2<4, NR>(x + i * ldx, ldx, w, ldw, k, y + i * ldy, ldy);
+  for (; i < m; ++i)
+    TileAvx2<1, NR>(x + i * ldx, ldx, w, ldw, k, y + i * ldy, ldy);
+}
+
 // Computes y[:, n0:n1] for all m rows. Rows of x are visited in blocks that
 // stay in L2 while a few weight rows sit in L1.
 void DeterministicPanel(const float* x, int64_t m, int64_t k, const float* w,
                         int64_t n0, int64_t n1, float* y, int64_t n) {
   constexpr int64_t kRowBlock = 64;
-  if (!HasAvx2()) {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = n0; j < n1; ++j)
-        y[i * n + j] = DotPortable(x + i * k, w + j * k, k);
-    return;
-  }
   for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-    const int64_t i1 = std::min(m, i0 + kRowBlock);
-    int64_t j = n0;
-    for (; j + 3 <= n1; j += 3) {
-      int64_t i = i0;
-      for (; i + 4 <= i1; i += 4)
-        TileAvx2<4, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-      for (; i < i1; ++i)
-        TileAvx2<1, 3>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-    }
-    for (; j < n1; ++j) {
-      int64_t i = i0;
-      for (; i + 4 <= i1; i += 4)
-        TileAvx2<4, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-      for (; i < i1; ++i)
-        TileAvx2<1, 1>(x + i * k, k, w + j * k, k, k, y + i * n + j, n);
-    }
+    DotsFixedOrder(x + i0 * k, std::min(kRowBlock, m - i0), k, w + n0 * k,
+                   n1 - n0, k, k, y + i0 * n + n0, n);
   }
 }
 
@@ -135,24 +126,9 @@ void DotsFixedOrder(const float* x, int64_t m, int64_t ldx, const float* w,
     return;
   }
   int64_t j = 0;
-  for (; j + 3 <= n; j += 3) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4)
-      TileAvx2<4, 3>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
-                     ldy);
-    for (; i < m; ++i)
-      TileAvx2<1, 3>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
-                     ldy);
-  }
-  for (; j < n; ++j) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4)
-      TileAvx2<4, 1>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
-                     ldy);
-    for (; i < m; ++i)
-      TileAvx2<1, 1>(x + i * ldx, ldx, w + j * ldw, ldw, k, y + i * ldy + j,
-                     ldy);
-  }
+  for (; j + 3 <= n; j += 3)
+    DotColumns<3>(x, m, ldx, w + j * ldw, ldw, k, y + j, ldy);
+  for (; j < n; ++j) DotColumns<1>(x, m, ldx, w + j * ldw, ldw, k, y + j, ldy);
 }
 
 void SetKernelThreads(int threads) {
