@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "kernels/cpu/cpu_features.h"
 
@@ -127,6 +129,54 @@ __attribute__((target("avx512f,avx512vnni"))) double RunInt8Dot(int64_t iters) {
   return static_cast<double>(_mm512_reduce_add_epi32(s));
 }
 
+// AMX-INT8: 4 independent C tiles (16 x 16 int32) from 2 A tiles (16 rows x
+// k_bytes) and 2 B tiles (k_bytes / 4 rows x 64 bytes), loaded once; per
+// iteration 4 TDPBSSD. The tile configuration is per thread, so each thread
+// loads it here.
+double RunAmxInt8(int64_t iters, int k_bytes) {
+  struct alignas(64) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    const bool b = t == 2 || t == 3;
+    cfg.rows[t] = static_cast<uint8_t>(b ? k_bytes / 4 : 16);
+    cfg.colsb[t] = static_cast<uint16_t>(t < 2 ? k_bytes : 64);
+  }
+  alignas(64) int8_t data[16 * 64];
+  for (int i = 0; i < 16 * 64; ++i) data[i] = static_cast<int8_t>(i % 7 - 3);
+  alignas(64) int32_t out[16 * 16];
+  const long stride = 64;
+  __asm__ volatile(
+      "ldtilecfg %0\n\t"
+      "tileloadd (%1,%2,1), %%tmm0\n\t"
+      "tileloadd (%1,%2,1), %%tmm1\n\t"
+      "tileloadd (%1,%2,1), %%tmm2\n\t"
+      "tileloadd (%1,%2,1), %%tmm3\n\t"
+      "tilezero %%tmm4\n\t"
+      "tilezero %%tmm5\n\t"
+      "tilezero %%tmm6\n\t"
+      "tilezero %%tmm7" ::"m"(cfg),
+      "r"(data), "r"(stride)
+      : "memory");
+  for (int64_t it = 0; it < iters; ++it) {
+    __asm__ volatile(
+        "tdpbssd %%tmm2, %%tmm0, %%tmm4\n\t"
+        "tdpbssd %%tmm3, %%tmm0, %%tmm5\n\t"
+        "tdpbssd %%tmm2, %%tmm1, %%tmm6\n\t"
+        "tdpbssd %%tmm3, %%tmm1, %%tmm7" ::);
+  }
+  __asm__ volatile(
+      "tilestored %%tmm4, (%0,%1,1)\n\t"
+      "tilerelease" ::"r"(out),
+      "r"(stride)
+      : "memory");
+  return static_cast<double>(out[0]);
+}
+
 #undef PDSERVE_DPBUSD
 #undef PDSERVE_DPBF16
 #undef PDSERVE_FMA12
@@ -199,6 +249,16 @@ double MeasureInt8DotPeakGops(int threads, double seconds) {
   if (!f.avx512f || !f.avx512vnni) return 0;
   // One VPDPBUSD: 16 lanes x 4 products x (multiply + add).
   return Measure(RunInt8Dot, 128.0 * kChains, threads, seconds);
+}
+
+double MeasureAmxInt8PeakGops(int threads, double seconds, int k_bytes) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (!f.amx_int8 || !f.amx_usable) return 0;
+  k_bytes = std::clamp(k_bytes / 4 * 4, 4, 64);
+  // One TDPBSSD: 16 x 16 outputs x k_bytes products x (multiply + add).
+  return Measure(
+      [k_bytes](int64_t iters) { return RunAmxInt8(iters, k_bytes); },
+      4.0 * 16 * 16 * k_bytes * 2, threads, seconds);
 }
 
 }  // namespace pdserve::kernels

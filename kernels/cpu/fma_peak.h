@@ -19,4 +19,12 @@ double MeasureBf16DotPeakGflops(int threads, double seconds = 0.3);
 // ops per instruction, in G ops/s. 0 where the CPU lacks it.
 double MeasureInt8DotPeakGops(int threads, double seconds = 0.3);
 
+// The same for AMX-INT8 TDPBSSD (GemmNumerics::kInt8Dot at batch sizes that
+// take AMX): 16 x 16 x k_bytes multiply-adds per instruction, 2 ops each.
+// k_bytes = 64 is the instruction's peak; the kernel multiplies one block
+// (k_bytes = 32) per instruction. 0 where AMX-INT8 is absent or not
+// permitted.
+double MeasureAmxInt8PeakGops(int threads, double seconds = 0.3,
+                              int k_bytes = 64);
+
 }  // namespace pdserve::kernels

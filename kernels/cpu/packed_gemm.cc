@@ -842,6 +842,194 @@ bool VnniUsable() {
   return f.avx512f && f.avx512bw && f.avx512vnni && f.avx512vbmi && f.f16c;
 }
 
+// --- AMX-INT8 for kInt8Dot --------------------------------------------------
+// TDPBSSD multiplies a tile of 16 activation rows x 32 int8 (one block) by a
+// tile of 8 rows x 64 bytes (the block's 32 k x 16 columns, 4 consecutive k
+// of a column per dword: vpermb of the stored [32 k][16 columns], as for
+// VNNI) into 16 x 16 exact int32 sums: the same integers as VNNI and the
+// portable loop (signed x signed, no offset). The epilogue is the same fp32
+// code, so the bits are the same; only the integer products moved.
+//
+// Tiles (one palette, loaded per thread at kernel entry): tmm0/tmm1 A, 16 x
+// 32 bytes; tmm2/tmm3 B, 8 x 64 bytes; tmm4..7 C, 16 x 16 int32 (two pairs,
+// see Int8DotAmx). Activation rows are padded to 16 with zeros (their sums
+// are discarded) and packed per row tile and block, 512 contiguous bytes.
+#define PDSERVE_AMX                                                         \
+  __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c,amx-" \
+                        "tile,amx-int8")))
+// GCC 12's _tile_loadd/_tile_stored are asm that tell the compiler nothing
+// about the memory they touch, so it could move a read of a stored tile
+// before the store. These name the bytes (tiles here are contiguous: stride =
+// row bytes) as memory operands; a blanket "memory" clobber instead would
+// keep the accumulators in memory.
+// (The operands are typed int32_t, not bytes: a char-typed operand may alias
+// anything, which made GCC keep the fp32 accumulators in memory.)
+template <int N>
+struct AmxSums {
+  int32_t v[N / 4];
+};
+#define PDSERVE_TILE_LOAD(t, base, stride, bytes)                          \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base),            \
+                   "r"(static_cast<long>(stride)),                         \
+                   "m"(*reinterpret_cast<const AmxSums<bytes>*>(base)))
+#define PDSERVE_TILE_STORE(t, base, stride, bytes)                         \
+  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)"                     \
+                   : "=m"(*reinterpret_cast<AmxSums<bytes>*>(base))        \
+                   : "r"(base), "r"(static_cast<long>(stride)))
+#define PDSERVE_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define PDSERVE_TILE_DPBSSD(c, a, b) \
+  __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+constexpr int kAmxRows = 16;
+constexpr int64_t kAmxATileBytes = kAmxRows * kInt8Block;  // 16 rows x 32 k
+// Per block of a panel: the B tile (512 bytes) then the 16 columns' scales
+// as fp32.
+constexpr int64_t kAmxBlockBytes = 512 + 64;
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void AmxLoadConfig() {
+  AmxTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t : {0, 1}) {  // A
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = kInt8Block;
+  }
+  for (int t : {2, 3}) {  // B
+    cfg.rows[t] = kInt8Block / 4;
+    cfg.colsb[t] = 64;
+  }
+  for (int t : {4, 5, 6, 7}) {  // C
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+void AmxRelease() { __asm__ volatile("tilerelease" ::: "memory"); }
+
+// One panel's weights in B-tile order, per block (kAmxBlockBytes each).
+PDSERVE_AMX void PrepareAmxPanel(const uint8_t* panel, int64_t blocks,
+                                 uint8_t* out) {
+  const __m512i idx = Int8DotOrder();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = panel + b * kBlockBytes;
+    uint8_t* o = out + b * kAmxBlockBytes;
+    for (int g = 0; g < kInt8Block / 4; ++g) {
+      _mm512_storeu_si512(o + g * 64,
+                         _mm512_permutexvar_epi8(
+                             idx, _mm512_loadu_si512(blk + g * 4 * kPanel)));
+    }
+    _mm512_storeu_ps(o + 512, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(
+                                     blk + kInt8Block * kPanel))));
+  }
+}
+
+// R (<= 16) real rows of one row tile (qx: 16 rows readable, stride kp) x
+// one prepared panel: io[R][16] = the kInt8Dot chain of packed_gemm.h.
+// acc[i] = fma(float(sums[i]), sx[i][b] * sw[b], acc[i]) for the R rows;
+// sa: this row tile's activation scales as [blocks][16]. (A macro: passed to
+// a function, even an inlined one, the accumulators stayed in memory.)
+#define PDSERVE_AMX_SCALE_ADD(sums, b)                                     \
+  do {                                                                     \
+    const __m512 sw = _mm512_loadu_ps(prep + (b) * kAmxBlockBytes + 512);  \
+    _Pragma("GCC unroll 16") for (int i = 0; i < R; ++i) {                 \
+      const __m512 scale =                                                 \
+          _mm512_mul_ps(_mm512_set1_ps(sa[(b) * kAmxRows + i]), sw);       \
+      acc[i] = _mm512_fmadd_ps(                                            \
+          _mm512_cvtepi32_ps(_mm512_load_si512((sums)[i])), scale, acc[i]); \
+    }                                                                      \
+  } while (0)
+
+// Blocks b and b + 1 into C tiles C0 and C1; A tiles are packed
+// [block][16 rows][32 bytes] (stride 32).
+#define PDSERVE_AMX_PAIR(C0, C1, b)                                          \
+  do {                                                                       \
+    PDSERVE_TILE_LOAD(0, qa + (b) * kAmxATileBytes, kInt8Block, 512);        \
+    PDSERVE_TILE_LOAD(2, prep + (b) * kAmxBlockBytes, 64, 512);              \
+    PDSERVE_TILE_ZERO(C0);                                                   \
+    PDSERVE_TILE_DPBSSD(C0, 0, 2);                                           \
+    PDSERVE_TILE_LOAD(1, qa + ((b) + 1) * kAmxATileBytes, kInt8Block, 512);  \
+    PDSERVE_TILE_LOAD(3, prep + ((b) + 1) * kAmxBlockBytes, 64, 512);        \
+    PDSERVE_TILE_ZERO(C1);                                                   \
+    PDSERVE_TILE_DPBSSD(C1, 1, 3);                                           \
+  } while (0)
+
+// R (<= 16) real rows of one row tile x one prepared panel: io[R][16] = the
+// kInt8Dot chain of packed_gemm.h. qa: [blocks][16][32] int8 (rows past R
+// are zero padding), sa: [blocks][16] their scales. Software-pipelined by
+// pairs of blocks: a pair's products are issued before the previous pair's
+// stored sums are scaled (a vector load right after a tile store of the same
+// bytes waits for the store), pairs alternating between C tiles 4, 5 and
+// 6, 7; the last blocks % 4 go one at a time. Blocks are scaled and added
+// in increasing order.
+// (The loops over rows are unrolled by pragma: left to GCC 12, the
+// accumulators of this pipelined loop stayed in memory, a load and a store
+// per FMA. Checked with objdump.)
+template <int R>
+PDSERVE_AMX void Int8DotAmx(const int8_t* qa, const float* sa, int64_t blocks,
+                            const uint8_t* prep, float* io) {
+  alignas(64) int32_t c[2][2][kAmxRows][kPanel];
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    PDSERVE_AMX_PAIR(4, 5, b);
+    if (b > 0) {
+      PDSERVE_AMX_SCALE_ADD(c[1][0], b - 2);
+      PDSERVE_AMX_SCALE_ADD(c[1][1], b - 1);
+    }
+    PDSERVE_TILE_STORE(4, &c[0][0][0][0], 64, 1024);
+    PDSERVE_TILE_STORE(5, &c[0][1][0][0], 64, 1024);
+    PDSERVE_AMX_PAIR(6, 7, b + 2);
+    PDSERVE_AMX_SCALE_ADD(c[0][0], b);
+    PDSERVE_AMX_SCALE_ADD(c[0][1], b + 1);
+    PDSERVE_TILE_STORE(6, &c[1][0][0][0], 64, 1024);
+    PDSERVE_TILE_STORE(7, &c[1][1][0][0], 64, 1024);
+  }
+  if (b > 0) {
+    PDSERVE_AMX_SCALE_ADD(c[1][0], b - 2);
+    PDSERVE_AMX_SCALE_ADD(c[1][1], b - 1);
+  }
+  for (; b < blocks; ++b) {
+    PDSERVE_TILE_LOAD(0, qa + b * kAmxATileBytes, kInt8Block, 512);
+    PDSERVE_TILE_LOAD(2, prep + b * kAmxBlockBytes, 64, 512);
+    PDSERVE_TILE_ZERO(4);
+    PDSERVE_TILE_DPBSSD(4, 0, 2);
+    PDSERVE_TILE_STORE(4, &c[0][0][0][0], 64, 1024);
+    PDSERVE_AMX_SCALE_ADD(c[0][0], b);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(io + i * kPanel, acc[i]);
+}
+#undef PDSERVE_AMX_PAIR
+#undef PDSERVE_AMX_SCALE_ADD
+
+using Int8DotAmxFn = void (*)(const int8_t*, const float*, int64_t,
+                              const uint8_t*, float*);
+template <size_t... R>
+constexpr std::array<Int8DotAmxFn, sizeof...(R)> AmxRows(
+    std::index_sequence<R...>) {
+  return {&Int8DotAmx<static_cast<int>(R) + 1>...};
+}
+Int8DotAmxFn Int8DotAmxTile(int rows) {
+  static constexpr auto kFns = AmxRows(std::make_index_sequence<kAmxRows>());
+  return kFns[rows - 1];
+}
+
+std::atomic<int64_t>& AmxMinRowsSetting() {
+  static std::atomic<int64_t> rows{kInt8DotAmxDefaultMinRows};
+  return rows;
+}
+
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
                         float*, bool);
 
@@ -1234,20 +1422,130 @@ bool Int8DotUsesVnni() {
   return ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
 }
 
+bool Int8DotAmxUsable() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  return Int8DotUsesVnni() && f.amx_int8 && f.amx_usable;
+}
+
+int64_t Int8DotAmxMinRows() { return AmxMinRowsSetting().load(); }
+void SetInt8DotAmxMinRows(int64_t rows) {
+  AmxMinRowsSetting().store(std::max<int64_t>(0, rows));
+}
+
+const char* Int8DotKernelName(Int8DotKernel kernel) {
+  switch (kernel) {
+    case Int8DotKernel::kVnni:
+      return "vnni";
+    case Int8DotKernel::kAmx:
+      return "amx";
+    case Int8DotKernel::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+Int8DotKernel Int8DotKernelFor(int64_t m) {
+  const int64_t min_rows = Int8DotAmxMinRows();
+  if (min_rows > 0 && m >= min_rows && Int8DotAmxUsable())
+    return Int8DotKernel::kAmx;
+  return Int8DotUsesVnni() ? Int8DotKernel::kVnni : Int8DotKernel::kPortable;
+}
+
 namespace {
+
+// kInt8Dot on AMX: tasks of up to 4 panels (64 columns); a task prepares its
+// panels' B tiles once (L2: 576 bytes per block and panel) and runs every
+// row tile of 16 over them, panel by panel, so a row tile's activations
+// (16 x kp bytes) stay in L2 while its panels pass.
+void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
+                    const WeightMatrix& w, float* __restrict__ y) {
+  const int64_t n = w.rows(), blocks = kp / kInt8Block;
+  const int64_t pb = w.panel_bytes();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t row_tiles = (m + kAmxRows - 1) / kAmxRows;
+  const int max_threads = KernelThreads();
+  const int64_t per_task = std::clamp<int64_t>(
+      panels / (int64_t{8} * std::max(1, max_threads)), 1, 4);
+  const int64_t tasks = (panels + per_task - 1) / per_task;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(max_threads, tasks));
+  const bool parallel = threads > 1 && m * n * kp > (int64_t{1} << 16);
+  // Which thread takes a task never changes its numbers.
+  // Activations and their scales per row tile and block,
+  // [row_tiles][blocks][16][32] and [row_tiles][blocks][16].
+  thread_local std::vector<int8_t> qa_buffer;
+  thread_local std::vector<float> sa_buffer;
+  qa_buffer.resize(row_tiles * blocks * kAmxATileBytes);
+  sa_buffer.resize(row_tiles * blocks * kAmxRows);
+  int8_t* const qa = qa_buffer.data();
+  float* const sa = sa_buffer.data();
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+#pragma omp for schedule(static)
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        for (int i = 0; i < kAmxRows; ++i) {
+          const int64_t row = rt * kAmxRows + i;
+          std::memcpy(qa + (rt * blocks + b) * kAmxATileBytes + i * kInt8Block,
+                      qx + row * kp + b * kInt8Block, kInt8Block);
+          sa[(rt * blocks + b) * kAmxRows + i] =
+              row < m ? sx[row * blocks + b] : 0.0f;
+        }
+      }
+    }
+    AmxLoadConfig();  // tile configuration is per thread
+    thread_local std::vector<uint8_t> prep;
+    prep.resize(per_task * blocks * kAmxBlockBytes);
+    alignas(64) float io[kAmxRows * kPanel];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t p0 = task * per_task;
+      const int64_t np = std::min(per_task, panels - p0);
+      for (int64_t v = 0; v < np; ++v) {
+        PrepareAmxPanel(w.data() + (p0 + v) * pb, blocks,
+                        prep.data() + v * blocks * kAmxBlockBytes);
+      }
+      for (int64_t rt = 0; rt < row_tiles; ++rt) {
+        const int64_t i0 = rt * kAmxRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
+        const Int8DotAmxFn fn = Int8DotAmxTile(rows);
+        for (int64_t v = 0; v < np; ++v) {
+          const int64_t c0 = (p0 + v) * kPanel;
+          const int64_t cols = std::min<int64_t>(n - c0, kPanel);
+          fn(qa + rt * blocks * kAmxATileBytes, sa + rt * blocks * kAmxRows, blocks,
+             prep.data() + v * blocks * kAmxBlockBytes, io);
+          for (int i = 0; i < rows; ++i) {
+            std::memcpy(y + (i0 + i) * n + c0, io + i * kPanel,
+                        cols * sizeof(float));
+          }
+        }
+      }
+    }
+    AmxRelease();
+  }
+}
 
 void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
                  const WeightMatrix& w, float* __restrict__ y) {
   const int64_t n = w.rows(), kp = w.padded_k(), blocks = kp / kInt8Block;
   const int64_t pb = w.panel_bytes();
-  const bool hw = Int8DotUsesVnni();
+  const Int8DotKernel kernel = Int8DotKernelFor(m);
+  const bool amx = kernel == Int8DotKernel::kAmx;
+  const bool hw = kernel == Int8DotKernel::kVnni;
   // Reused across calls (a decode step makes ~100 of them); every byte is
-  // written by the quantizer.
+  // written by the quantizer (AMX: rows up to a multiple of 16, the padding
+  // zeroed here, are read too).
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> sx;
-  qx.resize(m * kp);
-  sx.resize(m * blocks);
+  const int64_t m_pad = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
+  qx.resize(m_pad * kp);
+  sx.resize(m_pad * blocks);
   QuantizeActivations(x, m, k, qx.data(), sx.data(), /*unsigned_bytes=*/hw);
+  if (amx) {
+    std::memset(qx.data() + m * kp, 0, (m_pad - m) * kp);
+    GemmInt8DotAmx(qx.data(), sx.data(), m, kp, w, y);
+    return;
+  }
   // (thread_local: the OpenMP threads below must use these, not their own.)
   const int8_t* const qxp = qx.data();
   const float* const sxp = sx.data();

@@ -18,9 +18,10 @@
 // Dot-product instructions (AVX512-BF16 vdpbf16ps, VNNI, AMX) need the
 // activations rounded to bf16/int8 and sum pairs or blocks inside the
 // instruction; vdpbf16ps and VNNI are the opt-in GemmNumerics::kBf16Dot and
-// kInt8Dot below. AMX is not used: TDPBF16PS's rounding matches no
-// sequential fp32 emulation (measured), so no portable path could give its
-// bits (see cpu_features.h for what is detected).
+// kInt8Dot below (kInt8Dot also runs on AMX-INT8, whose integer sums are
+// exact). AMX-BF16 is not used: TDPBF16PS's rounding matches no sequential
+// fp32 emulation (measured), so no portable path could give its bits (see
+// cpu_features.h for what is detected).
 //
 // Storage: columns are grouped in panels of 16 output rows; a panel stores k
 // in order, 16 weights per k (bf16: two consecutive k of a column share one
@@ -134,8 +135,8 @@ class WeightMatrix {
 //     isum = Σ_{p in b} qx[i][p] * qw[j][p]            (int32, exact)
 //     acc = fma(float(isum), sx[i][b] * sw[j][b], acc)   (fp32)
 // The integer sums do not depend on any order, so AVX512-VNNI (vpdpbusd,
-// with a +128 offset on x undone exactly) and the portable loop give the
-// same bits on every CPU; rows depend only on themselves, so it is
+// with a +128 offset on x undone exactly), AMX-INT8 (tdpbssd, one block per
+// instruction) and the portable loop give the same bits on every CPU; rows depend only on themselves, so it is
 // batch-invariant. Activations lose precision (int8 per 32 values), so it is
 // its own numerics (engines put it in the model fingerprint).
 enum class GemmNumerics { kFp32Chain, kBf16Dot, kInt8Dot };
@@ -150,6 +151,27 @@ void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
 // Whether kInt8Dot runs the AVX512-VNNI kernel here (AVX-512 path active,
 // VNNI and VBMI present); else the portable loop with the same bits.
 bool Int8DotUsesVnni();
+
+// The kernel kInt8Dot runs for a GEMM of m rows. All three give the same
+// bits (the integer sums are exact and the fp32 epilogue is the same code):
+//   kAmx:      AMX-INT8 TDPBSSD, 16 rows x 32 k x 16 columns per instruction
+//              (one block), where Int8DotAmxUsable() and m >=
+//              Int8DotAmxMinRows(): batches and prefill;
+//   kVnni:     where Int8DotUsesVnni() (decode at small batch, where the
+//              weight stream, not arithmetic, is the limit);
+//   kPortable: everywhere else.
+enum class Int8DotKernel { kPortable, kVnni, kAmx };
+const char* Int8DotKernelName(Int8DotKernel kernel);  // portable|vnni|amx
+Int8DotKernel Int8DotKernelFor(int64_t m);
+// VNNI usable, the CPU has AMX-TILE and AMX-INT8, and Linux granted this
+// process the tile state (arch_prctl, see cpu_features.h).
+bool Int8DotAmxUsable();
+// Smallest m that takes AMX where usable (measured crossover with VNNI on
+// the 1B shape, see bench/RESULTS.md). 0 disables AMX; 1 takes it at every
+// m (tests). Not synchronised with running GEMMs; call between them.
+inline constexpr int64_t kInt8DotAmxDefaultMinRows = 8;
+int64_t Int8DotAmxMinRows();
+void SetInt8DotAmxMinRows(int64_t rows);
 
 // y[m, n] = x[m, k] · Wᵀ. w.cols() == k, w.layout() == kPanel16. y is
 // overwritten.

@@ -240,7 +240,10 @@ TEST_F(Bf16DotTest, OtherDtypesIgnoreIt) {
 // must both equal the contract written plainly, at odd shapes, whatever m.
 class Int8DotTest : public ::testing::Test {
  protected:
-  void TearDown() override { SetGemmIsa(previous_); }
+  void TearDown() override {
+    SetGemmIsa(previous_);
+    SetInt8DotAmxMinRows(previous_amx_rows_);
+  }
   std::vector<float> Random(size_t n, float scale) {
     std::normal_distribution<float> dist(0.0f, scale);
     std::vector<float> v(n);
@@ -312,8 +315,138 @@ class Int8DotTest : public ::testing::Test {
     return y;
   }
   GemmIsa previous_ = ActiveGemmIsa();
+  int64_t previous_amx_rows_ = Int8DotAmxMinRows();
   std::mt19937 rng_{17};
 };
+
+// AMX-INT8 (where the CPU has it and Linux grants the tile state) must give
+// the bits of VNNI and of the portable loop, so that the batch sizes that
+// take it do not change any row.
+class Int8DotAmxTest : public Int8DotTest {
+ protected:
+  void SetUp() override {
+    if (!GemmIsaSupported(GemmIsa::kAvx512) ||
+        !SetGemmIsa(GemmIsa::kAvx512) || !Int8DotAmxUsable()) {
+      GTEST_SKIP() << "no usable AMX-INT8 here (features: "
+                   << DetectCpuFeatures().ToString() << ")";
+    }
+  }
+  // kInt8Dot with AMX for every m (amx), never (VNNI), or on the portable
+  // path.
+  enum class Kernel { kAmx, kVnni, kPortable };
+  std::vector<float> RunWith(Kernel kernel, const float* x, int64_t m,
+                             int64_t k, const WeightMatrix& w) {
+    SetInt8DotAmxMinRows(kernel == Kernel::kAmx ? 1 : 0);
+    const auto y = Run(
+        kernel == Kernel::kPortable ? GemmIsa::kPortable : GemmIsa::kAvx512, x,
+        m, k, w);
+    EXPECT_EQ(Int8DotKernelFor(m), kernel == Kernel::kAmx ? Int8DotKernel::kAmx
+                                   : kernel == Kernel::kVnni
+                                       ? Int8DotKernel::kVnni
+                                       : Int8DotKernel::kPortable);
+    return y;
+  }
+  static bool Same(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+};
+
+TEST_F(Int8DotAmxTest, EqualsVnniPortableAndThePlainContractAtOddShapes) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // Tails of rows (m % 16), columns (n % 16), k (k % 32 and one block),
+  // 1..4 panels per task (n up to 1000), odd and even block counts.
+  for (const Shape s :
+       {Shape{1, 1, 1}, Shape{2, 17, 33}, Shape{7, 45, 129}, Shape{15, 50, 64},
+        Shape{16, 16, 32}, Shape{17, 97, 515}, Shape{31, 33, 300},
+        Shape{32, 1000, 96}, Shape{33, 611, 2049}, Shape{70, 130, 160}}) {
+    auto x = Random(s.m * s.k, 1.0f);
+    if (s.k > 40) {  // an all-zero block, a single outlier, a zero row
+      for (int64_t p = 32; p < 64 && p < s.k; ++p) x[p] = 0.0f;
+      x[s.k + 3 < s.m * s.k ? s.k + 3 : 0] = 40.0f;
+      if (s.m > 2)
+        for (int64_t p = 0; p < s.k; ++p) x[2 * s.k + p] = 0.0f;
+    }
+    auto wf = Random(s.n * s.k, 0.05f);
+    if (s.n > 3) {  // an outlier weight, an all-zero weight row
+      wf[3 * s.k] = 2.0f;
+      for (int64_t p = 0; p < s.k; ++p) wf[2 * s.k + p] = 0.0f;
+    }
+    const WeightMatrix w = Pack(wf, s.n, s.k);
+    const std::vector<float> want = Reference(x, s.m, s.k, w);
+    const auto amx = RunWith(Kernel::kAmx, x.data(), s.m, s.k, w);
+    const auto vnni = RunWith(Kernel::kVnni, x.data(), s.m, s.k, w);
+    const auto portable = RunWith(Kernel::kPortable, x.data(), s.m, s.k, w);
+    EXPECT_TRUE(Same(amx, want))
+        << "amx vs contract m=" << s.m << " n=" << s.n << " k=" << s.k;
+    EXPECT_TRUE(Same(amx, vnni))
+        << "amx vs vnni m=" << s.m << " n=" << s.n << " k=" << s.k;
+    EXPECT_TRUE(Same(amx, portable))
+        << "amx vs portable m=" << s.m << " n=" << s.n << " k=" << s.k;
+  }
+}
+
+TEST_F(Int8DotAmxTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {
+  const int64_t k = 333, n = 83, max_m = 70;
+  const auto x = Random(max_m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = Pack(wf, n, k);
+  // The rows as the portable loop computes them, all at once.
+  const auto full = RunWith(Kernel::kPortable, x.data(), max_m, k, w);
+  const int before = KernelThreads();
+  for (int threads : {1, 2}) {
+    SetKernelThreads(threads);
+    for (int64_t m = 1; m <= max_m; ++m) {
+      for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
+        if (off + m > max_m) continue;
+        // Forced AMX, and the default choice (VNNI below the threshold).
+        const auto y = RunWith(Kernel::kAmx, x.data() + off * k, m, k, w);
+        SetInt8DotAmxMinRows(kInt8DotAmxDefaultMinRows);
+        std::vector<float> d(m * n, -1.0f);
+        GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
+        const std::vector<float>* const outs[] = {&y, &d};
+        for (const std::vector<float>* got : outs) {
+          ASSERT_EQ(0, std::memcmp(got->data(), full.data() + off * n,
+                                   got->size() * sizeof(float)))
+              << (got == &y ? "amx" : "default") << " m=" << m
+              << " off=" << off << " threads=" << threads;
+        }
+      }
+    }
+  }
+  SetKernelThreads(before);
+}
+
+TEST_F(Int8DotAmxTest, KernelChoiceFollowsTheThreshold) {
+  SetInt8DotAmxMinRows(kInt8DotAmxDefaultMinRows);
+  EXPECT_EQ(Int8DotKernelFor(1), Int8DotKernel::kVnni);
+  EXPECT_EQ(Int8DotKernelFor(kInt8DotAmxDefaultMinRows - 1),
+            Int8DotKernel::kVnni);
+  EXPECT_EQ(Int8DotKernelFor(kInt8DotAmxDefaultMinRows), Int8DotKernel::kAmx);
+  EXPECT_EQ(Int8DotKernelFor(512), Int8DotKernel::kAmx);
+  SetInt8DotAmxMinRows(0);
+  EXPECT_EQ(Int8DotKernelFor(512), Int8DotKernel::kVnni);
+  SetInt8DotAmxMinRows(1);
+  EXPECT_EQ(Int8DotKernelFor(1), Int8DotKernel::kAmx);
+  ASSERT_TRUE(SetGemmIsa(GemmIsa::kPortable));
+  EXPECT_FALSE(Int8DotAmxUsable());
+  EXPECT_EQ(Int8DotKernelFor(512), Int8DotKernel::kPortable);
+  EXPECT_STREQ(Int8DotKernelName(Int8DotKernel::kAmx), "amx");
+}
+
+// A batch on AMX then the same thread on VNNI then AMX again: the tile
+// configuration is loaded and released per GEMM, and the results repeat.
+TEST_F(Int8DotAmxTest, RepeatsAcrossKernelSwitches) {
+  const int64_t m = 20, n = 40, k = 100;
+  const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = Pack(wf, n, k);
+  const auto a = RunWith(Kernel::kAmx, x.data(), m, k, w);
+  const auto v = RunWith(Kernel::kVnni, x.data(), m, k, w);
+  const auto b = RunWith(Kernel::kAmx, x.data(), m, k, w);
+  EXPECT_TRUE(Same(a, v));
+  EXPECT_TRUE(Same(a, b));
+}
 
 TEST_F(Int8DotTest, EveryPathEqualsThePlainContractAtOddShapes) {
   struct Shape {
