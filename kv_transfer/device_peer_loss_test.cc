@@ -33,6 +33,7 @@
 #include "kv_transfer/nccl/test_util.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/test_blocks.h"
+#include "kv_transfer/test_server.h"
 
 namespace pdserve::kv_transfer {
 namespace {
@@ -53,12 +54,7 @@ class GrpcDevicePeerLossTest : public ::testing::Test {
         device_.get(), KvLayout::FromSpec(spec_, "test-model"),
         metrics_->ForReceiver());
     service_ = std::make_unique<KvTransferService>(receiver_.get());
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port_);
-    builder.RegisterService(service_.get());
-    builder.SetMaxReceiveMessageSize(64 << 20);
-    server_ = builder.BuildAndStart();
+    server_ = testing::StartTestServer(service_.get(), &port_);
     ASSERT_NE(port_, 0);
   }
   void TearDown() override {

@@ -16,6 +16,7 @@
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/test_blocks.h"
+#include "kv_transfer/test_server.h"
 
 namespace pdserve::kv_transfer {
 namespace {
@@ -43,12 +44,7 @@ class DeviceStorageTransferTest : public ::testing::TestWithParam<DType> {
     receiver_ = std::make_unique<KvReceiver>(
         storage, KvLayout::FromSpec(spec_, "model"));
     service_ = std::make_unique<KvTransferService>(receiver_.get());
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port_);
-    builder.RegisterService(service_.get());
-    builder.SetMaxReceiveMessageSize(64 << 20);
-    server_ = builder.BuildAndStart();
+    server_ = testing::StartTestServer(service_.get(), &port_);
     ASSERT_NE(port_, 0);
   }
   void TearDown() override {
