@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "engine/test_util.h"
@@ -450,10 +451,10 @@ class PeerPullFromTierTest : public PeerPullTest {
     t.capacity_bytes = int64_t{64} << 20;
     return t;
   }
-  // A holder with a 16-block pool over a disk tier.
-  std::unique_ptr<Node> TieredHolder() {
+  // A holder with a 16-block pool (by default) over a disk tier.
+  std::unique_ptr<Node> TieredHolder(int64_t pool_blocks = 16) {
     return std::make_unique<Node>(HolderMode::kReal, absl::Seconds(5), Tier(),
-                                  16);
+                                  pool_blocks);
   }
   // Runs other prompts on `holder` until none of the reference prompt's
   // blocks is left in its pool, and waits until they are in its tier.
@@ -510,6 +511,34 @@ TEST_F(PeerPullFromTierTest, PullTakesThePoolPartAndTheTierPartOfOnePrefix) {
   EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), kBlocks - 4);
   EXPECT_EQ(holder->ActiveBlocks(), 0);
   EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullFromTierTest, ConcurrentPullsFromOneHoldersTier) {
+  // Two pullers read the same tier records at once: both get the cold
+  // output and nothing stays referenced on any of the three. The holder's
+  // pool has room for both reads (2 x 10 of 24 blocks); with 16 the second
+  // one would get the 6 blocks there is room for (a partial pull).
+  auto holder = TieredHolder(24);
+  Node a, b;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  absl::StatusOr<v1::PrefillResponse> got_a, got_b;
+  std::thread ta([&] { got_a = a.Run(PullRequest(a, *holder)); });
+  std::thread tb([&] { got_b = b.Run(PullRequest(b, *holder)); });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(got_a.ok()) << got_a.status();
+  ASSERT_TRUE(got_b.ok()) << got_b.status();
+  ExpectSameOutput(cold, *got_a);
+  ExpectSameOutput(cold, *got_b);
+  EXPECT_EQ(got_a->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  EXPECT_EQ(got_b->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), 2 * kBlocks);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(a.ActiveBlocks(), 0);
+  EXPECT_EQ(b.ActiveBlocks(), 0);
+  // The tier still holds the prompt (reads leave records in place).
+  EXPECT_EQ(holder->TierPrefixBlocks(holder->Request("x", kTokens)), kBlocks);
 }
 
 enum class TierFault { kCorrupt, kTruncate, kDelete };
