@@ -1479,20 +1479,22 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
   sa_buffer.resize(row_tiles * blocks * kAmxRows);
   int8_t* const qa = qa_buffer.data();
   float* const sa = sa_buffer.data();
-#pragma omp parallel num_threads(threads) if (parallel)
-  {
-#pragma omp for schedule(static)
-    for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        for (int i = 0; i < kAmxRows; ++i) {
-          const int64_t row = rt * kAmxRows + i;
-          std::memcpy(qa + (rt * blocks + b) * kAmxATileBytes + i * kInt8Block,
-                      qx + row * kp + b * kInt8Block, kInt8Block);
-          sa[(rt * blocks + b) * kAmxRows + i] =
-              row < m ? sx[row * blocks + b] : 0.0f;
-        }
+  // (On this thread: m x kp bytes, small next to the GEMM; a parallel loop
+  // here would add a barrier, and on a shared machine every barrier that
+  // meets a preempted thread costs a scheduler tick.)
+  for (int64_t rt = 0; rt < row_tiles; ++rt) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int i = 0; i < kAmxRows; ++i) {
+        const int64_t row = rt * kAmxRows + i;
+        std::memcpy(qa + (rt * blocks + b) * kAmxATileBytes + i * kInt8Block,
+                    qx + row * kp + b * kInt8Block, kInt8Block);
+        sa[(rt * blocks + b) * kAmxRows + i] =
+            row < m ? sx[row * blocks + b] : 0.0f;
       }
     }
+  }
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
     AmxLoadConfig();  // tile configuration is per thread
     thread_local std::vector<uint8_t> prep;
     prep.resize(per_task * blocks * kAmxBlockBytes);

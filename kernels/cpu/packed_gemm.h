@@ -166,10 +166,13 @@ Int8DotKernel Int8DotKernelFor(int64_t m);
 // VNNI usable, the CPU has AMX-TILE and AMX-INT8, and Linux granted this
 // process the tile state (arch_prctl, see cpu_features.h).
 bool Int8DotAmxUsable();
-// Smallest m that takes AMX where usable (measured crossover with VNNI on
-// the 1B shape, see bench/RESULTS.md). 0 disables AMX; 1 takes it at every
-// m (tests). Not synchronised with running GEMMs; call between them.
-inline constexpr int64_t kInt8DotAmxDefaultMinRows = 8;
+// Smallest m that takes AMX where usable: a tile holds 16 rows, and below
+// 16 the padded rows cost as much as real ones (measured on the 1B shape's
+// matrices: m = 8 ran at 0.2-0.9x VNNI, m = 16-32 at 1.1-1.7x when the
+// shared machine was quiet; see bench/RESULTS.md). 0 disables AMX; 1 takes
+// it at every m (tests). Not synchronised with running GEMMs; call between
+// them.
+inline constexpr int64_t kInt8DotAmxDefaultMinRows = 16;
 int64_t Int8DotAmxMinRows();
 void SetInt8DotAmxMinRows(int64_t rows);
 
