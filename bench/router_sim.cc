@@ -71,7 +71,8 @@ bool HasOption(const std::string& name, const char* suffix) {
 // the tier, in the worker's one event stream.
 class SimTier {
  public:
-  explicit SimTier(int64_t capacity) : capacity_(capacity) {}
+  SimTier(int64_t capacity, bool refresh)
+      : capacity_(capacity), refresh_(refresh) {}
   // Keeps `h`; returns the hash dropped to make room, if any.
   std::optional<BlockHash> Offer(const BlockHash& h) {
     std::optional<BlockHash> dropped;
@@ -90,7 +91,7 @@ class SimTier {
   int32_t Match(std::span<const BlockHash> hashes) {
     size_t n = 0;
     while (n < hashes.size() && pos_.contains(hashes[n])) ++n;
-    for (size_t i = n; i-- > 0;)
+    for (size_t i = n; refresh_ && i-- > 0;)
       lru_.splice(lru_.end(), lru_, pos_.find(hashes[i])->second);
     return static_cast<int32_t>(n);
   }
@@ -100,6 +101,7 @@ class SimTier {
 
  private:
   const int64_t capacity_;
+  const bool refresh_;
   std::list<BlockHash> lru_;  // least recent first
   absl::flat_hash_map<BlockHash, std::list<BlockHash>::iterator,
                       engine::BlockHashHasher>
@@ -377,8 +379,10 @@ class Simulation {
   // caused it, and an eviction it keeps as moved (pool -> disk).
   void AddTier(int32_t w, engine::BlockManager* cache, int64_t pool_blocks) {
     if (static_cast<int32_t>(tiers_.size()) <= w) tiers_.resize(w + 1);
-    tiers_[w] = std::make_unique<SimTier>(static_cast<int64_t>(
-        c_.tier_multiple * static_cast<double>(pool_blocks)));
+    tiers_[w] = std::make_unique<SimTier>(
+        static_cast<int64_t>(c_.tier_multiple *
+                             static_cast<double>(pool_blocks)),
+        c_.tier_refresh_on_hit);
     SimTier* t = tiers_[w].get();
     cache->set_tier_hooks(engine::BlockManager::TierHooks(
         engine::KvTierKind::kDisk,

@@ -119,6 +119,9 @@ struct SimConfig {
   // PeerBlockHolder does); false: from its pool only (the index is then
   // asked pool counts for holders), for comparison.
   bool pull_from_tiers = true;
+  // A tier hit makes the block the tier's most recent (KvTier::Match does);
+  // false: the tier stays in insertion order, for comparison.
+  bool tier_refresh_on_hit = true;
 
   absl::Status Validate() const;
 };
