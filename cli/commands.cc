@@ -74,6 +74,9 @@ ABSL_FLAG(double, tier_multiple, 4, "sim route --tiers: tier size / pool size");
 ABSL_FLAG(bool, pull_from_tiers, true,
           "sim route, +tier+pull policies: holders serve pulls from their "
           "tier too (false: from their pool only)");
+ABSL_FLAG(bool, tier_refresh_on_hit, true,
+          "sim route, +tier policies: a tier hit refreshes the block in the "
+          "tier's LRU, as the engine's tier does (false: for comparison)");
 ABSL_FLAG(std::string, pool_fractions, "0.0625,0.125,0.25,0.5",
           "sim route --tiers: pool sizes as fractions of the working set");
 ABSL_FLAG(double, tier_read_gbps, 2.0,
@@ -277,6 +280,7 @@ int RunSimRoute(const std::vector<std::string>&) {
   c.pool_fraction = absl::GetFlag(FLAGS_pool_fraction);
   c.tier_multiple = absl::GetFlag(FLAGS_tier_multiple);  // "+tier" policies
   c.pull_from_tiers = absl::GetFlag(FLAGS_pull_from_tiers);
+  c.tier_refresh_on_hit = absl::GetFlag(FLAGS_tier_refresh_on_hit);
   c.seed = absl::GetFlag(FLAGS_seed) == 0 ? 1 : absl::GetFlag(FLAGS_seed);
   auto report = bench::RunRouterSim(c, [](const bench::SimRun& r) {
     std::fprintf(stderr, "[sim] %s done\n", r.policy.c_str());
@@ -496,7 +500,7 @@ const std::vector<Command>& AllCommands() {
        "1] [--max-requests N] "
        "[--out sim.json] [--json]\n"
        "          [--pull-from-tiers=false: +tier+pull holders serve from "
-       "their pool only]\n"
+       "their pool only] [--tier-refresh-on-hit=false]\n"
        "sim route --trace FILE --tiers [--pool-fractions "
        "0.0625,0.125,0.25,0.5] "
        "[--tier-multiple 4]\n"
