@@ -156,6 +156,28 @@ TEST_F(KvTierTest, EvictedPrefixComesBackFromTheTierBitIdentical) {
   EXPECT_EQ(e->Stats().kv_tier.blocks_loaded, 3);
 }
 
+// A tier hit costs no extra engine steps: the step that admits the request
+// reads every matched block back and prefills the rest, so the first token
+// comes from that one step (a load spread over steps, or a chunk split by the
+// load, would show up in TTFT as whole forward passes).
+TEST_F(KvTierTest, TierHitLoadsAndPrefillsTheRestInOneStep) {
+  const RunResult cold = Cold();
+  auto e = MakeTiered();
+  OffloadA(e.get());
+  const int64_t steps = e->Stats().steps;
+  ASSERT_TRUE(e->AddRequest(A("hit")).ok());
+  auto first = e->Step();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->size(), 1u);
+  ASSERT_EQ((*first)[0].new_tokens.size(), 1u);
+  EXPECT_EQ((*first)[0].new_tokens[0], cold.tokens[0]);
+  EXPECT_EQ((*first)[0].cached_prompt_tokens, 48);
+  EXPECT_EQ(e->Stats().steps, steps + 1);
+  EXPECT_EQ(e->Stats().kv_tier.blocks_loaded, 3);
+  e->Abort("hit");
+  while (e->HasWork()) ASSERT_TRUE(e->Step().ok());
+}
+
 // All layers of pool block `block`, as bytes.
 std::vector<unsigned char> BlockBytes(Engine* e, int32_t block) {
   const KvCacheSpec& spec = e->kv_spec();
