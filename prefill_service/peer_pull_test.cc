@@ -207,6 +207,20 @@ class Node : public v1::Worker::Service {
     if (t == nullptr || !t->WaitForWrites(absl::Seconds(30))) return -1;
     return t->Match(Hashes(r));
   }
+  // Takes `n` free pool blocks (a request in flight, as far as a pull can
+  // tell); Unhold gives them back.
+  std::vector<int32_t> Hold(int64_t n) {
+    auto b = loop_->Call([&](engine::Engine& e) {
+      std::vector<int32_t> blocks;
+      EXPECT_TRUE(e.block_manager().Allocate(n, &blocks));
+      return blocks;
+    });
+    return b.ok() ? *b : std::vector<int32_t>{};
+  }
+  void Unhold(const std::vector<int32_t>& blocks) {
+    ASSERT_TRUE(
+        loop_->Call([&](engine::Engine& e) { e.ReleaseBlocks(blocks); }).ok());
+  }
   engine::KvTierStats TierStats() {
     auto s = loop_->Call([](engine::Engine& e) { return e.Stats(); });
     return s.ok() ? s->kv_tier : engine::KvTierStats{};
@@ -538,6 +552,30 @@ TEST_F(PeerPullFromTierTest, ConcurrentPullsFromOneHoldersTier) {
   EXPECT_EQ(a.ActiveBlocks(), 0);
   EXPECT_EQ(b.ActiveBlocks(), 0);
   // The tier still holds the prompt (reads leave records in place).
+  EXPECT_EQ(holder->TierPrefixBlocks(holder->Request("x", kTokens)), kBlocks);
+}
+
+TEST_F(PeerPullFromTierTest, HolderWithoutRoomForTheTierReadsServesWhatFits) {
+  // 12 of the holder's 16 blocks are busy: only 4 tier records can be read
+  // back for the pull, so the puller gets those 4 and computes the rest.
+  auto holder = TieredHolder();
+  Node puller;
+  const v1::PrefillResponse cold = Warm(*holder);
+  PushOutToTier(*holder);
+  const std::vector<int32_t> busy = holder->Hold(12);
+  ASSERT_EQ(busy.size(), 12u);
+  auto pulled = puller.Run(PullRequest(puller, *holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 4u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPartial), 1);
+  EXPECT_EQ(holder->metrics().served_partial->Value(), 1);
+  EXPECT_EQ(holder->metrics().served_tier_blocks->Value(), 4);
+  EXPECT_EQ(holder->ActiveBlocks(), 12);  // only the busy ones
+  holder->Unhold(busy);
+  EXPECT_EQ(holder->ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+  // Nothing was lost from the tier: all 10 records are still there.
   EXPECT_EQ(holder->TierPrefixBlocks(holder->Request("x", kTokens)), kBlocks);
 }
 
