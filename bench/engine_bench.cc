@@ -236,13 +236,21 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                        kernels::DetectCpuFeatures().avx512bf16;
   const bool int8dot = config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
                        kernels::Int8DotUsesVnni();
+  // int8dot takes AMX-INT8 from Int8DotAmxMinRows() rows on (batched decode
+  // and prefill), VNNI below.
+  const bool amx = int8dot && kernels::Int8DotAmxUsable() &&
+                   kernels::Int8DotAmxMinRows() > 0;
   result.gemm_path =
       config.engine.matmul == kernels::MatMulMode::kBlas
           ? "blas"
-          : absl::StrCat(kernels::GemmIsaName(kernels::ActiveGemmIsa()),
-                         bf16dot   ? "-bf16dot"
-                         : int8dot ? "-int8dot-vnni"
-                                   : "");
+          : absl::StrCat(
+                kernels::GemmIsaName(kernels::ActiveGemmIsa()),
+                bf16dot   ? "-bf16dot"
+                : amx     ? absl::StrCat("-int8dot-amx(m>=",
+                                         kernels::Int8DotAmxMinRows(), ")-vnni")
+                : int8dot ? "-int8dot-vnni"
+                          : "");
+  result.int8dot_amx_min_rows = amx ? kernels::Int8DotAmxMinRows() : 0;
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
   result.threads = kernels::KernelThreads();
   result.weight_bytes = weights->ParameterBytes();
@@ -258,17 +266,35 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   // The peak of the path the matrices run on (blas: the best vector ISA).
   // (--matmul bf16dot: the VDPBF16PS peak; int8dot: VPDPBUSD's, in G int8
   // ops/s, against which a GEMM's multiply-adds count 2 as for fp32.)
+  // With AMX: TDPBSSD's peak (full 64-byte k per instruction), which is
+  // what prefill and the batches that take AMX are divided by; the VNNI peak
+  // and TDPBSSD's at one block (32 k) per instruction, as the kernel issues
+  // it, are reported beside it.
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
   auto measure_peak = [&](double seconds) {
     return bf16dot ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
+           : amx   ? kernels::MeasureAmxInt8PeakGops(result.threads, seconds)
            : int8dot ? kernels::MeasureInt8DotPeakGops(result.threads, seconds)
                      : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
                                                      seconds);
   };
   result.fma_peak_gflops = measure_peak(0.3);
-  std::fprintf(stderr, "[bench] %s FMA peak %.1f GFLOP/s on %d threads\n",
-               kernels::GemmIsaName(peak_isa), result.fma_peak_gflops,
+  std::fprintf(stderr, "[bench] %s peak %.1f G(FL)OP/s on %d threads\n",
+               result.gemm_path.c_str(), result.fma_peak_gflops,
                result.threads);
+  if (int8dot) {
+    result.int8dot_vnni_peak_gops =
+        kernels::MeasureInt8DotPeakGops(result.threads, 0.3);
+    if (amx) {
+      result.amx_int8_block_peak_gops =
+          kernels::MeasureAmxInt8PeakGops(result.threads, 0.3, 32);
+    }
+    std::fprintf(stderr,
+                 "[bench] int8dot: VPDPBUSD peak %.1f G ops/s, TDPBSSD at 32 "
+                 "k per instruction %.1f G ops/s\n",
+                 result.int8dot_vnni_peak_gops,
+                 result.amx_int8_block_peak_gops);
+  }
 
   // Prefill: one long prompt in one step (budget = prompt length), best of 3.
   {
@@ -402,6 +428,9 @@ std::string EngineBenchResult::ToJson() const {
   out["stream_bytes"] = stream_bytes;
   out["stream_triad_gb_per_s"] = stream_gb_per_s;
   out["fma_peak_gflops"] = fma_peak_gflops;
+  out["int8dot_amx_min_rows"] = int8dot_amx_min_rows;
+  out["int8dot_vnni_peak_gops"] = int8dot_vnni_peak_gops;
+  out["amx_int8_block_peak_gops"] = amx_int8_block_peak_gops;
   out["weight_bytes"] = weight_bytes;
   out["prefill_tokens"] = prefill_tokens;
   out["prefill_tokens_per_s"] = prefill_tokens_per_s;
@@ -442,7 +471,7 @@ std::string EngineBenchResult::ToTable() const {
       "GEMM path              : %s on %d threads (cpu: %s)\n"
       "load average (1 min)   : %.2f\n"
       "STREAM triad           : %8.2f GB/s over %lld MiB (LLC %lld MiB)\n"
-      "FMA peak               : %8.1f GFLOP/s\n"
+      "peak of the path       : %8.1f G(FL)OP/s\n"
       "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n"
       "decode rounds          : triad %.2f GB/s, FMA peak %.1f GFLOP/s "
       "(means)\n\n"
@@ -459,6 +488,13 @@ std::string EngineBenchResult::ToTable() const {
         &out, "%6d %10.2f %10.2f %10.2f %9.2f %9.1f %9.2f %8.2f\n", d.batch,
         d.tokens_per_s, d.step_ms, d.bytes_per_step / (d.step_ms / 1e3) / 1e9,
         d.roofline_ratio, d.gflops, d.fma_peak_fraction, d.speedup_vs_batch1);
+  }
+  if (int8dot_vnni_peak_gops > 0) {
+    absl::StrAppendFormat(
+        &out,
+        "\nint8dot: AMX-INT8 from batch %d on (0: not used); VPDPBUSD peak "
+        "%.1f G ops/s, TDPBSSD at 32 k per instruction %.1f G ops/s\n",
+        int8dot_amx_min_rows, int8dot_vnni_peak_gops, amx_int8_block_peak_gops);
   }
   if (!accuracy.empty()) {
     absl::StrAppendFormat(&out, "\n%6s %10s %14s %14s %8s\n", "dtype",

@@ -3,7 +3,8 @@
 //  - a STREAM triad over a working set of at least 4x the last-level cache
 //    (size read from sysfs), so it measures DRAM, not cache; decode's
 //    roofline ratio is bytes read per step / step time / triad bandwidth;
-//  - the fp32 FMA peak of the active GEMM path (kernels/cpu/fma_peak.h);
+//  - the peak of the active GEMM path (kernels/cpu/fma_peak.h: fp32 FMA, or
+//    VDPBF16PS, VPDPBUSD or AMX-INT8 TDPBSSD for the dot-product paths);
 //    prefill's and each decode batch's achieved FLOP/s are reported as a
 //    fraction of it.
 // Optionally the accuracy of compact weight dtypes against the fp32 model.
@@ -65,6 +66,12 @@ struct EngineBenchResult {
   int64_t stream_bytes = 0;  // triad working set used
   double stream_gb_per_s = 0;
   double fma_peak_gflops = 0;  // of gemm_path, all threads, around prefill
+  // --matmul int8dot: the smallest batch that runs on AMX-INT8 (0: AMX not
+  // used), VPDPBUSD's peak, and TDPBSSD's at 32 k per instruction (as the
+  // kernel uses it; fma_peak_gflops is then its full 64-k peak).
+  int64_t int8dot_amx_min_rows = 0;
+  double int8dot_vnni_peak_gops = 0;
+  double amx_int8_block_peak_gops = 0;
   // Means of the measurements taken in each decode round (what the decode
   // roofline ratios and peak fractions divide by).
   double decode_stream_gb_per_s = 0;

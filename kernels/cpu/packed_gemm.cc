@@ -854,9 +854,10 @@ bool VnniUsable() {
 // 32 bytes; tmm2/tmm3 B, 8 x 64 bytes; tmm4..7 C, 16 x 16 int32 (two pairs,
 // see Int8DotAmx). Activation rows are padded to 16 with zeros (their sums
 // are discarded) and packed per row tile and block, 512 contiguous bytes.
-#define PDSERVE_AMX                                                         \
-  __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c,amx-" \
-                        "tile,amx-int8")))
+#define PDSERVE_AMX                                             \
+  __attribute__((                                               \
+      target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c,amx-" \
+             "tile,amx-int8")))
 // GCC 12's _tile_loadd/_tile_stored are asm that tell the compiler nothing
 // about the memory they touch, so it could move a read of a stored tile
 // before the store. These name the bytes (tiles here are contiguous: stride =
@@ -868,13 +869,13 @@ template <int N>
 struct AmxSums {
   int32_t v[N / 4];
 };
-#define PDSERVE_TILE_LOAD(t, base, stride, bytes)                          \
-  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base),            \
-                   "r"(static_cast<long>(stride)),                         \
+#define PDSERVE_TILE_LOAD(t, base, stride, bytes)               \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), \
+                   "r"(static_cast<long>(stride)),              \
                    "m"(*reinterpret_cast<const AmxSums<bytes>*>(base)))
-#define PDSERVE_TILE_STORE(t, base, stride, bytes)                         \
-  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)"                     \
-                   : "=m"(*reinterpret_cast<AmxSums<bytes>*>(base))        \
+#define PDSERVE_TILE_STORE(t, base, stride, bytes)                  \
+  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)"              \
+                   : "=m"(*reinterpret_cast<AmxSums<bytes>*>(base)) \
                    : "r"(base), "r"(static_cast<long>(stride)))
 #define PDSERVE_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #define PDSERVE_TILE_DPBSSD(c, a, b) \
@@ -923,43 +924,44 @@ PDSERVE_AMX void PrepareAmxPanel(const uint8_t* panel, int64_t blocks,
     uint8_t* o = out + b * kAmxBlockBytes;
     for (int g = 0; g < kInt8Block / 4; ++g) {
       _mm512_storeu_si512(o + g * 64,
-                         _mm512_permutexvar_epi8(
-                             idx, _mm512_loadu_si512(blk + g * 4 * kPanel)));
+                          _mm512_permutexvar_epi8(
+                              idx, _mm512_loadu_si512(blk + g * 4 * kPanel)));
     }
-    _mm512_storeu_ps(o + 512, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                 reinterpret_cast<const __m256i*>(
-                                     blk + kInt8Block * kPanel))));
+    _mm512_storeu_ps(
+        o + 512,
+        _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(blk + kInt8Block * kPanel))));
   }
 }
 
 // R (<= 16) real rows of one row tile (qx: 16 rows readable, stride kp) x
 // one prepared panel: io[R][16] = the kInt8Dot chain of packed_gemm.h.
 // acc[i] = fma(float(sums[i]), sx[i][b] * sw[b], acc[i]) for the R rows;
-// sa: this row tile's activation scales as [blocks][16]. (A macro: passed to
-// a function, even an inlined one, the accumulators stayed in memory.)
-#define PDSERVE_AMX_SCALE_ADD(sums, b)                                     \
-  do {                                                                     \
-    const __m512 sw = _mm512_loadu_ps(prep + (b) * kAmxBlockBytes + 512);  \
-    _Pragma("GCC unroll 16") for (int i = 0; i < R; ++i) {                 \
-      const __m512 scale =                                                 \
-          _mm512_mul_ps(_mm512_set1_ps(sa[(b) * kAmxRows + i]), sw);       \
-      acc[i] = _mm512_fmadd_ps(                                            \
+// sa: this row tile's activation scales as [blocks][16]. (A macro over the
+// kernel's own accumulators; see Int8DotAmx on the unrolling.)
+#define PDSERVE_AMX_SCALE_ADD(sums, b)                                      \
+  do {                                                                      \
+    const __m512 sw = _mm512_loadu_ps(prep + (b)*kAmxBlockBytes + 512);     \
+    _Pragma("GCC unroll 16") for (int i = 0; i < R; ++i) {                  \
+      const __m512 scale =                                                  \
+          _mm512_mul_ps(_mm512_set1_ps(sa[(b)*kAmxRows + i]), sw);          \
+      acc[i] = _mm512_fmadd_ps(                                             \
           _mm512_cvtepi32_ps(_mm512_load_si512((sums)[i])), scale, acc[i]); \
-    }                                                                      \
+    }                                                                       \
   } while (0)
 
 // Blocks b and b + 1 into C tiles C0 and C1; A tiles are packed
 // [block][16 rows][32 bytes] (stride 32).
-#define PDSERVE_AMX_PAIR(C0, C1, b)                                          \
-  do {                                                                       \
-    PDSERVE_TILE_LOAD(0, qa + (b) * kAmxATileBytes, kInt8Block, 512);        \
-    PDSERVE_TILE_LOAD(2, prep + (b) * kAmxBlockBytes, 64, 512);              \
-    PDSERVE_TILE_ZERO(C0);                                                   \
-    PDSERVE_TILE_DPBSSD(C0, 0, 2);                                           \
-    PDSERVE_TILE_LOAD(1, qa + ((b) + 1) * kAmxATileBytes, kInt8Block, 512);  \
-    PDSERVE_TILE_LOAD(3, prep + ((b) + 1) * kAmxBlockBytes, 64, 512);        \
-    PDSERVE_TILE_ZERO(C1);                                                   \
-    PDSERVE_TILE_DPBSSD(C1, 1, 3);                                           \
+#define PDSERVE_AMX_PAIR(C0, C1, b)                                         \
+  do {                                                                      \
+    PDSERVE_TILE_LOAD(0, qa + (b)*kAmxATileBytes, kInt8Block, 512);         \
+    PDSERVE_TILE_LOAD(2, prep + (b)*kAmxBlockBytes, 64, 512);               \
+    PDSERVE_TILE_ZERO(C0);                                                  \
+    PDSERVE_TILE_DPBSSD(C0, 0, 2);                                          \
+    PDSERVE_TILE_LOAD(1, qa + ((b) + 1) * kAmxATileBytes, kInt8Block, 512); \
+    PDSERVE_TILE_LOAD(3, prep + ((b) + 1) * kAmxBlockBytes, 64, 512);       \
+    PDSERVE_TILE_ZERO(C1);                                                  \
+    PDSERVE_TILE_DPBSSD(C1, 1, 3);                                          \
   } while (0)
 
 // R (<= 16) real rows of one row tile x one prepared panel: io[R][16] = the
@@ -1467,8 +1469,7 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
   const int64_t per_task = std::clamp<int64_t>(
       panels / (int64_t{8} * std::max(1, max_threads)), 1, 4);
   const int64_t tasks = (panels + per_task - 1) / per_task;
-  const int threads =
-      static_cast<int>(std::min<int64_t>(max_threads, tasks));
+  const int threads = static_cast<int>(std::min<int64_t>(max_threads, tasks));
   const bool parallel = threads > 1 && m * n * kp > (int64_t{1} << 16);
   // Which thread takes a task never changes its numbers.
   // Activations and their scales per row tile and block,
@@ -1514,8 +1515,8 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
         for (int64_t v = 0; v < np; ++v) {
           const int64_t c0 = (p0 + v) * kPanel;
           const int64_t cols = std::min<int64_t>(n - c0, kPanel);
-          fn(qa + rt * blocks * kAmxATileBytes, sa + rt * blocks * kAmxRows, blocks,
-             prep.data() + v * blocks * kAmxBlockBytes, io);
+          fn(qa + rt * blocks * kAmxATileBytes, sa + rt * blocks * kAmxRows,
+             blocks, prep.data() + v * blocks * kAmxBlockBytes, io);
           for (int i = 0; i < rows; ++i) {
             std::memcpy(y + (i0 + i) * n + c0, io + i * kPanel,
                         cols * sizeof(float));

@@ -136,9 +136,10 @@ class WeightMatrix {
 //     acc = fma(float(isum), sx[i][b] * sw[j][b], acc)   (fp32)
 // The integer sums do not depend on any order, so AVX512-VNNI (vpdpbusd,
 // with a +128 offset on x undone exactly), AMX-INT8 (tdpbssd, one block per
-// instruction) and the portable loop give the same bits on every CPU; rows depend only on themselves, so it is
-// batch-invariant. Activations lose precision (int8 per 32 values), so it is
-// its own numerics (engines put it in the model fingerprint).
+// instruction) and the portable loop give the same bits on every CPU; rows
+// depend only on themselves, so it is batch-invariant. Activations lose
+// precision (int8 per 32 values), so it is its own numerics (engines put it in
+// the model fingerprint).
 enum class GemmNumerics { kFp32Chain, kBf16Dot, kInt8Dot };
 
 // kInt8Dot's activation rounding, per row and block of 32 (the last block

@@ -325,8 +325,8 @@ class Int8DotTest : public ::testing::Test {
 class Int8DotAmxTest : public Int8DotTest {
  protected:
   void SetUp() override {
-    if (!GemmIsaSupported(GemmIsa::kAvx512) ||
-        !SetGemmIsa(GemmIsa::kAvx512) || !Int8DotAmxUsable()) {
+    if (!GemmIsaSupported(GemmIsa::kAvx512) || !SetGemmIsa(GemmIsa::kAvx512) ||
+        !Int8DotAmxUsable()) {
       GTEST_SKIP() << "no usable AMX-INT8 here (features: "
                    << DetectCpuFeatures().ToString() << ")";
     }
@@ -337,9 +337,9 @@ class Int8DotAmxTest : public Int8DotTest {
   std::vector<float> RunWith(Kernel kernel, const float* x, int64_t m,
                              int64_t k, const WeightMatrix& w) {
     SetInt8DotAmxMinRows(kernel == Kernel::kAmx ? 1 : 0);
-    const auto y = Run(
-        kernel == Kernel::kPortable ? GemmIsa::kPortable : GemmIsa::kAvx512, x,
-        m, k, w);
+    const auto y =
+        Run(kernel == Kernel::kPortable ? GemmIsa::kPortable : GemmIsa::kAvx512,
+            x, m, k, w);
     EXPECT_EQ(Int8DotKernelFor(m), kernel == Kernel::kAmx ? Int8DotKernel::kAmx
                                    : kernel == Kernel::kVnni
                                        ? Int8DotKernel::kVnni
@@ -409,8 +409,8 @@ TEST_F(Int8DotAmxTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {
         for (const std::vector<float>* got : outs) {
           ASSERT_EQ(0, std::memcmp(got->data(), full.data() + off * n,
                                    got->size() * sizeof(float)))
-              << (got == &y ? "amx" : "default") << " m=" << m
-              << " off=" << off << " threads=" << threads;
+              << (got == &y ? "amx" : "default") << " m=" << m << " off=" << off
+              << " threads=" << threads;
         }
       }
     }
