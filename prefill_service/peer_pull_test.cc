@@ -335,6 +335,25 @@ TEST_F(PeerPullTest, HolderThatEvictedTheBlocksMeansRecompute) {
   EXPECT_EQ(puller.ActiveBlocks(), 0);
 }
 
+TEST_F(PeerPullTest, HolderWithPartOfThePrefixServesThatPart) {
+  // The holder caches only the first 3 blocks (a 13-token prompt), no tier:
+  // the router's count was stale. The puller gets those 3 and computes the
+  // rest (before partial pulls, this was a NOT_FOUND and a full recompute).
+  Node holder, puller, reference;
+  const v1::PrefillResponse cold = Warm(reference);
+  ASSERT_TRUE(holder.Run(holder.Request("short", 13)).ok());
+  auto pulled = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameOutput(cold, *pulled);
+  EXPECT_EQ(pulled->pulled_blocks(), 3u);
+  EXPECT_EQ(pulled->cached_prompt_tokens(), 3 * 4u);
+  EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPartial), 1);
+  EXPECT_EQ(holder.metrics().served_partial->Value(), 1);
+  EXPECT_EQ(holder.metrics().served_pool_blocks->Value(), 3);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+}
+
 TEST_F(PeerPullTest, HolderThatDiesMidPullMeansRecompute) {
   Node holder(HolderMode::kDiesMidPull), puller;
   const v1::PrefillResponse cold = Warm(holder);
