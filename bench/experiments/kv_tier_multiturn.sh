@@ -1,56 +1,99 @@
 #!/bin/bash
-# Live TTFT with the KV tier off and on (bench/RESULTS.md, "KV tier"): one
-# colocated `small` worker whose pool (12 MiB = 96 blocks = 1,536 tokens) is
-# too small for 6 interleaved conversations of 6 turns (8 output tokens), a
-# router in front, `bench serve` closed loop at concurrency 1. Round-robin
-# turns evict each conversation's prefix from the pool before its next turn;
-# with a tier it comes back from disk (on) or host memory (mem).
-#   SHAPE=even:    every turn adds 192 tokens (192 .. 1,152)
-#   SHAPE=mooncake: a 448-token first turn, then 96 new tokens a turn (448 ..
-#     928): follow-up turns reuse 82-90% of their prompt, around the median
-#     of the Mooncake conversation trace's follow-up turns (0.85; 829 new of
-#     9,874 tokens), scaled down for a 2-core CPU.
-#   bench/experiments/kv_tier_multiturn.sh [OUT_DIR]   (MODES="off on mem")
+# Live TTFT with the KV tier off, on disk and in host memory (bench/RESULTS.md,
+# "KV tier"): one colocated `small` worker (fp32 KV, 8 KiB/token) whose pool
+# (POOL, default 12 MiB = 96 blocks = 1,536 tokens) is too small for the
+# conversations of `bench serve --workload multiturn` (N requests = N / 6
+# conversations of 6 turns, interleaved round-robin; turn 0 is INPUT_LEN
+# tokens, each follow-up reuses 0.75-0.95 of its prompt, median 0.85), a
+# router in front, closed loop at concurrency 1, OUTPUT_LEN tokens each.
+# Between two turns of a conversation the others evict its prefix from the
+# pool; with a tier it comes back from disk (disk) or host memory (mem)
+# instead of being recomputed (off).
+#   bench/experiments/kv_tier_multiturn.sh [OUT_DIR]
+#   env: BIN (use a private copy: others relink build/bin), RUNS=2,
+#        MODES="off disk mem", N=36, INPUT_LEN=448, OUTPUT_LEN=8, SEED=1,
+#        POOL=12MiB, THREADS=1 (kernel threads per worker: on the shared
+#        2-core VM a second OpenMP thread is often descheduled, and every
+#        parallel region then waits for it; that fixed cost per forward pass
+#        swamps short prefills such as a tier hit's: RESULTS.md)
+# Prints one table row per (run, mode), ratios against the same run's off.
 set -u
 BIN=${BIN:-build/bin/pdserve}
 OUT=${1:-/tmp/kv_tier_multiturn}
-SHAPE=${SHAPE:-even}
+RUNS=${RUNS:-2}
+MODES=${MODES:-off disk mem}
+N=${N:-36}
+INPUT_LEN=${INPUT_LEN:-448}
+OUTPUT_LEN=${OUTPUT_LEN:-8}
+SEED=${SEED:-1}
+POOL=${POOL:-12MiB}
+THREADS=${THREADS:-1}
 mkdir -p "$OUT"
 M=$OUT/small
 [ -d "$M" ] || $BIN model init --preset small --out "$M" >/dev/null
-python3 - "$OUT/trace_$SHAPE.jsonl" "$SHAPE" <<'PY'
-import json, sys
-first, step = (192, 192) if sys.argv[2] == "even" else (448, 96)
-with open(sys.argv[1], "w") as f:
-    for turn in range(6):
-        for conv in range(6):
-            f.write(json.dumps({"arrival_s": 0, "prompt_tokens": first + step * turn,
-                                "max_tokens": 8, "prefix_group": f"conv{conv}"}) + "\n")
-PY
-for mode in ${MODES:-off on}; do
-  rm -rf "$OUT/tier"; mkdir -p "$OUT/tier"
-  extra=""
-  [ "$mode" = on ] && extra="--kv-offload-dir $OUT/tier --kv-offload-bytes 1GiB"
-  [ "$mode" = mem ] && extra="--kv-offload-memory 1GiB"
-  $BIN worker --insecure --role both --model "$M" --port 0 --metrics-port 19481 \
-    --kv-cache-memory 12MiB --threads 2 $extra >"$OUT/worker_$mode.log" 2>&1 &
-  WP=$!
-  for _ in $(seq 300); do grep -q listening "$OUT/worker_$mode.log" && break; sleep 0.2; done
-  ADDR=$(grep -o 'listening on [0-9.:]*' "$OUT/worker_$mode.log" | awk '{print $3}')
-  $BIN router --insecure --model "$M" --port 50581 --metrics-port 19482 \
-    --both-workers "$ADDR" >"$OUT/router_$mode.log" 2>&1 &
-  RP=$!
-  # Until the router has polled the worker (a loaded machine is slow).
-  for _ in $(seq 50); do
-    curl -s localhost:19482/metrics | grep -q '^pdserve_workers{.*state="up".*} [1-9]' && break
-    sleep 0.2
+for run in $(seq "$RUNS"); do
+  for mode in $MODES; do
+    tag=${mode}_$run
+    rm -rf "$OUT/tier"; mkdir -p "$OUT/tier"
+    extra=""
+    [ "$mode" = disk ] && extra="--kv-offload-dir $OUT/tier --kv-offload-bytes 1GiB"
+    [ "$mode" = mem ] && extra="--kv-offload-memory 1GiB"
+    $BIN worker --insecure --role both --model "$M" --port 0 --metrics-port 19481 \
+      --kv-cache-memory "$POOL" --threads "$THREADS" $extra >"$OUT/worker_$tag.log" 2>&1 &
+    WP=$!
+    for _ in $(seq 300); do grep -q listening "$OUT/worker_$tag.log" && break; sleep 0.2; done
+    ADDR=$(grep -o 'listening on [0-9.:]*' "$OUT/worker_$tag.log" | awk '{print $3}')
+    $BIN router --insecure --model "$M" --port 50581 --metrics-port 19482 \
+      --both-workers "$ADDR" >"$OUT/router_$tag.log" 2>&1 &
+    RP=$!
+    # Until the router has polled the worker (a loaded machine is slow).
+    for _ in $(seq 50); do
+      curl -s localhost:19482/metrics | grep -q '^pdserve_workers{.*state="up".*} [1-9]' && break
+      sleep 0.2
+    done
+    cut -d' ' -f1 /proc/loadavg >"$OUT/load_$tag.txt"
+    $BIN bench serve --router 127.0.0.1:50581 --workload multiturn \
+      --num-requests "$N" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+      --seed "$SEED" --concurrency 1 --json >"$OUT/bench_$tag.json"
+    cut -d' ' -f1 /proc/loadavg >>"$OUT/load_$tag.txt"
+    curl -s localhost:19481/metrics | grep -E '^pdserve_(kv_tier|prefix_cache)' >"$OUT/metrics_$tag.txt"
+    # The router's own TTFT (from its receiving the call to the first token
+    # it sends): the rest of bench serve's TTFT is the client and the wire.
+    curl -s localhost:19482/metrics | grep -E '^pdserve_time_to_first_token_seconds_(sum|count)' >>"$OUT/metrics_$tag.txt"
+    kill $RP $WP; wait $RP $WP 2>/dev/null
+    echo "== run $run, tier $mode (load $(tr '\n' ' ' <"$OUT/load_$tag.txt"))" >&2
+    sleep 2
   done
-  $BIN bench serve --router 127.0.0.1:50581 --trace "$OUT/trace_$SHAPE.jsonl" \
-    --concurrency 1 --json >"$OUT/bench_${SHAPE}_$mode.json"
-  curl -s localhost:19481/metrics | grep -E '^pdserve_(kv_tier|prefix_cache)' >"$OUT/metrics_${SHAPE}_$mode.txt"
-  kill $RP $WP; wait $RP $WP 2>/dev/null
-  echo "== $SHAPE tier $mode (load $(cut -d' ' -f1-3 /proc/loadavg))"
-  python3 -c "import json; print(json.load(open('$OUT/bench_${SHAPE}_$mode.json'))['ttft_s'])"
-  cat "$OUT/metrics_${SHAPE}_$mode.txt"
-  sleep 2
 done
+python3 - "$OUT" "$RUNS" "$MODES" <<'PY'
+import json, re, sys
+out, runs, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+def metric(tag, name):
+    total = 0.0
+    for line in open(f"{out}/metrics_{tag}.txt"):
+        if re.match(name + r"(\{|\s)", line):
+            total += float(line.split()[-1])
+    return total
+print("| run | tier | load (start-end) | TTFT p50 | p90 | p99 | mean | p50 vs off | p99 vs off "
+      "| router TTFT mean | cached tokens | from the tier | tier load time | ok |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for run in range(1, runs + 1):
+    off = None
+    for mode in modes:
+        tag = f"{mode}_{run}"
+        b = json.load(open(f"{out}/bench_{tag}.json"))
+        t = b["ttft_s"]
+        if mode == "off":
+            off = t
+        load = "-".join(open(f"{out}/load_{tag}.txt").read().split())
+        vs = (f"{off['p50'] / t['p50']:.2f}x | {off['p99'] / t['p99']:.2f}x"
+              if off and mode != "off" else " | ")
+        tier = int(metric(tag, "pdserve_kv_tier_hit_tokens_total"))
+        load_s = metric(tag, "pdserve_kv_tier_load_seconds_total")
+        n = metric(tag, "pdserve_time_to_first_token_seconds_count")
+        router = metric(tag, "pdserve_time_to_first_token_seconds_sum") / max(n, 1)
+        print(f"| {run} | {mode} | {load} | {t['p50']:.3f} s | {t['p90']:.3f} s | "
+              f"{t['p99']:.3f} s | {t['mean']:.3f} s | {vs} | {router:.3f} s | "
+              f"{b['cached_prompt_tokens']:,} of {b['prompt_tokens']:,} | {tier:,} | "
+              f"{load_s:.3f} s | {b['succeeded']}/{b['requests']} |")
+PY
