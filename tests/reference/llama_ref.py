@@ -201,7 +201,33 @@ def round_weights(w: np.ndarray, dtype: str) -> np.ndarray:
                        0).astype(np.float32)
         q = np.clip(np.rint(w * inv[:, None]), -127, 127).astype(np.float32)
         return q.astype(np.float64) * scale.astype(np.float64)[:, None]
+    if dtype == "int8-b32":
+        return round_int8_block32(w)
     raise RefError(f"unknown weight dtype '{dtype}'")
+
+
+def round_int8_block32(w: np.ndarray) -> np.ndarray:
+    """--weight-dtype int8-b32: per row and block of 32 columns (the last one
+    may be shorter), scale = max|block| / 127 in float32 rounded UP to fp16
+    (nearest even first, then one fp16 step up if below; saturating at 65504)
+    and q = rint(w / scale) in [-127, 127] (0 where the scale is 0), as
+    WeightMatrix::Pack does; returns q * scale as float64 (exact)."""
+    rows, cols = w.shape
+    out = np.zeros((rows, cols), dtype=np.float64)
+    for b0 in range(0, cols, 32):
+        blk = w[:, b0:b0 + 32]
+        want = (np.abs(blk).max(axis=1) / np.float32(127.0)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            h = want.astype(np.float16)
+        h = np.where(np.isinf(h), np.float16(65504.0), h).astype(np.float16)
+        up = (h.astype(np.float32) < want) & (h < np.float16(65504.0))
+        h = np.where(up, np.nextafter(h, np.float16(np.inf)), h).astype(np.float16)
+        scale = h.astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+        q = np.where(scale[:, None] > 0,
+                     np.clip(np.rint(blk / safe[:, None]), -127, 127), 0).astype(np.float32)
+        out[:, b0:b0 + 32] = q.astype(np.float64) * scale.astype(np.float64)[:, None]
+    return out
 
 
 # --------------------------------------------------------------------------

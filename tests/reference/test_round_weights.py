@@ -33,6 +33,31 @@ class RoundWeightsTest(unittest.TestCase):
         q = got[0] / step[0]
         self.assertTrue(np.allclose(q, np.rint(q), atol=1e-3))
 
+    def test_int8_b32_scales_round_up_to_fp16_per_block(self):
+        rng = np.random.default_rng(2)
+        w = rng.normal(0, 0.02, size=(5, 70)).astype(np.float32)  # 3 blocks, last 6 wide
+        w[1, 32:64] = 0  # an all-zero block
+        w[2, 5] = 1.5  # an outlier coarsens only its block
+        got = llama_ref.round_weights(w, "int8-b32")
+        self.assertTrue(np.all(got[1, 32:64] == 0))
+        for r in range(5):
+            for b0 in range(0, 70, 32):
+                blk, out = w[r, b0:b0 + 32], got[r, b0:b0 + 32]
+                amax = np.float32(np.abs(blk).max())
+                if amax == 0:
+                    continue
+                want = np.float32(amax / np.float32(127))
+                # The scale is the smallest fp16 >= max/127: the levels' step.
+                steps = out / np.float64(np.abs(out).max()) * 127
+                scale = np.float64(np.abs(out).max()) / np.abs(np.rint(steps)).max()
+                self.assertTrue(np.allclose(out / scale, np.rint(out / scale), atol=1e-6))
+                self.assertGreaterEqual(scale, want)
+                self.assertEqual(np.float16(scale).astype(np.float64), scale)
+                self.assertLessEqual(scale, float(want) * (1 + 2 ** -10) + 6e-8)
+                self.assertTrue(np.all(np.abs(out - blk) <= scale / 2 * (1 + 1e-6)))
+        # Other rows keep fine steps although row 2 has an outlier.
+        self.assertLess(np.abs(got[2, 32:] - w[2, 32:]).max(), 0.02 / 127 * 4)
+
     def test_unknown_dtype_is_an_error(self):
         with self.assertRaises(llama_ref.RefError):
             llama_ref.round_weights(np.zeros((1, 1), np.float32), "fp8")
