@@ -4,7 +4,8 @@
 // to first token is split into admission (the step's scheduling: pool
 // lookup, eviction with offers to the tier, tier loads) and forward passes.
 // Prints one JSON line per request and a summary.
-//   kv_tier_ttft MODEL_DIR off|mem|disk:DIR|pool [POOL_MIB=12] [REQUESTS=36]
+//   kv_tier_ttft MODEL_DIR off|mem|disk:DIR|pool|sweep [POOL_MIB=12]
+//   [REQUESTS=36]
 //                [INPUT_LEN=448] [OUTPUT_LEN=8] [THREADS=2]
 // `pool`: a pool of 1 GiB instead (every follow-up is a pool hit: the
 // baseline a tier hit can at best reach). `sweep`: prefill seconds of n new
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "bench/serve_workload.h"
 #include "engine/engine.h"
 #include "engine/tokenizer.h"
@@ -36,13 +38,21 @@ double Since(Clock::time_point t) {
 int main(int argc, char** argv) {
   using namespace pdserve;
   if (argc < 3 || argv[1][0] == '-') {
-    std::fprintf(argc < 3 ? stderr : stdout,
-                 "usage: %s MODEL_DIR off|mem|disk:DIR|pool [POOL_MIB=12] "
-                 "[REQUESTS=36] [INPUT_LEN=448] [OUTPUT_LEN=8] [THREADS=2]\n",
-                 argv[0]);
+    std::fprintf(
+        argc < 3 ? stderr : stdout,
+        "usage: %s MODEL_DIR off|mem|disk:DIR|pool|sweep [POOL_MIB=12] "
+        "[REQUESTS=36] [INPUT_LEN=448] [OUTPUT_LEN=8] [THREADS=2]\n",
+        argv[0]);
     return argc < 3 ? 2 : 0;
   }
   const std::string model = argv[1], mode = argv[2];
+  if (mode != "off" && mode != "mem" && mode != "pool" && mode != "sweep" &&
+      mode.rfind("disk:", 0) != 0) {
+    std::fprintf(stderr,
+                 "unknown mode \"%s\" (off, mem, disk:DIR, pool, sweep)\n",
+                 mode.c_str());
+    return 2;
+  }
   const int64_t pool_mib = argc > 3 ? std::atoll(argv[3]) : 12;
   bench::WorkloadConfig w;
   w.name = "multiturn";
@@ -80,8 +90,7 @@ int main(int argc, char** argv) {
     // (a pool hit), best of 3, against `n` cold tokens.
     auto prefill_s = [&](int ctx, int n, int rep) {
       engine::EngineRequest r;
-      r.id = "s" + std::to_string(ctx) + "_" + std::to_string(n) + "_" +
-             std::to_string(rep);
+      r.id = absl::StrCat("s", ctx, "_", n, "_", rep);
       // The multiturn workload's text (a conversation's first turn).
       bench::WorkloadConfig one = w;
       one.num_requests = 1;
@@ -127,7 +136,7 @@ int main(int argc, char** argv) {
   std::vector<double> ttft, follow_ttft;
   for (size_t i = 0; i < specs->size(); ++i) {
     engine::EngineRequest r;
-    r.id = "r" + std::to_string(i);
+    r.id = absl::StrCat("r", i);
     r.prompt = (*tok)->Encode((*specs)[i].prompt);
     r.sampling.max_tokens = (*specs)[i].max_tokens;
     r.sampling.ignore_eos = true;
