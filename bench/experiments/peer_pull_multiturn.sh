@@ -82,13 +82,13 @@ print("| run | peer pull | load (start-end) | TTFT p50 | p90 | p99 | mean | p50 
       "| p99 vs off | pulls | prefill-worker prefix hits | ok |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for run in range(1, runs + 1):
-    off = None
+    # Off of the same run, whichever order MODES ran in.
+    off = (json.load(open(f"{out}/bench_off_{run}.json"))["ttft_s"]
+           if "off" in modes else None)
     for mode in modes:
         tag = f"{mode}_{run}"
         b = json.load(open(f"{out}/bench_{tag}.json"))
         t = b["ttft_s"]
-        if mode == "off":
-            off = t
         load = "-".join(open(f"{out}/load_{tag}.txt").read().split())
         vs = (f"{off['p50'] / t['p50']:.2f}x | {off['p99'] / t['p99']:.2f}x"
               if off and mode != "off" else " | ")
