@@ -363,12 +363,16 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     }
     running.push_back({batch, std::move(eng)});
   }
-  double triad_sum = 0, peak_sum = 0;
+  double triad_sum = 0, peak_sum = 0, vnni_peak_sum = 0;
   for (int32_t s = 0; s < config.decode_steps; ++s) {
     std::fprintf(stderr, "[bench] decode round %d/%d\n", s + 1,
                  config.decode_steps);
     triad_sum += MeasureTriadBandwidth(result.stream_bytes, 3);
     peak_sum += measure_peak(0.15);
+    // Batches below the AMX threshold run on VNNI: their own peak too.
+    if (amx) {
+      vnni_peak_sum += kernels::MeasureInt8DotPeakGops(result.threads, 0.15);
+    }
     for (Running& r : running) {
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(r.eng->Step().status());
@@ -377,6 +381,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   }
   result.decode_stream_gb_per_s = triad_sum / config.decode_steps;
   result.decode_fma_peak_gflops = peak_sum / config.decode_steps;
+  result.decode_int8dot_vnni_peak_gops = vnni_peak_sum / config.decode_steps;
   for (Running& r : running) {
     const double secs = r.secs;
     const int32_t batch = r.batch;
@@ -395,9 +400,10 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     f.flops_per_step = batch * (LayerMatrixFlops(mc) + OutputFlops(mc) +
                                 AttentionFlops(mc, avg_ctx + 1));
     f.gflops = f.flops_per_step / (secs / config.decode_steps) / 1e9;
-    f.fma_peak_fraction = result.decode_fma_peak_gflops > 0
-                              ? f.gflops / result.decode_fma_peak_gflops
-                              : 0;
+    const double peak = amx && batch < result.int8dot_amx_min_rows
+                            ? result.decode_int8dot_vnni_peak_gops
+                            : result.decode_fma_peak_gflops;
+    f.fma_peak_fraction = peak > 0 ? f.gflops / peak : 0;
     result.decode.push_back(f);
   }
   running.clear();
@@ -438,6 +444,7 @@ std::string EngineBenchResult::ToJson() const {
   out["prefill_fma_peak_fraction"] = prefill_fma_peak_fraction;
   out["decode_stream_triad_gb_per_s"] = decode_stream_gb_per_s;
   out["decode_fma_peak_gflops"] = decode_fma_peak_gflops;
+  out["decode_int8dot_vnni_peak_gops"] = decode_int8dot_vnni_peak_gops;
   out["decode"] = json::OrderedValue::array();
   for (const auto& d : decode) {
     json::OrderedValue v;

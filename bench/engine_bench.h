@@ -76,6 +76,9 @@ struct EngineBenchResult {
   // roofline ratios and peak fractions divide by).
   double decode_stream_gb_per_s = 0;
   double decode_fma_peak_gflops = 0;
+  // int8dot on AMX: the VPDPBUSD peak of the same rounds, which the batch
+  // sizes below int8dot_amx_min_rows (run on VNNI) are divided by.
+  double decode_int8dot_vnni_peak_gops = 0;
   double load_average_1m = 0;  // /proc/loadavg at the start
   int32_t prefill_tokens = 0;
   double prefill_tokens_per_s = 0;
