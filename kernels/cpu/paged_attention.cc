@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -79,24 +80,240 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
     StoreElem(c.data, DType::kI8, dst + d, src[d] * inv);
 }
 
-// One query state's online-softmax step over a block's `valid` scores:
-// scaled by the block's running max, the state's acc[d] rescaled, then
-// acc += p_t * v_t for t in order. Every element sees the same operations in
-// the same order in both versions (separate multiply and add: this file is
-// built in ISO C++ mode, so nothing is contracted into an FMA), so the AVX-512
-// version and the portable one agree bit for bit; p_t and the sum l do not
-// depend on acc, so computing them first changes no bit either.
-inline void ScoresToWeights(const float* scores, int valid, float* m, float* l,
-                            float* p, float* correction) {
+// --- Attention arithmetic: one definition, three instruction sets ---------
+// What a query state computes per KV block, written so that the AVX-512 (16
+// keys per vector), AVX2 (8) and portable (1) versions run the same IEEE
+// operations on every element and so agree bit for bit (this file is built
+// with -ffp-contract=off, so only the FMAs written below are fused):
+//   score_t  = (FMA chain over i in order of q[i] * k_t[i], from 0) * scale
+//   m'       = max(m, max_t score_t);  c = Exp(m - m');  l = l * c
+//   p_t      = Exp(score_t - m');      l += p_t for t in order
+//   acc[i]   = acc[i] * c, then acc[i] += p_t * v_t[i] for t in order
+// Exp(x), x <= 0: 0 below -87; else n = nearest-even(x * log2 e),
+// r = x - n ln2 (two FMAs, ln2 split in hi + lo), a degree-7 Taylor
+// polynomial in r by Horner with FMAs (|r| <= 0.35: truncation < 1e-8), times
+// 2^n built from its exponent bits. Within 2 ulp of exp; not libm's bits.
+
+constexpr float kExpMin = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f;
+constexpr float kLn2Lo = 1.42860682030941723212e-6f;
+constexpr float kExpC[6] = {1.0f / 5040, 1.0f / 720, 1.0f / 120,
+                            1.0f / 24,   1.0f / 6,   0.5f};
+
+inline float ExpPortable(float x) {
+  if (!(x >= kExpMin)) return 0.0f;
+  x = std::min(x, 0.0f);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(-n, kLn2Hi, x);
+  r = std::fma(-n, kLn2Lo, r);
+  float p = kExpC[0];
+  for (int c = 1; c < 6; ++c) p = std::fma(p, r, kExpC[c]);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127)
+                        << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// GCC 12 warns that its own AVX-512 intrinsics read an uninitialised
+// "undefined" pass-through operand (a false positive, GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#define PDSERVE_ATTN_AVX512 __attribute__((target("avx512f")))
+#define PDSERVE_ATTN_AVX2 __attribute__((target("avx2,fma")))
+
+PDSERVE_ATTN_AVX512 inline __m512 Exp16(__m512 x) {
+  const __mmask16 ok =
+      _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_setzero_ps()),
+                    _mm512_set1_ps(kExpMin));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[0]);
+  for (int c = 1; c < 6; ++c)
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[c]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
+
+PDSERVE_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
+  const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_setzero_ps()),
+                    _mm256_set1_ps(kExpMin));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpC[0]);
+  for (int c = 1; c < 6; ++c)
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[c]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+enum class AttnIsa { kPortable, kAvx2, kAvx512 };
+
+AttnIsa BestAttnIsa() {
+  if (__builtin_cpu_supports("avx512f")) return AttnIsa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return AttnIsa::kAvx2;
+  return AttnIsa::kPortable;
+}
+
+AttnIsa& ActiveAttnIsa() {
+  static AttnIsa isa = BestAttnIsa();
+  return isa;
+}
+
+// Scores of `ns` query states (q rows qs[s]) against a block's keys held
+// transposed, kt[i * ldk + t] = k_t[i], t < ldk (a multiple of 16, zero past
+// the block's keys): out[s * ldk + t] for every t < ldk.
+void ScoresPortable(const float* const* qs, int ns, const float* kt, int d,
+                    int ldk, float scale, float* out) {
+  for (int s = 0; s < ns; ++s) {
+    for (int t = 0; t < ldk; ++t) {
+      float a = 0.0f;
+      for (int i = 0; i < d; ++i) a = std::fma(qs[s][i], kt[i * ldk + t], a);
+      out[s * ldk + t] = a * scale;
+    }
+  }
+}
+
+// S states at once: S independent FMA chains per key vector.
+template <int S>
+PDSERVE_ATTN_AVX512 void ScoresAvx512Tile(const float* const* qs,
+                                          const float* kt, int d, int ldk,
+                                          float scale, float* out) {
+  for (int t0 = 0; t0 < ldk; t0 += 16) {
+    __m512 acc[S];
+    for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
+    for (int i = 0; i < d; ++i) {
+      const __m512 kv = _mm512_loadu_ps(kt + i * ldk + t0);
+      for (int s = 0; s < S; ++s)
+        acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(qs[s][i]), kv, acc[s]);
+    }
+    for (int s = 0; s < S; ++s)
+      _mm512_storeu_ps(out + s * ldk + t0,
+                       _mm512_mul_ps(acc[s], _mm512_set1_ps(scale)));
+  }
+}
+
+template <int S>
+PDSERVE_ATTN_AVX2 void ScoresAvx2Tile(const float* const* qs, const float* kt,
+                                      int d, int ldk, float scale, float* out) {
+  for (int t0 = 0; t0 < ldk; t0 += 8) {
+    __m256 acc[S];
+    for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
+    for (int i = 0; i < d; ++i) {
+      const __m256 kv = _mm256_loadu_ps(kt + i * ldk + t0);
+      for (int s = 0; s < S; ++s)
+        acc[s] = _mm256_fmadd_ps(_mm256_set1_ps(qs[s][i]), kv, acc[s]);
+    }
+    for (int s = 0; s < S; ++s)
+      _mm256_storeu_ps(out + s * ldk + t0,
+                       _mm256_mul_ps(acc[s], _mm256_set1_ps(scale)));
+  }
+}
+
+void Scores(AttnIsa isa, const float* const* qs, int ns, const float* kt, int d,
+            int ldk, float scale, float* out) {
+  if (isa == AttnIsa::kPortable)
+    return ScoresPortable(qs, ns, kt, d, ldk, scale, out);
+  int s = 0;
+  const bool wide = isa == AttnIsa::kAvx512;
+  for (; s + 4 <= ns; s += 4) {
+    if (wide) {
+      ScoresAvx512Tile<4>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    } else {
+      ScoresAvx2Tile<4>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    }
+  }
+  for (; s < ns; ++s) {
+    if (wide) {
+      ScoresAvx512Tile<1>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    } else {
+      ScoresAvx2Tile<1>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    }
+  }
+}
+
+// p[t] = Exp(scores[t] - m) for t < n (n rounded up to the vector width;
+// p has room for it).
+void Weights(AttnIsa isa, const float* scores, int n, float m, float* p);
+
+PDSERVE_ATTN_AVX512 void WeightsAvx512(const float* scores, int n, float m,
+                                       float* p) {
+  for (int t = 0; t < n; t += 16) {
+    _mm512_storeu_ps(p + t, Exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t),
+                                                _mm512_set1_ps(m))));
+  }
+}
+
+PDSERVE_ATTN_AVX2 void WeightsAvx2(const float* scores, int n, float m,
+                                   float* p) {
+  for (int t = 0; t < n; t += 8) {
+    _mm256_storeu_ps(p + t, Exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t),
+                                               _mm256_set1_ps(m))));
+  }
+}
+
+void Weights(AttnIsa isa, const float* scores, int n, float m, float* p) {
+  switch (isa) {
+    case AttnIsa::kAvx512:
+      return WeightsAvx512(scores, n, m, p);
+    case AttnIsa::kAvx2:
+      return WeightsAvx2(scores, n, m, p);
+    case AttnIsa::kPortable:
+      for (int t = 0; t < n; ++t) p[t] = ExpPortable(scores[t] - m);
+      return;
+  }
+}
+
+// Exp of one value, in the vector unit where there is one (the portable
+// version's std::fma is a libm call when the file is built for baseline x86).
+PDSERVE_ATTN_AVX512 float ExpOneAvx512(float x) {
+  return _mm512_cvtss_f32(Exp16(_mm512_set1_ps(x)));
+}
+PDSERVE_ATTN_AVX2 float ExpOneAvx2(float x) {
+  return _mm256_cvtss_f32(Exp8(_mm256_set1_ps(x)));
+}
+float ExpOne(AttnIsa isa, float x) {
+  switch (isa) {
+    case AttnIsa::kAvx512:
+      return ExpOneAvx512(x);
+    case AttnIsa::kAvx2:
+      return ExpOneAvx2(x);
+    case AttnIsa::kPortable:
+      break;
+  }
+  return ExpPortable(x);
+}
+
+// One state's online-softmax step over a block's `valid` scores: m and l
+// updated, p[t] the weights, *correction the factor for acc.
+void ScoresToWeights(AttnIsa isa, const float* scores, int valid, float* m,
+                     float* l, float* p, float* correction) {
   float block_max = -std::numeric_limits<float>::infinity();
   for (int t = 0; t < valid; ++t) block_max = std::max(block_max, scores[t]);
   const float new_m = std::max(*m, block_max);
-  *correction = std::exp(*m - new_m);
+  *correction = ExpOne(isa, *m - new_m);
   *l *= *correction;
-  for (int t = 0; t < valid; ++t) {
-    p[t] = std::exp(scores[t] - new_m);
-    *l += p[t];
-  }
+  Weights(isa, scores, valid, new_m, p);
+  for (int t = 0; t < valid; ++t) *l += p[t];
   *m = new_m;
 }
 
@@ -109,11 +326,9 @@ void AccumulatePortable(const float* p, int valid, float correction,
   }
 }
 
-__attribute__((target("avx512f"))) void AccumulateAvx512(const float* p,
-                                                         int valid,
-                                                         float correction,
-                                                         const float* v, int d,
-                                                         float* a) {
+PDSERVE_ATTN_AVX512 void AccumulateAvx512(const float* p, int valid,
+                                          float correction, const float* v,
+                                          int d, float* a) {
   const __m512 c = _mm512_set1_ps(correction);
   int i = 0;
   for (; i + 16 <= d; i += 16) {
@@ -132,16 +347,41 @@ __attribute__((target("avx512f"))) void AccumulateAvx512(const float* p,
   }
 }
 
-bool& Avx512Enabled() {
-  static bool enabled = __builtin_cpu_supports("avx512f");
-  return enabled;
+#pragma GCC diagnostic pop
+
+void Accumulate(AttnIsa isa, const float* p, int valid, float correction,
+                const float* v, int d, float* a) {
+  if (isa == AttnIsa::kAvx512) {
+    AccumulateAvx512(p, valid, correction, v, d, a);
+  } else {
+    AccumulatePortable(p, valid, correction, v, d, a);
+  }
 }
 
 }  // namespace
 
-void SetPagedAttentionAvx512(bool enabled) {
-  Avx512Enabled() = enabled && __builtin_cpu_supports("avx512f");
+bool SetPagedAttentionIsa(PagedAttentionIsa isa) {
+  switch (isa) {
+    case PagedAttentionIsa::kBest:
+      ActiveAttnIsa() = BestAttnIsa();
+      return true;
+    case PagedAttentionIsa::kPortable:
+      ActiveAttnIsa() = AttnIsa::kPortable;
+      return true;
+    case PagedAttentionIsa::kAvx2:
+      if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+        return false;
+      ActiveAttnIsa() = AttnIsa::kAvx2;
+      return true;
+    case PagedAttentionIsa::kAvx512:
+      if (!__builtin_cpu_supports("avx512f")) return false;
+      ActiveAttnIsa() = AttnIsa::kAvx512;
+      return true;
+  }
+  return false;
 }
+
+float AttentionExpForTesting(float x) { return ExpPortable(x); }
 
 void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache) {
@@ -202,11 +442,14 @@ void PagedAttention(const float* q, int32_t num_heads,
 #pragma omp parallel num_threads( \
     std::min <int>(KernelThreads(), static_cast <int>(tasks.size())))
   {
+    // Keys of a block transposed and zero-padded to ldk (a multiple of 16),
+    // the task's states' scores [states][ldk], one state's weights.
+    const int ldk = (bs + 15) / 16 * 16;
     std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
-    std::vector<float> acc, m, l;
-    // A block's scores for the query group, [group][bs], then its weights.
-    std::vector<float> scores(int64_t{group} * bs), weights(bs);
-    const bool avx512 = Avx512Enabled();
+    std::vector<float> kt(int64_t{d} * ldk), acc, m, l, scores;
+    std::vector<float> weights(ldk);
+    std::vector<const float*> qs;
+    const AttnIsa isa = ActiveAttnIsa();
 #pragma omp for schedule(dynamic, 1)
     for (size_t ti = 0; ti < tasks.size(); ++ti) {
       const Task& task = tasks[ti];
@@ -216,6 +459,16 @@ void PagedAttention(const float* q, int32_t num_heads,
       acc.assign(int64_t{states} * d, 0.0f);
       m.assign(states, -std::numeric_limits<float>::infinity());
       l.assign(states, 0.0f);
+      scores.resize(int64_t{states} * ldk);
+      // State st = qi * group + g reads query head kv_head * group + g of
+      // its row; the group's heads are consecutive in q.
+      qs.resize(states);
+      for (int qi = 0; qi < nq; ++qi) {
+        const float* row_q = q + (seq.q_row + task.q_begin + qi) * row_stride +
+                             int64_t{task.kv_head} * group * d;
+        for (int g = 0; g < group; ++g)
+          qs[qi * group + g] = row_q + int64_t{g} * d;
+      }
       const int last_pos = seq.start_pos + task.q_end - 1;
       const int num_blocks = last_pos / bs + 1;
       for (int b = 0; b < num_blocks; ++b) {
@@ -224,31 +477,29 @@ void PagedAttention(const float* q, int32_t num_heads,
         const int count = std::min(bs, last_pos - block_start + 1);
         ReadKvBlock(cache, block, 0, task.kv_head, count, kbuf.data());
         ReadKvBlock(cache, block, 1, task.kv_head, count, vbuf.data());
-        for (int qi = 0; qi < nq; ++qi) {
+        for (int t = 0; t < count; ++t) {
+          for (int i = 0; i < d; ++i)
+            kt[int64_t{i} * ldk + t] = kbuf[int64_t{t} * d + i];
+        }
+        for (int i = 0; count < ldk && i < d; ++i)
+          std::fill_n(kt.data() + int64_t{i} * ldk + count, ldk - count, 0.0f);
+        // Queries before this block (causal) see none of it.
+        const int first_q =
+            std::max(0, block_start - seq.start_pos - task.q_begin);
+        if (first_q >= nq) continue;
+        const int first_state = first_q * group;
+        Scores(isa, qs.data() + first_state, states - first_state, kt.data(), d,
+               ldk, scale, scores.data() + int64_t{first_state} * ldk);
+        for (int qi = first_q; qi < nq; ++qi) {
           const int pos = seq.start_pos + task.q_begin + qi;
           const int valid = std::min(count, pos - block_start + 1);
-          if (valid <= 0) continue;
-          const int64_t row = seq.q_row + task.q_begin + qi;
-          // The group's heads are consecutive in q: one tile of dots, each
-          // DotFixedOrder's bits, then scaled.
-          DotsFixedOrder(
-              q + row * row_stride + int64_t{task.kv_head} * group * d, group,
-              d, kbuf.data(), valid, d, d, scores.data(), bs);
           for (int g = 0; g < group; ++g) {
             const int st = qi * group + g;
-            float* s = scores.data() + int64_t{g} * bs;
-            for (int t = 0; t < valid; ++t) s[t] *= scale;
             float correction;
-            ScoresToWeights(s, valid, &m[st], &l[st], weights.data(),
-                            &correction);
-            float* a = acc.data() + int64_t{st} * d;
-            if (avx512) {
-              AccumulateAvx512(weights.data(), valid, correction, vbuf.data(),
-                               d, a);
-            } else {
-              AccumulatePortable(weights.data(), valid, correction, vbuf.data(),
-                                 d, a);
-            }
+            ScoresToWeights(isa, scores.data() + int64_t{st} * ldk, valid,
+                            &m[st], &l[st], weights.data(), &correction);
+            Accumulate(isa, weights.data(), valid, correction, vbuf.data(), d,
+                       acc.data() + int64_t{st} * d);
           }
         }
       }

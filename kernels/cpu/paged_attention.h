@@ -64,14 +64,20 @@ struct AttentionSeq {
 // (sequence, KV head, query chunk) and shared by the whole query group.
 // Online softmax in fp32 over blocks in order, so a query's result does not
 // depend on how many other queries share the call (prefill == decode).
-// The softmax-weighted sum of V runs in AVX-512 where the CPU has it, else
-// portably; both give the same bits. Scores are DotFixedOrder's.
+// Scores, exp and the weighted V sum run in AVX-512 or AVX2 where the CPU has
+// them, else portably; all give the same bits (the arithmetic is written out
+// in paged_attention.cc).
 void PagedAttention(const float* q, int32_t num_heads,
                     std::span<const AttentionSeq> seqs,
                     const KvLayerView& cache, float scale, float* out);
 
-// For tests: false forces the portable path (true: the best the CPU has).
-// Not synchronised with running attention calls.
-void SetPagedAttentionAvx512(bool enabled);
+// For tests and benchmarks: the instruction set attention uses (kBest: the
+// best this CPU has, the default). All give the same bits. False if the CPU
+// lacks it. Not synchronised with running attention calls.
+enum class PagedAttentionIsa { kBest, kPortable, kAvx2, kAvx512 };
+bool SetPagedAttentionIsa(PagedAttentionIsa isa);
+
+// The exp attention's softmax uses (x <= 0), for tests.
+float AttentionExpForTesting(float x);
 
 }  // namespace pdserve::kernels

@@ -154,61 +154,21 @@ TEST_F(PagedAttentionTest, ChunkedPrefillEqualsOneQueryAtATimeBitForBit) {
   }
 }
 
-// The attention loop as it was before scores were computed in tiles and the
-// weighted V sum was vectorised: the new code must give its bits exactly.
-void ScalarPagedAttention(const float* q, int32_t num_heads,
-                          std::span<const AttentionSeq> seqs,
-                          const KvLayerView& cache, float scale, float* out) {
-  const int kv_heads = cache.num_kv_heads, group = num_heads / kv_heads;
-  const int d = cache.head_dim, bs = cache.block_size;
-  const int64_t row_stride = int64_t{num_heads} * d;
-  std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
-  for (const AttentionSeq& seq : seqs) {
-    for (int h = 0; h < num_heads; ++h) {
-      const int kvh = h / group;
-      for (int qi = 0; qi < seq.num_q; ++qi) {
-        const int pos = seq.start_pos + qi;
-        const float* qv = q + (seq.q_row + qi) * row_stride + int64_t{h} * d;
-        std::vector<float> a(d, 0.0f);
-        float m = -std::numeric_limits<float>::infinity(), l = 0;
-        for (int b = 0; b * bs <= pos; ++b) {
-          const int valid = std::min(bs, pos - b * bs + 1);
-          ReadKvBlock(cache, seq.block_table[b], 0, kvh, valid, kbuf.data());
-          ReadKvBlock(cache, seq.block_table[b], 1, kvh, valid, vbuf.data());
-          float scores[256];
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int t = 0; t < valid; ++t) {
-            scores[t] =
-                DotFixedOrder(qv, kbuf.data() + int64_t{t} * d, d) * scale;
-            block_max = std::max(block_max, scores[t]);
-          }
-          const float new_m = std::max(m, block_max);
-          const float correction = std::exp(m - new_m);
-          l *= correction;
-          for (int i = 0; i < d; ++i) a[i] *= correction;
-          for (int t = 0; t < valid; ++t) {
-            const float p = std::exp(scores[t] - new_m);
-            l += p;
-            for (int i = 0; i < d; ++i) a[i] += p * vbuf[int64_t{t} * d + i];
-          }
-          m = new_m;
-        }
-        const float inv = l > 0 ? 1.0f / l : 0.0f;
-        float* o = out + (seq.q_row + qi) * row_stride + int64_t{h} * d;
-        for (int i = 0; i < d; ++i) o[i] = a[i] * inv;
-      }
-    }
+TEST_F(PagedAttentionTest, EveryInstructionSetGivesTheSameBits) {
+  const PagedAttentionIsa isas[] = {PagedAttentionIsa::kAvx2,
+                                    PagedAttentionIsa::kAvx512};
+  for (PagedAttentionIsa isa : isas) {
+    if (!SetPagedAttentionIsa(isa))
+      std::printf("[ note ] this CPU lacks %s: not compared\n",
+                  isa == PagedAttentionIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
   }
-}
-
-TEST_F(PagedAttentionTest, EveryPathEqualsTheScalarLoopBitForBit) {
-  if (!__builtin_cpu_supports("avx512f"))
-    std::printf("[ note ] no AVX-512F here: only the portable path runs\n");
+  SetPagedAttentionIsa(PagedAttentionIsa::kBest);
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
-    // head_dim 64 (whole vectors), 24 and 72 (tails), 8 (tail only).
-    for (int hd : {64, 24, 72, 8}) {
+    // head_dim 64 (whole vectors), 24 and 72 (tails), 8 (tail only); block
+    // sizes 16, 1 and 20 (keys padded to 16 and 32).
+    for (auto [hd, bs] : {std::pair{64, 16}, {24, 16}, {72, 1}, {8, 20}}) {
       for (int group : {1, 3, 4, 8}) {
-        const int kv_heads = 2, heads = kv_heads * group, bs = 16;
+        const int kv_heads = 2, heads = kv_heads * group;
         const std::vector<int> lens = {1, 37, 70};
         PagedFixture f = Build(dtype, kv_heads, hd, bs, lens);
         std::vector<AttentionSeq> seqs;
@@ -223,19 +183,40 @@ TEST_F(PagedAttentionTest, EveryPathEqualsTheScalarLoopBitForBit) {
         std::vector<float> q(rows * heads * hd);
         for (auto& x : q) x = dist(rng_);
         const float scale = 1.0f / std::sqrt(float(hd));
-        std::vector<float> ref(q.size()), fast(q.size()), portable(q.size());
-        ScalarPagedAttention(q.data(), heads, seqs, f.view, scale, ref.data());
-        PagedAttention(q.data(), heads, seqs, f.view, scale, fast.data());
-        SetPagedAttentionAvx512(false);
+        std::vector<float> portable(q.size());
+        ASSERT_TRUE(SetPagedAttentionIsa(PagedAttentionIsa::kPortable));
         PagedAttention(q.data(), heads, seqs, f.view, scale, portable.data());
-        SetPagedAttentionAvx512(true);
-        ASSERT_EQ(0, std::memcmp(ref.data(), fast.data(), ref.size() * 4))
-            << DTypeName(dtype) << " hd=" << hd << " group=" << group;
-        ASSERT_EQ(0, std::memcmp(ref.data(), portable.data(), ref.size() * 4))
-            << DTypeName(dtype) << " hd=" << hd << " group=" << group;
+        for (PagedAttentionIsa isa : isas) {
+          if (!SetPagedAttentionIsa(isa)) continue;
+          std::vector<float> out(q.size());
+          PagedAttention(q.data(), heads, seqs, f.view, scale, out.data());
+          ASSERT_EQ(0, std::memcmp(portable.data(), out.data(), out.size() * 4))
+              << DTypeName(dtype) << " hd=" << hd << " bs=" << bs
+              << " group=" << group << " isa=" << static_cast<int>(isa);
+        }
+        SetPagedAttentionIsa(PagedAttentionIsa::kBest);
       }
     }
   }
+}
+
+TEST(AttentionExpTest, WithinTwoUlpOfExpAndZeroBelowTheRange) {
+  EXPECT_EQ(AttentionExpForTesting(0.0f), 1.0f);
+  EXPECT_EQ(AttentionExpForTesting(-87.5f), 0.0f);
+  EXPECT_EQ(AttentionExpForTesting(-std::numeric_limits<float>::infinity()),
+            0.0f);
+  EXPECT_EQ(AttentionExpForTesting(std::nanf("")), 0.0f);
+  float worst = 0;
+  for (float x = -87.0f; x <= 0.0f; x += 0.00137f) {
+    const double want = std::exp(double(x));
+    const float got = AttentionExpForTesting(x);
+    // In units of the float spacing at the true value (normal range only).
+    if (want < 1.2e-38) continue;
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    worst = std::max(worst, float(std::fabs(got - want) / ulp));
+  }
+  EXPECT_LE(worst, 2.0f);
+  std::printf("[ note ] attention exp: worst %.2f ulp over [-87, 0]\n", worst);
 }
 
 TEST_F(PagedAttentionTest, Int8TokenByTokenWritesEqualOneChunkWrite) {
