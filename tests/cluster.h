@@ -256,4 +256,40 @@ std::string RunCli(const std::string& bin, const std::string& args);
 // token_ids of `pdserve generate --json` output (empty if it is not that).
 std::vector<uint32_t> IdsFromJson(const std::string& out);
 
+// A long shared "system prompt" per family (about 500 bytes, 31 blocks of 16
+// with the byte tokenizer), so prompts span many blocks.
+inline std::string Family(int f) {
+  std::string s = absl::StrCat("System prompt ", f, ": ");
+  for (int i = 0; i < 12; ++i)
+    absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
+  return s;
+}
+
+// `series` summed over the live workers (not the router); absent counts 0.
+inline double SumOverWorkers(Cluster& c, const std::string& series) {
+  double total = 0;
+  for (Proc* p : c.All()) {
+    if (!p->alive() || p->role == "router") continue;
+    const double v = MetricValue(Scrape(p->metrics_port), series);
+    if (v > 0) total += v;
+  }
+  return total;
+}
+
+// Every live worker's pool drains to 0 active blocks within 10 s.
+inline void ExpectNoActiveBlocks(Cluster& c) {
+  for (Proc* p : c.All()) {
+    if (!p->alive() || p->role == "router") continue;
+    double active = -1;
+    WaitUntil(
+        [&] {
+          active = MetricValue(Scrape(p->metrics_port),
+                               "pdserve_kv_cache_blocks{state=\"active\"}");
+          return active == 0;
+        },
+        std::chrono::seconds(10));
+    EXPECT_EQ(active, 0) << p->role << " " << p->address;
+  }
+}
+
 }  // namespace pdserve::testing

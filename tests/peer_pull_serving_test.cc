@@ -27,23 +27,6 @@ std::vector<uint32_t> LocalTokens(const std::string& model,
       " --prompt '", prompt, "'")));
 }
 
-std::string Family(int f) {
-  std::string s = absl::StrCat("System prompt ", f, ": ");
-  for (int i = 0; i < 12; ++i)
-    absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
-  return s;
-}
-
-double Sum(Cluster& c, const std::string& series) {
-  double total = 0;
-  for (Proc* p : c.All()) {
-    if (!p->alive() || p->role == "router") continue;
-    const double v = MetricValue(Scrape(p->metrics_port), series);
-    if (v > 0) total += v;
-  }
-  return total;
-}
-
 // Confirmed (event-fed) index entries across the cluster's workers.
 int64_t IndexedBlocks(Cluster& c) {
   grpc::ClientContext ctx;
@@ -54,21 +37,6 @@ int64_t IndexedBlocks(Cluster& c) {
   int64_t n = 0;
   for (const auto& w : resp.workers()) n += w.indexed_blocks();
   return n;
-}
-
-void ExpectNoActiveBlocks(Cluster& c) {
-  for (Proc* p : c.All()) {
-    if (!p->alive() || p->role == "router") continue;
-    double active = -1;
-    WaitUntil(
-        [&] {
-          active = MetricValue(Scrape(p->metrics_port),
-                               "pdserve_kv_cache_blocks{state=\"active\"}");
-          return active == 0;
-        },
-        seconds(10));
-    EXPECT_EQ(active, 0) << p->role << " " << p->address;
-  }
 }
 
 class PeerPullServingTest : public ::testing::Test {
@@ -109,9 +77,12 @@ TEST_F(PeerPullServingTest, RepeatedPromptOnTheOtherPrefillWorkerIsPulled) {
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_EQ(second.tokens, local);
   EXPECT_NE(second.last.prefill_worker(), first.last.prefill_worker());
-  EXPECT_EQ(Sum(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"), 1);
-  EXPECT_GT(Sum(c, "pdserve_kv_peer_pull_blocks_total"), 0);
-  EXPECT_EQ(Sum(c, "pdserve_kv_peer_pull_served_total{outcome=\"sent\"}"), 1);
+  EXPECT_EQ(SumOverWorkers(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"),
+            1);
+  EXPECT_GT(SumOverWorkers(c, "pdserve_kv_peer_pull_blocks_total"), 0);
+  EXPECT_EQ(
+      SumOverWorkers(c, "pdserve_kv_peer_pull_served_total{outcome=\"sent\"}"),
+      1);
   EXPECT_GT(second.last.usage().cached_prompt_tokens(), 0u);
   // The router's side: nobody held the prompt the first time.
   const std::string router_metrics = Scrape(c.router.metrics_port);
@@ -146,7 +117,8 @@ TEST_F(PeerPullServingTest, OutputsStayIdenticalToLocalWithPeerPullOn) {
     }
     WaitUntil([&] { return IndexedBlocks(c) > 0; }, seconds(10));
   }
-  EXPECT_GT(Sum(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"), 0);
+  EXPECT_GT(SumOverWorkers(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"),
+            0);
   ExpectNoActiveBlocks(c);
 }
 

@@ -28,24 +28,6 @@ std::vector<uint32_t> LocalTokens(const std::string& model,
       max_tokens, " --temperature 0 --prompt '", prompt, "'")));
 }
 
-// About 500 bytes (tokens with the byte tokenizer): 31 blocks of 16.
-std::string Family(int f) {
-  std::string s = absl::StrCat("System prompt ", f, ": ");
-  for (int i = 0; i < 12; ++i)
-    absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
-  return s;
-}
-
-double Sum(Cluster& c, const std::string& series) {
-  double total = 0;
-  for (Proc* p : c.All()) {
-    if (!p->alive() || p->role == "router") continue;
-    const double v = MetricValue(Scrape(p->metrics_port), series);
-    if (v > 0) total += v;
-  }
-  return total;
-}
-
 // The router's index agrees with the workers' tiers (blocks stored there).
 bool IndexHasTheTiers(Cluster& c) {
   grpc::ClientContext ctx;
@@ -55,7 +37,8 @@ bool IndexHasTheTiers(Cluster& c) {
     return false;
   int64_t indexed = 0;
   for (const auto& w : resp.workers()) indexed += w.indexed_tier_blocks();
-  const double stored = Sum(c, "pdserve_kv_tier_blocks{state=\"stored\"}");
+  const double stored =
+      SumOverWorkers(c, "pdserve_kv_tier_blocks{state=\"stored\"}");
   return indexed > 0 && static_cast<double>(indexed) == stored;
 }
 
@@ -88,22 +71,14 @@ TEST(PeerPullTierServingTest, PrefixPushedIntoTheTiersIsPulledFromOne) {
     // Request 5 goes to B, which lacks family 1 and pulls it.
     const auto again = ask(1, "Question: what is six times seven?");
     EXPECT_NE(again.last.prefill_worker(), first.last.prefill_worker());
-    EXPECT_EQ(Sum(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"), 1);
+    EXPECT_EQ(
+        SumOverWorkers(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"), 1);
     EXPECT_GT(
-        Sum(c, "pdserve_kv_peer_pull_served_blocks_total{source=\"tier\"}"), 0);
+        SumOverWorkers(
+            c, "pdserve_kv_peer_pull_served_blocks_total{source=\"tier\"}"),
+        0);
     EXPECT_GT(again.last.usage().cached_prompt_tokens(), 0u);
-    for (Proc* p : c.All()) {
-      if (!p->alive() || p->role == "router") continue;
-      double active = -1;
-      WaitUntil(
-          [&] {
-            active = MetricValue(Scrape(p->metrics_port),
-                                 "pdserve_kv_cache_blocks{state=\"active\"}");
-            return active == 0;
-          },
-          seconds(10));
-      EXPECT_EQ(active, 0) << p->role << " " << p->address;
-    }
+    ExpectNoActiveBlocks(c);
   }
   std::error_code ec;
   std::filesystem::remove_all(model, ec);

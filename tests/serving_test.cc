@@ -33,29 +33,6 @@ std::vector<uint32_t> LocalTokens(const std::string& model,
 }
 
 // Waits until no live worker of `c` holds an active KV block.
-void ExpectNoActiveBlocks(Cluster& c) {
-  for (Proc* p : c.All()) {
-    if (!p->alive() || p->role == "router") continue;
-    double active = -1;
-    WaitUntil(
-        [&] {
-          active = MetricValue(Scrape(p->metrics_port),
-                               "pdserve_kv_cache_blocks{state=\"active\"}");
-          return active == 0;
-        },
-        seconds(10));
-    EXPECT_EQ(active, 0) << p->role << " " << p->address;
-  }
-}
-
-// A long shared "system prompt" per family, so prompts span many blocks.
-std::string Family(int f) {
-  std::string s = absl::StrCat("System prompt ", f, ": ");
-  for (int i = 0; i < 12; ++i)
-    absl::StrAppend(&s, "rule ", f * 100 + i, " is to be helpful and exact. ");
-  return s;
-}
-
 class ServingTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
