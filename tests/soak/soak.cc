@@ -113,16 +113,44 @@ void Log(const std::string& s) {
   std::fprintf(stderr, "[soak %7.1fs] %s\n", Now(), s.c_str());
 }
 
-int FreePort() {
+// Whether 127.0.0.1:port can be bound now.
+bool CanBind(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
   close(fd);
-  return ntohs(a.sin_port);
+  return ok;
+}
+
+// A port for a process the soak starts and restarts on the same port: never
+// one handed out before in this run, and below the kernel's ephemeral range
+// (ip_local_port_range), so no outgoing connection can hold it when a killed
+// process comes back. (Asking bind for port 0 gave an ephemeral port, and the
+// same one twice in a row at times.)
+int FreePort() {
+  static absl::Mutex mu;
+  absl::MutexLock l(&mu);
+  static std::set<int> given;
+  static int low = [] {
+    int lo = 32768;
+    std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> lo;
+    return lo;
+  }();
+  static int next = 20000 + static_cast<int>(::getpid() % 4000);
+  for (int tries = 0; tries < 20000; ++tries) {
+    const int port = next;
+    next = next + 1 < low ? next + 1 : 10000;
+    if (given.count(port) == 0 && CanBind(port)) {
+      given.insert(port);
+      return port;
+    }
+  }
+  Log("no free port below the ephemeral range");
+  std::abort();
 }
 
 // Raw bytes to a TCP port; returns false if it could not connect.
