@@ -256,6 +256,24 @@ std::string RunCli(const std::string& bin, const std::string& args);
 // token_ids of `pdserve generate --json` output (empty if it is not that).
 std::vector<uint32_t> IdsFromJson(const std::string& out);
 
+// `pdserve ARGS` (PdserveBin()) through the shell; returns its stdout.
+inline std::string RunPdserve(const std::string& args) {
+  return RunCli(PdserveBin(), args);
+}
+
+// `pdserve generate --model` (the local reference path), ignoring EOS: the
+// token ids.
+inline std::vector<uint32_t> LocalTokens(const std::string& model,
+                                         const std::string& prompt,
+                                         uint32_t max_tokens,
+                                         float temperature = 0,
+                                         uint64_t seed = 0) {
+  return IdsFromJson(RunPdserve(absl::StrCat(
+      "generate --model ", model, " --json --ignore-eos --max-tokens ",
+      max_tokens, " --temperature ", temperature, " --seed ", seed,
+      " --prompt '", prompt, "'")));
+}
+
 // A long shared "system prompt" per family (about 500 bytes, 31 blocks of 16
 // with the byte tokenizer), so prompts span many blocks.
 inline std::string Family(int f) {

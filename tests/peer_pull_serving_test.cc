@@ -13,20 +13,6 @@ namespace {
 
 using std::chrono::seconds;
 
-std::string RunCli(const std::string& args) {
-  return testing::RunCli(PDSERVE_BIN, args);
-}
-
-std::vector<uint32_t> LocalTokens(const std::string& model,
-                                  const std::string& prompt,
-                                  uint32_t max_tokens, float temperature,
-                                  uint64_t seed) {
-  return IdsFromJson(RunCli(absl::StrCat(
-      "generate --model ", model, " --json --ignore-eos --max-tokens ",
-      max_tokens, " --temperature ", temperature, " --seed ", seed,
-      " --prompt '", prompt, "'")));
-}
-
 // Confirmed (event-fed) index entries across the cluster's workers.
 int64_t IndexedBlocks(Cluster& c) {
   grpc::ClientContext ctx;
@@ -45,7 +31,7 @@ class PeerPullServingTest : public ::testing::Test {
     model_ =
         new std::string(std::filesystem::temp_directory_path() /
                         ("pdserve_peer_pull_" + std::to_string(::getpid())));
-    RunCli("model init --preset tiny --out " + *model_ + " --seed 3");
+    RunPdserve("model init --preset tiny --out " + *model_ + " --seed 3");
     ASSERT_TRUE(std::filesystem::exists(*model_ + "/config.json"));
   }
   static void TearDownTestSuite() {

@@ -16,18 +16,6 @@ namespace {
 
 using std::chrono::seconds;
 
-std::string RunCli(const std::string& args) {
-  return testing::RunCli(PDSERVE_BIN, args);
-}
-
-std::vector<uint32_t> LocalTokens(const std::string& model,
-                                  const std::string& prompt,
-                                  uint32_t max_tokens) {
-  return IdsFromJson(RunCli(absl::StrCat(
-      "generate --model ", model, " --json --ignore-eos --max-tokens ",
-      max_tokens, " --temperature 0 --prompt '", prompt, "'")));
-}
-
 // The router's index agrees with the workers' tiers (blocks stored there).
 bool IndexHasTheTiers(Cluster& c) {
   grpc::ClientContext ctx;
@@ -46,7 +34,7 @@ TEST(PeerPullTierServingTest, PrefixPushedIntoTheTiersIsPulledFromOne) {
   const std::string model =
       std::filesystem::temp_directory_path() /
       ("pdserve_peer_pull_tier_" + std::to_string(::getpid()));
-  RunCli("model init --preset tiny --out " + model + " --seed 3");
+  RunPdserve("model init --preset tiny --out " + model + " --seed 3");
   ASSERT_TRUE(std::filesystem::exists(model + "/config.json"));
   {
     // tiny: 512 B/token in fp32, 8 KiB a block: pools of 48 blocks hold one

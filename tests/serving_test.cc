@@ -19,26 +19,13 @@ using std::chrono::seconds;
 using ::testing::HasSubstr;
 using SteadyTime = std::chrono::steady_clock::time_point;
 
-std::string RunCli(const std::string& args) {
-  return testing::RunCli(PDSERVE_BIN, args);
-}
-
-// `pdserve generate --model` (the local path), greedy, ignoring EOS.
-std::vector<uint32_t> LocalTokens(const std::string& model,
-                                  const std::string& prompt,
-                                  uint32_t max_tokens) {
-  return IdsFromJson(RunCli(absl::StrCat(
-      "generate --model ", model, " --json --ignore-eos --max-tokens ",
-      max_tokens, " --prompt '", prompt, "'")));
-}
-
 // Waits until no live worker of `c` holds an active KV block.
 class ServingTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model_ = new std::string(std::filesystem::temp_directory_path() /
                              ("pdserve_serving_" + std::to_string(::getpid())));
-    RunCli("model init --preset tiny --out " + *model_ + " --seed 3");
+    RunPdserve("model init --preset tiny --out " + *model_ + " --seed 3");
     ASSERT_TRUE(std::filesystem::exists(*model_ + "/config.json"));
   }
   static void TearDownTestSuite() {
@@ -61,7 +48,7 @@ TEST_F(ServingTest, OutputsAreIdenticalAcrossDisaggregatedColocatedAndLocal) {
     auto b = Generate(coloc.stub.get(), Request(prompt, 24, temp, seed));
     ASSERT_TRUE(a.status.ok()) << a.status.error_message();
     ASSERT_TRUE(b.status.ok()) << b.status.error_message();
-    const std::string local = RunCli(absl::StrCat(
+    const std::string local = RunPdserve(absl::StrCat(
         "generate --model ", *model_, " --json --ignore-eos --max-tokens 24",
         " --temperature ", temp, " --seed ", seed, " --prompt '", prompt, "'"));
     EXPECT_EQ(a.tokens.size(), 24u);
@@ -141,7 +128,7 @@ TEST_F(ServingTest, KilledDecodeWorkerMidStreamMigratesWithoutLosingTokens) {
   Cluster c = Cluster::Start(*model_, 1, 2, {"--local-prefill-threshold=0"});
   const std::string prompt = Family(3) + "Tell a long story.";
   const uint32_t n = 600;
-  const std::string local = RunCli(absl::StrCat(
+  const std::string local = RunPdserve(absl::StrCat(
       "generate --model ", *model_, " --json --ignore-eos --max-tokens ", n,
       " --prompt '", prompt, "'"));
   const auto expected = IdsFromJson(local);
@@ -184,7 +171,7 @@ TEST_F(ServingTest, KilledPrefillWorkerIsRetriedOnAnother) {
   auto res = Generate(c.stub.get(), Request(prompt, 8));
   ASSERT_TRUE(res.status.ok()) << res.status.error_message();
   EXPECT_EQ(res.tokens.size(), 8u);
-  const std::string local = RunCli(absl::StrCat(
+  const std::string local = RunPdserve(absl::StrCat(
       "generate --model ", *model_, " --json --ignore-eos --max-tokens 8",
       " --prompt '", prompt, "'"));
   EXPECT_EQ(res.tokens, IdsFromJson(local));

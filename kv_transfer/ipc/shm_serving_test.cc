@@ -98,18 +98,7 @@ TEST_F(ShmServingTest, KilledPrefillWorkerIsRetriedAndLeavesNoBlocks) {
                                        " --json --ignore-eos --max-tokens 8",
                                        " --prompt '", prompt, "'"));
   EXPECT_EQ(res.tokens, IdsFromJson(local));
-  for (Proc* p : c.All()) {
-    if (!p->alive() || p->role == "router") continue;
-    double active = -1;
-    WaitUntil(
-        [&] {
-          active = MetricValue(Scrape(p->metrics_port),
-                               "pdserve_kv_cache_blocks{state=\"active\"}");
-          return active == 0;
-        },
-        std::chrono::seconds(10));
-    EXPECT_EQ(active, 0) << p->role << " " << p->address;
-  }
+  ExpectNoActiveBlocks(c);
 }
 
 TEST_F(ShmServingTest, CudaIpcOnACpuWorkerIsAClearError) {
