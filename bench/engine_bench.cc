@@ -110,14 +110,15 @@ absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
   ASSIGN_OR_RETURN(std::vector<float> ref, AllLogits(ref_w, tokens));
   ref_w.reset();
   std::vector<AccuracyFigure> out;
-  // The last one is int8-b32 weights with --matmul int8dot (int8
-  // activations too).
+  // The last two are int8-b32 and per-row int8 weights with --matmul int8dot
+  // (int8 activations too).
   const std::pair<engine::WeightDtype, kernels::MatMulMode> variants[] = {
       {engine::WeightDtype::kBF16, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kF16, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kI8, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kI8B32, kernels::MatMulMode::kDeterministic},
-      {engine::WeightDtype::kI8B32, kernels::MatMulMode::kInt8Dot}};
+      {engine::WeightDtype::kI8B32, kernels::MatMulMode::kInt8Dot},
+      {engine::WeightDtype::kI8, kernels::MatMulMode::kInt8Dot}};
   for (const auto& [d, mode] : variants) {
     const std::string name =
         absl::StrCat(engine::WeightDtypeName(d),

@@ -42,9 +42,10 @@ ABSL_FLAG(std::string, kv_offload_memory, "",
 ABSL_FLAG(std::string, matmul, "deterministic",
           "linear-layer kernel: deterministic (batch-invariant, default), "
           "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
-          "batch-invariant, other numbers), int8dot (int8-b32 weights with "
-          "int8 activations per 32 values, exact integer sums on "
-          "AVX512-VNNI; batch-invariant, other numbers) or blas (OpenBLAS)");
+          "batch-invariant, other numbers), int8dot (int8 weights with int8 "
+          "activations: per 32 values with int8-b32 weights, per row with "
+          "int8 weights; exact integer sums on AVX512-VNNI and AMX-INT8; "
+          "batch-invariant, other numbers) or blas (OpenBLAS)");
 ABSL_FLAG(std::string, weight_dtype, "auto",
           "how weight matrices are kept in memory: auto (the checkpoint's "
           "dtype), fp32, bf16, fp16, int8 (quantized at load, one fp32 scale "

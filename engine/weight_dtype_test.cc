@@ -120,28 +120,32 @@ TEST(WeightDtypeTest, Int8BlockScalesAreTheirOwnStorage) {
   EXPECT_LT(err(*block), err(*row));
 }
 
-// --matmul int8dot (int8 activations, exact integer sums): the equivalence
-// contract holds with it too, and it is its own numbers.
-TEST(WeightDtypeTest, Int8DotKeepsTheEquivalenceContract) {
+// --matmul int8dot (int8 activations, exact integer sums), with block int8
+// weights (activations per 32 values) and per-row int8 weights (activations
+// per row): the equivalence contract holds with both, and each is its own
+// numbers.
+class Int8DotEngineTest : public ::testing::TestWithParam<WeightDtype> {};
+
+TEST_P(Int8DotEngineTest, KeepsTheEquivalenceContract) {
+  const WeightDtype dtype = GetParam();
   const std::string dir = testing::TempDir("weight_dtype_int8dot_model");
   ModelInitOptions opts;
   opts.preset = "tiny";
   opts.out_dir = dir;
   opts.seed = 5;
   ASSERT_TRUE(WriteRandomModel(opts).ok());
-  EXPECT_FALSE(ModelWeights::Load(dir, WeightDtype::kI8,
-                                  kernels::MatMulMode::kInt8Dot)
-                   .ok());  // needs block scales
-  auto loaded = ModelWeights::Load(dir, WeightDtype::kI8B32,
-                                   kernels::MatMulMode::kInt8Dot);
+  const auto bf16 = ModelWeights::Load(dir, WeightDtype::kBF16,
+                                       kernels::MatMulMode::kInt8Dot);
+  EXPECT_EQ(bf16.status().code(), absl::StatusCode::kInvalidArgument);
+  auto loaded = ModelWeights::Load(dir, dtype, kernels::MatMulMode::kInt8Dot);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  auto plain = ModelWeights::Load(dir, WeightDtype::kI8B32);
+  auto plain = ModelWeights::Load(dir, dtype);
   ASSERT_TRUE(plain.ok());
   EXPECT_NE(loaded->fingerprint, plain->fingerprint);
   auto weights = std::make_shared<const ModelWeights>(std::move(*loaded));
   auto make = [&](int32_t budget) {
     EngineConfig config;
-    config.weight_dtype = WeightDtype::kI8B32;
+    config.weight_dtype = dtype;
     config.matmul = kernels::MatMulMode::kInt8Dot;
     if (budget > 0) config.max_num_batched_tokens = budget;
     auto e = Engine::Create(weights, config);
@@ -159,24 +163,41 @@ TEST(WeightDtypeTest, Int8DotKeepsTheEquivalenceContract) {
     r.sampling.ignore_eos = true;
     return r;
   };
+  // 20 rows in one step (above the AMX threshold of 16 where the CPU has
+  // it): prompts of 10..67 tokens, alone and together.
   std::map<std::string, std::vector<int32_t>> alone;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 5; ++i) {
     auto e = make(0);
-    ASSERT_TRUE(e->AddRequest(req(absl::StrCat("r", i), 10 + 15 * i, i)).ok());
+    ASSERT_TRUE(e->AddRequest(req(absl::StrCat("r", i), 10 + 14 * i, i)).ok());
     auto out = testing::DrainEngine(e.get());
     alone.insert(out.begin(), out.end());
   }
-  auto e = make(11);  // chunked prefill, batched decode
-  for (int i = 0; i < 3; ++i)
-    ASSERT_TRUE(e->AddRequest(req(absl::StrCat("r", i), 10 + 15 * i, i)).ok());
-  EXPECT_EQ(testing::DrainEngine(e.get()), alone);
+  for (int32_t budget : {11, 0}) {  // chunked prefill; one big prefill step
+    auto e = make(budget);
+    for (int i = 0; i < 5; ++i)
+      ASSERT_TRUE(
+          e->AddRequest(req(absl::StrCat("r", i), 10 + 14 * i, i)).ok());
+    EXPECT_EQ(testing::DrainEngine(e.get()), alone) << "budget " << budget;
+  }
   // A prefix hit (the first 32 tokens of r2) gives the cold tokens.
-  ASSERT_TRUE(e->AddRequest(req("warm", 40, 2)).ok());
+  auto e = make(11);
+  ASSERT_TRUE(e->AddRequest(req("r2", 38, 2)).ok());
+  testing::DrainEngine(e.get());
+  ASSERT_TRUE(e->AddRequest(req("warm", 38, 2)).ok());
   std::map<std::string, StepOutput> last;
   const auto warm = testing::DrainEngine(e.get(), &last);
   EXPECT_EQ(last.at("warm").cached_prompt_tokens, 32);
   EXPECT_EQ(warm.at("warm"), alone.at("r2"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Int8Weights, Int8DotEngineTest,
+                         ::testing::Values(WeightDtype::kI8,
+                                           WeightDtype::kI8B32),
+                         [](const ::testing::TestParamInfo<WeightDtype>& info) {
+                           std::string name = WeightDtypeName(info.param);
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(EveryWeightDtype, WeightDtypeEngineTest,
                          ::testing::Values(WeightDtype::kF32,

@@ -216,10 +216,10 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
         DTypeName(w.dtype)));
   }
   const bool int8dot = mode == kernels::MatMulMode::kInt8Dot;
-  if (int8dot && w.StorageName() != "int8-b32") {
+  if (int8dot && w.dtype != DType::kI8) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--matmul int8dot needs int8 weights with block scales "
-                     "(--weight-dtype int8-b32), not ",
+        absl::StrCat("--matmul int8dot needs int8 weights (--weight-dtype "
+                     "int8 or int8-b32), not ",
                      w.StorageName()));
   }
   // Different storage or arithmetic gives different logits, so both are
@@ -232,11 +232,15 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
   XXH3_128bits_update(src.hash(), storage.data(), storage.size());
   // Matrices are read as fp32 one (fused) tensor at a time, then packed.
   std::vector<float> tmp;
+  // int8dot reads per-row int8 in the dot-product operand order as stored
+  // (kPanel16Dot; no effect on other dtypes and scalings).
+  const auto layout = int8dot ? kernels::WeightMatrix::Layout::kPanel16Dot
+                              : kernels::WeightMatrix::Layout::kPanel16;
   auto pack = [&](int64_t rows, int64_t cols) {
     kernels::WeightMatrix m =
         blas ? kernels::WeightMatrix::RowMajorF32(tmp.data(), rows, cols)
              : kernels::WeightMatrix::Pack(tmp.data(), rows, cols, w.dtype,
-                                           w.int8_scaling);
+                                           w.int8_scaling, layout);
     tmp.clear();
     return m;
   };
@@ -257,9 +261,10 @@ absl::StatusOr<ModelWeights> ModelWeights::Load(const std::string& dir,
           [&](const std::string& name, const std::vector<int64_t>& shape,
               std::vector<float>* out) { return src.Append(name, shape, out); },
           [&](const float* data, int64_t rows, int64_t cols) {
-            return blas
-                       ? kernels::WeightMatrix::RowMajorF32(data, rows, cols)
-                       : kernels::WeightMatrix::Pack(data, rows, cols, w.dtype);
+            return blas ? kernels::WeightMatrix::RowMajorF32(data, rows, cols)
+                        : kernels::WeightMatrix::Pack(
+                              data, rows, cols, w.dtype,
+                              kernels::Int8Scaling::kPerRow, layout);
           },
           &l.mla, &l.o_proj));
     } else {

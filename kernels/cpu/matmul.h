@@ -27,8 +27,9 @@
 namespace pdserve::kernels {
 
 // kBf16Dot: bf16 weights with bf16-rounded activations through AVX512-BF16
-// (GemmNumerics::kBf16Dot in packed_gemm.h); kInt8Dot: int8-b32 weights with
-// int8 activations (per 32 values), exact integer sums through AVX512-VNNI
+// (GemmNumerics::kBf16Dot in packed_gemm.h); kInt8Dot: int8 weights with
+// int8 activations (per 32 values with int8-b32 weights, per row with per-row
+// int8 weights), exact integer sums through AVX512-VNNI and AMX-INT8
 // (GemmNumerics::kInt8Dot). Both are batch-invariant, with other numbers
 // than kDeterministic; other dtypes run as kDeterministic.
 enum class MatMulMode { kDeterministic, kBlas, kBf16Dot, kInt8Dot };

@@ -64,14 +64,23 @@ inline constexpr int64_t kInt8Block = 32;  // k per block scale
 class WeightMatrix {
  public:
   // Row-major fp32 kept as is, for OpenBLAS (MatMulMode::kBlas) and the
-  // legacy fp32 kernels; every other matrix is kPanel16.
-  enum class Layout { kPanel16, kRowMajorF32 };
+  // legacy fp32 kernels; every other matrix is kPanel16, or kPanel16Dot:
+  // per-row int8 only, for GemmNumerics::kInt8Dot. A kPanel16Dot panel keeps
+  // k in groups of 4, [k/4][16 columns][4 k] (k padded to 64 with zeros), the
+  // operand order of VPDPBUSD and of an AMX B tile (one 1 KiB tile per 64 k),
+  // so the kernels read the weights as stored, with no reordering per GEMM.
+  // The layout never changes a value: every GemmNumerics gives the same bits
+  // on both (kFp32Chain on kPanel16Dot, and kInt8Dot on per-row kPanel16, run
+  // a slow portable loop).
+  enum class Layout { kPanel16, kRowMajorF32, kPanel16Dot };
 
   WeightMatrix() = default;
   // w: [n, k] row-major fp32; rounded to `dtype` (nearest even; int8: see
   // Int8Scaling, q in [-127, 127]).
+  // layout: kPanel16, or kPanel16Dot for per-row int8 (ignored otherwise).
   static WeightMatrix Pack(const float* w, int64_t n, int64_t k, DType dtype,
-                           Int8Scaling scaling = Int8Scaling::kPerRow);
+                           Int8Scaling scaling = Int8Scaling::kPerRow,
+                           Layout layout = Layout::kPanel16);
   static WeightMatrix RowMajorF32(const float* w, int64_t n, int64_t k);
 
   DType dtype() const { return dtype_; }
@@ -128,9 +137,9 @@ class WeightMatrix {
 // vendors' implementations are not assumed to match, so engines put the
 // numerics in the model fingerprint.
 //
-// kInt8Dot (block int8 weights only; others fall back to kFp32Chain) rounds
-// x to int8 too, per row and block of 32 k (QuantizeActivationsInt8), and
-// sums exact integer products per block:
+// kInt8Dot (int8 weights; other dtypes fall back to kFp32Chain). With block
+// int8 weights it rounds x to int8 too, per row and block of 32 k
+// (QuantizeActivationsInt8), and sums exact integer products per block:
 //   acc = 0; for each block b in increasing order:
 //     isum = Σ_{p in b} qx[i][p] * qw[j][p]            (int32, exact)
 //     acc = fma(float(isum), sx[i][b] * sw[j][b], acc)   (fp32)
@@ -140,6 +149,14 @@ class WeightMatrix {
 // depend only on themselves, so it is batch-invariant. Activations lose
 // precision (int8 per 32 values), so it is its own numerics (engines put it in
 // the model fingerprint).
+// With per-row int8 weights x is rounded per row instead (scale = max|row| /
+// 127, q = round-to-nearest-even(x / scale)), and one exact integer sum runs
+// over all of k:
+//   y[i][j] = float(Σ_p qx[i][p] * qw[j][p]) * (sx[i] * sw[j])
+// so AMX accumulates whole rows in its tiles (64 k per TDPBSSD) with no
+// per-block epilogue; the same three kernels, the same bits (int32 sums up to
+// k = 65536, the portable loop's int64 beyond). Coarser activations than the
+// block form (one scale per row), fewer operations.
 enum class GemmNumerics { kFp32Chain, kBf16Dot, kInt8Dot };
 
 // kInt8Dot's activation rounding, per row and block of 32 (the last block

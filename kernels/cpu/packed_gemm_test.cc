@@ -547,11 +547,214 @@ TEST_F(Int8DotTest, ActivationQuantizationIsTheSameOnEveryPath) {
 TEST_F(Int8DotTest, OtherFormatsIgnoreIt) {
   const int64_t m = 3, n = 20, k = 40;
   const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
-  const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, DType::kI8);
-  std::vector<float> a(m * n), b(m * n);
-  GemmNT(x.data(), m, k, w, a.data(), GemmNumerics::kInt8Dot);
-  GemmNT(x.data(), m, k, w, b.data());
-  EXPECT_EQ(a, b);
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
+    const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, t);
+    std::vector<float> a(m * n), b(m * n);
+    GemmNT(x.data(), m, k, w, a.data(), GemmNumerics::kInt8Dot);
+    GemmNT(x.data(), m, k, w, b.data());
+    EXPECT_EQ(a, b) << DTypeName(t);
+  }
+}
+
+// kInt8Dot on per-row int8 weights: activations rounded per row, one exact
+// integer sum over all of k, y = float(isum) * (sx * sw). AMX (where usable),
+// VNNI and the portable loop must equal the contract written plainly.
+class RowInt8DotTest : public Int8DotTest {
+ protected:
+  static WeightMatrix PackRow(const std::vector<float>& w, int64_t n,
+                              int64_t k) {
+    return WeightMatrix::Pack(w.data(), n, k, DType::kI8, Int8Scaling::kPerRow,
+                              WeightMatrix::Layout::kPanel16Dot);
+  }
+  static std::vector<float> RowReference(const std::vector<float>& x, int64_t m,
+                                         int64_t k, const WeightMatrix& w) {
+    const std::vector<float> qw = w.Widened();  // the integers
+    std::vector<float> y(m * w.rows());
+    for (int64_t i = 0; i < m; ++i) {
+      float amax = 0;
+      for (int64_t p = 0; p < k; ++p)
+        amax = std::max(amax, std::fabs(x[i * k + p]));
+      const float sx = amax / 127.0f;
+      for (int64_t j = 0; j < w.rows(); ++j) {
+        int64_t isum = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          const int64_t q =
+              sx > 0 ? static_cast<int64_t>(std::nearbyint(x[i * k + p] / sx))
+                     : 0;
+          isum += q * static_cast<int64_t>(qw[j * k + p]);
+        }
+        y[i * w.rows() + j] = static_cast<float>(isum) * (sx * w.scales()[j]);
+      }
+    }
+    return y;
+  }
+  static bool Same(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+  // Every kernel this machine has: portable; VNNI (AMX off); AMX for every m.
+  std::vector<std::pair<std::string, std::vector<float>>> AllKernels(
+      const float* x, int64_t m, int64_t k, const WeightMatrix& w) {
+    std::vector<std::pair<std::string, std::vector<float>>> out;
+    SetInt8DotAmxMinRows(0);
+    out.emplace_back("portable", Run(GemmIsa::kPortable, x, m, k, w));
+    EXPECT_EQ(Int8DotKernelFor(m), Int8DotKernel::kPortable);
+    if (GemmIsaSupported(GemmIsa::kAvx512) && SetGemmIsa(GemmIsa::kAvx512) &&
+        Int8DotUsesVnni()) {
+      out.emplace_back("vnni", Run(GemmIsa::kAvx512, x, m, k, w));
+      if (Int8DotAmxUsable()) {
+        SetInt8DotAmxMinRows(1);
+        out.emplace_back("amx", Run(GemmIsa::kAvx512, x, m, k, w));
+        EXPECT_EQ(Int8DotKernelFor(m), Int8DotKernel::kAmx);
+      }
+    }
+    SetInt8DotAmxMinRows(kInt8DotAmxDefaultMinRows);
+    return out;
+  }
+};
+
+TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // Tails of rows (m % 16, odd row-tile counts), columns (n % 16, odd panel
+  // counts, 1..4 panels per task), k (k % 4 == 1, 2, 3; k % 64; one and many
+  // 64-k steps).
+  bool printed = false;
+  for (const Shape s :
+       {Shape{1, 1, 1}, Shape{2, 17, 2}, Shape{3, 33, 66}, Shape{7, 45, 129},
+        Shape{15, 50, 64}, Shape{16, 16, 63}, Shape{17, 97, 515},
+        Shape{31, 33, 300}, Shape{32, 1000, 96}, Shape{33, 611, 2049},
+        Shape{48, 40, 130}, Shape{70, 130, 161}}) {
+    auto x = Random(s.m * s.k, 1.0f);
+    if (s.k > 40) {  // a single outlier and an all-zero row
+      x[s.k + 3 < s.m * s.k ? s.k + 3 : 0] = 40.0f;
+      if (s.m > 2)
+        for (int64_t p = 0; p < s.k; ++p) x[2 * s.k + p] = 0.0f;
+    }
+    auto wf = Random(s.n * s.k, 0.05f);
+    if (s.n > 3) {  // an outlier weight, an all-zero weight row
+      wf[3 * s.k] = 2.0f;
+      for (int64_t p = 0; p < s.k; ++p) wf[2 * s.k + p] = 0.0f;
+    }
+    const WeightMatrix w = PackRow(wf, s.n, s.k);
+    const std::vector<float> want = RowReference(x, s.m, s.k, w);
+    const auto got = AllKernels(x.data(), s.m, s.k, w);
+    if (!printed && got.size() < 3) {
+      std::printf("kernels checked here: %zu of 3 (no %s)\n", got.size(),
+                  got.size() == 1 ? "VNNI, AMX" : "usable AMX");
+    }
+    printed = true;
+    for (const auto& [name, y] : got) {
+      EXPECT_TRUE(Same(y, want))
+          << name << " vs contract m=" << s.m << " n=" << s.n << " k=" << s.k;
+    }
+    // Near the exact product: each x is off by at most half its row's step.
+    const std::vector<float> wv = w.ToFloat();
+    for (int64_t i = 0; i < s.m; ++i) {
+      float amax = 0;
+      for (int64_t p = 0; p < s.k; ++p)
+        amax = std::max(amax, std::fabs(x[i * s.k + p]));
+      for (int64_t j = 0; j < s.n; ++j) {
+        double ref = 0, bound = 0;
+        for (int64_t p = 0; p < s.k; ++p) {
+          ref += double(x[i * s.k + p]) * wv[j * s.k + p];
+          bound += std::fabs(wv[j * s.k + p]) * amax / 254.0 * (1 + 1e-5) +
+                   1e-6 * std::fabs(x[i * s.k + p] * wv[j * s.k + p]);
+        }
+        ASSERT_NEAR(want[i * s.n + j], ref, bound + 1e-6)
+            << "m=" << s.m << " n=" << s.n << " k=" << s.k;
+      }
+    }
+  }
+}
+
+TEST_F(RowInt8DotTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {
+  const int64_t k = 333, n = 83, max_m = 70;
+  const auto x = Random(max_m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = PackRow(wf, n, k);
+  SetInt8DotAmxMinRows(0);
+  const auto full = Run(GemmIsa::kPortable, x.data(), max_m, k, w);
+  const int before = KernelThreads();
+  for (int threads : {1, 2}) {
+    SetKernelThreads(threads);
+    for (int64_t m = 1; m <= max_m; ++m) {
+      for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
+        if (off + m > max_m) continue;
+        for (const auto& [name, y] : AllKernels(x.data() + off * k, m, k, w)) {
+          ASSERT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
+                                   y.size() * sizeof(float)))
+              << name << " m=" << m << " off=" << off << " threads=" << threads;
+        }
+        // The default choice of kernel for this m.
+        std::vector<float> d(m * n, -1.0f);
+        GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
+        ASSERT_EQ(0, std::memcmp(d.data(), full.data() + off * n,
+                                 d.size() * sizeof(float)))
+            << "default m=" << m << " off=" << off;
+      }
+    }
+  }
+  SetKernelThreads(before);
+}
+
+// kPanel16Dot stores the same integers and scales in another order: no
+// value depends on it, with either numerics, at odd shapes.
+TEST_F(RowInt8DotTest, LayoutChangesNoValue) {
+  for (const auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{3, 20, 37},
+                               {17, 33, 130},
+                               {40, 70, 64}}) {
+    const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
+    const WeightMatrix dot = PackRow(wf, n, k);
+    const WeightMatrix plain = WeightMatrix::Pack(wf.data(), n, k, DType::kI8);
+    ASSERT_EQ(dot.layout(), WeightMatrix::Layout::kPanel16Dot);
+    EXPECT_EQ(dot.padded_k() % 64, 0);
+    EXPECT_EQ(dot.ToFloat(), plain.ToFloat());
+    EXPECT_EQ(dot.Widened(), plain.Widened());
+    EXPECT_EQ(dot.bytes(), plain.bytes());
+    std::vector<float> row(k), row2(k);
+    dot.DequantizeRow(n - 1, row.data());
+    plain.DequantizeRow(n - 1, row2.data());
+    EXPECT_EQ(row, row2);
+    for (GemmNumerics numerics :
+         {GemmNumerics::kFp32Chain, GemmNumerics::kInt8Dot}) {
+      std::vector<float> a(m * n, -1.0f), b(m * n, -2.0f);
+      GemmNT(x.data(), m, k, dot, a.data(), numerics);
+      GemmNT(x.data(), m, k, plain, b.data(), numerics);
+      EXPECT_TRUE(Same(a, b)) << "m=" << m << " n=" << n << " k=" << k
+                              << " numerics " << static_cast<int>(numerics);
+    }
+  }
+  // Other dtypes ignore the layout.
+  const auto wf = Random(20 * 30, 0.05f);
+  EXPECT_EQ(
+      WeightMatrix::Pack(wf.data(), 20, 30, DType::kBF16, Int8Scaling::kPerRow,
+                         WeightMatrix::Layout::kPanel16Dot)
+          .layout(),
+      WeightMatrix::Layout::kPanel16);
+  EXPECT_EQ(
+      WeightMatrix::Pack(wf.data(), 20, 30, DType::kI8, Int8Scaling::kBlock32,
+                         WeightMatrix::Layout::kPanel16Dot)
+          .layout(),
+      WeightMatrix::Layout::kPanel16);
+}
+
+// Not the fp32 chain: activations are rounded, so outputs differ from it
+// (and from block int8dot), yet stay close.
+TEST_F(RowInt8DotTest, IsItsOwnNumericsCloseToTheFp32Chain) {
+  const int64_t m = 5, n = 40, k = 200;
+  const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
+  const WeightMatrix w = PackRow(wf, n, k);
+  std::vector<float> dot(m * n), chain(m * n);
+  GemmNT(x.data(), m, k, w, dot.data(), GemmNumerics::kInt8Dot);
+  GemmNT(x.data(), m, k, w, chain.data());
+  EXPECT_NE(dot, chain);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < m * n; ++i) {
+    num += (dot[i] - chain[i]) * double(dot[i] - chain[i]);
+    den += double(chain[i]) * chain[i];
+  }
+  EXPECT_LT(std::sqrt(num / den), 0.02);
 }
 
 TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
