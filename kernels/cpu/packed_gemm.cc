@@ -1110,6 +1110,8 @@ TileFn Avx512Tile(Fmt t, int rows, int nv) {
       return Avx512Table<Fmt::kI8>::kFns[nv - 1][rows - 1];
     case Fmt::kI8B32:
       return Avx512Table<Fmt::kI8B32>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8Dot:  // never: GemmNT runs GemmDotLayoutChain for it
+      break;
   }
   return nullptr;
 }
@@ -1132,6 +1134,8 @@ TileFn Avx2Tile(Fmt t, int rows) {
       return i8[rows - 1];
     case Fmt::kI8B32:
       return i8b32[rows - 1];
+    case Fmt::kI8Dot:  // never: GemmNT runs GemmDotLayoutChain for it
+      break;
   }
   return nullptr;
 }
@@ -1150,6 +1154,7 @@ WidenFn Widener(GemmIsa isa, Fmt t) {
         case Fmt::kI8B32:
           return &WidenAvx512<Fmt::kI8B32>;
         case Fmt::kF32:
+        case Fmt::kI8Dot:  // (never reaches here)
           return nullptr;
       }
       break;
@@ -1164,6 +1169,7 @@ WidenFn Widener(GemmIsa isa, Fmt t) {
         case Fmt::kI8B32:
           return &WidenAvx2<Fmt::kI8B32>;
         case Fmt::kF32:
+        case Fmt::kI8Dot:  // (never reaches here)
           return nullptr;
       }
       break;
@@ -1178,6 +1184,7 @@ WidenFn Widener(GemmIsa isa, Fmt t) {
         case Fmt::kI8B32:
           return &WidenPortableAs<Fmt::kI8B32>;
         case Fmt::kF32:
+        case Fmt::kI8Dot:  // (never reaches here)
           return nullptr;
       }
       break;
@@ -1485,18 +1492,32 @@ namespace {
 // stored weights into L2 while its tile kernels run: the weight stream from
 // DRAM overlaps the arithmetic instead of alternating with it (at batch 32
 // the preparation, which waited on DRAM, was a third of the GEMM time).
+// How the AMX GEMMs split n: tasks of up to 4 panels (at least 8 tasks per
+// thread where n allows), and the threads that run them.
+struct AmxTasks {
+  int64_t panels, per_task, tasks;
+  int threads;
+  bool parallel;
+};
+AmxTasks SplitAmxTasks(int64_t m, int64_t n, int64_t k) {
+  AmxTasks t;
+  t.panels = (n + kPanel - 1) / kPanel;
+  const int max_threads = KernelThreads();
+  t.per_task = std::clamp<int64_t>(
+      t.panels / (int64_t{8} * std::max(1, max_threads)), 1, 4);
+  t.tasks = (t.panels + t.per_task - 1) / t.per_task;
+  t.threads = static_cast<int>(std::min<int64_t>(max_threads, t.tasks));
+  t.parallel = t.threads > 1 && m * n * k > (int64_t{1} << 16);
+  return t;
+}
+
 void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
                     const WeightMatrix& w, float* __restrict__ y) {
   const int64_t n = w.rows(), blocks = kp / kInt8Block;
   const int64_t pb = w.panel_bytes();
-  const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t row_tiles = (m + kAmxRows - 1) / kAmxRows;
-  const int max_threads = KernelThreads();
-  const int64_t per_task = std::clamp<int64_t>(
-      panels / (int64_t{8} * std::max(1, max_threads)), 1, 4);
-  const int64_t tasks = (panels + per_task - 1) / per_task;
-  const int threads = static_cast<int>(std::min<int64_t>(max_threads, tasks));
-  const bool parallel = threads > 1 && m * n * kp > (int64_t{1} << 16);
+  const auto [panels, per_task, tasks, threads, parallel] =
+      SplitAmxTasks(m, n, kp);
   // Which thread takes a task never changes its numbers.
   // Activations and their scales per row tile and block,
   // [row_tiles][blocks][16][32] and [row_tiles][blocks][16].
@@ -1566,9 +1587,44 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
   }
 }
 
+// The VNNI / portable int8dot loop: tiles of `max_nv` panels over the threads
+// (which thread takes a tile never changes its numbers); per tile
+// begin(panels, nv), then for each of ceil(m / 4) equal row tiles
+// compute(i0, rows, panels, nv, io) fills io [rows][nv * 16], copied to y.
+template <typename Begin, typename Compute>
+void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_nv,
+                     float* __restrict__ y, Begin&& begin, Compute&& compute) {
+  const int64_t n = w.rows(), pb = w.panel_bytes();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t tiles = (panels + max_nv - 1) / max_nv;
+  const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
+  const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    alignas(64) float io[kInt8DotRows * kInt8DotPanels * kPanel];
+    const int64_t p0 = tile * max_nv;
+    const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
+    const int64_t c0 = p0 * kPanel;
+    const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
+    const uint8_t* wp = w.data() + p0 * pb;
+    begin(wp, nv);
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int64_t i0 = m * rt / row_tiles;
+      const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
+      compute(i0, rows, wp, nv, io);
+      for (int i = 0; i < rows; ++i) {
+        std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
+                    cols * sizeof(float));
+      }
+    }
+  }
+}
+
 void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
                  const WeightMatrix& w, float* __restrict__ y) {
-  const int64_t n = w.rows(), kp = w.padded_k(), blocks = kp / kInt8Block;
+  const int64_t kp = w.padded_k(), blocks = kp / kInt8Block;
   const int64_t pb = w.panel_bytes();
   const Int8DotKernel kernel = Int8DotKernelFor(m);
   const bool amx = kernel == Int8DotKernel::kAmx;
@@ -1590,49 +1646,31 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
   // (thread_local: the OpenMP threads below must use these, not their own.)
   const int8_t* const qxp = qx.data();
   const float* const sxp = sx.data();
-  const int max_nv = hw ? kInt8DotPanels : 1;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t tiles = (panels + max_nv - 1) / max_nv;
   const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
-  const int threads =
-      static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
-  const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
-  // Which thread takes a tile never changes its numbers.
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    alignas(64) float io[kInt8DotRows * kInt8DotPanels * kPanel];
-    const int64_t p0 = tile * max_nv;
-    const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
-    const int64_t c0 = p0 * kPanel;
-    const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
-    const uint8_t* wp = w.data() + p0 * pb;
-    const bool prepared = hw && row_tiles > 1;
-    std::vector<uint8_t>& prep = Int8DotPrepBuffer();
-    if (prepared) {
-      prep.resize(blocks * PrepBlockBytes(nv));
-      PrepareInt8DotTile(wp, pb, nv, blocks, prep.data());
-    }
-    for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      const int64_t i0 = m * rt / row_tiles;
-      const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-      if (prepared) {
-        Int8DotVnniPreparedTile(rows, nv)(
-            reinterpret_cast<const uint8_t*>(qxp) + i0 * kp, sxp + i0 * blocks,
-            kp, blocks, prep.data(), 0, io);
-      } else if (hw) {
-        Int8DotVnniTile(rows, nv)(
-            reinterpret_cast<const uint8_t*>(qxp) + i0 * kp, sxp + i0 * blocks,
-            kp, blocks, wp, pb, io);
-      } else {
-        Int8DotPortable(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks, rows, nv,
-                        wp, pb, io);
-      }
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
-                    cols * sizeof(float));
-      }
-    }
-  }
+  const bool prepared = hw && row_tiles > 1;
+  RunInt8DotTiles(
+      m, k, w, hw ? kInt8DotPanels : 1, y,
+      [&](const uint8_t* wp, int nv) {
+        if (!prepared) return;
+        std::vector<uint8_t>& prep = Int8DotPrepBuffer();
+        prep.resize(blocks * PrepBlockBytes(nv));
+        PrepareInt8DotTile(wp, pb, nv, blocks, prep.data());
+      },
+      [&](int64_t i0, int rows, const uint8_t* wp, int nv, float* io) {
+        const std::vector<uint8_t>& prep = Int8DotPrepBuffer();
+        if (prepared) {
+          Int8DotVnniPreparedTile(rows, nv)(
+              reinterpret_cast<const uint8_t*>(qxp) + i0 * kp,
+              sxp + i0 * blocks, kp, blocks, prep.data(), 0, io);
+        } else if (hw) {
+          Int8DotVnniTile(rows, nv)(
+              reinterpret_cast<const uint8_t*>(qxp) + i0 * kp,
+              sxp + i0 * blocks, kp, blocks, wp, pb, io);
+        } else {
+          Int8DotPortable(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks, rows,
+                          nv, wp, pb, io);
+        }
+      });
 }
 
 // --- kInt8Dot on per-row int8 weights ---------------------------------------
@@ -1860,14 +1898,9 @@ void GemmRowDotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kq,
                    const WeightMatrix& w, float* __restrict__ y) {
   const int64_t n = w.rows(), ksteps = kq / kRowDotK;
   const int64_t pb = w.panel_bytes();
-  const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t row_tiles = (m + kAmxRows - 1) / kAmxRows;
-  const int max_threads = KernelThreads();
-  const int64_t per_task = std::clamp<int64_t>(
-      panels / (int64_t{8} * std::max(1, max_threads)), 1, 4);
-  const int64_t tasks = (panels + per_task - 1) / per_task;
-  const int threads = static_cast<int>(std::min<int64_t>(max_threads, tasks));
-  const bool parallel = threads > 1 && m * n * kq > (int64_t{1} << 16);
+  const auto [panels, per_task, tasks, threads, parallel] =
+      SplitAmxTasks(m, n, kq);
   const float* const sw = w.scales();
 #pragma omp parallel num_threads(threads) if (parallel)
   {
@@ -1906,7 +1939,7 @@ void GemmRowDotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kq,
 // matrix (packed for the fp32 chain) runs the portable loop, same bits.
 void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
                 const WeightMatrix& w, float* __restrict__ y) {
-  const int64_t n = w.rows(), kq = RowDotPaddedK(k);
+  const int64_t kq = RowDotPaddedK(k);
   const int64_t pb = w.panel_bytes();
   const bool dot_layout = w.layout() == WeightMatrix::Layout::kPanel16Dot;
   const Fmt fmt = dot_layout ? Fmt::kI8Dot : Fmt::kI8;
@@ -1930,39 +1963,19 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   }
   const int8_t* const qxp = qx.data();
   const float* const sxp = sx.data();
-  const float* const sw = w.scales();
-  const int max_nv = hw ? kInt8DotPanels : 1;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t tiles = (panels + max_nv - 1) / max_nv;
-  const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
-  const int threads =
-      static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
-  const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    alignas(64) float io[kInt8DotRows * kInt8DotPanels * kPanel];
-    const int64_t p0 = tile * max_nv;
-    const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
-    const int64_t c0 = p0 * kPanel;
-    const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
-    const uint8_t* wp = w.data() + p0 * pb;
-    for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      const int64_t i0 = m * rt / row_tiles;
-      const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-      if (hw) {
-        RowDotVnniTile(rows, nv)(
-            reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, kq, wp,
-            pb, sw + c0, io);
-      } else {
-        RowDotPortable(fmt, qxp + i0 * kq, sxp + i0, kq, k, rows, nv, wp, pb,
-                       sw + c0, io);
-      }
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
-                    cols * sizeof(float));
-      }
-    }
-  }
+  RunInt8DotTiles(
+      m, k, w, hw ? kInt8DotPanels : 1, y, [](const uint8_t*, int) {},
+      [&](int64_t i0, int rows, const uint8_t* wp, int nv, float* io) {
+        const float* sw = w.scales() + (wp - w.data()) / pb * kPanel;
+        if (hw) {
+          RowDotVnniTile(rows, nv)(
+              reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, kq, wp,
+              pb, sw, io);
+        } else {
+          RowDotPortable(fmt, qxp + i0 * kq, sxp + i0, kq, k, rows, nv, wp, pb,
+                         sw, io);
+        }
+      });
 }
 
 // kFp32Chain on kPanel16Dot: the order contract, plainly (correct, slow; the

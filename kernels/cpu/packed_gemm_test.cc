@@ -314,6 +314,39 @@ class Int8DotTest : public ::testing::Test {
     }
     return y;
   }
+  // Hard cases in x [m, k] and w [n, k]: where k > 40, an outlier in row 1
+  // (zero_block: also an all-zero second block in row 0) and
+  // an all-zero row 2; where n > 3, an outlier weight and an all-zero row 2.
+  static void AddOutliersAndZeros(int64_t m, int64_t n, int64_t k,
+                                  bool zero_block, std::vector<float>* x,
+                                  std::vector<float>* w) {
+    if (k > 40) {
+      if (zero_block)
+        for (int64_t p = 32; p < 64 && p < k; ++p) (*x)[p] = 0.0f;
+      (*x)[k + 3 < m * k ? k + 3 : 0] = 40.0f;
+      if (m > 2)
+        for (int64_t p = 0; p < k; ++p) (*x)[2 * k + p] = 0.0f;
+    }
+    if (n > 3) {
+      (*w)[3 * k] = 2.0f;
+      for (int64_t p = 0; p < k; ++p) (*w)[2 * k + p] = 0.0f;
+    }
+  }
+  // check(m, off, threads) for every m = 1..max_m at offsets 0, 1 and
+  // max_m - m, on 1 and 2 threads, until the first fatal failure.
+  template <typename Check>
+  static void ForEachBatchSlice(int64_t max_m, Check&& check) {
+    const int before = KernelThreads();
+    for (int threads : {1, 2}) {
+      SetKernelThreads(threads);
+      for (int64_t m = 1; m <= max_m && !HasFatalFailure(); ++m) {
+        for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
+          if (off + m <= max_m && !HasFatalFailure()) check(m, off, threads);
+        }
+      }
+    }
+    SetKernelThreads(before);
+  }
   GemmIsa previous_ = ActiveGemmIsa();
   int64_t previous_amx_rows_ = Int8DotAmxMinRows();
   std::mt19937 rng_{17};
@@ -362,18 +395,8 @@ TEST_F(Int8DotAmxTest, EqualsVnniPortableAndThePlainContractAtOddShapes) {
        {Shape{1, 1, 1}, Shape{2, 17, 33}, Shape{7, 45, 129}, Shape{15, 50, 64},
         Shape{16, 16, 32}, Shape{17, 97, 515}, Shape{31, 33, 300},
         Shape{32, 1000, 96}, Shape{33, 611, 2049}, Shape{70, 130, 160}}) {
-    auto x = Random(s.m * s.k, 1.0f);
-    if (s.k > 40) {  // an all-zero block, a single outlier, a zero row
-      for (int64_t p = 32; p < 64 && p < s.k; ++p) x[p] = 0.0f;
-      x[s.k + 3 < s.m * s.k ? s.k + 3 : 0] = 40.0f;
-      if (s.m > 2)
-        for (int64_t p = 0; p < s.k; ++p) x[2 * s.k + p] = 0.0f;
-    }
-    auto wf = Random(s.n * s.k, 0.05f);
-    if (s.n > 3) {  // an outlier weight, an all-zero weight row
-      wf[3 * s.k] = 2.0f;
-      for (int64_t p = 0; p < s.k; ++p) wf[2 * s.k + p] = 0.0f;
-    }
+    auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
+    AddOutliersAndZeros(s.m, s.n, s.k, /*zero_block=*/true, &x, &wf);
     const WeightMatrix w = Pack(wf, s.n, s.k);
     const std::vector<float> want = Reference(x, s.m, s.k, w);
     const auto amx = RunWith(Kernel::kAmx, x.data(), s.m, s.k, w);
@@ -394,28 +417,20 @@ TEST_F(Int8DotAmxTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {
   const WeightMatrix w = Pack(wf, n, k);
   // The rows as the portable loop computes them, all at once.
   const auto full = RunWith(Kernel::kPortable, x.data(), max_m, k, w);
-  const int before = KernelThreads();
-  for (int threads : {1, 2}) {
-    SetKernelThreads(threads);
-    for (int64_t m = 1; m <= max_m; ++m) {
-      for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
-        if (off + m > max_m) continue;
-        // Forced AMX, and the default choice (VNNI below the threshold).
-        const auto y = RunWith(Kernel::kAmx, x.data() + off * k, m, k, w);
-        SetInt8DotAmxMinRows(kInt8DotAmxDefaultMinRows);
-        std::vector<float> d(m * n, -1.0f);
-        GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
-        const std::vector<float>* const outs[] = {&y, &d};
-        for (const std::vector<float>* got : outs) {
-          ASSERT_EQ(0, std::memcmp(got->data(), full.data() + off * n,
-                                   got->size() * sizeof(float)))
-              << (got == &y ? "amx" : "default") << " m=" << m << " off=" << off
-              << " threads=" << threads;
-        }
-      }
+  ForEachBatchSlice(max_m, [&](int64_t m, int64_t off, int threads) {
+    // Forced AMX, and the default choice (VNNI below the threshold).
+    const auto y = RunWith(Kernel::kAmx, x.data() + off * k, m, k, w);
+    SetInt8DotAmxMinRows(kInt8DotAmxDefaultMinRows);
+    std::vector<float> d(m * n, -1.0f);
+    GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
+    const std::vector<float>* const outs[] = {&y, &d};
+    for (const std::vector<float>* got : outs) {
+      ASSERT_EQ(0, std::memcmp(got->data(), full.data() + off * n,
+                               got->size() * sizeof(float)))
+          << (got == &y ? "amx" : "default") << " m=" << m << " off=" << off
+          << " threads=" << threads;
     }
-  }
-  SetKernelThreads(before);
+  });
 }
 
 TEST_F(Int8DotAmxTest, KernelChoiceFollowsTheThreshold) {
@@ -626,17 +641,8 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
         Shape{15, 50, 64}, Shape{16, 16, 63}, Shape{17, 97, 515},
         Shape{31, 33, 300}, Shape{32, 1000, 96}, Shape{33, 611, 2049},
         Shape{48, 40, 130}, Shape{70, 130, 161}}) {
-    auto x = Random(s.m * s.k, 1.0f);
-    if (s.k > 40) {  // a single outlier and an all-zero row
-      x[s.k + 3 < s.m * s.k ? s.k + 3 : 0] = 40.0f;
-      if (s.m > 2)
-        for (int64_t p = 0; p < s.k; ++p) x[2 * s.k + p] = 0.0f;
-    }
-    auto wf = Random(s.n * s.k, 0.05f);
-    if (s.n > 3) {  // an outlier weight, an all-zero weight row
-      wf[3 * s.k] = 2.0f;
-      for (int64_t p = 0; p < s.k; ++p) wf[2 * s.k + p] = 0.0f;
-    }
+    auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
+    AddOutliersAndZeros(s.m, s.n, s.k, /*zero_block=*/false, &x, &wf);
     const WeightMatrix w = PackRow(wf, s.n, s.k);
     const std::vector<float> want = RowReference(x, s.m, s.k, w);
     const auto got = AllKernels(x.data(), s.m, s.k, w);
@@ -675,35 +681,28 @@ TEST_F(RowInt8DotTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {
   const WeightMatrix w = PackRow(wf, n, k);
   SetInt8DotAmxMinRows(0);
   const auto full = Run(GemmIsa::kPortable, x.data(), max_m, k, w);
-  const int before = KernelThreads();
-  for (int threads : {1, 2}) {
-    SetKernelThreads(threads);
-    for (int64_t m = 1; m <= max_m; ++m) {
-      for (int64_t off : {int64_t{0}, int64_t{1}, max_m - m}) {
-        if (off + m > max_m) continue;
-        for (const auto& [name, y] : AllKernels(x.data() + off * k, m, k, w)) {
-          ASSERT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
-                                   y.size() * sizeof(float)))
-              << name << " m=" << m << " off=" << off << " threads=" << threads;
-        }
-        // The default choice of kernel for this m.
-        std::vector<float> d(m * n, -1.0f);
-        GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
-        ASSERT_EQ(0, std::memcmp(d.data(), full.data() + off * n,
-                                 d.size() * sizeof(float)))
-            << "default m=" << m << " off=" << off;
-      }
+  ForEachBatchSlice(max_m, [&](int64_t m, int64_t off, int threads) {
+    for (const auto& [name, y] : AllKernels(x.data() + off * k, m, k, w)) {
+      ASSERT_EQ(0, std::memcmp(y.data(), full.data() + off * n,
+                               y.size() * sizeof(float)))
+          << name << " m=" << m << " off=" << off << " threads=" << threads;
     }
-  }
-  SetKernelThreads(before);
+    // The default choice of kernel for this m.
+    std::vector<float> d(m * n, -1.0f);
+    GemmNT(x.data() + off * k, m, k, w, d.data(), GemmNumerics::kInt8Dot);
+    ASSERT_EQ(0, std::memcmp(d.data(), full.data() + off * n,
+                             d.size() * sizeof(float)))
+        << "default m=" << m << " off=" << off;
+  });
 }
 
 // kPanel16Dot stores the same integers and scales in another order: no
 // value depends on it, with either numerics, at odd shapes.
 TEST_F(RowInt8DotTest, LayoutChangesNoValue) {
-  for (const auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{3, 20, 37},
-                               {17, 33, 130},
-                               {40, 70, 64}}) {
+  for (const auto& [m, n, k] :
+       {std::tuple<int64_t, int64_t, int64_t>{3, 20, 37},
+        {17, 33, 130},
+        {40, 70, 64}}) {
     const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
     const WeightMatrix dot = PackRow(wf, n, k);
     const WeightMatrix plain = WeightMatrix::Pack(wf.data(), n, k, DType::kI8);
