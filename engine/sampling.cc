@@ -78,13 +78,39 @@ float UniformForPosition(uint64_t seed, int64_t position) {
   return static_cast<float>(r[0] >> 8) * (1.0f / 16777216.0f);
 }
 
+namespace {
+
+// The first index of the largest logit, as the plain scan
+//   best = 0; for i: if (logits[i] > logits[best]) best = i;
+// gives it (NaN never wins; a NaN at 0 stays the answer; +0 and -0 tie),
+// in two passes the compiler vectorizes: 16 running maxima, then the first
+// index equal to their maximum. At batch 32 the scan over a 128k vocabulary
+// was ~12% of a 1B decode step.
+int32_t Argmax(const float* logits, int64_t vocab) {
+  if (vocab <= 0 || !(logits[0] == logits[0])) return 0;
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (float& l : lane) l = logits[0];
+  int64_t i = 0;
+  for (; i + kLanes <= vocab; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j)
+      lane[j] = logits[i + j] > lane[j] ? logits[i + j] : lane[j];
+  }
+  float mx = lane[0];
+  for (int j = 1; j < kLanes; ++j) mx = lane[j] > mx ? lane[j] : mx;
+  for (; i < vocab; ++i) mx = logits[i] > mx ? logits[i] : mx;
+  for (int64_t p = 0; p < vocab; ++p) {
+    if (logits[p] == mx) return static_cast<int32_t>(p);
+  }
+  return 0;  // not reached: mx is one of the logits
+}
+
+}  // namespace
+
 int32_t SampleToken(const float* logits, int64_t vocab,
                     const SamplingParams& params, int64_t position,
                     std::vector<std::pair<float, int32_t>>* scratch) {
-  int32_t best = 0;
-  for (int64_t i = 1; i < vocab; ++i) {
-    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
-  }
+  const int32_t best = Argmax(logits, vocab);
   if (params.temperature <= 0.0f) return best;
 
   auto& cand = *scratch;

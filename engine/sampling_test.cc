@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
+#include <random>
 #include <vector>
 
 namespace pdserve::engine {
@@ -44,6 +46,44 @@ TEST_F(SamplingTest, GreedyAndDegenerateFiltersTakeTheArgmax) {
   p.top_k = 0;
   p.top_p = 1e-6f;
   EXPECT_EQ(Sample(logits, p, 5), 1);
+}
+
+// Greedy picks what the plain scan picks (first maximum, NaN never wins, a
+// NaN at 0 stays, +0 and -0 tie), at every vocabulary size around the
+// 16-lane blocks and on adversarial rows.
+TEST_F(SamplingTest, GreedyEqualsThePlainScanOnHardRows) {
+  auto scan = [](const std::vector<float>& l) {
+    int32_t best = 0;
+    for (size_t i = 1; i < l.size(); ++i)
+      if (l[i] > l[best]) best = static_cast<int32_t>(i);
+    return best;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-5.0f, 5.0f);
+  SamplingParams p;
+  for (int n = 1; n <= 70; ++n) {
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<float> l(n);
+      for (float& v : l) v = trial % 4 == 0 ? std::round(u(rng)) : u(rng);
+      if (trial % 5 == 1) l[rng() % n] = nan;
+      if (trial % 7 == 2) l[0] = nan;
+      if (trial % 6 == 3) l[rng() % n] = inf;
+      if (trial % 8 == 4) {
+        for (float& v : l) v = -inf;
+      }
+      if (trial % 9 == 5) {
+        for (float& v : l) v = (rng() % 2) ? 0.0f : -0.0f;
+      }
+      ASSERT_EQ(Sample(l, p, 0), scan(l)) << "n=" << n << " trial=" << trial;
+    }
+  }
+  std::vector<float> big(128256);
+  for (float& v : big) v = u(rng);
+  big[100000] = 9.0f;
+  big[127000] = 9.0f;
+  EXPECT_EQ(Sample(big, p, 0), 100000);
 }
 
 TEST_F(SamplingTest,
