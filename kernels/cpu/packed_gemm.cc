@@ -50,6 +50,11 @@ Fmt FormatOf(DType t, Int8Scaling s,
 }
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
+// Bytes per weight of the panel-16 formats with one byte count per k (not
+// kI8B32, whose blocks carry scales).
+constexpr int64_t ElementBytesOf(Fmt t) {
+  return t == Fmt::kF32 ? 4 : t == Fmt::kBF16 || t == Fmt::kF16 ? 2 : 1;
+}
 
 // Byte offset of weight (k index q, column c of the panel) inside a panel.
 inline int64_t PanelOffset(Fmt t, int64_t q, int64_t c) {
@@ -355,9 +360,19 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
   }
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  // Bytes of one panel per k; at small batches the tile streams its panels
+  // from DRAM, and a prefetch 1 KiB ahead in each keeps more lines in flight
+  // than the hardware prefetcher alone (one per 64 bytes).
+  constexpr int64_t kBytesPerK = ElementBytesOf(W) * kPanel;
   int64_t q = k0;
   for (; q + 2 <= k1; q += 2) {
     const float* xq = xp + (q - k0) * MR;
+    if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(
+            reinterpret_cast<const char*>(wp[v] + q * kBytesPerK + 1024),
+            _MM_HINT_T0);
+    }
     typename P::Raw raw[NV];
     for (int v = 0; v < NV; ++v) raw[v] = P::Load(wp[v], q);
     // Broadcast each x once and reuse it across the NV panels: 3 x 6
