@@ -999,20 +999,15 @@ PDSERVE_AMX void PrepareAmxPanel(const uint8_t* panel, int64_t blocks,
 // (The loops over rows are unrolled by pragma: left to GCC 12, the
 // accumulators of this pipelined loop stayed in memory, a load and a store
 // per FMA. Checked with objdump.)
-// Every 4 blocks it also prefetches `pf_lines` cache lines of [pf, pf_end)
-// into L2 (the stored weights the thread prepares next; see GemmInt8DotAmx).
 template <int R>
 PDSERVE_AMX void Int8DotAmx(const int8_t* qa, const float* sa, int64_t blocks,
-                            const uint8_t* prep, float* io, const uint8_t* pf,
-                            const uint8_t* pf_end, int pf_lines) {
+                            const uint8_t* prep, float* io) {
   alignas(64) int32_t c[2][2][kAmxRows][kPanel];
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
-    for (int l = 0; l < pf_lines && pf < pf_end; ++l, pf += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
     PDSERVE_AMX_PAIR(4, 5, b);
     if (b > 0) {
       PDSERVE_AMX_SCALE_ADD(c[1][0], b - 2);
@@ -1045,8 +1040,7 @@ PDSERVE_AMX void Int8DotAmx(const int8_t* qa, const float* sa, int64_t blocks,
 #undef PDSERVE_AMX_SCALE_ADD
 
 using Int8DotAmxFn = void (*)(const int8_t*, const float*, int64_t,
-                              const uint8_t*, float*, const uint8_t*,
-                              const uint8_t*, int);
+                              const uint8_t*, float*);
 template <size_t... R>
 constexpr std::array<Int8DotAmxFn, sizeof...(R)> AmxRows(
     std::index_sequence<R...>) {
@@ -1437,6 +1431,12 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
 }
 
 namespace {
+// x + 128 as unsigned bytes, for VPDPBUSD (in place).
+void OffsetToUnsigned(int8_t* q, int64_t n) {
+  for (int64_t p = 0; p < n; ++p)
+    q[p] = static_cast<int8_t>(static_cast<uint8_t>(q[p]) ^ 0x80);
+}
+
 void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
                          float* scales, bool unsigned_bytes) {
   const int64_t kp = (k + kInt8Block - 1) / kInt8Block * kInt8Block;
@@ -1449,11 +1449,7 @@ void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
   for (int64_t i = 0; i < m; ++i) {
     (hw ? QuantizeRowAvx512 : QuantizeRowPortable)(x + i * k, k, kp, q + i * kp,
                                                    scales + i * blocks);
-    if (unsigned_bytes) {  // x + 128 as unsigned bytes, for VPDPBUSD
-      for (int64_t p = 0; p < kp; ++p)
-        q[i * kp + p] =
-            static_cast<int8_t>(static_cast<uint8_t>(q[i * kp + p]) ^ 0x80);
-    }
+    if (unsigned_bytes) OffsetToUnsigned(q + i * kp, kp);
   }
 }
 
@@ -1499,14 +1495,6 @@ Int8DotKernel Int8DotKernelFor(int64_t m) {
 
 namespace {
 
-// kInt8Dot on AMX: tasks of up to 4 panels (64 columns); a task prepares its
-// panels' B tiles once (L2: 576 bytes per block and panel) and runs every
-// row tile of 16 over them, panel by panel, so a row tile's activations
-// (16 x kp bytes) stay in L2 while its panels pass. Tasks go round-robin to
-// the threads, so each thread knows its next task and prefetches that task's
-// stored weights into L2 while its tile kernels run: the weight stream from
-// DRAM overlaps the arithmetic instead of alternating with it (at batch 32
-// the preparation, which waited on DRAM, was a third of the GEMM time).
 // How the AMX GEMMs split n: tasks of up to 4 panels (at least 8 tasks per
 // thread where n allows), and the threads that run them.
 struct AmxTasks {
@@ -1526,6 +1514,10 @@ AmxTasks SplitAmxTasks(int64_t m, int64_t n, int64_t k) {
   return t;
 }
 
+// kInt8Dot on AMX: tasks of up to 4 panels (64 columns); a task prepares its
+// panels' B tiles once (L2: 576 bytes per block and panel) and runs every
+// row tile of 16 over them, panel by panel, so a row tile's activations
+// (16 x kp bytes) stay in L2 while its panels pass.
 void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
                     const WeightMatrix& w, float* __restrict__ y) {
   const int64_t n = w.rows(), blocks = kp / kInt8Block;
@@ -1562,8 +1554,7 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
     thread_local std::vector<uint8_t> prep;
     prep.resize(per_task * blocks * kAmxBlockBytes);
     alignas(64) float io[kAmxRows * kPanel];
-    const int64_t stride = omp_get_num_threads();
-#pragma omp for schedule(static, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t p0 = task * per_task;
       const int64_t np = std::min(per_task, panels - p0);
@@ -1571,15 +1562,6 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
         PrepareAmxPanel(w.data() + (p0 + v) * pb, blocks,
                         prep.data() + v * blocks * kAmxBlockBytes);
       }
-      // This thread's next task: its stored panels, spread over the kernel
-      // calls below (each call's loop runs blocks / 4 times).
-      const int64_t next_p0 = std::min(panels, (task + stride) * per_task);
-      const int64_t next_np = std::min(per_task, panels - next_p0);
-      const uint8_t* pf = w.data() + next_p0 * pb;
-      const uint8_t* const pf_end = pf + next_np * pb;
-      const int64_t iters = std::max<int64_t>(1, row_tiles * np * (blocks / 4));
-      const int pf_lines =
-          static_cast<int>((next_np * pb / 64 + iters - 1) / iters);
       for (int64_t rt = 0; rt < row_tiles; ++rt) {
         const int64_t i0 = rt * kAmxRows;
         const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
@@ -1588,9 +1570,7 @@ void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
           const int64_t c0 = (p0 + v) * kPanel;
           const int64_t cols = std::min<int64_t>(n - c0, kPanel);
           fn(qa + rt * blocks * kAmxATileBytes, sa + rt * blocks * kAmxRows,
-             blocks, prep.data() + v * blocks * kAmxBlockBytes, io, pf, pf_end,
-             pf_lines);
-          pf = std::min(pf_end, pf + (blocks / 4) * pf_lines * 64);
+             blocks, prep.data() + v * blocks * kAmxBlockBytes, io);
           for (int i = 0; i < rows; ++i) {
             std::memcpy(y + (i0 + i) * n + c0, io + i * kPanel,
                         cols * sizeof(float));
@@ -1748,11 +1728,7 @@ void QuantizeActivationsPerRow(const float* x, int64_t m, int64_t k, int8_t* q,
   for (int64_t i = 0; i < m; ++i) {
     (hw ? QuantizeRowPerRowAvx512 : QuantizeRowPerRowPortable)(
         x + i * k, k, kq, q + i * kq, scales + i);
-    if (unsigned_bytes) {
-      for (int64_t p = 0; p < kq; ++p)
-        q[i * kq + p] =
-            static_cast<int8_t>(static_cast<uint8_t>(q[i * kq + p]) ^ 0x80);
-    }
+    if (unsigned_bytes) OffsetToUnsigned(q + i * kq, kq);
   }
 }
 
