@@ -3,7 +3,7 @@
 // through an unbounded cache (the oracle), to show how much of the reuse a
 // pool too small for the working set loses and how much a tier wins back.
 //
-// Model (mirrors engine/kv_tier.h, at the trace's 512-token blocks):
+// Model (mirrors kv_cache/kv_tier.h, at the trace's 512-token blocks):
 //  - the pool is an LRU of `pool_blocks`; a request's blocks are looked up
 //    in order and the prefix stops at the first block that neither the pool
 //    nor the tier holds; then every block of the prompt is made the pool's

@@ -1,4 +1,4 @@
-// Disk throughput of the KV file tier (engine/kv_tier.h), a tool, not a test:
+// Disk throughput of the KV file tier (kv_cache/kv_tier.h), a tool, not a test:
 // offers N pool blocks (of the `small` preset's geometry, fp32) to a tier in
 // DIR and times until every file is written, then times loading them all
 // back. Prints JSON. Compare with `dd` on the same directory. DIR `mem`
@@ -11,8 +11,8 @@
 #include <filesystem>
 
 #include "common/json.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_tier.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_tier.h"
 
 int main(int argc, char** argv) {
   using namespace pdserve::engine;

@@ -22,8 +22,8 @@
 #include "absl/strings/str_cat.h"
 #include "bench/serve_workload.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/weights.h"
+#include "tokenizer/tokenizer.h"
+#include "model/weights.h"
 #include "kernels/cpu/matmul.h"
 
 namespace {

@@ -22,7 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "common/json.h"
 #include "common/status_macros.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "router/kv_event_applier.h"
 #include "router/peer_pull.h"
 #include "router/prefix_index.h"
@@ -63,7 +63,7 @@ bool HasOption(const std::string& name, const char* suffix) {
   return absl::StrContains(name, suffix);
 }
 
-// A worker's lower tier in the sim (engine/kv_tier.h's policy): the hashes
+// A worker's lower tier in the sim (kv_cache/kv_tier.h's policy): the hashes
 // of blocks its pool evicted, an LRU of `capacity`; a hit leaves the block
 // there and makes it the most recent (as KvTier::Match). Its changes reach
 // the router's index as the engine's do: an eviction it keeps is a `moved`

@@ -27,7 +27,7 @@
 //    fills one shared cache of the cluster's total capacity: the hit ratio a
 //    global LRU cache would reach, whatever the routing; "unbounded" is the
 //    oracle with a cache that holds the whole working set;
-//  - peer pull (a policy name ending in "+pull", issue 20): right after
+//  - peer pull (a policy name ending in "+pull"): right after
 //    routing, before its speculative entries, the router asks
 //    router::DecidePeerPull whether the chosen prefill worker should pull
 //    the prompt prefix it lacks from another worker (prefill or decode:
@@ -63,7 +63,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "bench/trace.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "router/kv_event_applier.h"
 #include "router/policy.h"
 #include "router/prefix_index.h"
@@ -110,7 +110,7 @@ struct SimConfig {
   // Peer pull ("+pull" policies): fixed cost of one pull.
   double pull_overhead_ms = 2;
   // "+tier" policies: each prefill worker keeps the hashes its pool evicts
-  // in an LRU tier of tier_multiple x its pool (engine/kv_tier.h), and a
+  // in an LRU tier of tier_multiple x its pool (kv_cache/kv_tier.h), and a
   // prompt's prefix continues there after its pool hits, read at this cost
   // (default: 128 KiB/token at 2 GB/s, as `sim route --tiers`).
   double tier_multiple = 4;

@@ -156,7 +156,7 @@ TEST(RouterSimTest, HandBuiltFamiliesHitAsComputedByHand) {
   EXPECT_GT(aware.index_bytes_per_block, 0);
 }
 
-// Peer pull (issue 20): round robin sends 3 of the 9 repeats of a family's
+// Peer pull: round robin sends 3 of the 9 repeats of a family's
 // 512-token prefix to the prefill worker that lacks it; with "+pull" that
 // worker pulls the prefix from the worker holding it instead, so every
 // repeat hits, as with cache_aware. TTFT of a pulled prompt: 5 ms + 2 ms
@@ -207,7 +207,7 @@ TEST(RouterSimTest, TierKeepsWhatTheSmallPoolEvicted) {
   EXPECT_EQ(tier.tier_hit_tokens, 512);
 }
 
-// A pull served from the holder's tier (issue 20): two prefill workers with
+// A pull served from the holder's tier: two prefill workers with
 // pools of two 1,024-token prompts, round robin. f0 goes to worker 0, whose
 // pool evicts it into its tier when f4 arrives (f0, f2, f4 there); the
 // decode pool (also two prompts) has dropped it too. When f0 comes back it

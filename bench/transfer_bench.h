@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 
 namespace pdserve::bench {
 

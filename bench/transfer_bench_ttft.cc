@@ -23,7 +23,7 @@
 
 #include "absl/strings/numbers.h"
 #include "common/metrics.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "worker/worker_server.h"
 

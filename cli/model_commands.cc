@@ -10,10 +10,10 @@
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "common/json.h"
-#include "engine/kv_cache.h"
-#include "engine/llama_model.h"
-#include "engine/model_init.h"
-#include "engine/weights.h"
+#include "kv_cache/kv_cache.h"
+#include "model/llama_model.h"
+#include "model/model_init.h"
+#include "model/weights.h"
 #include "kernels/cpu/matmul.h"
 
 ABSL_FLAG(std::string, preset, "small",

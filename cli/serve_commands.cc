@@ -23,7 +23,7 @@
 #include "common/json.h"
 #include "common/logging.h"
 #include "common/metrics_http.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/openai/openai_server.h"

@@ -11,9 +11,9 @@
 #include "absl/strings/str_split.h"
 #include "cli/command.h"
 #include "common/json.h"
-#include "engine/bpe_tokenizer.h"
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 ABSL_FLAG(
     std::string, tokenizer, "",

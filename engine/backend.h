@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_storage.h"
-#include "engine/llama_model.h"
-#include "engine/weights.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_storage.h"
+#include "model/llama_model.h"
+#include "model/weights.h"
 #include "kernels/cpu/matmul.h"
 
 namespace pdserve::engine {
@@ -74,7 +74,7 @@ class Backend {
       std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
       const LlamaModel::LayerWrittenFn& on_layer_written = nullptr) = 0;
   // The KV storage this backend owns, as per-(layer, block) spans in host or
-  // device memory (engine/kv_storage.h). Never null.
+  // device memory (kv_cache/kv_storage.h). Never null.
   virtual KvStorage* kv_storage() = 0;
 };
 

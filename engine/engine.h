@@ -24,12 +24,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
-#include "engine/block_manager.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_tier.h"
-#include "engine/llama_model.h"
+#include "kv_cache/block_manager.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_tier.h"
+#include "model/llama_model.h"
 #include "engine/sampling.h"
-#include "engine/weights.h"
+#include "model/weights.h"
 
 namespace pdserve::engine {
 
@@ -57,7 +57,7 @@ struct EngineConfig {
   int32_t max_waiting_requests = 1024;      // admitted, waiting for blocks
   int32_t max_queued_calls = 4096;          // EngineLoop: Submit/Reserve queued
   int32_t max_pending_reservations = 1024;  // EngineLoop: waiting for blocks
-  // A tier below the pool (engine/kv_tier.h): local files (CPU only) or
+  // A tier below the pool (kv_cache/kv_tier.h): local files (CPU only) or
   // host memory (any device; pinned on CUDA). Evicted prefix blocks go there
   // and come back on a prefix hit. Off unless dir or memory_bytes is set.
   KvTierConfig kv_offload;

@@ -10,9 +10,9 @@
 
 #include "common/dtype.h"
 #include "engine/backend.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "engine/engine.h"
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 
 namespace pdserve::engine {
 namespace {

@@ -15,8 +15,8 @@
 
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_tier.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_tier.h"
 #include "engine/test_util.h"
 
 namespace pdserve::engine {

@@ -1,4 +1,4 @@
-#include "engine/kv_tier.h"
+#include "kv_cache/kv_tier.h"
 
 #include <gtest/gtest.h>
 

@@ -21,7 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/llama_model.h"
+#include "model/llama_model.h"
 
 namespace pdserve::engine {
 

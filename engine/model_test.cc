@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
-#include "engine/llama_model.h"
+#include "model/llama_model.h"
 #include "engine/test_util.h"
 
 namespace pdserve::engine {
@@ -305,7 +305,7 @@ TEST(ModelPresetTest, Llama32OneBHasTheRealShapeAndBf16Weights) {
 }  // namespace
 }  // namespace pdserve::engine
 
-// DeepSeek MLA over the latent KV cache (engine/mla.h).
+// DeepSeek MLA over the latent KV cache (model/mla.h).
 namespace pdserve::engine {
 namespace {
 

@@ -1,4 +1,4 @@
-#include "engine/moe.h"
+#include "model/moe.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "engine/test_util.h"
-#include "engine/weights.h"
+#include "model/weights.h"
 
 namespace pdserve::engine {
 namespace {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/model_init.h"
-#include "engine/weights.h"
+#include "model/model_init.h"
+#include "model/weights.h"
 
 namespace pdserve::engine::testing {
 

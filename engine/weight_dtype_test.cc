@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "engine/test_util.h"
 
 namespace pdserve::engine {

@@ -14,7 +14,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "common/metrics.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/test_blocks.h"
 #include "kv_transfer/test_server.h"

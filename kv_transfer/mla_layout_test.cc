@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/metrics.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/test_blocks.h"
 

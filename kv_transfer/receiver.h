@@ -32,7 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 #include "kv_transfer/transport.h"
 
 namespace pdserve::kv_transfer {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_storage.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_storage.h"
 
 namespace pdserve::kv_transfer::testing {
 

@@ -23,8 +23,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_storage.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_storage.h"
 
 namespace pdserve::kv_transfer {
 

@@ -14,8 +14,8 @@
 #include <tuple>
 
 #include "engine/engine_loop.h"
-#include "engine/model_init.h"
-#include "engine/weights.h"
+#include "model/model_init.h"
+#include "model/weights.h"
 
 namespace pdserve::prefill {
 namespace {

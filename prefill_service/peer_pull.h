@@ -1,4 +1,4 @@
-// Peer pull (issue 20, "the cluster as a tier"): a prefill worker that the
+// Peer pull: a prefill worker that the
 // router told to pull a prompt prefix from another worker's pool (the
 // holder) receives those blocks over the KV transport instead of recomputing
 // them.

@@ -468,8 +468,8 @@ TEST_F(PeerPullTest, HolderRefusesMalformedRequests) {
   EXPECT_EQ(holder.ActiveBlocks(), 0);
 }
 
-// A holder whose pool pushed the prompt out into its disk tier (issue 20:
-// pulls are served from the tier too).
+// A holder whose pool pushed the prompt out into its disk tier: pulls are
+// served from the tier too.
 class PeerPullFromTierTest : public PeerPullTest {
  protected:
   void SetUp() override {

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "pdserve/v1/internal.pb.h"
 #include "router/prefix_index.h"
 

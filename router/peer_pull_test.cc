@@ -158,7 +158,7 @@ TEST_F(PeerPullTest, BytesPerBlockFollowsTheLayout) {
   EXPECT_EQ(BytesPerBlock(mla), 3 * (16 * 576 * 2));
 }
 
-// Issue 20: a holder whose blocks are in its KV tier reads them back first.
+// A holder whose blocks are in its KV tier reads them back first.
 TEST_F(PeerPullTest, TierHolderIsPricedWithItsTierLoadPlusTheTransfer) {
   // 32 blocks = 512 tokens, all in the holder's tier. Recompute 0.512 s;
   // transfer 0.034 s; tier at 10,000 tokens/s: +0.0512 s.

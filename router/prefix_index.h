@@ -8,7 +8,7 @@
 // O(distinct match lengths x log blocks). Thread-safe: queries share a reader
 // lock, event updates take it exclusively.
 //
-// Tiers (issue 20): each (hash, worker) entry says which of the worker's
+// Tiers: each (hash, worker) entry says which of the worker's
 // tiers hold the block, the pool (confirmed or speculative) and the tiers
 // below it (host memory, disk), each set fed by its own stored / removed /
 // moved events. Queries take a TierMask: pool only (the default) counts
@@ -31,7 +31,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 
 namespace pdserve::router {
 
@@ -99,7 +99,7 @@ class PrefixIndex {
   // are probed at most up to twice that length. `counts` is indexed by
   // WorkerIndex and grown as needed (a worker past its end holds nothing).
   // A block counts when it is in any tier of `tiers`. Lower tiers drop a
-  // chain's tail first (engine/kv_tier.h), so pool + tier sets stay close to
+  // chain's tail first (kv_cache/kv_tier.h), so pool + tier sets stay close to
   // prefix-closed too.
   void LeadingBlocksOfPrompt(
       size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,

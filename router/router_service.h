@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
 #include "common/tls.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/auth.h"

@@ -14,7 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
 namespace {

@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "engine/block_manager.h"
+#include "kv_cache/block_manager.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "router/prefix_index.h"
 

@@ -27,7 +27,7 @@ BUILD_DIR=${BUILD_DIR:-build-gpu}
 #   1B-shape benchmark: BENCH prefill tokens/s, decode ITL p50/p99.
 # nccl_transport_gpu_test: the NCCL KV transport (kv_transfer/nccl).
 # mla_moe_cuda_test: the MLA decode kernel over paged latent blocks and the
-#   grouped-expert MoE path vs float64 CPU references (issue 19).
+#   grouped-expert MoE path vs float64 CPU references.
 # worker_gpu_test: GPU prefill + decode workers on one GPU over grpc vs colocated.
 # worker_gpu_bench_test: (PDSERVE_GPU_BENCH=1) BENCH TTFT and ITL p50/p99 on the
 #   1B shape, colocated vs a one-GPU P/D pair over grpc and over cuda_ipc.

@@ -1,4 +1,4 @@
-// Peer pull end to end (issue 20): real router and worker processes on
+// Peer pull end to end: real router and worker processes on
 // loopback. Round-robin routing sends a repeated prompt to the prefill worker
 // that lacks its prefix; with --peer-pull it pulls the blocks from the worker
 // that has them, and the tokens stay identical to the local reference path.

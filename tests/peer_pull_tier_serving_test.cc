@@ -1,4 +1,4 @@
-// Peer pull from a holder's KV tier, end to end (issue 20): real router and
+// Peer pull from a holder's KV tier, end to end: real router and
 // worker processes on loopback, every worker with a small pool over a
 // host-memory tier. Round robin puts a prompt on prefill worker A, later
 // prompts push it out of A's and the decode worker's pools into their tiers,

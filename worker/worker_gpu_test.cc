@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
 #include "engine/cuda_backend.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "worker/worker_server.h"
 

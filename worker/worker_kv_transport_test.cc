@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "kv_transfer/nccl/fake_communicator.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "wire/enums.h"
@@ -105,7 +105,7 @@ class WorkerKvTransportTest : public ::testing::Test {
     return true;
   }
 
-  // The tiny preset's KV shape (engine/model_init.cc).
+  // The tiny preset's KV shape (model/model_init.cc).
   static constexpr int64_t kTinyLayers = 2, kTinyKvHeads = 2, kTinyHeadDim = 16;
   kv_transfer::nccl::FakeCommunicatorFactory comms_;
   static std::string* dir_;

@@ -15,8 +15,8 @@
 #include "common/tls.h"
 #include "decode_service/decode_handler.h"
 #include "engine/engine_loop.h"
-#include "engine/kv_event_log.h"
-#include "engine/weights.h"
+#include "kv_cache/kv_event_log.h"
+#include "model/weights.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/ipc/ipc_service.h"
 #include "kv_transfer/ipc/ipc_transport.h"
@@ -274,7 +274,7 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     auto* preempt = metrics::CounterChild(
         r, "pdserve_preemptions_total",
         "Sequences preempted (recomputed later) for lack of KV blocks");
-    // The file tier below the pool (engine/kv_tier.h); zero when it is off.
+    // The file tier below the pool (kv_cache/kv_tier.h); zero when it is off.
     auto* tier_hit = metrics::CounterChild(
         r, "pdserve_kv_tier_hit_tokens_total",
         "Prompt tokens read back from the KV tier instead of recomputed");

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "engine/model_init.h"
+#include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 
 namespace pdserve::worker {

@@ -3,7 +3,7 @@
 // spans of one batch this way so that the wire sees one large buffer instead
 // of thousands of block-sized pieces.
 //
-// Paged layout (engine/kv_cache.h): each layer is one buffer of num_blocks
+// Paged layout (kv_cache/kv_cache.h): each layer is one buffer of num_blocks
 // spans of `span_bytes`, so span (layer, block) starts at
 // layer_bases[layer] + block * span_bytes. The same launchers move the KV
 // data (span_bytes = KvCacheSpec::LayerBlockBytes()) and, for int8, the

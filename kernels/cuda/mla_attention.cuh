@@ -1,5 +1,5 @@
 // MLA (DeepSeek-V2/V3) decode attention over paged latent blocks on the GPU
-// (host launcher). The weight-absorbed form of engine/mla.h: each query row
+// (host launcher). The weight-absorbed form of model/mla.h: each query row
 // holds, per head, the absorbed query [kv_lora_rank | qk_rope_head_dim]
 // (q_lat = W_UK^T q_nope, then the roped q_pe); scores are its dot product
 // with each cached latent row [latent | k_pe] times `scale`, and the output
@@ -7,7 +7,7 @@
 // applies W_UV and o_proj). One thread block per (query, head) reads the
 // context in tiles with an online softmax; fp32 arithmetic.
 //
-// Cache layout of one layer (engine/kv_cache.h, MLA spec):
+// Cache layout of one layer (kv_cache/kv_cache.h, MLA spec):
 //   data:   [num_blocks][block_size][kv_lora_rank + rope_dim] of `dtype`
 //   scales: [num_blocks][2] fp32 (latent part, rope part), int8 only
 // kv_lora_rank at most 1024 and a multiple of nothing in particular;

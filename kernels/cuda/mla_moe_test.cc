@@ -1,6 +1,6 @@
 // GPU tests of the MLA decode kernel (mla_attention.cuh) and the
 // grouped-expert MoE path (moe.cuh) against simple float64 CPU references
-// written here (the engine's CPU MLA/MoE in engine/mla.h and engine/moe.h
+// written here (the engine's CPU MLA/MoE in model/mla.h and model/moe.h
 // compute the same formulas; kernels never include engine). Label gpu; each
 // test skips with a printed reason where no CUDA device is present.
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 // routed (token, rank) slots are grouped by expert (stably, in slot order),
 // each expert's gate|up and down projections run over its group only, and
 // each token's output is the weighted sum of its k expert outputs in rank
-// order, as engine/moe.h does on the CPU, so a token's output depends only on
+// order, as model/moe.h does on the CPU, so a token's output depends only on
 // its own row. Routing (top-k and weights) is the caller's. fp32 weights and
 // arithmetic. Launchers are thread-safe; work is ordered only by `stream`.
 #pragma once

@@ -12,7 +12,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 
 namespace pdserve::kv_transfer::ipc {
 
@@ -123,7 +123,7 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
     if (ok && out.scale_bytes > 0)
       ok = locate(s.scales, &p.scale_region, &p.scale_offset);
     // Spans of one layer must be evenly strided from block 0 (the layout of
-    // engine/kv_cache.h); check the last block agrees.
+    // kv_cache/kv_cache.h); check the last block agrees.
     const int64_t last = out.num_blocks - 1;
     const engine::KvSpan e = storage->Span(l, last);
     ok = ok && static_cast<const uint8_t*>(e.data) ==
@@ -141,7 +141,7 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
 
 namespace {
 
-// "/proc/<pid>/fd/<n>" naming a memfd made by KvPool (engine/kv_cache.cc
+// "/proc/<pid>/fd/<n>" naming a memfd made by KvPool (kv_cache/kv_cache.cc
 // names it "pdserve-kv-pool"; the kernel shows it as "/memfd:<name>").
 bool IsPoolMemfd(const std::string& path) {
   int pid = 0, fd = 0, end = 0;

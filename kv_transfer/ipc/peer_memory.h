@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "engine/kv_cache.h"
-#include "engine/kv_storage.h"
+#include "kv_cache/kv_cache.h"
+#include "kv_cache/kv_storage.h"
 #include "kv_transfer/transport.h"
 
 namespace pdserve::kv_transfer::ipc {

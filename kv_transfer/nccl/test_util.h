@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 #include "kv_transfer/transport.h"
 
 namespace pdserve::kv_transfer::nccl::testing {

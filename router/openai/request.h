@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "engine/chat_template.h"
+#include "tokenizer/chat_template.h"
 
 namespace pdserve::router::openai {
 

@@ -24,7 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "engine/kv_cache.h"
+#include "kv_cache/kv_cache.h"
 #include "kv_transfer/grpc/chunk_codec.h"
 #include "kv_transfer/receiver.h"
 #include "pdserve/v1/internal.pb.h"

@@ -27,7 +27,7 @@ using pdserve::engine::KvEvent;
 using Key = std::pair<uint64_t, uint64_t>;
 constexpr int kTiers = pdserve::engine::kNumKvTierKinds;
 
-// Each tier of a worker is its own set of hashes (issue 20): stored and
+// Each tier of a worker is its own set of hashes: stored and
 // removed name a tier, moved takes the blocks from one tier to another,
 // cleared empties every tier, and events naming a tier this release does not
 // know change nothing (but still advance the sequence).

@@ -1,12 +1,12 @@
 // Fuzzes config.json (and generation_config.json) parsing in
-// engine/model_config.h. Input: config.json, then optionally
+// model/model_config.h. Input: config.json, then optionally
 // kPartSeparator and generation_config.json. A config that parses must
 // validate, and its ToJson() must parse back to the same dimensions.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 
-#include "engine/model_config.h"
+#include "model/model_config.h"
 #include "tests/fuzz/fuzz_util.h"
 
 using pdserve::engine::ModelConfig;

@@ -1,4 +1,4 @@
-// Fuzzes the safetensors parser (engine/safetensors.h) on an in-memory file:
+// Fuzzes the safetensors parser (model/safetensors.h) on an in-memory file:
 // any input must give a Status or tensors whose data lies inside the buffer,
 // and converting every tensor to fp32 must stay in bounds (ASan checks).
 #include <cstddef>
@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto file = pdserve::engine::SafetensorsFile::FromBuffer(data, size, "fuzz");

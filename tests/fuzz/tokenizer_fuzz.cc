@@ -1,4 +1,4 @@
-// Fuzzes the tokenizer.json loader (engine/bpe_tokenizer.h, the same
+// Fuzzes the tokenizer.json loader (tokenizer/bpe_tokenizer.h, the same
 // BpeTokenizer::ParseJson and FromJson that Tokenizer::Load calls after
 // reading the files)
 // and then the loaded tokenizer itself. Input: tokenizer.json, then
@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/bpe_tokenizer.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -533,7 +533,7 @@ def moe_mlp(cfg: LlamaConfig, ckpt: Checkpoint, i: int, x: torch.Tensor) -> torc
 # --------------------------------------------------------------------------
 # DeepSeek-V2/V3: MLA attention and DeepSeek MoE, as modeling_deepseek.py
 # computes them (K and V expanded from the latent for every position; no
-# weight absorption here, unlike pdserve's engine/mla.cc).
+# weight absorption here, unlike pdserve's model/mla.cc).
 # --------------------------------------------------------------------------
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -21,8 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/json.h"
-#include "engine/bpe_tokenizer.h"
-#include "engine/chat_template.h"
+#include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/chat_template.h"
 
 namespace pdserve::engine {
 namespace {
