@@ -202,6 +202,19 @@ absl::Status Engine::AddRequest(EngineRequest request) {
   seq->tokens = request.prompt;
   seq->num_prompt = static_cast<int32_t>(prompt);
   seq->req = std::move(request);
+  // The tier's reader thread starts on the blocks this request will load,
+  // so that they are read (off this thread) by the time it is admitted.
+  if (tier_ && config_.enable_prefix_caching) {
+    ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens,
+                      config_.block_size, &seq->hashes);
+    const size_t usable =
+        std::min(static_cast<size_t>((prompt - 1) / config_.block_size),
+                 seq->hashes.size());
+    const std::span<const BlockHash> chain =
+        std::span<const BlockHash>(seq->hashes).first(usable);
+    tier_->ReadAhead(chain.subspan(blocks_.Lookup(chain).size()),
+                     /*make_room=*/false);
+  }
   waiting_.push_back(seq.get());
   seqs_.emplace(seq->req.id, std::move(seq));
   return absl::OkStatus();
@@ -269,22 +282,29 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
     hits = blocks_.Lookup(std::span<const BlockHash>(seq->hashes)
                               .first(std::min(usable, seq->hashes.size())));
   }
-  // Blocks after the pool's hits that the file tier holds: read back below
-  // instead of recomputed, if the pool has room for them and this chunk.
+  // Blocks after the pool's hits that the tier holds: copied back below
+  // instead of recomputed, if the pool has room for them and this chunk. A
+  // disk tier's reads run on its reader thread: while one of them is in
+  // flight the request waits (its admission is retried when a read ends), so
+  // this thread only copies finished, checked reads.
   int32_t from_tier = 0;
   if (tier_ && config_.enable_prefix_caching) {
     const size_t usable = static_cast<size_t>((len - 1) / config_.block_size);
     if (usable > hits.size()) {
-      from_tier = static_cast<int32_t>(
-          tier_->MatchAndPin(std::span<const BlockHash>(seq->hashes)
-                                 .subspan(hits.size(), usable - hits.size())));
+      const std::span<const BlockHash> rest =
+          std::span<const BlockHash>(seq->hashes)
+              .subspan(hits.size(), usable - hits.size());
+      tier_->ReadAhead(rest, /*make_room=*/true);
+      const int64_t readable = tier_->ReadableAndPin(rest);
+      if (readable < 0) return false;
+      from_tier = static_cast<int32_t>(readable);
     }
   }
-  // Pinned until loaded; what is not loaded is unpinned here.
+  // Pinned until loaded; what is not loaded is given back here.
   auto unpin = [&](int32_t from, int32_t n) {
     if (n > from)
-      tier_->Unpin(std::span<const BlockHash>(seq->hashes)
-                       .subspan(hits.size() + from, n - from));
+      tier_->Release(std::span<const BlockHash>(seq->hashes)
+                         .subspan(hits.size() + from, n - from));
   };
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
@@ -307,7 +327,7 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
   blocks_.Allocate(need, &seq->blocks);
   const int32_t loaded =
       from_tier > 0 ? LoadFromTier(seq, num_hits, from_tier) : 0;
-  if (loaded < from_tier) unpin(loaded + 1, from_tier);  // Load unpinned one
+  if (loaded < from_tier) unpin(loaded + 1, from_tier);  // Take gave one back
   const int32_t computed = (num_hits + loaded) * config_.block_size;
   // A failed load leaves fewer tokens computed: the chunk stays within the
   // blocks just allocated.
@@ -332,7 +352,7 @@ bool Engine::TryAdmit(Sequence* seq, int32_t budget,
 int32_t Engine::LoadFromTier(Sequence* seq, int32_t first, int32_t n) {
   int32_t loaded = 0;
   while (loaded < n && tier_
-                           ->Load(seq->hashes[first + loaded], kv_storage(),
+                           ->Take(seq->hashes[first + loaded], kv_storage(),
                                   seq->blocks[first + loaded])
                            .ok()) {
     ++loaded;
@@ -508,11 +528,32 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
                       config_.block_size, &seq->hashes);
     hits = blocks_.Lookup(seq->hashes);
   }
+  // Blocks the tier holds after the pool's hits are copied back below and
+  // count as this worker's own: the prefill worker skips sending them. As in
+  // TryAdmit, this thread copies only finished reads of a disk tier: while
+  // one is in flight the reservation waits as for busy blocks (EngineLoop
+  // retries it when a read ends).
+  std::span<const BlockHash> rest;
+  int32_t from_tier = 0;
+  if (tier_ && config_.enable_prefix_caching &&
+      seq->hashes.size() > hits.size()) {
+    rest = std::span<const BlockHash>(seq->hashes).subspan(hits.size());
+    tier_->ReadAhead(rest, /*make_room=*/true);
+    const int64_t readable = tier_->ReadableAndPin(rest);
+    if (readable < 0) {
+      return WithCause(
+          absl::ResourceExhaustedError(
+              "KV tier reads of the prompt's prefix are in flight"),
+          StatusCause::kPoolBusy);
+    }
+    from_tier = static_cast<int32_t>(readable);
+  }
   const int64_t need =
       BlocksFor(seq->num_prompt) - static_cast<int64_t>(hits.size());
   int64_t hits_idle = 0;
   for (int32_t b : hits) hits_idle += blocks_.RefCount(b) == 0;
   if (need + hits_idle > blocks_.num_free()) {
+    if (from_tier > 0) tier_->Release(rest.first(from_tier));
     return WithCause(absl::ResourceExhaustedError(absl::StrCat(
                          "KV cache full: need ", need + hits_idle,
                          " free blocks, have ", blocks_.num_free())),
@@ -522,19 +563,15 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   seq->blocks = hits;
   blocks_.Allocate(need, &seq->blocks);
   seq->num_committed = static_cast<int32_t>(hits.size());
-  // Blocks the file tier holds after the pool's hits are read back now and
-  // count as this worker's own: the prefill worker skips sending them.
   int32_t cached_blocks = static_cast<int32_t>(hits.size());
-  if (tier_ && config_.enable_prefix_caching &&
-      seq->hashes.size() > hits.size()) {
-    // The pool blocks are allocated already: nothing can push these out.
-    const int32_t from_tier = static_cast<int32_t>(tier_->Match(
-        std::span<const BlockHash>(seq->hashes).subspan(hits.size())));
-    if (from_tier > 0) {
-      cached_blocks += LoadFromTier(seq.get(), cached_blocks, from_tier);
-      seq->num_computed = cached_blocks * config_.block_size;
-      CommitFullBlocks(seq.get());
-    }
+  if (from_tier > 0) {
+    const int32_t loaded = LoadFromTier(seq.get(), cached_blocks, from_tier);
+    // Take gave back the one that failed.
+    if (loaded + 1 < from_tier)
+      tier_->Release(rest.subspan(loaded + 1, from_tier - loaded - 1));
+    cached_blocks += loaded;
+    seq->num_computed = cached_blocks * config_.block_size;
+    CommitFullBlocks(seq.get());
   }
   seq->cached_prompt_tokens =
       std::min(seq->num_prompt, cached_blocks * config_.block_size);

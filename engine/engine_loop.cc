@@ -53,12 +53,23 @@ EngineLoop::EngineLoop(std::unique_ptr<Engine> engine)
       max_queued_calls_(engine_->config().max_queued_calls),
       max_pending_reservations_(engine_->config().max_pending_reservations) {
   stats_ = engine_->Stats();
+  // A request (or reservation) whose KV tier reads are in flight waits for
+  // them; each finished read wakes the engine thread to retry admission.
+  if (KvTier* tier = engine_->kv_tier()) {
+    tier->SetReadListener([this] {
+      Task wake;
+      wake.run = [this](Engine&) { free_at_last_try_ = -1; };
+      Post(std::move(wake), /*new_work=*/false).IgnoreError();
+    });
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
 EngineLoop::~EngineLoop() {
   Stop();
   thread_.join();
+  // Waits for a listener call in progress: none touches this loop after.
+  if (KvTier* tier = engine_->kv_tier()) tier->SetReadListener(nullptr);
 }
 
 void EngineLoop::Stop() {

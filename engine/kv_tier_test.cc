@@ -4,12 +4,18 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_cause.h"
 #include "engine/engine.h"
+#include "engine/engine_loop.h"
 #include "engine/test_util.h"
 
 namespace pdserve::engine {
@@ -82,6 +88,9 @@ class KvTierTest : public ::testing::Test {
       auto step = e->Step();
       EXPECT_TRUE(step.ok()) << step.status();
       if (!step.ok()) break;
+      // Nothing scheduled: the request waits for the tier's reader thread.
+      if (step->empty() && e->kv_tier() != nullptr)
+        EXPECT_TRUE(e->kv_tier()->WaitForReads(absl::Seconds(30)));
       for (StepOutput& o : *step) {
         r.tokens.insert(r.tokens.end(), o.new_tokens.begin(),
                         o.new_tokens.end());
@@ -156,8 +165,9 @@ TEST_F(KvTierTest, EvictedPrefixComesBackFromTheTierBitIdentical) {
   EXPECT_EQ(e->Stats().kv_tier.blocks_loaded, 3);
 }
 
-// A tier hit costs no extra engine steps: the step that admits the request
-// reads every matched block back and prefills the rest, so the first token
+// A tier hit costs no extra forward passes: the files are read while the
+// request is queued (on the tier's reader thread), and the step that admits
+// it copies every matched block in and prefills the rest, so the first token
 // comes from that one step (a load spread over steps, or a chunk split by the
 // load, would show up in TTFT as whole forward passes).
 TEST_F(KvTierTest, TierHitLoadsAndPrefillsTheRestInOneStep) {
@@ -166,6 +176,7 @@ TEST_F(KvTierTest, TierHitLoadsAndPrefillsTheRestInOneStep) {
   OffloadA(e.get());
   const int64_t steps = e->Stats().steps;
   ASSERT_TRUE(e->AddRequest(A("hit")).ok());
+  ASSERT_TRUE(e->kv_tier()->WaitForReads(absl::Seconds(30)));
   auto first = e->Step();
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ(first->size(), 1u);
@@ -203,6 +214,12 @@ TEST_F(KvTierTest, DecodeReservationTakesTierBlocksAsItsOwn) {
       (*cold)->block_manager().Lookup(hashes);
   ASSERT_EQ(cold_blocks.size(), 4u);
   auto r = e->Reserve(A("r"));
+  if (!r.ok()) {
+    // The reads it queued are still in flight: it waits as for busy blocks.
+    EXPECT_EQ(CauseOf(r.status()), StatusCause::kPoolBusy) << r.status();
+    ASSERT_TRUE(e->kv_tier()->WaitForReads(absl::Seconds(30)));
+    r = e->Reserve(A("r"));
+  }
   ASSERT_TRUE(r.ok()) << r.status();
   // Every full prompt block came from the tier: the prefill worker sends none.
   EXPECT_EQ(r->cached_blocks, 4);
@@ -217,6 +234,126 @@ TEST_F(KvTierTest, DecodeReservationTakesTierBlocksAsItsOwn) {
   e->Abort("r");
   ASSERT_TRUE(e->Step().ok());
   EXPECT_EQ(e->Stats().blocks_active, 0);
+}
+
+// The thread ids that read tier files (KvTierConfig::before_read).
+struct ReaderThreads {
+  absl::Mutex mu;
+  std::vector<std::thread::id> ids ABSL_GUARDED_BY(mu);
+  std::function<void()> Hook() {
+    return [this] {
+      absl::MutexLock l(&mu);
+      ids.push_back(std::this_thread::get_id());
+    };
+  }
+  // How many reads ran on `thread`, and how many in all.
+  std::pair<int, int> On(std::thread::id thread) {
+    absl::MutexLock l(&mu);
+    return {static_cast<int>(std::count(ids.begin(), ids.end(), thread)),
+            static_cast<int>(ids.size())};
+  }
+};
+
+// The engine thread (here: this test's thread, which steps the engine) never
+// reads a tier file: admission and reservation only copy reads the tier's
+// reader thread finished, and the output is the same as a cold run.
+TEST_F(KvTierTest, EngineThreadReadsNoTierFileAtAdmission) {
+  const RunResult cold = Cold();
+  ReaderThreads readers;
+  KvTierConfig tier;
+  tier.before_read = readers.Hook();
+  auto e = MakeTiered(tier);
+  OffloadA(e.get());
+  const RunResult again = Run(e.get(), A());
+  ExpectSame(again, cold);
+  EXPECT_EQ(again.cached_prompt_tokens, 48);
+  auto [mine, all] = readers.On(std::this_thread::get_id());
+  EXPECT_EQ(mine, 0);
+  EXPECT_GE(all, 3);
+  // A decode reservation: evict A again, then reserve it.
+  Run(e.get(), B());
+  ASSERT_TRUE(e->kv_tier()->WaitForWrites(absl::Seconds(30)));
+  auto r = e->Reserve(A("r"));
+  if (!r.ok()) {
+    ASSERT_EQ(CauseOf(r.status()), StatusCause::kPoolBusy) << r.status();
+    ASSERT_TRUE(e->kv_tier()->WaitForReads(absl::Seconds(30)));
+    r = e->Reserve(A("r"));
+  }
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cached_blocks, 4);
+  std::tie(mine, all) = readers.On(std::this_thread::get_id());
+  EXPECT_EQ(mine, 0);
+  EXPECT_GE(all, 7);
+  e->Abort("r");
+  ASSERT_TRUE(e->Step().ok());
+}
+
+// A tier read that does not finish stalls only the request that waits for
+// it: the engine keeps stepping the running one, and admits the waiting one
+// (with every block from the tier) once the read ends.
+TEST_F(KvTierTest, HeldTierReadDoesNotStallTheEngine) {
+  const RunResult cold = Cold();
+  std::atomic<bool> hold{false};
+  absl::Notification reading, release;
+  KvTierConfig tier;
+  tier.before_read = [&] {
+    if (!hold.load()) return;
+    if (!reading.HasBeenNotified()) reading.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  auto e = MakeTiered(tier);
+  OffloadA(e.get());
+  EngineRequest other = Req("other", 20, 5);
+  other.sampling.max_tokens = 16;
+  ASSERT_TRUE(e->AddRequest(std::move(other)).ok());
+  auto first = e->Step();
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->size(), 1u);  // "other" runs
+  hold = true;
+  ASSERT_TRUE(e->AddRequest(A("hit")).ok());
+  reading.WaitForNotification();
+  for (int i = 0; i < 4; ++i) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_EQ(step->size(), 1u) << "step " << i;
+    EXPECT_EQ((*step)[0].id, "other");
+  }
+  EXPECT_EQ(e->Stats().num_waiting, 1);
+  release.Notify();
+  ASSERT_TRUE(e->kv_tier()->WaitForReads(absl::Seconds(30)));
+  std::map<std::string, StepOutput> last;
+  const auto tokens = testing::DrainEngine(e.get(), &last);
+  EXPECT_EQ(tokens.at("hit"), cold.tokens);
+  EXPECT_EQ(last.at("hit").cached_prompt_tokens, 48);
+}
+
+// Through the engine loop, a reservation whose tier reads are in flight is
+// retried when they end (the tier's read listener wakes the engine thread),
+// not when its deadline passes.
+TEST_F(KvTierTest, LoopReservationIsServedWhenItsTierReadsEnd) {
+  absl::Notification release;
+  std::atomic<bool> hold{false};
+  KvTierConfig tier;
+  tier.before_read = [&] {
+    if (hold.load()) release.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  auto e = MakeTiered(tier);
+  OffloadA(e.get());
+  hold = true;
+  EngineLoop loop(std::move(e));
+  absl::Notification served;
+  absl::StatusOr<Reservation> r;
+  std::thread caller([&] {
+    r = loop.Reserve(A("r"), absl::Now() + absl::Seconds(60));
+    served.Notify();
+  });
+  // Held reads: the reservation waits.
+  EXPECT_FALSE(served.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  release.Notify();
+  caller.join();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cached_blocks, 4);
+  loop.Abort("r");
 }
 
 enum class Fault { kCorrupt, kTruncated, kMissing };
@@ -545,6 +682,86 @@ TEST_F(KvMemoryTierTest, RecordsOfAnotherModelAreNotLoaded) {
   EXPECT_EQ(
       (*mine)->Stats().failures[static_cast<int>(KvTierFailure::kCorrupt)], 1);
   EXPECT_EQ((*mine)->Match(std::span<const BlockHash>(&h, 1)), 0);
+}
+
+// A pool whose CopyFromHost (the copy of a tier Load) announces itself and
+// then waits for the test: the Load is then caught mid-copy.
+class CopyLatchStorage final : public KvStorage {
+ public:
+  explicit CopyLatchStorage(KvStorage& pool) : pool_(pool) {}
+  const KvCacheSpec& spec() const override { return pool_.spec(); }
+  int64_t num_blocks() const override { return pool_.num_blocks(); }
+  KvMemory memory() const override { return pool_.memory(); }
+  KvSpan Span(int32_t layer, int64_t block) override {
+    return pool_.Span(layer, block);
+  }
+  absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
+                          void* scales) override {
+    return pool_.CopyToHost(layer, block, data, scales);
+  }
+  absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
+                            const void* scales) override {
+    if (!copying.HasBeenNotified()) copying.Notify();
+    release.WaitForNotification();
+    return pool_.CopyFromHost(layer, block, data, scales);
+  }
+  absl::Notification copying, release;
+
+ private:
+  KvStorage& pool_;
+};
+
+// A Load (e.g. a peer pull's RPC thread) copying a memory record holds no
+// tier lock: an offer from the engine's eviction path meanwhile returns at
+// once. The record being read keeps its slot (the one-slot tier cannot take
+// the offer) until the Load ends, and the Load's bytes are the record's.
+TEST_F(KvMemoryTierTest, LoadCopiesWithoutTheTierLock) {
+  const KvCacheSpec spec{2, 2, 16, 16, DType::kF32};
+  auto pool = KvPool::Create(spec, 4);
+  ASSERT_TRUE(pool.ok());
+  for (int32_t l = 0; l < spec.num_layers; ++l) {
+    KvSpan span = (*pool)->Span(l, 0);
+    auto* p = static_cast<unsigned char*>(span.data);
+    for (size_t i = 0; i < span.data_bytes; ++i) p[i] = (i * 7 + l) & 0xff;
+  }
+  KvTierConfig probe;
+  probe.memory_bytes = 1 << 20;
+  auto sized = KvTier::Create(probe, {1, 2}, **pool);
+  ASSERT_TRUE(sized.ok());
+  KvTierConfig cfg;
+  cfg.memory_bytes = (*sized)->record_bytes();  // one slot
+  auto t = KvTier::Create(cfg, {1, 2}, **pool);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const BlockHash h1{1, 1}, h2{2, 2};
+  ASSERT_TRUE((*t)->Offer(h1, **pool, 0));
+  CopyLatchStorage latch(**pool);
+  absl::Status loaded = absl::UnknownError("not run");
+  std::thread loader([&] { loaded = (*t)->Load(h1, latch, 1); });
+  latch.copying.WaitForNotification();
+  // The engine's eviction path, while the Load is mid-copy.
+  absl::Notification offered;
+  bool kept = true;
+  std::thread evictor([&] {
+    kept = (*t)->Offer(h2, **pool, 2);
+    offered.Notify();
+  });
+  const bool without_waiting =
+      offered.WaitForNotificationWithTimeout(absl::Seconds(20));
+  EXPECT_TRUE(without_waiting) << "Offer waited for a Load's copy";
+  latch.release.Notify();
+  evictor.join();
+  loader.join();
+  // h1 was dropped to make room, but its slot stayed with its reader.
+  EXPECT_FALSE(kept);
+  EXPECT_EQ((*t)->Stats().failures[static_cast<int>(KvTierFailure::kFull)], 1);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  for (int32_t l = 0; l < spec.num_layers; ++l) {
+    KvSpan a = (*pool)->Span(l, 0), b = (*pool)->Span(l, 1);
+    EXPECT_EQ(std::memcmp(a.data, b.data, a.data_bytes), 0) << "layer " << l;
+  }
+  // The last reader freed the slot: the next offer gets it.
+  EXPECT_TRUE((*t)->Offer(h2, **pool, 2));
+  EXPECT_EQ((*t)->Match(std::span<const BlockHash>(&h2, 1)), 1);
 }
 
 TEST_F(KvMemoryTierTest, TooSmallForOneBlockIsRefused) {

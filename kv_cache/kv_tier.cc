@@ -5,7 +5,9 @@
 #include <cstddef>
 #include <cstring>
 #include <optional>
+#include <tuple>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace pdserve::engine {
@@ -62,6 +64,10 @@ absl::Status KvTierConfig::Validate() const {
     return absl::InvalidArgumentError(
         "kv tier max_pending_bytes must be positive");
   }
+  if (max_read_ahead_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        "kv tier max_read_ahead_bytes must be positive");
+  }
   return absl::OkStatus();
 }
 
@@ -108,7 +114,10 @@ KvTier::KvTier(const KvTierConfig& config, const ModelFingerprint& fingerprint,
                           : std::min(config.memory_bytes,
                                      store_->max_records() * record_bytes_)) {
   stats_.kind = store_->kind();
-  if (async_) thread_ = std::thread([this] { Run(); });
+  if (async_) {
+    thread_ = std::thread([this] { Run(); });
+    read_thread_ = std::thread([this] { RunReads(); });
+  }
 }
 
 KvTier::~KvTier() {
@@ -121,6 +130,7 @@ KvTier::~KvTier() {
     tasks_.clear();
   }
   if (thread_.joinable()) thread_.join();
+  if (read_thread_.joinable()) read_thread_.join();
 }
 
 void KvTier::Note(KvEvent::Type type, const BlockHash& hash) {
@@ -223,6 +233,14 @@ void KvTier::DropStored(const BlockHash& hash) {
   if (async_) {
     tasks_.push_back(Task{hash, nullptr});
   } else {
+    RemoveRecord(hash, handle);
+  }
+}
+
+void KvTier::RemoveRecord(const BlockHash& hash, unsigned char* handle) {
+  if (readers_.contains(handle)) {
+    retired_[handle] = hash;  // its last reader frees it
+  } else {
     store_->Remove(hash, handle);
   }
 }
@@ -261,6 +279,50 @@ int64_t KvTier::MatchLocked(std::span<const BlockHash> hashes, bool pin) {
   return static_cast<int64_t>(n);
 }
 
+absl::Status KvTier::CheckRecord(const BlockHash& hash,
+                                 absl::Span<const unsigned char> rec,
+                                 std::optional<KvTierFailure>* why) const {
+  if (static_cast<int64_t>(rec.size()) != record_bytes_) {
+    *why = KvTierFailure::kShort;
+    return absl::DataLossError(
+        absl::StrCat("kv tier record of ", hash.Hex(), " has ", rec.size(),
+                     " bytes, expected ", record_bytes_));
+  }
+  RecordHeader h;
+  std::memcpy(&h, rec.data(), sizeof(h));
+  const unsigned char* payload = rec.data() + sizeof(RecordHeader);
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 ||
+      h.fingerprint[0] != fingerprint_[0] ||
+      h.fingerprint[1] != fingerprint_[1] || h.hash_hi != hash.hi ||
+      h.hash_lo != hash.lo ||
+      h.payload_bytes != static_cast<uint64_t>(payload_bytes_) ||
+      h.checksum != XXH3_64bits(payload, payload_bytes_)) {
+    *why = KvTierFailure::kCorrupt;
+    return absl::DataLossError(
+        absl::StrCat("kv tier record of ", hash.Hex(), " is corrupt"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvTier::CopyPayload(const unsigned char* payload,
+                                 KvStorage& storage, int64_t block) const {
+  for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
+    const unsigned char* p =
+        payload + layer * (layer_data_bytes_ + layer_scale_bytes_);
+    absl::Status s = storage.CopyFromHost(
+        layer, block, p, layer_scale_bytes_ ? p + layer_data_bytes_ : nullptr);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void KvTier::CountLoad(double seconds) {
+  stats_.bytes_read += record_bytes_;
+  ++stats_.blocks_loaded;
+  stats_.hit_tokens += spec_.block_size;
+  stats_.load_seconds += seconds;
+}
+
 absl::Status KvTier::Load(const BlockHash& hash, KvStorage& storage,
                           int64_t block) {
   unsigned char* handle = nullptr;
@@ -271,67 +333,196 @@ absl::Status KvTier::Load(const BlockHash& hash, KvStorage& storage,
       return absl::NotFoundError("block is not in the kv tier");
     handle = it->second.handle;
     if (it->second.pins > 0) --it->second.pins;
+    // A memory record is read in place with the lock released: as long as
+    // it has a reader, dropping it does not free (and so reuse) its slot.
+    if (!async_) ++readers_[handle];
   }
   std::optional<KvTierFailure> why;
   auto check_and_copy =
       [&](absl::Span<const unsigned char> rec) -> absl::Status {
-    if (static_cast<int64_t>(rec.size()) != record_bytes_) {
-      why = KvTierFailure::kShort;
-      return absl::DataLossError(
-          absl::StrCat("kv tier record of ", hash.Hex(), " has ", rec.size(),
-                       " bytes, expected ", record_bytes_));
-    }
-    RecordHeader h;
-    std::memcpy(&h, rec.data(), sizeof(h));
-    const unsigned char* payload = rec.data() + sizeof(RecordHeader);
-    if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 ||
-        h.fingerprint[0] != fingerprint_[0] ||
-        h.fingerprint[1] != fingerprint_[1] || h.hash_hi != hash.hi ||
-        h.hash_lo != hash.lo ||
-        h.payload_bytes != static_cast<uint64_t>(payload_bytes_) ||
-        h.checksum != XXH3_64bits(payload, payload_bytes_)) {
-      why = KvTierFailure::kCorrupt;
-      return absl::DataLossError(
-          absl::StrCat("kv tier record of ", hash.Hex(), " is corrupt"));
-    }
-    for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
-      const unsigned char* p =
-          payload + layer * (layer_data_bytes_ + layer_scale_bytes_);
-      absl::Status s = storage.CopyFromHost(
-          layer, block, p,
-          layer_scale_bytes_ ? p + layer_data_bytes_ : nullptr);
-      if (!s.ok()) {
-        why = KvTierFailure::kCorrupt;
-        return s;
-      }
-    }
-    return absl::OkStatus();
+    if (absl::Status s = CheckRecord(hash, rec, &why); !s.ok()) return s;
+    absl::Status s =
+        CopyPayload(rec.data() + sizeof(RecordHeader), storage, block);
+    if (!s.ok()) why = KvTierFailure::kCorrupt;
+    return s;
   };
   const absl::Time start = absl::Now();
-  absl::Status s;
-  if (async_) {
-    s = store_->Read(hash, handle, check_and_copy);
-  } else {
-    // A memory record is read in place: hold the lock so that it cannot be
-    // dropped (and its slot reused) meanwhile.
-    absl::MutexLock l(&mu_);
-    auto it = entries_.find(hash);
-    s = it == entries_.end() || it->second.handle != handle
-            ? absl::NotFoundError("block left the kv tier")
-            : store_->Read(hash, handle, check_and_copy);
-  }
+  if (async_ && config_.before_read) config_.before_read();
+  const absl::Status s = store_->Read(hash, handle, check_and_copy);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   absl::MutexLock l(&mu_);
+  if (!async_) {
+    auto r = readers_.find(handle);
+    if (--r->second == 0) {
+      readers_.erase(r);
+      if (auto d = retired_.find(handle); d != retired_.end()) {
+        store_->Remove(d->second, handle);
+        retired_.erase(d);
+      }
+    }
+  }
   if (!s.ok()) {
     Fail(why.value_or(KvTierFailure::kMissing));
-    DropStored(hash);
+    // Only the entry this load read: the hash may have been dropped and
+    // stored again (in another slot) meanwhile.
+    auto it = entries_.find(hash);
+    if (it != entries_.end() && it->second.state == State::kStored &&
+        it->second.handle == handle)
+      DropStored(hash);
     return s;
   }
-  stats_.bytes_read += record_bytes_;
-  ++stats_.blocks_loaded;
-  stats_.hit_tokens += spec_.block_size;
-  stats_.load_seconds += seconds;
+  CountLoad(seconds);
   return absl::OkStatus();
+}
+
+void KvTier::DropRead(const BlockHash& hash) {
+  auto r = reads_.find(hash);
+  if (r == reads_.end()) return;
+  read_order_.erase(r->second.order);
+  read_ahead_bytes_ -= payload_bytes_;
+  reads_.erase(r);
+}
+
+void KvTier::ReadAhead(std::span<const BlockHash> hashes, bool make_room) {
+  if (!async_) return;
+  absl::MutexLock l(&mu_);
+  std::optional<absl::flat_hash_set<BlockHash, BlockHashHasher>> wanted;
+  for (const BlockHash& h : hashes) {
+    if (reads_.contains(h)) continue;  // read, or being read
+    auto it = entries_.find(h);
+    if (it == entries_.end() || it->second.state != State::kStored) break;
+    while (read_ahead_bytes_ > 0 &&
+           read_ahead_bytes_ + payload_bytes_ > config_.max_read_ahead_bytes) {
+      if (!make_room) return;
+      if (!wanted) wanted.emplace(hashes.begin(), hashes.end());
+      auto victim = read_order_.begin();
+      while (victim != read_order_.end() &&
+             (!reads_.find(*victim)->second.done || wanted->contains(*victim)))
+        ++victim;
+      if (victim == read_order_.end()) return;  // the rest is in flight
+      DropRead(*victim);
+    }
+    ReadAheadBuffer& r = reads_[h];
+    r.id = next_read_id_++;
+    r.order = read_order_.insert(read_order_.end(), h);
+    read_ahead_bytes_ += payload_bytes_;
+    read_tasks_.emplace_back(h, r.id);
+  }
+}
+
+int64_t KvTier::ReadableAndPin(std::span<const BlockHash> hashes) {
+  absl::MutexLock l(&mu_);
+  if (!async_) return MatchLocked(hashes, true);
+  int64_t n = 0;
+  for (const BlockHash& h : hashes) {
+    auto r = reads_.find(h);
+    if (r == reads_.end()) {
+      // Stored but not read yet: reads in flight hold the room it needs, so
+      // waiting for them beats recomputing it.
+      auto it = entries_.find(h);
+      if (it != entries_.end() && it->second.state == State::kStored &&
+          !ReadsIdle())
+        return -1;
+      break;
+    }
+    if (!r->second.done) return -1;
+    ++n;
+  }
+  return n;
+}
+
+void KvTier::Release(std::span<const BlockHash> hashes) {
+  if (!async_) Unpin(hashes);
+}
+
+absl::Status KvTier::Take(const BlockHash& hash, KvStorage& storage,
+                          int64_t block) {
+  if (!async_) return Load(hash, storage, block);
+  std::unique_ptr<unsigned char[]> payload;
+  double seconds = 0;
+  {
+    absl::MutexLock l(&mu_);
+    auto r = reads_.find(hash);
+    if (r == reads_.end() || !r->second.done)
+      return absl::NotFoundError("block was not read ahead from the kv tier");
+    payload = std::move(r->second.payload);
+    seconds = r->second.seconds;
+    DropRead(hash);
+  }
+  const absl::Time start = absl::Now();
+  const absl::Status s = CopyPayload(payload.get(), storage, block);
+  seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  absl::MutexLock l(&mu_);
+  if (!s.ok()) {
+    Fail(KvTierFailure::kCorrupt);
+    return s;
+  }
+  CountLoad(seconds);
+  return absl::OkStatus();
+}
+
+void KvTier::SetReadListener(std::function<void()> listener) {
+  absl::MutexLock l(&listener_mu_);
+  listener_ = std::move(listener);
+}
+
+bool KvTier::WaitForReads(absl::Duration timeout) {
+  absl::MutexLock l(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(this, &KvTier::ReadsIdle),
+                              timeout);
+}
+
+void KvTier::RunReads() {
+  for (;;) {
+    BlockHash hash;
+    uint64_t id = 0;
+    {
+      absl::MutexLock l(&mu_);
+      mu_.Await(absl::Condition(this, &KvTier::HasReadOrStop));
+      if (stop_) return;
+      std::tie(hash, id) = read_tasks_.front();
+      read_tasks_.pop_front();
+      reading_ = true;
+    }
+    if (config_.before_read) config_.before_read();
+    // Not zero-filled: every byte is copied in before it is used.
+    std::unique_ptr<unsigned char[]> payload(
+        new unsigned char[static_cast<size_t>(payload_bytes_)]);
+    std::optional<KvTierFailure> why;
+    const absl::Time start = absl::Now();
+    const absl::Status s =
+        store_->Read(hash, nullptr, [&](absl::Span<const unsigned char> rec) {
+          absl::Status c = CheckRecord(hash, rec, &why);
+          if (c.ok())
+            std::memcpy(payload.get(), rec.data() + sizeof(RecordHeader),
+                        static_cast<size_t>(payload_bytes_));
+          return c;
+        });
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    {
+      absl::MutexLock l(&mu_);
+      reading_ = false;
+      auto r = reads_.find(hash);
+      if (r != reads_.end() && r->second.id == id) {  // not cleared meanwhile
+        if (s.ok()) {
+          r->second.done = true;
+          r->second.payload = std::move(payload);
+          r->second.seconds = seconds;
+        } else {
+          DropRead(hash);
+          // As a failed Load: counted, and the entry dropped. An entry gone
+          // already (dropped while its file was read) is no failure.
+          auto it = entries_.find(hash);
+          if (it != entries_.end() && it->second.state == State::kStored) {
+            Fail(why.value_or(KvTierFailure::kMissing));
+            DropStored(hash);
+          }
+        }
+      }
+    }
+    absl::MutexLock l(&listener_mu_);
+    if (listener_) listener_();
+  }
 }
 
 void KvTier::Clear() {
@@ -350,6 +541,11 @@ void KvTier::Clear() {
   pending_bytes_ = 0;
   while (!lru_.empty()) DropStored(lru_.front());
   entries_.clear();
+  // Reads ahead are dropped; one in flight finds no buffer when it ends.
+  reads_.clear();
+  read_order_.clear();
+  read_tasks_.clear();
+  read_ahead_bytes_ = 0;
   events_.clear();  // the pool's `cleared` covers every tier
 }
 

@@ -30,10 +30,23 @@
 // - The tier is inclusive: a block loaded back stays in the tier, so a
 //   second eviction of it costs no write.
 //
+// - Locks: the tier's mutex guards its index only. No checksum, copy or file
+//   access runs under it: a Load marks the record it reads (a reader count)
+//   under the lock and checks and copies it outside; a record dropped
+//   meanwhile (LRU, Clear, a failed load) keeps its memory slot until its
+//   last reader is done, so an offer can never reuse a slot being read.
+// - Reads (disk tier): the engine thread does no file I/O. ReadAhead() queues
+//   the blocks a queued request will want; the tier's reader thread reads
+//   each file into a buffer of its own and checks it there (size, header,
+//   checksum). The engine admits the request once its reads finished
+//   (ReadableAndPin) and only copies the checked bytes into pool blocks
+//   (Take). A read that fails is counted and drops the entry, as a failed
+//   Load does. Buffers are bounded by max_read_ahead_bytes.
+//
 // Thread-safety: every public method may be called from any thread; the
-// engine thread calls Offer/Match/Load/Clear/TakeEvents. Load() reads on the
-// caller's thread (a tier hit replaces a prefill the caller would otherwise
-// compute on the same thread).
+// engine thread calls Offer/ReadAhead/ReadableAndPin/Take/Release/Clear/
+// TakeEvents. Load() reads on the caller's thread (the peer-pull RPC thread:
+// a tier hit replaces work that thread would otherwise wait for).
 #pragma once
 
 #include <array>
@@ -42,9 +55,11 @@
 #include <functional>
 #include <list>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -53,6 +68,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kv_cache/block_manager.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_storage.h"
@@ -68,8 +84,13 @@ struct KvTierConfig {
   // a block is not offloaded (failure "queue_full"), so a slow disk costs
   // bounded memory.
   int64_t max_pending_bytes = int64_t{64} << 20;
+  // Bytes of disk-tier records read ahead for queued requests and not taken
+  // yet (reads in flight included). At least one record is always allowed.
+  int64_t max_read_ahead_bytes = int64_t{64} << 20;
   // Test seam: runs on the tier thread before each file write.
   std::function<void()> before_write;
+  // Test seam: runs on the thread that reads a file, before it reads.
+  std::function<void()> before_read;
 
   bool enabled() const { return !dir.empty() || memory_bytes > 0; }
   absl::Status Validate() const;
@@ -138,11 +159,41 @@ class KvTier {
   int64_t MatchAndPin(std::span<const BlockHash> hashes)
       ABSL_LOCKS_EXCLUDED(mu_);
   void Unpin(std::span<const BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Reads the block stored under `hash` into pool block `block`. Any error
-  // (counted by reason) drops the entry; the caller then recomputes. The
-  // pool block may hold partial data on error.
+  // Reads the block stored under `hash` into pool block `block`, on the
+  // caller's thread (disk: the file; memory: the record in place, with no
+  // tier lock held during the check and the copy). Any error (counted by
+  // reason) drops the entry; the caller then recomputes. The pool block may
+  // hold partial data on error.
   absl::Status Load(const BlockHash& hash, KvStorage& storage, int64_t block)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Disk tier: queues reads (on the tier's reader thread) of the leading
+  // `hashes` the tier holds that are neither read nor being read, while
+  // max_read_ahead_bytes allows; with `make_room`, reads nobody took (other
+  // than of `hashes`) are dropped, oldest first, to make room. Memory tier:
+  // nothing to do (the records are in memory). Never waits.
+  void ReadAhead(std::span<const BlockHash> hashes, bool make_room)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // How many leading `hashes` Take can copy now, without I/O: disk, finished
+  // reads; memory, stored records, pinned as by MatchAndPin. -1 while a read
+  // of one of them is still in flight (nothing is pinned then; the read
+  // listener fires when a read ends). Never waits.
+  int64_t ReadableAndPin(std::span<const BlockHash> hashes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back what ReadableAndPin returned and Take did not use (memory:
+  // unpins; disk: the reads stay for a later admission, within the cap).
+  void Release(std::span<const BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies a readable block (see ReadableAndPin) into pool block `block`:
+  // disk, from its finished read (then dropped); memory, Load. No file I/O.
+  // NOT_FOUND when there is nothing readable under `hash`.
+  absl::Status Take(const BlockHash& hash, KvStorage& storage, int64_t block)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Called (on the reader thread, no tier lock held) each time a read ends,
+  // so that the engine thread can admit what waited for it. Setting it (or
+  // null) waits for a call in progress.
+  void SetReadListener(std::function<void()> listener)
+      ABSL_LOCKS_EXCLUDED(listener_mu_);
+  // Waits until no read-ahead is queued or running (tests, benchmarks).
+  bool WaitForReads(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets every block (and the events not taken yet: the pool's `cleared`
   // covers them); files are removed by the tier thread.
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
@@ -174,6 +225,15 @@ class KvTier {
     unsigned char* handle = nullptr;         // the store's, when kStored
     int32_t pins = 0;                        // MatchAndPin without Load
   };
+  // A disk-tier record read ahead: in flight until `done`, then `payload`
+  // holds its checked payload (payload_bytes_).
+  struct ReadAheadBuffer {
+    uint64_t id = 0;  // tells a read from a later one of the same hash
+    bool done = false;
+    std::unique_ptr<unsigned char[]> payload;
+    double seconds = 0;                    // the read and the check
+    std::list<BlockHash>::iterator order;  // in read_order_
+  };
   struct Task {
     BlockHash hash;
     // A record from the store to write, or null: remove `hash`'s record.
@@ -183,6 +243,27 @@ class KvTier {
   KvTier(const KvTierConfig& config, const ModelFingerprint& fingerprint,
          const KvCacheSpec& spec, std::unique_ptr<KvTierStore> store);
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
+  // The reader thread (disk tier): serves read_tasks_.
+  void RunReads() ABSL_LOCKS_EXCLUDED(mu_);
+  // Checks a whole record of `hash` (size, header, checksum); sets `why`.
+  absl::Status CheckRecord(const BlockHash& hash,
+                           absl::Span<const unsigned char> rec,
+                           std::optional<KvTierFailure>* why) const;
+  // Copies a checked payload into pool block `block`, layer by layer.
+  absl::Status CopyPayload(const unsigned char* payload, KvStorage& storage,
+                           int64_t block) const;
+  // Counts one block loaded into the pool.
+  void CountLoad(double seconds) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees a memory slot, or defers that to its last reader.
+  void RemoveRecord(const BlockHash& hash, unsigned char* handle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropRead(const BlockHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool HasReadOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stop_ || !read_tasks_.empty();
+  }
+  bool ReadsIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return read_tasks_.empty() && !reading_;
+  }
   int64_t MatchLocked(std::span<const BlockHash> hashes, bool pin)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(KvTierFailure f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -221,7 +302,24 @@ class KvTier {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   KvTierStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<KvEvent> events_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;  // disk tier only
+  // Memory records being read outside the lock (Load), by handle: how many
+  // readers. A record dropped while it has readers is freed by the last.
+  absl::flat_hash_map<unsigned char*, int32_t> readers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<unsigned char*, BlockHash> retired_ ABSL_GUARDED_BY(mu_);
+  // Disk read-ahead: buffers by hash (in flight or done), their order (oldest
+  // first, for making room), the queue of the reader thread, and the bytes
+  // they count against max_read_ahead_bytes.
+  absl::flat_hash_map<BlockHash, ReadAheadBuffer, BlockHashHasher> reads_
+      ABSL_GUARDED_BY(mu_);
+  std::list<BlockHash> read_order_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<BlockHash, uint64_t>> read_tasks_ ABSL_GUARDED_BY(mu_);
+  int64_t read_ahead_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_read_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // the reader holds a task
+  absl::Mutex listener_mu_;                    // never held with mu_
+  std::function<void()> listener_ ABSL_GUARDED_BY(listener_mu_);
+  std::thread thread_;       // disk tier only: writes and removals
+  std::thread read_thread_;  // disk tier only: read-ahead
 };
 
 }  // namespace pdserve::engine

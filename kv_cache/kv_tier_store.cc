@@ -51,9 +51,7 @@ bool WriteFileAtomically(const std::string& path, const unsigned char* data,
 class KvFileStore final : public KvTierStore {
  public:
   KvFileStore(std::string subdir, int64_t record_bytes)
-      : subdir_(std::move(subdir)),
-        record_bytes_(record_bytes),
-        read_buf_(static_cast<size_t>(record_bytes) + 1) {}
+      : subdir_(std::move(subdir)), record_bytes_(record_bytes) {}
 
   KvTierKind kind() const override { return KvTierKind::kDisk; }
   bool writes_async() const override { return true; }
@@ -80,19 +78,20 @@ class KvFileStore final : public KvTierStore {
       return absl::NotFoundError(
           absl::StrCat("kv tier file ", path, ": ", std::strerror(errno)));
     }
-    // One buffer for every read: a fresh large allocation per block would
-    // be mapped and faulted in each time.
-    absl::MutexLock l(&mu_);
+    // One buffer per thread for every read: a fresh large allocation per
+    // block would be mapped and faulted in each time, and a shared one would
+    // need a lock held across the caller's checksum and copy.
+    thread_local std::vector<unsigned char> buf;
+    buf.resize(static_cast<size_t>(record_bytes_) + 1);
     size_t got = 0;
-    while (got < read_buf_.size()) {
-      const ssize_t n =
-          ::read(fd, read_buf_.data() + got, read_buf_.size() - got);
+    while (got < buf.size()) {
+      const ssize_t n = ::read(fd, buf.data() + got, buf.size() - got);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
       got += static_cast<size_t>(n);
     }
     ::close(fd);
-    return use(absl::Span<const unsigned char>(read_buf_.data(), got));
+    return use(absl::Span<const unsigned char>(buf.data(), got));
   }
 
   void Remove(const BlockHash& hash, unsigned char*) override {
@@ -106,8 +105,6 @@ class KvFileStore final : public KvTierStore {
  private:
   const std::string subdir_;
   const int64_t record_bytes_;
-  absl::Mutex mu_;
-  std::vector<unsigned char> read_buf_ ABSL_GUARDED_BY(mu_);
 };
 
 class KvMemoryStore final : public KvTierStore {

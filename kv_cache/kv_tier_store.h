@@ -10,9 +10,11 @@
 // bytes, record_bytes long. The tier decides what is stored, keeps the LRU
 // and checks every record it reads; a store only keeps bytes.
 //
-// Thread-safety: Allocate/Discard/Read/Remove are called by the tier under
-// its own lock or on the engine thread; Write by the tier thread (file store)
-// or under the tier's lock (memory store). Each store is safe for that use.
+// Thread-safety: Allocate/Discard/Remove are called by the tier under its own
+// lock or on its writer thread; Write by the writer thread (file store) or
+// under the tier's lock (memory store); Read with no tier lock held, from any
+// thread (the tier's reader thread, a Load's caller), concurrently. Each
+// store is safe for that use; no store holds a lock while `use` runs.
 #pragma once
 
 #include <cstdint>
