@@ -380,7 +380,14 @@ void KvTier::DropRead(const BlockHash& hash) {
   if (r == reads_.end()) return;
   read_order_.erase(r->second.order);
   read_ahead_bytes_ -= payload_bytes_;
+  if (r->second.payload) RecycleBuffer(std::move(r->second.payload));
   reads_.erase(r);
+}
+
+void KvTier::RecycleBuffer(std::unique_ptr<unsigned char[]> buffer) {
+  if (static_cast<int64_t>(spare_buffers_.size() + 1) * payload_bytes_ <=
+      config_.max_read_ahead_bytes)
+    spare_buffers_.push_back(std::move(buffer));
 }
 
 void KvTier::ReadAhead(std::span<const BlockHash> hashes, bool make_room) {
@@ -453,6 +460,7 @@ absl::Status KvTier::Take(const BlockHash& hash, KvStorage& storage,
   const absl::Status s = CopyPayload(payload.get(), storage, block);
   seconds += absl::ToDoubleSeconds(absl::Now() - start);
   absl::MutexLock l(&mu_);
+  RecycleBuffer(std::move(payload));
   if (!s.ok()) {
     Fail(KvTierFailure::kCorrupt);
     return s;
@@ -476,6 +484,7 @@ void KvTier::RunReads() {
   for (;;) {
     BlockHash hash;
     uint64_t id = 0;
+    std::unique_ptr<unsigned char[]> payload;
     {
       absl::MutexLock l(&mu_);
       mu_.Await(absl::Condition(this, &KvTier::HasReadOrStop));
@@ -483,11 +492,17 @@ void KvTier::RunReads() {
       std::tie(hash, id) = read_tasks_.front();
       read_tasks_.pop_front();
       reading_ = true;
+      // Buffers are reused: a fresh large allocation per block would be
+      // mapped and faulted in each time.
+      if (!spare_buffers_.empty()) {
+        payload = std::move(spare_buffers_.back());
+        spare_buffers_.pop_back();
+      }
     }
     if (config_.before_read) config_.before_read();
     // Not zero-filled: every byte is copied in before it is used.
-    std::unique_ptr<unsigned char[]> payload(
-        new unsigned char[static_cast<size_t>(payload_bytes_)]);
+    if (!payload)
+      payload.reset(new unsigned char[static_cast<size_t>(payload_bytes_)]);
     std::optional<KvTierFailure> why;
     const absl::Time start = absl::Now();
     const absl::Status s =
@@ -519,6 +534,7 @@ void KvTier::RunReads() {
           }
         }
       }
+      if (payload) RecycleBuffer(std::move(payload));  // failed, or unwanted
     }
     absl::MutexLock l(&listener_mu_);
     if (listener_) listener_();

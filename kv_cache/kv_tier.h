@@ -258,6 +258,9 @@ class KvTier {
   void RemoveRecord(const BlockHash& hash, unsigned char* handle)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropRead(const BlockHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps a payload buffer for the next read, within max_read_ahead_bytes.
+  void RecycleBuffer(std::unique_ptr<unsigned char[]> buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool HasReadOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stop_ || !read_tasks_.empty();
   }
@@ -316,7 +319,9 @@ class KvTier {
   int64_t read_ahead_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_read_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;  // the reader holds a task
-  absl::Mutex listener_mu_;                    // never held with mu_
+  std::vector<std::unique_ptr<unsigned char[]>> spare_buffers_
+      ABSL_GUARDED_BY(mu_);
+  absl::Mutex listener_mu_;  // never held with mu_
   std::function<void()> listener_ ABSL_GUARDED_BY(listener_mu_);
   std::thread thread_;       // disk tier only: writes and removals
   std::thread read_thread_;  // disk tier only: read-ahead
