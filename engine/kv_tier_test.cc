@@ -356,6 +356,45 @@ TEST_F(KvTierTest, LoopReservationIsServedWhenItsTierReadsEnd) {
   loop.Abort("r");
 }
 
+// Through the engine loop, a submitted request whose tier reads are held
+// gets nothing until they end, then its whole prefix from the tier.
+TEST_F(KvTierTest, LoopAdmitsATierHitWhenItsReadsEnd) {
+  const RunResult cold = Cold();
+  absl::Notification reading, release;
+  std::atomic<bool> hold{false};
+  KvTierConfig tier;
+  tier.before_read = [&] {
+    if (!hold.load()) return;
+    if (!reading.HasBeenNotified()) reading.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  auto e = MakeTiered(tier);
+  OffloadA(e.get());
+  hold = true;
+  EngineLoop loop(std::move(e));
+  auto stream = loop.Submit(A("hit"));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  reading.WaitForNotification();
+  EXPECT_TRUE((*stream)->Pop(absl::Milliseconds(50)).empty());
+  release.Notify();
+  std::vector<int32_t> tokens;
+  int32_t cached = -1;
+  bool done = false;
+  for (int polls = 0; !done && polls < 1000; ++polls) {
+    for (StepOutput& o : (*stream)->Pop(absl::Seconds(30))) {
+      tokens.insert(tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+      if (o.finish != FinishReason::kNone) {
+        cached = o.cached_prompt_tokens;
+        done = true;
+      }
+    }
+    ASSERT_TRUE((*stream)->error().ok()) << (*stream)->error();
+  }
+  ASSERT_TRUE(done);
+  EXPECT_EQ(tokens, cold.tokens);
+  EXPECT_EQ(cached, 48);
+}
+
 enum class Fault { kCorrupt, kTruncated, kMissing };
 
 class KvTierFaultTest : public KvTierTest,
