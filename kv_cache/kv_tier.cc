@@ -385,7 +385,9 @@ void KvTier::DropRead(const BlockHash& hash) {
 }
 
 void KvTier::RecycleBuffer(std::unique_ptr<unsigned char[]> buffer) {
-  if (static_cast<int64_t>(spare_buffers_.size() + 1) * payload_bytes_ <=
+  // Spare and used buffers together stay within the cap.
+  if (read_ahead_bytes_ +
+          static_cast<int64_t>(spare_buffers_.size() + 1) * payload_bytes_ <=
       config_.max_read_ahead_bytes)
     spare_buffers_.push_back(std::move(buffer));
 }

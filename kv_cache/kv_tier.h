@@ -258,7 +258,8 @@ class KvTier {
   void RemoveRecord(const BlockHash& hash, unsigned char* handle)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropRead(const BlockHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Keeps a payload buffer for the next read, within max_read_ahead_bytes.
+  // Keeps a payload buffer for the next read, if spare and used buffers stay
+  // within max_read_ahead_bytes; else frees it.
   void RecycleBuffer(std::unique_ptr<unsigned char[]> buffer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool HasReadOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
