@@ -626,28 +626,36 @@ void KvTier::Run() {
     std::memcpy(task.record + offsetof(RecordHeader, checksum), &checksum,
                 sizeof(checksum));
     const KvTierStore::Stored stored = store_->Write(task.hash, task.record);
+    {
+      absl::MutexLock l(&mu_);
+      auto it = entries_.find(task.hash);
+      const bool wanted =
+          it != entries_.end() && it->second.state == State::kWriting;
+      if (!stored.ok) {
+        busy_ = false;
+        Fail(KvTierFailure::kWriteError);
+        if (wanted) entries_.erase(it);
+        continue;
+      }
+      stats_.bytes_written += record_bytes_;
+      if (it != entries_.end()) {
+        busy_ = false;
+        // Stored already: a write from before a Clear() that offered the
+        // same hash again finished first; the file holds the same bytes.
+        if (!wanted) continue;
+        it->second.state = State::kStored;
+        it->second.handle = stored.handle;
+        it->second.lru_pos = lru_.insert(lru_.end(), task.hash);
+        Note(KvEvent::Type::kStored, task.hash);
+        continue;
+      }
+    }
+    // Cleared while it was written: the file goes, outside the lock (still
+    // busy, so WaitForWrites waits for it). This thread alone writes and
+    // removes, in queue order, so a later write of the hash comes after.
+    store_->Remove(task.hash, stored.handle);
     absl::MutexLock l(&mu_);
     busy_ = false;
-    auto it = entries_.find(task.hash);
-    const bool wanted =
-        it != entries_.end() && it->second.state == State::kWriting;
-    if (!stored.ok) {
-      Fail(KvTierFailure::kWriteError);
-      if (wanted) entries_.erase(it);
-      continue;
-    }
-    stats_.bytes_written += record_bytes_;
-    if (it == entries_.end()) {                  // cleared while it was written
-      store_->Remove(task.hash, stored.handle);  // under the lock: rare
-      continue;
-    }
-    // Stored already: a write from before a Clear() that offered the same
-    // hash again finished first; the file holds the same bytes.
-    if (!wanted) continue;
-    it->second.state = State::kStored;
-    it->second.handle = stored.handle;
-    it->second.lru_pos = lru_.insert(lru_.end(), task.hash);
-    Note(KvEvent::Type::kStored, task.hash);
   }
 }
 
