@@ -24,11 +24,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
+#include "engine/sampling.h"
 #include "kv_cache/block_manager.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_tier.h"
 #include "model/llama_model.h"
-#include "engine/sampling.h"
 #include "model/weights.h"
 
 namespace pdserve::engine {
@@ -168,7 +168,10 @@ class Engine {
   // takes blocks for the whole prompt now (reusing cached prefix blocks), or
   // fails with RESOURCE_EXHAUSTED if they are not free at the moment (the
   // caller retries within its deadline; the cause is kPoolBusy, while one
-  // that could never fit carries kNeverFits). The sequence is not scheduled
+  // that could never fit carries kNeverFits). kPoolBusy also while the disk
+  // KV tier's reader thread still reads blocks of the prompt's prefix that
+  // this call queued: the retry after they end takes them (this thread never
+  // reads a tier file). The sequence is not scheduled
   // until CompleteReservation: the prompt's KV has arrived and `first_token`
   // was sampled by the prefill worker. Returns the finish reason if the first
   // token already ends the request (its blocks are then released).
@@ -243,9 +246,10 @@ class Engine {
   void Preempt(Sequence* seq);
   void ReleaseSequenceBlocks(Sequence* seq);
   void CommitFullBlocks(Sequence* seq);
-  // Reads up to `n` blocks after the first `first` of seq->hashes from the
-  // tier into seq->blocks[first...]; returns how many loaded (stops at the
-  // first failure: the rest is recomputed).
+  // Copies up to `n` readable tier blocks (KvTier::ReadableAndPin: no file
+  // I/O here) after the first `first` of seq->hashes into
+  // seq->blocks[first...]; returns how many loaded (stops at the first
+  // failure: the rest is recomputed).
   int32_t LoadFromTier(Sequence* seq, int32_t first, int32_t n);
 
   EngineConfig config_;

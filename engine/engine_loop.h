@@ -5,7 +5,8 @@
 // request's StepOutputs through a RequestStream they registered. The loop
 // steps the engine whenever it has work and otherwise sleeps until a closure
 // arrives. Reservations that do not fit yet wait here, on the engine side, in
-// FIFO order, and are retried whenever blocks were released.
+// FIFO order, and are retried whenever blocks were released or a KV tier
+// read ended (a disk tier reads on its own thread; see kv_cache/kv_tier.h).
 //
 // Shutdown (Stop or the destructor) never leaves a caller waiting: queued
 // calls, waiting reservations and live streams fail with UNAVAILABLE, and
