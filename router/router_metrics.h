@@ -60,10 +60,26 @@ struct RouterMetrics {
             "pdserve_router_peer_pull_decisions_total",
             "With --peer-pull: remote prefills told to pull their prefix from "
             "a peer (pull), or not (no_holder: no live peer holds more; "
-            "not_faster: recompute estimated faster)",
-            {"decision"}))) {
-    for (const char* d : {"pull", "no_holder", "not_faster"})
+            "not_faster: recompute estimated faster; backed_off: the "
+            "holders that would gain are backed off after failed pulls)",
+            {"decision"}))),
+        peer_pull_failures(metrics::Must(r.AddCounter(
+            "pdserve_router_peer_pull_failures_total",
+            "Peer pulls the prefill worker reported as not done, by reason "
+            "(evicted: the holder no longer had the blocks; failed: "
+            "unreachable holder or failed transfer; refused: the holder "
+            "refused the grant; busy: the holder was at its pull caps; "
+            "no_blocks: the puller had no room)",
+            {"reason"}))),
+        peer_pull_backoffs(metrics::CounterChild(
+            r, "pdserve_router_peer_pull_backoffs_total",
+            "Times a holder was backed off (not chosen for pulls for a while) "
+            "after a failed, refused or busy pull")) {
+    for (const char* d : {"pull", "no_holder", "not_faster", "backed_off"})
       metrics::Must(peer_pulls->WithLabels({d}));
+    for (const char* reason :
+         {"evicted", "failed", "refused", "busy", "no_blocks"})
+      metrics::Must(peer_pull_failures->WithLabels({reason}));
     for (const char* reason : {"missing", "invalid", "no_client_cert"})
       metrics::Must(auth_failures->WithLabels({reason}));
     for (const char* limit :
@@ -102,9 +118,14 @@ struct RouterMetrics {
   metrics::CounterFamily* tenant_rejections;
   metrics::CounterFamily* limit_rejections;
   metrics::CounterFamily* peer_pulls;
+  metrics::CounterFamily* peer_pull_failures;
+  metrics::Counter* peer_pull_backoffs;
   // `decision`: "pull" or a PeerPullDecision::reason.
   void CountPeerPull(const std::string& decision) {
     metrics::Must(peer_pulls->WithLabels({decision}))->Increment();
+  }
+  void PeerPullFailure(const char* reason) {
+    metrics::Must(peer_pull_failures->WithLabels({reason}))->Increment();
   }
   void AuthFailure(const char* reason) {
     metrics::Must(auth_failures->WithLabels({reason}))->Increment();

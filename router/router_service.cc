@@ -127,8 +127,12 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   ASSIGN_OR_RETURN(impl->tokenizer, engine::Tokenizer::Load(config.model_dir));
-  impl->registry =
-      std::make_unique<WorkerRegistry>(config.workers, &impl->index);
+  RegistryConfig workers = config.workers;
+  // Workers learn the key of this router's peer-pull grants from its polls.
+  if (config.peer_pull.enabled) workers.peer_pull_key = impl->peer_pull_key;
+  impl->registry = std::make_unique<WorkerRegistry>(workers, &impl->index);
+  impl->peer_pull_backoff =
+      std::make_unique<PeerPullBackoff>(config.peer_pull.backoff);
   ASSIGN_OR_RETURN(
       impl->policy,
       Policy::Create(config.policy, config.policy_config, &impl->index));

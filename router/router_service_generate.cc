@@ -267,6 +267,7 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
   in.prefill_transfer_bytes_per_second =
       p.status.kv_transfer_bytes_per_second();
   const std::string p_layout = p.status.layout().SerializeAsString();
+  const absl::Time now = absl::Now();
   for (const WorkerView& w : workers) {
     if (held_all(w.index) <= in.prefill_cached_blocks) continue;
     PeerPullCandidate c;
@@ -274,6 +275,7 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
     c.address = w.address;
     c.id = w.id;
     c.up = w.up;
+    c.backed_off = peer_pull_backoff->BackedOff(w.address, now);
     c.same_cache = w.fingerprint == p.fingerprint &&
                    w.status.layout().SerializeAsString() == p_layout;
     c.leading_blocks = held_all(w.index);
@@ -308,10 +310,65 @@ v1::WorkerGenerateRequest RouterServer::Impl::WorkerRequest(
   wreq.mutable_sampling()->clear_stop();
   wreq.set_cache_salt(call.cache_salt);
   if (route.prefill) wreq.set_prefill_address(route.prefill->address);
-  if (route.prefill && route.peer_pull.blocks() > 0)
+  if (route.prefill && route.peer_pull.blocks() > 0) {
     *wreq.mutable_peer_pull() = route.peer_pull;
+    SignPeerPull(route, wreq.request_id(), wreq.mutable_peer_pull());
+  }
   wreq.set_original_prompt_len(static_cast<uint32_t>(call.prompt.size()));
   return wreq;
+}
+
+void RouterServer::Impl::SignPeerPull(const Route& route,
+                                      const std::string& request_id,
+                                      v1::PeerPull* pull) {
+  pull->set_puller_kv_address(route.prefill->address);
+  pull->set_request_id(request_id);
+  // Long enough for the prefill to be admitted and start (it pulls first),
+  // short enough that a grant seen in transit is soon worthless.
+  pull->set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Minutes(1)));
+  wire::SignPeerPullGrant(peer_pull_key, pull);
+}
+
+void RouterServer::Impl::NotePeerPullOutcome(const Route& route,
+                                             v1::PeerPullOutcome outcome) {
+  if (route.peer_pull.blocks() == 0) return;
+  const std::string& holder = route.peer_pull.holder_address();
+  const char* reason = nullptr;
+  bool holder_at_fault = false;
+  switch (outcome) {
+    case v1::PEER_PULL_OUTCOME_PULLED:
+    case v1::PEER_PULL_OUTCOME_PARTIAL:
+      peer_pull_backoff->Succeeded(holder);
+      return;
+    case v1::PEER_PULL_OUTCOME_EVICTED:
+      // The index was behind the holder's evictions; its events catch up.
+      reason = "evicted";
+      break;
+    case v1::PEER_PULL_OUTCOME_FAILED:
+      reason = "failed";
+      holder_at_fault = true;
+      break;
+    case v1::PEER_PULL_OUTCOME_REFUSED:
+      reason = "refused";
+      holder_at_fault = true;
+      break;
+    case v1::PEER_PULL_OUTCOME_BUSY:
+      reason = "busy";
+      holder_at_fault = true;
+      break;
+    case v1::PEER_PULL_OUTCOME_NO_BLOCKS:
+      reason = "no_blocks";  // the puller's pool was full, not the holder
+      break;
+    default:
+      return;  // none reported (an older worker), or the prefix was local
+  }
+  m->PeerPullFailure(reason);
+  if (!holder_at_fault) return;
+  const absl::Duration off = peer_pull_backoff->Failed(holder, absl::Now());
+  m->peer_pull_backoffs->Increment();
+  PDSERVE_LOG(WARNING) << "peer pull from " << holder << " " << reason
+                       << "; not pulling from it for "
+                       << absl::FormatDuration(off);
 }
 
 RouterServer::Impl::Attempt RouterServer::Impl::RunAttempt(Call& call,
@@ -340,6 +397,7 @@ RouterServer::Impl::Attempt RouterServer::Impl::RunAttempt(Call& call,
     wctx.set_deadline(absl::ToChronoTime(call.deadline));
   auto reader = route.decode.stub->Generate(&wctx, WorkerRequest(call, route));
   Attempt a;
+  bool outcome_noted = false;  // the pull's outcome comes with the first reply
   v1::WorkerGenerateResponse resp;
   v1::GenerateResponse& out = a.final;
   while (reader->Read(&resp)) {
@@ -351,6 +409,10 @@ RouterServer::Impl::Attempt RouterServer::Impl::RunAttempt(Call& call,
     if (!call.cached_known) {
       call.cached = resp.cached_prompt_tokens();
       call.cached_known = true;
+    }
+    if (!outcome_noted) {
+      NotePeerPullOutcome(route, resp.peer_pull_outcome());
+      outcome_noted = true;
     }
     call.prefill_worker = resp.prefill_worker();
     call.decode_worker = resp.decode_worker();

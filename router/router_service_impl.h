@@ -18,6 +18,7 @@
 #include "router/router_metrics.h"
 #include "router/router_service.h"
 #include "router/tenant_limiter.h"
+#include "wire/peer_pull_grant.h"
 #include "wire/sampling_convert.h"
 
 namespace pdserve::router {
@@ -46,6 +47,11 @@ struct RouterServer::Impl final : public v1::Router::Service,
     return absl::StrFormat("%08x%08x", rd(), rd());
   }();
   std::atomic<uint64_t> next_attempt{1};
+  // Peer pull: the key this router signs pull grants with (handed to every
+  // worker in its status polls, wire/peer_pull_grant.h), and the holders it
+  // skips for a while after their pulls failed.
+  const std::string peer_pull_key = wire::NewPeerPullKey();
+  std::unique_ptr<PeerPullBackoff> peer_pull_backoff;
 
   // --- RouterControl (router_service.cc)
 
@@ -152,6 +158,16 @@ struct RouterServer::Impl final : public v1::Router::Service,
   // tokens still owed, and where to prefill. Stop strings stay here (the
   // router applies them to the text it streams).
   v1::WorkerGenerateRequest WorkerRequest(const Call& call, const Route& route);
+
+  // The grant the holder checks (wire/peer_pull_grant.h): the prefill
+  // worker's registered address as the only destination, for the pull of
+  // `request_id`'s prefill.
+  void SignPeerPull(const Route& route, const std::string& request_id,
+                    v1::PeerPull* pull);
+
+  // What the prefill worker reported of the pull it was told to make: a
+  // success ends the holder's backoff, a failure of the holder's starts one.
+  void NotePeerPullOutcome(const Route& route, v1::PeerPullOutcome outcome);
 
   // Runs one attempt on `route`, streaming tokens to the client as they
   // arrive (every message but the last is written here; the last one is
