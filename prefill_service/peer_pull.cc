@@ -161,7 +161,9 @@ grpc::Status PeerBlockHolder::Admit(const v1::PullBlocksRequest& request) {
 grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
                                          const v1::PullBlocksRequest& request,
                                          v1::PullBlocksResponse* response) {
-  // The cap on pulls served at once, taken before anything is pinned.
+  // The grant first, so that callers without one cannot take the slots of
+  // pulls served at once; then that cap, before anything is pinned.
+  if (grpc::Status st = Admit(request); !st.ok()) return st;
   const int32_t now_active = ++active_;
   struct Leave {
     std::atomic<int32_t>* n;
@@ -174,7 +176,6 @@ grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
         absl::StrCat("PullBlocks: this holder is serving ", now_active - 1,
                      " pulls (at most ", config_.max_concurrent_pulls, ")"));
   }
-  if (grpc::Status st = Admit(request); !st.ok()) return st;
   return Serve(context, request, response);
 }
 

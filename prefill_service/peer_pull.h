@@ -159,6 +159,7 @@ class PeerBlockHolder {
 
   // Pulls being served now.
   int32_t active_pulls() const { return active_.load(); }
+  int32_t max_blocks_per_pull() const { return config_.max_blocks_per_pull; }
 
  private:
   // The checks before anything is pinned; OK or the status to answer.

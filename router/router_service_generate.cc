@@ -280,6 +280,14 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
                    w.status.layout().SerializeAsString() == p_layout;
     c.leading_blocks = held_all(w.index);
     c.tier_blocks = c.leading_blocks - held(w.index);
+    // Never more than the holder serves in one pull: the leading part of
+    // what it holds (its tier part is the tail, so cut from there).
+    if (const uint32_t cap = w.status.peer_pull_max_blocks();
+        cap > 0 && static_cast<uint32_t>(c.leading_blocks) > cap) {
+      c.tier_blocks = std::max<int32_t>(
+          0, c.tier_blocks - (c.leading_blocks - static_cast<int32_t>(cap)));
+      c.leading_blocks = static_cast<int32_t>(cap);
+    }
     c.transfer_bytes_per_second = w.status.kv_transfer_bytes_per_second();
     c.tier_load_tokens_per_second = w.status.kv_tier_load_tokens_per_second();
     in.candidates.push_back(std::move(c));

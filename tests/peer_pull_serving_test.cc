@@ -161,5 +161,30 @@ TEST_F(PeerPullServingTest, FailedPullIsReportedAndBacksOffTheHolder) {
   ExpectNoActiveBlocks(c);
 }
 
+TEST_F(PeerPullServingTest, OutputsStayIdenticalToLocalWithPeerPullOn) {
+  Cluster c =
+      Cluster::Start(*model_, 2, 2,
+                     {"--policy=round_robin", "--local-prefill-threshold=-1",
+                      "--peer-pull", "--peer-pull-min-speedup=0.01"});
+  // Three families asked in turn, each three times, greedy and seeded: most
+  // repeats land on a prefill worker that pulls the family's prefix.
+  for (int round = 0; round < 3; ++round) {
+    for (int f = 1; f <= 3; ++f) {
+      const std::string prompt =
+          Family(f) + absl::StrCat("Question ", round, ": what next?");
+      const float temp = f == 2 ? 0.9f : 0.0f;
+      const uint64_t seed = f == 2 ? 77 : 0;
+      auto got = Generate(c.stub.get(), Request(prompt, 12, temp, seed));
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      EXPECT_EQ(got.tokens, LocalTokens(*model_, prompt, 12, temp, seed))
+          << "family " << f << " round " << round;
+    }
+    WaitUntil([&] { return IndexedBlocks(c) > 0; }, seconds(10));
+  }
+  EXPECT_GT(SumOverWorkers(c, "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"),
+            0);
+  ExpectNoActiveBlocks(c);
+}
+
 }  // namespace
 }  // namespace pdserve::testing

@@ -175,6 +175,8 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     out->set_draining(draining);
     out->set_prefill_tokens_per_second(prefill_rate.rate());
     out->set_kv_transfer_bytes_per_second(transfer_rate.rate());
+    out->set_peer_pull_max_blocks(
+        static_cast<uint32_t>(holder->max_blocks_per_pull()));
     if (s.has_kv_tier) {
       out->set_kv_tier(static_cast<v1::KvTier>(s.kv_tier.kind));
       out->set_kv_tier_blocks(static_cast<uint64_t>(s.kv_tier.blocks_stored));
