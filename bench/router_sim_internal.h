@@ -262,6 +262,8 @@ class Simulation {
   // the pool's counts and the pool's plus the tiers'.
   void DecidePull(int32_t r);
 
+  // The workers again (router_sim.cc): the holder's side of a pull,
+  // admission, prefill and decode.
   engine::BlockManager* PoolOf(int32_t w) {
     return w < num_prefill_ ? prefill_[w].cache
                             : decode_[w - num_prefill_].kv.get();
