@@ -150,8 +150,9 @@ class UpCluster {
 inline std::map<std::string, std::string> ConfigInfo(
     const std::string& metrics, const std::string& prefix) {
   std::map<std::string, std::string> out;
-  const std::regex series(prefix +
-                          R"(_config_info\{flag="([^"]+)",value="((?:[^"\\]|\\.)*)"\} 1)");
+  const std::regex series(
+      prefix +
+      R"re(_config_info\{flag="([^"]+)",value="((?:[^"\\]|\\.)*)"\} 1)re");
   for (std::sregex_iterator it(metrics.begin(), metrics.end(), series), end;
        it != end; ++it) {
     out[(*it)[1].str()] = (*it)[2].str();
