@@ -72,29 +72,17 @@ std::string RowName(const Row& r) {
   return s;
 }
 
-// Combinations refused on purpose: a predicate on a row, and the error text
-// a user sees from `pdserve up`.
-struct Refusal {
-  const char* what;
-  bool (*matches)(const Row& r);
-  const char* error;
-};
-const std::vector<Refusal>& Refusals() {
-  static const std::vector<Refusal> r = {};
-  return r;
-}
-const Refusal* RefusalOf(const Row& r) {
-  for (const Refusal& f : Refusals())
-    if (f.matches(r)) return &f;
-  return nullptr;
-}
-
-// Every (dimension, value, dimension, value) pair, d1 < d2.
-using Pair = std::tuple<int, int, int, int>;
+// What a run covers: every (dimension, value, dimension, value) pair with
+// d1 < d2 (the third pair of values is -1), and the triple transport x
+// topology x peer pull (pulls move KV over the transport, and only a second
+// prefill worker pulls), which pairs alone would not all reach.
+using Pair = std::tuple<int, int, int, int, int>;
 std::vector<Pair> PairsOf(const Row& r) {
   std::vector<Pair> out;
   for (int a = 0; a < kNumDims; ++a)
-    for (int b = a + 1; b < kNumDims; ++b) out.push_back({a, r[a], b, r[b]});
+    for (int b = a + 1; b < kNumDims; ++b)
+      out.push_back({a * kNumDims + b, r[a], r[b], -1, -1});
+  out.push_back({-1, r[kTransport], r[kTopology], r[kPeerPull], -1});
   return out;
 }
 
@@ -115,21 +103,18 @@ std::vector<Row> AllRows() {
 }
 
 // Greedy pairwise cover: repeatedly take the first row (in the product's
-// order) that covers the most pairs not yet covered, among rows that are not
-// refused. Deterministic: no randomness, no hashing.
+// order) that covers the most pairs not yet covered. Deterministic: no
+// randomness, no hashing.
 std::vector<Row> PairwiseRuns() {
   const std::vector<Row> all = AllRows();
   std::set<Pair> uncovered;
-  for (const Row& r : all) {
-    if (RefusalOf(r) != nullptr) continue;
+  for (const Row& r : all)
     for (const Pair& p : PairsOf(r)) uncovered.insert(p);
-  }
   std::vector<Row> runs;
   while (!uncovered.empty()) {
     const Row* best = nullptr;
     int best_gain = 0;
     for (const Row& r : all) {
-      if (RefusalOf(r) != nullptr) continue;
       int gain = 0;
       for (const Pair& p : PairsOf(r)) gain += uncovered.count(p);
       if (gain > best_gain) {
@@ -196,7 +181,13 @@ std::vector<std::string> UpArgs(const Row& r, const std::string& model,
     a.push_back("--kv-offload-dir=" + model + "-tier-" + RowName(r));
     a.push_back("--kv-offload-bytes=32MiB");
   }
-  if (r[kPeerPull] == 1) a.push_back("--peer-pull");
+  // Peer pull on: round-robin routing sends a repeated prompt to the other
+  // prefill worker, which pulls the prefix from the one that computed it
+  // (min speedup 0.01: whatever rates a loaded CI machine measures).
+  if (r[kPeerPull] == 1) {
+    a.insert(a.end(), {"--peer-pull", "--peer-pull-min-speedup=0.01",
+                       "--policy=round_robin", "--local-prefill-threshold=-1"});
+  }
   return a;
 }
 
@@ -271,6 +262,17 @@ std::string Prompt(int i) {
   return s;
 }
 
+// Confirmed (event-fed) prefix-index entries over the router's workers.
+int64_t IndexedBlocks(v1::Router::Stub* stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ListWorkersResponse resp;
+  if (!stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return -1;
+  int64_t n = 0;
+  for (const auto& w : resp.workers()) n += w.indexed_blocks();
+  return n;
+}
+
 class MatrixTest : public ::testing::TestWithParam<Row> {};
 
 TEST_P(MatrixTest, OutputsEqualTheLocalEngineAndNothingLeaks) {
@@ -323,10 +325,18 @@ TEST_P(MatrixTest, OutputsEqualTheLocalEngineAndNothingLeaks) {
       {Prompt(2), 0.8f, 7, true},
   };
   constexpr int kMaxTokens = 6;
+  // Where the combination promises a pull: a second prefill worker.
+  const bool pulls = r[kPeerPull] == 1 && r[kTopology] == 2;
   for (const Case& c : cases) {
     const Output want = Local(r, c.prompt, kMaxTokens, c.temperature, c.seed);
     ASSERT_TRUE(want.ok) << want.error;
     for (int pass = 0; pass < (c.repeat ? 2 : 1); ++pass) {
+      // The router learns who holds the prompt from the workers' KV events
+      // before it can name a holder to pull from.
+      if (pass == 1 && pulls) {
+        EXPECT_TRUE(WaitUntil([&] { return IndexedBlocks(stub.get()) > 0; },
+                              std::chrono::seconds(10)));
+      }
       const Output got = send(c.prompt, kMaxTokens, c.temperature, c.seed);
       ASSERT_TRUE(got.ok) << got.error;
       if (!openai) EXPECT_EQ(got.tokens, want.tokens) << "pass " << pass;
@@ -335,6 +345,16 @@ TEST_P(MatrixTest, OutputsEqualTheLocalEngineAndNothingLeaks) {
       // full 16-token block of its prompt cached.
       if (pass == 1) EXPECT_GE(got.cached, 16) << c.prompt;
     }
+  }
+  // Each repeat ran on the other prefill worker and pulled the prefix.
+  if (pulls) {
+    double pulled = 0;
+    for (const UpChildProc& w : up.workers()) {
+      pulled += std::max(
+          0.0, MetricValue(Scrape(w.metrics_port),
+                           "pdserve_kv_peer_pull_total{outcome=\"pulled\"}"));
+    }
+    EXPECT_EQ(pulled, static_cast<double>(cases.size()));
   }
   for (const UpChildProc& w : up.workers()) {
     double active = -1;
@@ -356,40 +376,90 @@ INSTANTIATE_TEST_SUITE_P(Pairwise, MatrixTest,
                          });
 
 // The property the run list promises: every pair of values of two
-// dimensions is in some run, unless every combination holding it is refused
-// on purpose (then RefusedCombinations covers it).
+// dimensions is in some run, and so is every transport x topology x peer pull
+// triple.
 TEST(MatrixCoverageTest, EveryPairOfValuesIsInSomeRun) {
   const std::vector<Row> runs = PairwiseRuns();
   std::set<Pair> covered;
-  for (const Row& r : runs) {
-    EXPECT_EQ(RefusalOf(r), nullptr) << RowName(r);
+  for (const Row& r : runs)
     for (const Pair& p : PairsOf(r)) covered.insert(p);
-  }
+  int pairs = 0;
   for (int a = 0; a < kNumDims; ++a) {
     for (int b = a + 1; b < kNumDims; ++b) {
       for (size_t va = 0; va < Values()[a].size(); ++va) {
         for (size_t vb = 0; vb < Values()[b].size(); ++vb) {
-          const Pair p{a, static_cast<int>(va), b, static_cast<int>(vb)};
-          if (covered.count(p)) continue;
-          bool all_refused = true;
-          for (const Row& r : AllRows()) {
-            if (r[a] == static_cast<int>(va) && r[b] == static_cast<int>(vb) &&
-                RefusalOf(r) == nullptr)
-              all_refused = false;
-          }
-          EXPECT_TRUE(all_refused)
+          ++pairs;
+          EXPECT_TRUE(covered.count({a * kNumDims + b, static_cast<int>(va),
+                                     static_cast<int>(vb), -1, -1}))
               << kDimNames[a] << "=" << Values()[a][va] << " with "
               << kDimNames[b] << "=" << Values()[b][vb] << " is in no run";
         }
       }
     }
   }
+  EXPECT_EQ(pairs, 174);  // (20^2 - 52) / 2 for value counts 2,3,3,2,3,2,2,3
+  for (int t = 0; t < 2; ++t)
+    for (int topo = 0; topo < 3; ++topo)
+      for (int pull = 0; pull < 2; ++pull)
+        EXPECT_TRUE(covered.count({-1, t, topo, pull, -1}))
+            << Values()[kTransport][t] << " " << Values()[kTopology][topo]
+            << " peer pull " << Values()[kPeerPull][pull];
   // Far fewer runs than the 1296 combinations.
   EXPECT_LE(runs.size(), 16u);
   std::string list;
   for (const Row& r : runs) absl::StrAppend(&list, "\n  ", RowName(r));
   std::printf("%zu runs:%s\n", runs.size(), list.c_str());
 }
+
+// Combinations refused on purpose, with the error `pdserve up` prints
+// (docs/combinations.md lists the same).
+struct Refused {
+  const char* name;
+  std::vector<std::string> flags;  // beside the model and ports
+  const char* error;
+};
+const std::vector<Refused>& RefusedCombinations() {
+  static const std::vector<Refused> r = {
+      {"int8dot_without_int8_weights",
+       {"--matmul=int8dot"},
+       "--matmul int8dot needs int8 weights (--weight-dtype int8 or "
+       "int8-b32), not bf16"},
+      {"blas_with_int8_weights",
+       {"--matmul=blas", "--weight-dtype=int8"},
+       "--matmul blas needs --weight-dtype fp32 or auto, got int8"},
+      {"memory_and_disk_tier",
+       {"--kv-offload-memory=16MiB", "--kv-offload-dir=/tmp/pdserve_unused"},
+       "--kv-offload-dir and --kv-offload-memory: one KV tier per worker"},
+      {"fp8_kv_on_cpu",
+       {"--kv-dtype=fp8"},
+       "--kv-dtype fp8 (e4m3) needs --device cuda"},
+      {"cuda_ipc_on_cpu",
+       {"--kv-transport=cuda_ipc"},
+       "--kv-transport cuda_ipc moves GPU KV pools and needs --device cuda"},
+  };
+  return r;
+}
+
+class RefusedTest : public ::testing::TestWithParam<Refused> {};
+
+TEST_P(RefusedTest, UpStopsWithTheError) {
+  // A bf16 checkpoint: the weights a user gets from --dtype bf16.
+  const Row bf16 = {0, 1, 1, 0, 0, 0, 0, 0};
+  std::vector<std::string> args = {"--model=" + ModelDir(bf16), "--port=0",
+                                   "--metrics-port=0", "--http-port=0",
+                                   "--threads=1"};
+  args.insert(args.end(), GetParam().flags.begin(), GetParam().flags.end());
+  UpCluster up = UpCluster::Start(args);
+  EXPECT_FALSE(up.ok());
+  EXPECT_THAT(up.output(),
+              HasSubstr(std::string("pdserve: error: ") + GetParam().error));
+}
+
+INSTANTIATE_TEST_SUITE_P(Combinations, RefusedTest,
+                         ::testing::ValuesIn(RefusedCombinations()),
+                         [](const ::testing::TestParamInfo<Refused>& info) {
+                           return std::string(info.param.name);
+                         });
 
 }  // namespace
 }  // namespace pdserve::testing
