@@ -312,8 +312,9 @@ const std::vector<Command>& AllCommands() {
        "Worker lists take host:port or dns:NAME:PORT (every address of NAME, "
        "e.g. a\nKubernetes headless Service). Workers started with --router "
        "register themselves.\nCertificates (mTLS with every worker, TLS for "
-       "clients) or an explicit --insecure\nare required; README "
-       "\"Security\" explains tokens, tenants and limits. --peer-pull\nlets "
+       "clients) or an explicit --insecure\nare required; "
+       "docs/security.md explains tokens, tenants and limits. "
+       "--peer-pull\nlets "
        "the prefill worker pull a prefix it lacks from a peer's pool when "
        "faster\nthan recompute. Ports default to 50051 (gRPC) and 9400 "
        "(metrics); the OpenAI\nAPI is off unless --http-port is given.\n",
