@@ -138,7 +138,22 @@ std::optional<std::string> UpInsecure(const UpChild&) {
   return Current("insecure") == "true" || no_files ? "true" : "false";
 }
 
-// Router flags that `up` forwards; servers of every role take the TLS ones.
+// The TLS files go on only when up runs with TLS (--insecure wins, as a
+// plaintext cluster has no use for them).
+std::optional<std::string> UpTlsFile(const char* flag, const UpChild& c) {
+  return *UpInsecure(c) == "true" ? "" : Current(flag);
+}
+std::optional<std::string> UpTlsCert(const UpChild& c) {
+  return UpTlsFile("tls_cert", c);
+}
+std::optional<std::string> UpTlsKey(const UpChild& c) {
+  return UpTlsFile("tls_key", c);
+}
+std::optional<std::string> UpTlsCa(const UpChild& c) {
+  return UpTlsFile("tls_ca", c);
+}
+
+// Every server process: the router and the workers.
 constexpr uint32_t kServers = kRouter | kWorkerCommands;
 
 }  // namespace
@@ -217,9 +232,9 @@ const std::vector<FlagSpec>& AllFlags() {
       {"metrics_port", kServers, U::kRouter, {}, nullptr, UpMetricsPort},
       {"router", kWorkerCommands | kGenerate | kBenchServe},
       {"insecure", kServers, U::kAll, {}, nullptr, UpInsecure},
-      {"tls_cert", kServers | kGenerate, U::kAll},
-      {"tls_key", kServers | kGenerate, U::kAll},
-      {"tls_ca", kServers | kGenerate, U::kAll},
+      {"tls_cert", kServers | kGenerate, U::kAll, {}, nullptr, UpTlsCert},
+      {"tls_key", kServers | kGenerate, U::kAll, {}, nullptr, UpTlsKey},
+      {"tls_ca", kServers | kGenerate, U::kAll, {}, nullptr, UpTlsCa},
       {"tls_reload_seconds", kServers, U::kAll},
       // The router.
       {"http_port", kRouter, U::kRouter, {}, nullptr, UpHttpPort},
@@ -447,9 +462,12 @@ absl::Status CheckFlagValues(uint32_t command) {
     if (s.check == nullptr || !CommandAccepts(s, command)) continue;
     const std::string value = Current(s.name);
     if (absl::Status st = s.check(value); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", Dashed(s.name), " must be one of ",
-          absl::StrJoin(s.choices, ", "), ", got \"", value, "\""));
+      // "a, b or c", as the commands' own messages spell their choices.
+      std::vector<const char*> head(s.choices.begin(), s.choices.end() - 1);
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", Dashed(s.name), " must be ",
+                       absl::StrJoin(head, ", "), head.empty() ? "" : " or ",
+                       s.choices.back(), ", got \"", value, "\""));
     }
   }
   return absl::OkStatus();
