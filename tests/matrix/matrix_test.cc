@@ -129,12 +129,27 @@ std::vector<Row> PairwiseRuns() {
   return runs;
 }
 
+// This process's scratch directory (models, disk tiers), removed at exit.
+const std::string& Scratch() {
+  static const std::string* root =
+      new std::string(std::filesystem::temp_directory_path() /
+                      ("pdserve_matrix_" + std::to_string(getpid())));
+  return *root;
+}
+class ScratchCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(Scratch(), ec);
+  }
+};
+const auto* const kCleanup =
+    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+
 // The model directory of a (preset, weights) value pair, written once per
 // test process; int8 weights are quantized at load from the fp32 file.
 std::string ModelDir(const Row& r) {
-  static const std::string root =
-      std::filesystem::temp_directory_path() /
-      ("pdserve_matrix_" + std::to_string(getpid()));
+  const std::string& root = Scratch();
   const std::string preset = Values()[kModel][r[kModel]];
   const std::string file_dtype = r[kWeights] == 1 ? "bf16" : "fp32";
   const std::string dir = absl::StrCat(root, "/", preset, "-", file_dtype);
@@ -505,7 +520,7 @@ const std::vector<Refused>& RefusedCombinations() {
        {"--matmul=blas", "--weight-dtype=int8"},
        "--matmul blas needs --weight-dtype fp32 or auto, got int8"},
       {"memory_and_disk_tier",
-       {"--kv-offload-memory=16MiB", "--kv-offload-dir=/tmp/pdserve_unused"},
+       {"--kv-offload-memory=16MiB", "--kv-offload-dir=" + Scratch() + "/t"},
        "--kv-offload-dir and --kv-offload-memory: one KV tier per worker"},
       {"fp8_kv_on_cpu",
        {"--kv-dtype=fp8"},
