@@ -134,7 +134,8 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(
       absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", port);
 }
 
-int RunWorkerWithRole(const std::string& role_name) {
+// `command`: the CommandBit it was started as (its flags are reported).
+int RunWorkerWithRole(const std::string& role_name, uint32_t command) {
   if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
     return ReportError(s);
   // mTLS (or an explicit --insecure) before any server or channel exists.
@@ -166,7 +167,7 @@ int RunWorkerWithRole(const std::string& role_name) {
       absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
   auto server =
       worker::WorkerServer::Start(config, &metrics::Registry::Default());
-  RegisterConfigInfo(metrics::Registry::Default(), "pdserve_worker", kWorker);
+  RegisterConfigInfo(metrics::Registry::Default(), "pdserve_worker", command);
   if (!server.ok()) return ReportError(server.status());
   auto http = StartMetrics(std::max(0, absl::GetFlag(FLAGS_metrics_port)));
   if (!http.ok()) return ReportError(http.status());
@@ -207,13 +208,13 @@ int RunWorkerWithRole(const std::string& role_name) {
 }  // namespace
 
 int RunPrefillWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole("prefill");
+  return RunWorkerWithRole("prefill", kPrefill);
 }
 int RunDecodeWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole("decode");
+  return RunWorkerWithRole("decode", kDecode);
 }
 int RunWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole(absl::GetFlag(FLAGS_role));
+  return RunWorkerWithRole(absl::GetFlag(FLAGS_role), kWorker);
 }
 
 namespace {

@@ -498,4 +498,20 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
             "16MiB");
 }
 
+// A standalone worker reports the flags of the command it was started as:
+// `pdserve prefill` takes no --role, so it reports none.
+TEST_F(CliTest, WorkersReportTheFlagsTheirCommandReads) {
+  pdserve::testing::Proc p = pdserve::testing::StartProcess(
+      "prefill", {"prefill", "--model=" + Model(), "--insecure", "--port=0",
+                  "--metrics-port=0", "--threads=1", "--kv-dtype=bf16"});
+  ASSERT_TRUE(p.alive());
+  auto info = pdserve::testing::ConfigInfo(
+      pdserve::testing::Scrape(p.metrics_port), "pdserve_worker");
+  pdserve::testing::Kill(&p, SIGTERM);
+  EXPECT_EQ(info["kv_dtype"], "bf16");
+  EXPECT_EQ(info["threads"], "1");
+  EXPECT_EQ(info.count("role"), 0u);
+  EXPECT_EQ(info.count("prompt"), 0u);  // generate's, not a worker's
+}
+
 }  // namespace
