@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -428,8 +429,8 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
       {"auth-tokens", tokens},
   };
   // Not set here, and why: --device cuda needs a GPU; --kv-offload-memory
-  // excludes --kv-offload-dir (its forwarding is checked in a second
-  // cluster below); the certificate files need a CA (security_test).
+  // excludes --kv-offload-dir and the certificate files exclude --insecure
+  // (both are checked in clusters of their own below).
   const std::set<std::string> unset = {"device", "kv-offload-memory",
                                        "tls-cert", "tls-key", "tls-ca"};
   std::vector<std::string> args = {"--prefill=1", "--decode=1"};
@@ -496,6 +497,49 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
                 pdserve::testing::Scrape(mem.workers().at(0).metrics_port),
                 "pdserve_worker")["kv_offload_memory"],
             "16MiB");
+  mem.Stop();
+  // The certificate files: mTLS between up's children, with a throwaway CA
+  // and one certificate for 127.0.0.1 (the identity of every process).
+  const std::string
+      ca = *dir_ + "/ca",
+      ec = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 ";
+  ASSERT_EQ(
+      std::system(("openssl req -x509" + ec + "-subj /CN=test-ca -keyout " +
+                   ca + ".key -out " + ca + ".crt >/dev/null 2>&1")
+                      .c_str()),
+      0);
+  ASSERT_EQ(
+      std::system(("openssl req -new" + ec +
+                   "-subj /CN=pdserve -addext "
+                   "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+                   *dir_ + "/id.key -out " + *dir_ + "/id.csr >/dev/null 2>&1")
+                      .c_str()),
+      0);
+  ASSERT_EQ(std::system(("openssl x509 -req -days 2 -in " + *dir_ +
+                         "/id.csr -CA " + ca + ".crt -CAkey " + ca +
+                         ".key -CAcreateserial -copy_extensions copy -out " +
+                         *dir_ + "/id.crt >/dev/null 2>&1")
+                            .c_str()),
+            0);
+  const std::map<std::string, std::string> files = {
+      {"tls_cert", *dir_ + "/id.crt"},
+      {"tls_key", *dir_ + "/id.key"},
+      {"tls_ca", ca + ".crt"}};
+  pdserve::testing::UpCluster tls = pdserve::testing::UpCluster::Start(
+      {"--model=" + Model(), "--prefill=1", "--decode=1", "--port=0",
+       "--metrics-port=0", "--http-port=0", "--threads=1",
+       "--tls-cert=" + files.at("tls_cert"), "--tls-key=" + files.at("tls_key"),
+       "--tls-ca=" + files.at("tls_ca")});
+  ASSERT_TRUE(tls.ok()) << tls.output();
+  EXPECT_THAT(tls.output(), HasSubstr("mutual TLS"));
+  for (const auto& c : tls.children()) {
+    auto info = pdserve::testing::ConfigInfo(
+        pdserve::testing::Scrape(c.metrics_port),
+        c.name == "router" ? "pdserve_router" : "pdserve_worker");
+    EXPECT_EQ(info["insecure"], "false") << c.name;
+    for (const auto& [flag, file] : files)
+      EXPECT_EQ(info[flag], file) << c.name << " --" << flag;
+  }
 }
 
 // A standalone worker reports the flags of the command it was started as:
