@@ -103,10 +103,11 @@ std::shared_ptr<v1::Worker::Stub> NewWorkerStub(const std::string& address) {
 }  // namespace
 
 WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
-                                           v1::WorkerRole role) {
+                                           v1::WorkerRole role, bool* added) {
   for (auto& e : entries_) {
     if (e != nullptr && e->view.address == address) return e.get();
   }
+  if (added != nullptr) *added = true;
   auto e = std::make_unique<Entry>();
   if (free_indices_.empty()) {
     e->view.index = static_cast<WorkerIndex>(entries_.size());
@@ -169,9 +170,9 @@ void WorkerRegistry::Retire(Entry* e) {
 
 void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   absl::MutexLock l(&mu_);
-  const size_t before = entries_.size();
-  Entry* e = Add(address, role);
-  if (entries_.size() != before) e->registered = true;
+  bool added = false;
+  Entry* e = Add(address, role, &added);
+  if (added) e->registered = true;
   if (e->registered && e->retired) {
     e->retired = false;
     e->view.role = role;

@@ -117,8 +117,9 @@ class WorkerRegistry {
   void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   void EventLoop(Entry* entry) ABSL_LOCKS_EXCLUDED(mu_);
   void ResolveDns() ABSL_LOCKS_EXCLUDED(mu_);
-  Entry* Add(const std::string& address, v1::WorkerRole role)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry for `address`, created (and `*added` set) if there is none.
+  Entry* Add(const std::string& address, v1::WorkerRole role,
+             bool* added = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // No longer polled, routed to or counted; its index entries are dropped
   // by the caller (ClearWorker) once mu_ is released.
   void Retire(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
