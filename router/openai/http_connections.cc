@@ -378,7 +378,13 @@ bool FrontHttpServer::AwaitRequest(int fd, SSL* ssl, bool served_one) {
 
 bool FrontHttpServer::process_and_close_socket(socket_t sock) {
   if (ConnectionPool::Shedding()) {
-    shedder_.Shed(sock);
+    if (ssl_ctx_ == nullptr) {
+      shedder_.Shed(sock);
+    } else {
+      // A 503 would need a TLS handshake first: the refusal is the close.
+      ::shutdown(sock, SHUT_RDWR);
+      close(sock);
+    }
     return true;
   }
   SSL* ssl = nullptr;
