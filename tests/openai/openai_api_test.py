@@ -587,25 +587,43 @@ class OpenAiDisconnectTest(unittest.TestCase):
         """Every worker of `cluster` reaches 0 active KV blocks."""
         took = wait_until(lambda: all(active_blocks(p) == 0 for p in
                                       cluster["workers_metrics"]), timeout)
+        held = {p: active_blocks(p) for p in cluster["workers_metrics"]}
         self.assertIsNotNone(took, f"active KV blocks still held {timeout} s "
-                             f"after the client {what}")
+                             f"after the client {what}: {held}")
 
     def test_disconnect_before_a_non_streamed_response_frees_blocks(self):
         cluster = CLUSTERS["disagg"]
+
+        def cancelled():
+            return metric(cluster["metrics"], "pdserve_requests_total",
+                          'finish_reason="cancelled"') or 0
+
+        def first_tokens():  # the router's TTFT histogram's count
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{cluster['metrics']}/metrics",
+                    timeout=5) as r:
+                m = re.search(r"^pdserve_time_to_first_token_seconds_count"
+                              r"(?:\{\})? (\S+)$", r.read().decode(), re.M)
+            return float(m.group(1)) if m else 0
+
+        before, started = cancelled(), first_tokens()
         conn = http.client.HTTPConnection("127.0.0.1", cluster["http"],
                                           timeout=30)
         conn.request("POST", "/v1/completions", json.dumps(
-            {"model": MODEL_NAME, "prompt": "another long one " * 20,
+            {"model": MODEL_NAME, "prompt": "a long two " * 20,
              "max_tokens": 1800, "ignore_eos": True}),
             {"Content-Type": "application/json"})
-        # The decode worker holds the request's blocks: it is generating.
-        decode_metrics = cluster["workers_metrics"][-1]
-        self.assertIsNotNone(wait_until(
-            lambda: active_blocks(decode_metrics) > 0, 30))
+        # Its first token is out: the decode worker is generating, holding
+        # the request's blocks.
+        self.assertIsNotNone(wait_until(lambda: first_tokens() > started, 30))
+        self.assertGreater(active_blocks(cluster["workers_metrics"][-1]), 0)
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
-        # Nobody reads the response: the generation stops instead of running
-        # its 1800 tokens.
+        # Nobody reads the response: the router ends the request as
+        # cancelled (it used to run all 1800 tokens, finishing as "length")
+        # and the workers free its blocks.
+        self.assertIsNotNone(wait_until(lambda: cancelled() > before, 2),
+                             "the request was not cancelled within 2 s")
         self.assertBlocksFreed(cluster, 2, "hung up before its response")
 
     def test_disconnect_mid_stream_frees_blocks_on_every_worker(self):
