@@ -105,6 +105,8 @@ ABSL_FLAG(double, hostile_interval, 1,
           "mean seconds between the hostile peer's attempts (0: none): header "
           "garbage on the HTTP front, forged shm control streams and pool fd "
           "socket requests");
+ABSL_FLAG(bool, hostile_http_headers, true,
+          "the hostile peer's mix includes header garbage on the HTTP front");
 ABSL_FLAG(bool, slow, false,
           "the slow-model soak: --preset=small --long_prompts, so that an "
           "engine step (512 prompt tokens) takes over a second and the slow "
@@ -1035,19 +1037,26 @@ class Soak {
     if (interval <= 0) return;
     std::mt19937_64 rng(seed);
     std::exponential_distribution<double> gap(1.0 / interval);
-    const bool shm = absl::GetFlag(FLAGS_shm);
+    enum Kind { kHeaders, kShmStream, kShmSocket };
+    std::vector<Kind> kinds;
+    if (absl::GetFlag(FLAGS_hostile_http_headers)) kinds.push_back(kHeaders);
+    if (absl::GetFlag(FLAGS_shm)) {
+      kinds.push_back(kShmStream);
+      kinds.push_back(kShmSocket);
+    }
+    if (kinds.empty()) return;
     while (Now() < end - 2 && !abort_) {
       Sleep(std::min(gap(rng), 4 * interval));
-      const int kind = static_cast<int>(rng() % (shm ? 3 : 1));
+      const Kind kind = kinds[rng() % kinds.size()];
       Proc* d = decode_[rng() % decode_.size()];
       HostileResult r;
-      if (kind == 0) {
+      if (kind == kHeaders) {
         r = HttpHeaderGarbage(http_port_, &rng);
         Fault(r.answered ? "hostile_http_header_garbage_answered"
                          : "hostile_http_header_garbage_unanswered");
         continue;  // any HTTP answer counts as handled
       }
-      if (kind == 1) {
+      if (kind == kShmStream) {
         r = HostileShmStream(d->address(), &rng);
         Fault("hostile_shm_control_stream");
       } else {
