@@ -93,7 +93,8 @@ int HostileFdsHeldBy(pid_t pid) {
 
 }  // namespace
 
-HostileResult HttpHeaderGarbage(int port, std::mt19937_64* rng) {
+HostileResult HttpHeaderGarbage(int port, const std::string& model,
+                                std::mt19937_64* rng) {
   // Values gRPC metadata cannot carry, and headers no client should send.
   const std::string auth[] = {
       "Bearer a\tb",
@@ -124,7 +125,9 @@ HostileResult HttpHeaderGarbage(int port, std::mt19937_64* rng) {
     headers = absl::StrCat("No colon here\r\n", RandomBytes(rng, 40),
                            ": x\r\n\xe9\xe9: \x7f\r\n");
   }
-  const std::string body = "{\"prompt\": \"hi\", \"max_tokens\": 2}";
+  const std::string body = absl::StrCat("{\"model\": \"", model,
+                                        "\", \"prompt\": \"hi\", "
+                                        "\"max_tokens\": 2}");
   const std::string request =
       absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: soak\r\n", headers,
                    "Content-Type: application/json\r\nConnection: close\r\n"

@@ -28,11 +28,13 @@ struct HostileResult {
   std::string message;
 };
 
-// One request with garbage in its headers to the HTTP front on `port`. Any
-// answer counts as handled (what a bad Authorization gets is the HTTP
-// front's own contract); `answered` is false if the connection was refused
-// or dropped.
-HostileResult HttpHeaderGarbage(int port, std::mt19937_64* rng);
+// One request with garbage in its headers to the HTTP front on `port`, with
+// a body that is valid for the served `model` (so the request gets past
+// body validation to where headers are used). Any answer counts as handled
+// (what a bad Authorization gets is the HTTP front's own contract);
+// `answered` is false if the connection was refused or dropped.
+HostileResult HttpHeaderGarbage(int port, const std::string& model,
+                                std::mt19937_64* rng);
 
 // One hostile KvTransfer.Control stream to the worker at `address`.
 HostileResult HostileShmStream(const std::string& address,

@@ -1051,7 +1051,9 @@ class Soak {
       Proc* d = decode_[rng() % decode_.size()];
       HostileResult r;
       if (kind == kHeaders) {
-        r = HttpHeaderGarbage(http_port_, &rng);
+        r = HttpHeaderGarbage(http_port_,
+                              std::filesystem::path(model_).filename().string(),
+                              &rng);
         Fault(r.answered ? "hostile_http_header_garbage_answered"
                          : "hostile_http_header_garbage_unanswered");
         continue;  // any HTTP answer counts as handled
