@@ -87,6 +87,7 @@ int ChildPoolMemfd(uint64_t size, bool seal) {
 
 [[noreturn]] void HostileChild(const char* socket_name, Pass mode, int given,
                                uint64_t size, int report) {
+  alarm(60);  // never outlives a test that failed to kill it
   const int sock = socket(AF_UNIX, SOCK_SEQPACKET, 0);
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
