@@ -752,6 +752,7 @@ class Soak {
       while (!stop) {
         cluster_.Reap();
         cluster_.SampleRss();
+        SampleShmMapping();
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
     });
@@ -1020,6 +1021,23 @@ class Soak {
              : cls == '2' ? grpc::StatusCode::OK
                           : grpc::StatusCode::INTERNAL;
     Record(std::move(o));
+  }
+
+  // With --shm: whether prefill-1 (a shm sender) has a decode worker's pool
+  // memfd mapped, i.e. KV really moved over shm while the hostile peer ran.
+  void SampleShmMapping() {
+    if (!absl::GetFlag(FLAGS_shm) || prefill_.size() < 2) return;
+    const pid_t pid = cluster_.Pid(prefill_[1]);
+    if (pid <= 0) return;
+    std::ifstream in(absl::StrCat("/proc/", pid, "/maps"));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("memfd:pdserve-kv-pool-") != std::string::npos) {
+        absl::MutexLock l(&mu_);
+        shm_mapped_ = true;
+        return;
+      }
+    }
   }
 
   void Fault(const std::string& kind) {
@@ -1410,6 +1428,11 @@ class Soak {
     if (mismatches_ > 0 || unclear_ > 0 || malformed_accepted_ > 0 ||
         hostile_fds_leaked_ > 0)
       ok = false;
+    if (absl::GetFlag(FLAGS_shm) && !shm_mapped_) {
+      Log("FAIL: prefill-1 never mapped a decode worker's pool (no KV moved "
+          "over shm)");
+      ok = false;
+    }
     if (!cluster_.crashes.empty()) ok = false;
     return ok;
   }
@@ -1468,7 +1491,12 @@ class Soak {
                           static_cast<int>(first_token_s_.size()));
     absl::StrAppend(&s, "malformed           ", malformed_, " refused (",
                     malformed_accepted_, " wrongly accepted)\n");
-    absl::StrAppend(&s, "hostile fds leaked  ", hostile_fds_leaked_, "\n");
+    absl::StrAppend(&s, "hostile fds leaked  ", hostile_fds_leaked_,
+                    absl::GetFlag(FLAGS_shm)
+                        ? (shm_mapped_ ? " (KV moved over shm)"
+                                       : " (KV never moved over shm)")
+                        : "",
+                    "\n");
     absl::StrAppend(&s, "faults injected    ");
     int total_faults = 0;
     for (const auto& [k, v] : faults_) {
@@ -1566,6 +1594,7 @@ class Soak {
   std::vector<double> first_token_s_ ABSL_GUARDED_BY(mu_);  // OK requests
   double blocks_leaked_ = 0;
   int hostile_fds_leaked_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shm_mapped_ ABSL_GUARDED_BY(mu_) = false;
   bool index_agrees_ = false;
   std::map<std::string, std::string> index_report_;
   std::map<std::string, std::string> tier_dirs_;  // by worker name
