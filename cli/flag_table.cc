@@ -239,6 +239,10 @@ const std::vector<FlagSpec>& AllFlags() {
       // The router.
       {"http_port", kRouter, U::kRouter, {}, nullptr, UpHttpPort},
       {"served_model_name", kRouter, U::kRouter},
+      {"http_max_connections", kRouter, U::kRouter},
+      {"http_max_queued_connections", kRouter, U::kRouter},
+      {"http_keep_alive_timeout_ms", kRouter, U::kRouter},
+      {"http_max_body_bytes", kRouter, U::kRouter},
       {"prefill_workers", kRouter},
       {"decode_workers", kRouter},
       {"both_workers", kRouter},

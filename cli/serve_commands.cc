@@ -47,6 +47,15 @@ ABSL_FLAG(int32_t, http_port, -1,
 ABSL_FLAG(std::string, served_model_name, "",
           "router/up: the model name of the OpenAI API (default: the model "
           "directory's base name)");
+ABSL_FLAG(int32_t, http_max_connections, 256,
+          "router: HTTP connections served at once (one thread each)");
+ABSL_FLAG(int32_t, http_max_queued_connections, 256,
+          "router: HTTP connections that may wait for a thread; past them 503 "
+          "with Retry-After");
+ABSL_FLAG(int32_t, http_keep_alive_timeout_ms, 5000,
+          "router: an idle HTTP keep-alive connection is closed after this");
+ABSL_FLAG(int64_t, http_max_body_bytes, 4 << 20,
+          "router: bytes per HTTP request body (413 past it)");
 ABSL_FLAG(std::string, advertise, "",
           "host other processes use to reach this worker (default: --host)");
 ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
@@ -240,6 +249,11 @@ absl::StatusOr<std::unique_ptr<router::openai::OpenAiServer>> StartOpenAi(
   hc.port = port;
   hc.model_dir = config.model_dir;
   hc.served_model_name = ServedModelName(config.model_dir);
+  hc.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  hc.max_queued_connections = absl::GetFlag(FLAGS_http_max_queued_connections);
+  hc.keep_alive_idle_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_http_keep_alive_timeout_ms));
+  hc.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
   if (!config.tls.insecure) {
     hc.tls_cert_file = config.tls.cert_file;
     hc.tls_key_file = config.tls.key_file;

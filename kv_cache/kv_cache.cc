@@ -1,5 +1,6 @@
 #include "kv_cache/kv_cache.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -95,8 +96,13 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheSpec& spec,
   }
   // A memfd rather than shm_open: nothing is left in /dev/shm when the
   // process dies, and the region is not bounded by /dev/shm's size (64 MiB
-  // in a default container). Its pages start zeroed.
-  pool->memfd_ = memfd_create("pdserve-kv-pool", MFD_CLOEXEC);
+  // in a default container). Its pages start zeroed. The name carries the
+  // creating process's pid, and the size is sealed, so a process this fd is
+  // passed to can tell whose pool it is and cannot be made to fault
+  // (SIGBUS) by a pool that shrinks under its mapping.
+  pool->memfd_ =
+      memfd_create(absl::StrCat("pdserve-kv-pool-", getpid()).c_str(),
+                   MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (pool->memfd_ < 0) {
     return absl::UnavailableError(
         absl::StrCat("kv cache: memfd_create for a shared pool failed: ",
@@ -106,6 +112,12 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheSpec& spec,
     return absl::UnavailableError(
         absl::StrCat("kv cache: sizing the shared pool to ", pool->bytes_,
                      " bytes failed: ", std::strerror(errno)));
+  }
+  if (fcntl(pool->memfd_, F_ADD_SEALS,
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("kv cache: sealing the shared pool's size failed: ",
+                     std::strerror(errno)));
   }
   void* p = mmap(nullptr, pool->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED,
                  pool->memfd_, 0);
@@ -145,8 +157,7 @@ void KvPool::Layout(uint8_t* base) {
 
 std::vector<KvSharedRegion> KvPool::SharedRegions() {
   if (mapped_ == nullptr) return {};
-  return {KvSharedRegion{mapped_, bytes_,
-                         absl::StrCat("/proc/", getpid(), "/fd/", memfd_)}};
+  return {KvSharedRegion{mapped_, bytes_, "", memfd_}};
 }
 
 kernels::KvLayerView KvPool::Layer(int layer) {

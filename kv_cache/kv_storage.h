@@ -61,11 +61,16 @@ class HostStagingBuffer {
 struct KvSharedRegion {
   void* base = nullptr;  // in the storage's memory(): host or device
   size_t bytes = 0;
-  // Host memory: a path another process of the same user can open and mmap
-  // (KvPool: "/proc/<pid>/fd/<n>" of its memfd). Device memory: empty; the
-  // region is one whole cudaMalloc allocation, so cudaIpcGetMemHandle(base)
-  // exports it.
+  // Unused by pdserve's storages (empty): host regions are shared by fd, and
+  // a device region is one whole cudaMalloc allocation, so
+  // cudaIpcGetMemHandle(base) exports it.
   std::string path;
+  // Host memory: the sealed memfd that holds the region (KvPool: created
+  // with MFD_ALLOW_SEALING, named "pdserve-kv-pool-<pid of its creator>",
+  // sealed against shrinking and growing), owned by the storage. The shm
+  // transport passes it to peers over a Unix socket (SCM_RIGHTS). -1 for
+  // device memory.
+  int fd = -1;
 };
 
 class KvStorage {

@@ -1,7 +1,8 @@
 // The shm transport across real processes over the production control plane
 // (gRPC KvTransfer.Control): this process is the decode side (a memfd pool,
 // KvReceiver, IpcKvTransferService on loopback port 0); ipc_send_tool is the
-// prefill side, mapping the pool from /proc/<pid>/fd. A sender killed with
+// prefill side, mapping the pool memfd this process passes it over its pool
+// socket (SCM_RIGHTS). A sender killed with
 // SIGKILL while it holds claimed spans must free the reservation at once
 // (well before the stall timeout), with nothing written.
 #include <gmock/gmock.h>

@@ -1,6 +1,8 @@
 #include "kv_transfer/ipc/ipc_transport.h"
 
 #include <algorithm>
+#include <deque>
+#include <iterator>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -26,6 +28,9 @@ absl::Status IpcTransportConfig::Validate() const {
 absl::Status IpcReceiverConfig::Validate() const {
   if (timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("ipc receiver: timeout must be > 0");
+  if (max_streams < 1) {
+    return absl::InvalidArgumentError("ipc receiver: max_streams must be >= 1");
+  }
   return absl::OkStatus();
 }
 
@@ -44,7 +49,10 @@ absl::StatusOr<T> Expect(ControlChannel* channel, absl::Time deadline) {
   if (ReplyMessage* r = std::get_if<ReplyMessage>(&m);
       r && r->code != absl::StatusCode::kOk)
     return StatusOf(*r);
-  return absl::InternalError("KV ipc control stream: unexpected message");
+  // A peer that breaks the protocol sent a bad request, not an internal
+  // failure of this process.
+  return absl::InvalidArgumentError(
+      "KV ipc control stream: unexpected message");
 }
 
 }  // namespace
@@ -282,7 +290,7 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> IpcKvTransport::Open(
   std::shared_ptr<Peer> peer;
   if (s.ok()) {
     absl::StatusOr<std::shared_ptr<Peer>> p =
-        PeerFor(plan.destination, *reply->exported, storage->spec());
+        PeerFor(plan.destination, *reply->exported, storage);
     if (p.ok())
       peer = *std::move(p);
     else
@@ -298,7 +306,7 @@ absl::StatusOr<std::unique_ptr<KvSendSession>> IpcKvTransport::Open(
 
 absl::StatusOr<std::shared_ptr<IpcKvTransport::Peer>> IpcKvTransport::PeerFor(
     const std::string& destination, const KvExport& exported,
-    const engine::KvCacheSpec& spec) {
+    engine::KvStorage* own) {
   {
     absl::MutexLock l(&mu_);
     auto it = peers_.find(destination);
@@ -310,10 +318,10 @@ absl::StatusOr<std::shared_ptr<IpcKvTransport::Peer>> IpcKvTransport::PeerFor(
   }
   // A new peer, or one that restarted (new export): validate its geometry,
   // then map it outside the lock (mapping may take milliseconds).
-  RETURN_IF_ERROR(exported.Validate(spec));
+  RETURN_IF_ERROR(exported.Validate(own->spec()));
   auto peer = std::make_shared<Peer>();
   peer->exported = exported;
-  ASSIGN_OR_RETURN(peer->mapping, backend_->Map(exported));
+  ASSIGN_OR_RETURN(peer->mapping, backend_->MapPeer(exported, own));
   std::shared_ptr<Peer> dropped;  // unmapped after the lock is released
   std::vector<std::shared_ptr<Peer>> evicted;
   absl::MutexLock l(&mu_);
@@ -394,24 +402,94 @@ IpcKvReceiveEndpoint::IpcKvReceiveEndpoint(KvReceiver* receiver,
       storage_(storage),
       backend_(backend),
       export_(std::move(exported)),
-      config_(config) {}
+      config_(config) {
+  reaper_ = std::thread([this] { Reap(); });
+}
 
-IpcKvReceiveEndpoint::~IpcKvReceiveEndpoint() { Shutdown(); }
+IpcKvReceiveEndpoint::~IpcKvReceiveEndpoint() {
+  Shutdown();
+  for (const ExportedRegion& r : export_.regions) backend_->Unexport(r.handle);
+}
 
 void IpcKvReceiveEndpoint::Serve(std::unique_ptr<ControlChannel> channel) {
+  {
+    absl::MutexLock l(&mu_);
+    if (shutdown_) {
+      channel->Close();
+      return;
+    }
+    if (static_cast<int>(streams_.size()) - finished_ < config_.max_streams) {
+      StartStreamLocked(std::move(channel));
+      return;
+    }
+    ++refused_;
+  }
+  // Answered in place of the Open reply the sender waits for, without
+  // reading anything from the stream (and outside the lock: the peer may
+  // be slow to read). Closing at once could cancel the call before the
+  // answer leaves, so the channel is parked (no thread) and closed by the
+  // reaper after kRefusalGrace; a sender closes it sooner itself.
+  (void)Send(channel.get(), ReplyFor(absl::ResourceExhaustedError(absl::StrCat(
+                                "KV ipc: the decode worker already serves ",
+                                config_.max_streams, " control streams"))));
+  std::unique_ptr<ControlChannel> oldest;
   absl::MutexLock l(&mu_);
-  ReapFinishedLocked();
   if (shutdown_) {
     channel->Close();
     return;
   }
+  if (static_cast<int>(parked_.size()) >= config_.max_streams) {
+    oldest = std::move(parked_.front().second);
+    parked_.pop_front();
+  }
+  parked_.emplace_back(absl::Now() + kRefusalGrace, std::move(channel));
+}
+
+void IpcKvReceiveEndpoint::StartStreamLocked(
+    std::unique_ptr<ControlChannel> channel) {
   StreamThread& stream = streams_.emplace_back();
   stream.channel = std::move(channel);
   stream.thread = std::thread([this, &stream] {
     RunStream(stream.channel.get());
     absl::MutexLock done(&mu_);
     stream.done = true;
+    ++finished_;
   });
+}
+
+void IpcKvReceiveEndpoint::Reap() {
+  while (true) {
+    std::list<StreamThread> done;
+    std::vector<std::unique_ptr<ControlChannel>> expired;
+    {
+      absl::MutexLock l(&mu_);
+      mu_.AwaitWithDeadline(
+          absl::Condition(
+              +[](IpcKvReceiveEndpoint* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return e->shutdown_ || e->finished_ > 0 ||
+                       (!e->parked_.empty() &&
+                        e->parked_.front().first <= absl::Now());
+              },
+              this),
+          parked_.empty() ? absl::InfiniteFuture() : parked_.front().first);
+      if (shutdown_) return;  // Shutdown joins and closes the rest
+      while (!parked_.empty() && parked_.front().first <= absl::Now()) {
+        expired.push_back(std::move(parked_.front().second));
+        parked_.pop_front();
+      }
+      for (auto it = streams_.begin(); it != streams_.end();) {
+        auto next = std::next(it);
+        if (it->done) done.splice(done.end(), streams_, it);
+        it = next;
+      }
+      finished_ = 0;
+    }
+    // A thread marks itself done under the lock as its last step, so each
+    // join returns at once; its channel (and what its inbox holds) is freed
+    // with it.
+    for (StreamThread& s : done) s.thread.join();
+    for (auto& c : expired) c->Close();
+  }
 }
 
 void IpcKvReceiveEndpoint::RunStream(ControlChannel* channel) {
@@ -500,26 +578,25 @@ void IpcKvReceiveEndpoint::RunStream(ControlChannel* channel) {
   channel->Close();
 }
 
-void IpcKvReceiveEndpoint::ReapFinishedLocked() {
-  for (auto it = streams_.begin(); it != streams_.end();) {
-    if (it->done) {
-      it->thread.join();
-      it = streams_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 void IpcKvReceiveEndpoint::Shutdown() {
   std::list<StreamThread> streams;
   {
     absl::MutexLock l(&mu_);
     shutdown_ = true;
     for (StreamThread& s : streams_) s.channel->Close();
+  }
+  // The reaper returns on shutdown_; then every stream left is this one's
+  // to join.
+  if (reaper_.joinable()) reaper_.join();
+  std::deque<std::pair<absl::Time, std::unique_ptr<ControlChannel>>> parked;
+  {
+    absl::MutexLock l(&mu_);
     streams.splice(streams.end(), streams_);
+    finished_ = 0;
+    parked.swap(parked_);
   }
   for (StreamThread& s : streams) s.thread.join();
+  for (auto& [deadline, c] : parked) c->Close();
 }
 
 int IpcKvReceiveEndpoint::active_streams() const {
@@ -527,6 +604,16 @@ int IpcKvReceiveEndpoint::active_streams() const {
   int n = 0;
   for (const StreamThread& s : streams_) n += s.done ? 0 : 1;
   return n;
+}
+
+int IpcKvReceiveEndpoint::held_streams() const {
+  absl::MutexLock l(&mu_);
+  return static_cast<int>(streams_.size());
+}
+
+int64_t IpcKvReceiveEndpoint::refused_streams() const {
+  absl::MutexLock l(&mu_);
+  return refused_;
 }
 
 }  // namespace pdserve::kv_transfer::ipc

@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <memory>
@@ -96,9 +97,10 @@ class IpcKvTransport : public KvTransport {
   struct Peer;
 
  private:
-  absl::StatusOr<std::shared_ptr<Peer>> PeerFor(
-      const std::string& destination, const KvExport& exported,
-      const engine::KvCacheSpec& spec);
+  // Maps a new peer refusing any region of `own` (the sending storage).
+  absl::StatusOr<std::shared_ptr<Peer>> PeerFor(const std::string& destination,
+                                                const KvExport& exported,
+                                                engine::KvStorage* own);
   void Forget(const std::string& destination, const Peer* peer);
   friend class IpcSendSession;
 
@@ -120,11 +122,20 @@ struct IpcReceiverConfig {
   // Bound on each wait for a sender: its Open, its next message, and the
   // Copied report of a batch whose spans are claimed.
   absl::Duration timeout = absl::Seconds(60);
+  // Control streams served at once (one thread each). A stream past it is
+  // answered RESOURCE_EXHAUSTED and closed before its Open is read, so a
+  // peer that opens streams without end costs no thread. Each transfer in
+  // flight holds one stream; 256 is far above what a decode worker's
+  // reservations allow at once.
+  int max_streams = 256;
   absl::Status Validate() const;
 };
 
 // The decode worker's side: exports its storage once (at construction) and
-// serves each transfer's control stream on its own thread.
+// serves each transfer's control stream on its own thread, at most
+// config.max_streams at once; a finished stream's thread is joined and its
+// channel freed at once (by a reaper thread), not when the next stream
+// arrives.
 class IpcKvReceiveEndpoint {
  public:
   // FAILED_PRECONDITION when `storage` cannot be exported through
@@ -133,15 +144,23 @@ class IpcKvReceiveEndpoint {
   static absl::StatusOr<std::unique_ptr<IpcKvReceiveEndpoint>> Create(
       KvReceiver* receiver, engine::KvStorage* storage,
       PeerMemoryBackend* backend, IpcReceiverConfig config = {});
-  ~IpcKvReceiveEndpoint();  // Shutdown()
+  // Shutdown(), then stops exporting the storage (backend Unexport), so
+  // peers see it gone (PeerMapping::PeerAlive) and unmap it.
+  ~IpcKvReceiveEndpoint();
 
   // Serves one transfer's control stream until it ends. Returns at once.
-  // After Shutdown the channel is closed immediately.
+  // After Shutdown the channel is closed immediately; past
+  // config.max_streams it is answered RESOURCE_EXHAUSTED and closed.
   void Serve(std::unique_ptr<ControlChannel> channel);
   // Closes every stream and waits for their threads; transfers still open
   // end as failed (their reservations are freed). Idempotent.
   void Shutdown();
   int active_streams() const;
+  // Stream threads not yet joined (running, or finished and about to be
+  // reaped): what the endpoint holds. Tests.
+  int held_streams() const;
+  // Streams refused past config.max_streams.
+  int64_t refused_streams() const;
   const KvExport& exported() const { return export_; }
 
  private:
@@ -153,8 +172,11 @@ class IpcKvReceiveEndpoint {
     std::thread thread;
     bool done = false;
   };
+  void StartStreamLocked(std::unique_ptr<ControlChannel> channel)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunStream(ControlChannel* channel);
-  void ReapFinishedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The reaper thread: joins finished stream threads as they finish.
+  void Reap();
 
   KvReceiver* const receiver_;
   engine::KvStorage* const storage_;
@@ -164,6 +186,14 @@ class IpcKvReceiveEndpoint {
   mutable absl::Mutex mu_;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::list<StreamThread> streams_ ABSL_GUARDED_BY(mu_);
+  int finished_ ABSL_GUARDED_BY(mu_) = 0;  // done, not yet joined
+  // Refused channels, answered, closed at their deadline (or when more
+  // than max_streams wait).
+  static constexpr absl::Duration kRefusalGrace = absl::Seconds(1);
+  std::deque<std::pair<absl::Time, std::unique_ptr<ControlChannel>>> parked_
+      ABSL_GUARDED_BY(mu_);
+  int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread reaper_;
 };
 
 }  // namespace pdserve::kv_transfer::ipc

@@ -409,11 +409,15 @@ TEST(IpcExportTest, ExportsOutsideTheirRegionsAreRejectedBeforeMapping) {
   other.data_bytes += 4;
   EXPECT_EQ(other.Validate(layout).code(),
             absl::StatusCode::kFailedPrecondition);
+  // A handle whose socket is gone (the exporter exited): UNAVAILABLE.
   KvExport missing = e;
-  missing.regions[0].handle = absl::StrCat("/proc/", getpid(), "/fd/987654");
+  missing.regions[0].handle =
+      "shm-fd:pdserve-kv-gone:00000000000000000000000000000000:1:2";
   EXPECT_EQ(backend->Map(missing).status().code(),
             absl::StatusCode::kUnavailable);
-  // A peer cannot point the sender's writes at an ordinary file.
+  // Paths are not handles: a peer cannot name a file (or any process's
+  // /proc/<pid>/fd/<n>) for the sender to open (shm_trust_test covers the
+  // fds a hostile peer can pass).
   const std::string file = ::testing::TempDir() + "ipc_not_a_pool";
   std::FILE* f = std::fopen(file.c_str(), "w");
   ASSERT_NE(f, nullptr);

@@ -5,14 +5,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <random>
-#include <string_view>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "kv_cache/kv_cache.h"
+#include "kv_transfer/ipc/pool_fd_socket.h"
 
 namespace pdserve::kv_transfer::ipc {
 
@@ -141,19 +147,81 @@ absl::StatusOr<KvExport> ExportStorage(engine::KvStorage* storage,
 
 namespace {
 
-// "/proc/<pid>/fd/<n>" naming a memfd made by KvPool (kv_cache/kv_cache.cc
-// names it "pdserve-kv-pool"; the kernel shows it as "/memfd:<name>").
-bool IsPoolMemfd(const std::string& path) {
-  int pid = 0, fd = 0, end = 0;
-  if (std::sscanf(path.c_str(), "/proc/%d/fd/%d%n", &pid, &fd, &end) != 2 ||
-      static_cast<size_t>(end) != path.size()) {
-    return false;
+constexpr absl::Duration kFetchTimeout = absl::Seconds(5);
+constexpr absl::Duration kAliveTimeout = absl::Milliseconds(500);
+constexpr char kPoolName[] = "/memfd:pdserve-kv-pool-";
+
+struct FileId {
+  uint64_t dev = 0, ino = 0;
+  bool operator==(const FileId&) const = default;
+};
+
+// The regions of `own` (the sender's storage) a peer could name: its memfds.
+std::vector<FileId> OwnFiles(engine::KvStorage* own) {
+  std::vector<FileId> out;
+  if (own == nullptr) return out;
+  for (const engine::KvSharedRegion& r : own->SharedRegions()) {
+    struct stat st {};
+    if (r.fd >= 0 && fstat(r.fd, &st) == 0)
+      out.push_back(
+          {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)});
   }
-  char target[256];
-  const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
-  if (n <= 0) return true;  // unreadable: open() reports why
-  const std::string_view link(target, static_cast<size_t>(n));
-  return link.rfind("/memfd:pdserve-kv-pool", 0) == 0;
+  return out;
+}
+
+// Everything the sender checks about an fd a peer passed for `region`
+// before it maps it for writing. FAILED_PRECONDITION naming what is wrong.
+absl::Status CheckPoolFd(int fd, const PoolFdHandle& declared, pid_t passed_by,
+                         uint64_t bytes, const std::vector<FileId>& own) {
+  auto refuse = [&](auto&&... what) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm: the decode worker passed ", what...,
+                     "; refusing to write into it"));
+  };
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "shm: fstat of the passed fd failed: ", std::strerror(errno)));
+  }
+  // Our own descriptor's link, so nothing can change the file behind it.
+  char link[256];
+  const ssize_t n = readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link,
+                             sizeof link - 1);
+  const absl::string_view name(link, n > 0 ? static_cast<size_t>(n) : 0);
+  if (!S_ISREG(st.st_mode) || !absl::StartsWith(name, kPoolName)) {
+    return refuse("a file that is not a KV pool memfd (\"",
+                  absl::CEscape(name.substr(0, 80)), "\")");
+  }
+  const FileId id{static_cast<uint64_t>(st.st_dev),
+                  static_cast<uint64_t>(st.st_ino)};
+  if (std::find(own.begin(), own.end(), id) != own.end())
+    return refuse("this worker's own KV pool");
+  // KvPool names its memfd after the pid of the process that created it;
+  // the kernel names the process that passed it (SO_PEERCRED). A pool of
+  // any other process is not the decode worker's to hand out.
+  absl::string_view digits = name.substr(std::strlen(kPoolName));
+  digits = digits.substr(0, digits.find_first_not_of("0123456789"));
+  int64_t owner = -1;
+  if (!absl::SimpleAtoi(digits, &owner) || owner != passed_by) {
+    return refuse("the KV pool of process ", digits, ", not its own (pid ",
+                  passed_by, ")");
+  }
+  if (id != FileId{declared.dev, declared.ino}) {
+    return refuse("a memfd (", id.dev, ":", id.ino,
+                  ") that is not the region its export declared (",
+                  declared.dev, ":", declared.ino, ")");
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  constexpr int kNeeded = F_SEAL_SHRINK | F_SEAL_GROW;
+  if (seals < 0 || (seals & kNeeded) != kNeeded ||
+      (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    return refuse("a memfd not sealed against shrinking and growing (seals ",
+                  seals, "), which could fault this worker mid-copy");
+  }
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    return refuse("a memfd of ", st.st_size, " bytes for a region of ", bytes);
+  }
+  return absl::OkStatus();
 }
 
 class ShmMapping final : public PeerMapping {
@@ -161,55 +229,44 @@ class ShmMapping final : public PeerMapping {
   ~ShmMapping() override {
     for (auto& [p, n] : maps_) munmap(p, n);
   }
-  absl::Status Add(const ExportedRegion& region) {
-    // Only a KvPool memfd of a process on this node: a peer must not be
-    // able to point this process's writes at an arbitrary file.
-    if (!IsPoolMemfd(region.handle)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shm: \"", region.handle,
-          "\" is not the KV pool memfd of a process on this node"));
+  absl::Status Add(const ExportedRegion& region,
+                   const std::vector<FileId>& own) {
+    absl::StatusOr<PoolFdHandle> handle = PoolFdHandle::Parse(region.handle);
+    if (!handle.ok()) {
+      return absl::FailedPreconditionError(handle.status().message());
     }
-    const int fd = open(region.handle.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "shm: cannot open the decode worker's KV pool ", region.handle, ": ",
-          std::strerror(errno),
-          " (shm needs both workers on one node, in one PID namespace, as "
-          "one user)"));
+    ASSIGN_OR_RETURN(ReceivedPoolFd got, FetchPoolFd(*handle, kFetchTimeout));
+    absl::Status checked =
+        CheckPoolFd(got.fd, *handle, got.peer_pid, region.bytes, own);
+    void* p = MAP_FAILED;
+    int map_errno = 0;
+    if (checked.ok()) {
+      p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+               got.fd, 0);
+      map_errno = errno;
     }
-    struct stat st {};
-    if (fstat(fd, &st) != 0 ||
-        static_cast<uint64_t>(st.st_size) < region.bytes) {
-      close(fd);
-      return absl::UnavailableError(absl::StrCat(
-          "shm: the decode worker's KV pool ", region.handle, " is smaller (",
-          st.st_size, " bytes) than exported (", region.bytes, ")"));
-    }
-    void* p =
-        mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);  // the mapping keeps the memory
+    close(got.fd);  // the mapping keeps the memory
+    RETURN_IF_ERROR(checked);
     if (p == MAP_FAILED) {
       return absl::UnavailableError(
-          absl::StrCat("shm: mapping ", region.bytes, " bytes of ",
-                       region.handle, " failed: ", std::strerror(errno)));
+          absl::StrCat("shm: mapping ", region.bytes,
+                       " bytes of the decode worker's KV pool failed: ",
+                       std::strerror(map_errno)));
     }
     maps_.emplace_back(static_cast<uint8_t*>(p), region.bytes);
-    exported_.push_back({region.handle, st.st_dev, st.st_ino});
+    handles_.push_back(*std::move(handle));
     return absl::OkStatus();
   }
   bool PeerAlive() override {
-    // The same memfd (inode) still open at the same /proc path: a reused fd
-    // number or pid names another file.
-    for (const Exported& e : exported_) {
-      struct stat st {};
-      if (stat(e.path.c_str(), &st) != 0 || st.st_dev != e.dev ||
-          st.st_ino != e.ino)
-        return false;
+    for (const PoolFdHandle& h : handles_) {
+      if (QueryPoolFd(h, kAliveTimeout) == ExportState::kGone) return false;
     }
     return true;
   }
   uint8_t* base(size_t region) override { return maps_[region].first; }
   absl::Status Copy(std::span<const CopyOp> ops, absl::Time deadline) override {
+    // Sealed regions of the exported size (CheckPoolFd): no page of these
+    // mappings can disappear under memcpy.
     for (const CopyOp& op : ops) {
       std::memcpy(op.dst, op.src, op.bytes);
     }
@@ -219,12 +276,7 @@ class ShmMapping final : public PeerMapping {
 
  private:
   std::vector<std::pair<uint8_t*, size_t>> maps_;
-  struct Exported {
-    std::string path;  // the exporter's /proc/<pid>/fd/<n>
-    dev_t dev;
-    ino_t ino;
-  };
-  std::vector<Exported> exported_;
+  std::vector<PoolFdHandle> handles_;
 };
 
 class ShmBackend final : public PeerMemoryBackend {
@@ -235,25 +287,42 @@ class ShmBackend final : public PeerMemoryBackend {
   }
   absl::StatusOr<std::string> ExportHandle(
       const engine::KvSharedRegion& region) override {
-    if (region.path.empty()) {
+    if (region.fd < 0) {
       return absl::FailedPreconditionError(
-          "shm: a KV region without a path cannot be shared");
+          "shm: a KV region without a memfd cannot be shared");
     }
-    return region.path;
+    absl::MutexLock l(&mu_);
+    if (server_ == nullptr) {
+      ASSIGN_OR_RETURN(server_, PoolFdServer::Start());
+    }
+    return server_->Add(region.fd);
+  }
+  void Unexport(const std::string& handle) override {
+    absl::MutexLock l(&mu_);
+    if (server_ != nullptr) server_->Remove(handle);
   }
   absl::StatusOr<std::unique_ptr<PeerMapping>> Map(
       const KvExport& peer) override {
+    return MapPeer(peer, nullptr);
+  }
+  absl::StatusOr<std::unique_ptr<PeerMapping>> MapPeer(
+      const KvExport& peer, engine::KvStorage* own) override {
     if (peer.kind != PeerMemoryKind::kShm) {
       return absl::FailedPreconditionError(
           absl::StrCat("shm: the decode worker exports its KV over ",
                        PeerMemoryName(peer.kind)));
     }
+    const std::vector<FileId> own_files = OwnFiles(own);
     auto mapping = std::make_unique<ShmMapping>();
     for (const ExportedRegion& r : peer.regions) {
-      if (auto s = mapping->Add(r); !s.ok()) return s;
+      if (auto s = mapping->Add(r, own_files); !s.ok()) return s;
     }
     return std::unique_ptr<PeerMapping>(std::move(mapping));
   }
+
+ private:
+  absl::Mutex mu_;
+  std::unique_ptr<PoolFdServer> server_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

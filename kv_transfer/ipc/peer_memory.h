@@ -9,9 +9,14 @@
 // blocks with PeerMapping::Copy. Two implementations (STYLE.md: interfaces
 // where there are real alternatives):
 //
-//   shm       host pools: the decode pool lives in a memfd (KvPool with
-//             KvCacheSpec::host_shared); its handle is "/proc/<pid>/fd/<n>",
-//             which the prefill worker opens and mmaps; copies are memcpy.
+//   shm       host pools: the decode pool lives in a sealed memfd (KvPool
+//             with KvCacheSpec::host_shared); the decode worker passes the
+//             memfd itself over a Unix socket (SCM_RIGHTS, pool_fd_socket.h)
+//             and its handle names that socket and a token. The prefill
+//             worker checks what it received (a pool memfd of the process
+//             that passed it, the declared file, sealed against shrinking,
+//             of the claimed size, not its own pool) before it mmaps it;
+//             copies are memcpy.
 //   cuda_ipc  device pools: handles are cudaIpcMemHandle_t bytes of each
 //             cudaMalloc region; the prefill worker cudaIpcOpenMemHandle's
 //             them once, and copies are cudaMemcpyAsync device to device on
@@ -105,9 +110,11 @@ class PeerMapping {
   // its own timeout passes, see ipc_transport.h).
   virtual absl::Status Copy(std::span<const CopyOp> ops,
                             absl::Time deadline) = 0;
-  // False once the exporting storage is known to be gone (shm: its memfd is
-  // no longer open in its process), so the sender can unmap it: a mapping
-  // keeps a dead peer's pool memory allocated. Cheap (a readlink per region).
+  // False once the exporting storage is known to be gone (shm: its socket
+  // is gone or no longer exports the pool), so the sender can unmap it: a
+  // mapping keeps a dead peer's pool memory allocated. Cheap (shm: one local
+  // socket round trip per region, bounded by a short timeout; a peer that
+  // does not answer counts as alive).
   virtual bool PeerAlive() { return true; }
 };
 
@@ -121,11 +128,24 @@ class PeerMemoryBackend {
   // Receiver side: the handle a peer maps `region` with.
   virtual absl::StatusOr<std::string> ExportHandle(
       const engine::KvSharedRegion& region) = 0;
+  // Receiver side: stops serving a handle ExportHandle returned (its storage
+  // is going away). Default: nothing to stop.
+  virtual void Unexport(const std::string& handle) { (void)handle; }
   // Sender side: maps a peer's regions. UNAVAILABLE (mapping failed: peer
   // gone, other namespace, no permission) or FAILED_PRECONDITION (handles
-  // of another kind), naming the region.
+  // of another kind, or memory that is not the peer's pool), naming the
+  // region.
   virtual absl::StatusOr<std::unique_ptr<PeerMapping>> Map(
       const KvExport& peer) = 0;
+  // As Map, and also refuses (FAILED_PRECONDITION) a region that is part of
+  // `own`, the sender's own storage (a peer must not make a worker write
+  // into its own pool). `own` may be null. Default: Map (a backend whose
+  // handles cannot name local memory).
+  virtual absl::StatusOr<std::unique_ptr<PeerMapping>> MapPeer(
+      const KvExport& peer, engine::KvStorage* own) {
+    (void)own;
+    return Map(peer);
+  }
 };
 
 // Receiver side: describes `storage` for peers. FAILED_PRECONDITION when

@@ -62,11 +62,14 @@ TEST_F(ShmServingTest, DisaggregatedOverShmEqualsColocatedGreedyAndSeeded) {
       EXPECT_THAT(a.last.decode_worker(), HasSubstr("decode@"));
     }
     // The bytes went through shared memory: the prefill process has the
-    // decode worker's memfd pool mapped.
+    // decode worker's memfd pool mapped (the memfd carries its creator's
+    // pid, and the decode worker passed it over its pool socket).
     std::ifstream maps(absl::StrCat("/proc/", disagg.prefill[0].pid, "/maps"));
     const std::string mapped((std::istreambuf_iterator<char>(maps)),
                              std::istreambuf_iterator<char>());
-    EXPECT_THAT(mapped, HasSubstr("memfd:pdserve-kv-pool")) << dtype;
+    EXPECT_THAT(mapped, HasSubstr(absl::StrCat("memfd:pdserve-kv-pool-",
+                                               disagg.decode[0].pid)))
+        << dtype;
     const double sent =
         MetricValue(Scrape(disagg.prefill[0].metrics_port),
                     "pdserve_kv_transfer_bytes_total{direction=\"sent\"}");

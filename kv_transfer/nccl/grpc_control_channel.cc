@@ -1,6 +1,7 @@
 #include "kv_transfer/nccl/grpc_control_channel.h"
 
 #include <deque>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -14,14 +15,43 @@ namespace {
 
 using Frame = v1::KvControlFrame;
 
-// Messages read from a stream, waiting for Receive. `peer_done` once the
-// stream's reads ended (peer closed, cancelled or broken); `closed` once
-// this end was closed.
+// Messages read from a stream, waiting for Receive, at most `limits` of
+// them. `peer_done` once the stream's reads ended (peer closed, cancelled
+// or broken); `closed` once this end was closed; `failed` once the peer
+// overflowed the inbox (Receive then reports it).
 class Inbox {
  public:
-  void Push(std::string message) {
+  explicit Inbox(const ControlInboxLimits& limits) : limits_(limits) {}
+
+  // Queues `message` once there is room. RESOURCE_EXHAUSTED when none came
+  // within limits.full_timeout (the inbox is then failed and emptied);
+  // CANCELLED when this end was closed meanwhile.
+  absl::Status Push(std::string message, const std::string& peer) {
     absl::MutexLock l(&mu_);
+    const size_t size = message.size();
+    auto room = [this, size]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return queue_.empty() ||
+             (static_cast<int>(queue_.size()) < limits_.max_messages &&
+              bytes_ + size <= limits_.max_bytes);
+    };
+    auto ready = [this, &room]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return closed_ || room();
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), limits_.full_timeout);
+    if (closed_) return absl::CancelledError("KV control channel closed");
+    if (!room()) {
+      failed_ = absl::ResourceExhaustedError(
+          absl::StrCat("KV control stream from ", peer, ": more than ",
+                       limits_.max_messages, " messages or ", limits_.max_bytes,
+                       " bytes sent ahead of what this end read, for ",
+                       absl::FormatDuration(limits_.full_timeout)));
+      queue_.clear();
+      bytes_ = 0;
+      return failed_;
+    }
+    bytes_ += size;
     queue_.push_back(std::move(message));
+    return absl::OkStatus();
   }
   void PeerDone() {
     absl::MutexLock l(&mu_);
@@ -44,7 +74,7 @@ class Inbox {
     mu_.AwaitWithDeadline(absl::Condition(
                               +[](Inbox* in) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                                 return in->closed_ || in->peer_done_ ||
-                                       !in->queue_.empty();
+                                       !in->failed_.ok() || !in->queue_.empty();
                               },
                               this),
                           deadline);
@@ -52,9 +82,11 @@ class Inbox {
       return absl::UnavailableError(
           absl::StrCat("KV control channel to ", peer, " is closed"));
     }
+    if (!failed_.ok()) return failed_;
     if (!queue_.empty()) {
       std::string out = std::move(queue_.front());
       queue_.pop_front();
+      bytes_ -= out.size();
       return out;
     }
     if (peer_done_) {
@@ -66,8 +98,11 @@ class Inbox {
   }
 
  private:
+  const ControlInboxLimits limits_;
   mutable absl::Mutex mu_;
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool peer_done_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -77,14 +112,22 @@ class Inbox {
 class ClientControlChannel : public ControlChannel {
  public:
   ClientControlChannel(std::shared_ptr<grpc::Channel> channel,
-                       std::string destination)
+                       std::string destination,
+                       const ControlInboxLimits& limits)
       : destination_(std::move(destination)),
-        stub_(v1::KvTransfer::NewStub(std::move(channel))) {
+        stub_(v1::KvTransfer::NewStub(std::move(channel))),
+        inbox_(limits) {
     stream_ = stub_->Control(&context_);
     reader_ = std::thread([this] {
       Frame frame;
-      while (stream_->Read(&frame))
-        inbox_.Push(std::move(*frame.mutable_payload()));
+      while (stream_->Read(&frame)) {
+        if (!inbox_.Push(std::move(*frame.mutable_payload()), destination_)
+                 .ok()) {
+          // Overflowed (Receive reports it) or closed: end the call.
+          context_.TryCancel();
+          break;
+        }
+      }
       inbox_.PeerDone();
     });
   }
@@ -135,8 +178,9 @@ class ClientControlChannel : public ControlChannel {
 // either may go first.
 struct ServerCall {
   ServerCall(grpc::ServerContext* context,
-             grpc::ServerReaderWriter<Frame, Frame>* stream)
-      : context(context), stream(stream) {}
+             grpc::ServerReaderWriter<Frame, Frame>* stream,
+             const ControlInboxLimits& limits)
+      : context(context), stream(stream), inbox(limits) {}
 
   // The handler is returning: after this no Write may start, and Close no
   // longer touches the context.
@@ -207,22 +251,42 @@ GrpcControlChannelFactory::Connect(const std::string& destination) {
   return std::unique_ptr<ControlChannel>(new ClientControlChannel(
       grpc::CreateCustomChannel(destination, tls::InternalChannelCredentials(),
                                 wire::InternalChannelArgs()),
-      destination));
+      destination, limits_));
+}
+
+absl::Status ControlInboxLimits::Validate() const {
+  if (max_messages < 1 || max_bytes == 0 ||
+      full_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "KV control inbox: max_messages, max_bytes and full_timeout must be "
+        "positive");
+  }
+  return absl::OkStatus();
 }
 
 grpc::Status ServeControlStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<Frame, Frame>* stream,
-    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve) {
-  auto call = std::make_shared<ServerCall>(context, stream);
+    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve,
+    const ControlInboxLimits& limits) {
+  auto call = std::make_shared<ServerCall>(context, stream, limits);
+  const std::string peer = context->peer();
   serve(std::make_unique<ServerControlChannel>(call));
+  grpc::Status result = grpc::Status::OK;
   Frame frame;
   while (stream->Read(&frame)) {
-    call->inbox.Push(std::move(*frame.mutable_payload()));
+    absl::Status pushed =
+        call->inbox.Push(std::move(*frame.mutable_payload()), peer);
+    if (absl::IsResourceExhausted(pushed)) {
+      result = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            std::string(pushed.message()));
+      break;
+    }
+    if (!pushed.ok()) break;  // this end closed: the call is cancelled
   }
   call->inbox.PeerDone();
   call->HandlerDone();
-  return grpc::Status::OK;
+  return result;
 }
 
 grpc::Status NcclKvTransferService::Control(

@@ -29,12 +29,34 @@
 
 namespace pdserve::kv_transfer::nccl {
 
+// Bounds on the frames either end of a control stream reads ahead of
+// Receive. A stream's reader thread queues each frame it reads; once the
+// queue holds max_messages frames or max_bytes bytes it stops reading
+// (backpressure: gRPC flow control then stalls the peer's writes) until
+// Receive makes room. If no room comes within full_timeout, the stream
+// fails with RESOURCE_EXHAUSTED (a peer that floods a stream nobody reads
+// costs bounded memory, not all of it). A single frame larger than
+// max_bytes is still taken when the queue is empty. The control protocols
+// (nccl, shm, cuda_ipc) keep at most a few messages in flight per stream.
+struct ControlInboxLimits {
+  int max_messages = 64;
+  size_t max_bytes = size_t{16} << 20;
+  absl::Duration full_timeout = absl::Seconds(10);
+  absl::Status Validate() const;
+};
+
 class GrpcControlChannelFactory : public ControlChannelFactory {
  public:
+  // `limits` must be valid.
+  explicit GrpcControlChannelFactory(ControlInboxLimits limits = {})
+      : limits_(limits) {}
   // A stream that cannot reach `destination` fails its first Send or Receive
   // with UNAVAILABLE, so NcclKvTransport::Open fails instead of hanging.
   absl::StatusOr<std::unique_ptr<ControlChannel>> Connect(
       const std::string& destination) override;
+
+ private:
+  const ControlInboxLimits limits_;
 };
 
 // The server end of one KvTransfer.Control call, for every transport whose
@@ -42,12 +64,14 @@ class GrpcControlChannelFactory : public ControlChannelFactory {
 // ControlChannel over the stream to `serve` (which keeps it, e.g. an
 // endpoint serving it on a link's thread), then reads the stream's frames
 // into that channel until the peer ends it or the channel is closed, and
-// returns OK. The channel stays valid after this returns: its Send and
-// Receive then fail with UNAVAILABLE.
+// returns OK; RESOURCE_EXHAUSTED when the peer's frames overflowed
+// `limits` (the channel then fails with that code too). The channel stays
+// valid after this returns: its Send and Receive then fail.
 grpc::Status ServeControlStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::KvControlFrame, v1::KvControlFrame>* stream,
-    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve);
+    absl::FunctionRef<void(std::unique_ptr<ControlChannel>)> serve,
+    const ControlInboxLimits& limits = {});
 
 class NcclKvTransferService : public KvTransferService {
  public:

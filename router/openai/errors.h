@@ -30,6 +30,8 @@ struct HttpError {
 
 HttpError BadRequest(std::string message, std::string param = "");
 HttpError NotFound(std::string message, std::string code);
+// 401 authentication_error / invalid_api_key, as the router's UNAUTHENTICATED.
+HttpError Unauthorized(std::string message);
 
 // `retry_after_ms`: the router's "retry-after-ms" trailing metadata, 0 when
 // absent; rounded up to whole seconds (at least 1) for 429.

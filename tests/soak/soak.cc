@@ -4,7 +4,10 @@
 // While client threads send a random mix of every workload kind (shared
 // system prompts, multi-turn conversations, long documents, short synthetic
 // prompts, seeded sampling, stop strings, EOS, token-id input, cache salts,
-// client cancellation, tight deadlines, malformed requests), a chaos thread
+// client cancellation, tight deadlines, malformed requests) and a hostile
+// peer sends header garbage to the OpenAI HTTP front and forged streams and
+// fd-socket requests to the decode workers' shm endpoints (--shm: decode
+// workers and one prefill worker move KV over shm), a chaos thread
 // SIGKILLs and SIGTERMs workers and restarts them, SIGSTOPs a prefill worker
 // mid-transfer (a stalled KV transfer, sometimes past the 10 s stall
 // timeout), and restarts the router (every KV event stream breaks and
@@ -71,6 +74,7 @@
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
+#include "tests/soak/hostile_peer.h"
 
 ABSL_FLAG(std::string, pdserve, "", "the pdserve binary (build/bin/pdserve)");
 ABSL_FLAG(double, minutes, 2, "how long the load and the faults run");
@@ -93,6 +97,16 @@ ABSL_FLAG(int32_t, kv_tier_multiple, 4,
           "with --kv_tier: each worker's tier holds this many times its pool "
           "(larger: damaged files are likelier to be read back before the "
           "tier drops them)");
+ABSL_FLAG(bool, shm, true,
+          "decode workers and prefill-1 use --kv-transport=shm (prefill-0 "
+          "keeps grpc, so both paths run), and the hostile peer also attacks "
+          "the decode workers' shm endpoints");
+ABSL_FLAG(double, hostile_interval, 1,
+          "mean seconds between the hostile peer's attempts (0: none): header "
+          "garbage on the HTTP front, forged shm control streams and pool fd "
+          "socket requests");
+ABSL_FLAG(bool, hostile_http_headers, true,
+          "the hostile peer's mix includes header garbage on the HTTP front");
 ABSL_FLAG(bool, slow, false,
           "the slow-model soak: --preset=small --long_prompts, so that an "
           "engine step (512 prompt tokens) takes over a second and the slow "
@@ -690,10 +704,12 @@ class Soak {
       a.push_back("--kv-offload-dir=" + tier_dirs_[name]);
       return a;
     };
+    const bool shm = absl::GetFlag(FLAGS_shm);
     for (int i = 0; i < 2; ++i) {
       const std::string name = absl::StrCat("prefill-", i);
       std::vector<std::string> a = {"worker", "--role=prefill"};
       a.insert(a.end(), worker_flags.begin(), worker_flags.end());
+      if (shm && i == 1) a.push_back("--kv-transport=shm");
       for (std::string& f : tier_flag(name)) a.push_back(f);
       prefill_.push_back(cluster_.Add(name, "prefill", a));
     }
@@ -701,6 +717,8 @@ class Soak {
       const std::string name = absl::StrCat("decode-", i);
       std::vector<std::string> a = {"worker", "--role=decode"};
       a.insert(a.end(), worker_flags.begin(), worker_flags.end());
+      // A shm decode worker still takes grpc pushes (from prefill-0).
+      if (shm) a.push_back("--kv-transport=shm");
       for (std::string& f : tier_flag(name)) a.push_back(f);
       decode_.push_back(cluster_.Add(name, "decode", a));
     }
@@ -734,6 +752,7 @@ class Soak {
       while (!stop) {
         cluster_.Reap();
         cluster_.SampleRss();
+        SampleShmMapping();
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
     });
@@ -742,8 +761,10 @@ class Soak {
       clients.emplace_back(
           [this, i, end, seed] { Client(seed * 31 + i, end); });
     std::thread chaos([this, end, seed] { Chaos(seed * 17 + 5, end); });
+    std::thread hostile([this, end, seed] { Hostile(seed * 13 + 3, end); });
     for (auto& t : clients) t.join();
     chaos.join();
+    hostile.join();
     Log("load and faults stopped; checking the cluster");
 
     const bool pass = Check();
@@ -1002,9 +1023,82 @@ class Soak {
     Record(std::move(o));
   }
 
+  // With --shm: whether prefill-1 (a shm sender) has a decode worker's pool
+  // memfd mapped, i.e. KV really moved over shm while the hostile peer ran.
+  void SampleShmMapping() {
+    if (!absl::GetFlag(FLAGS_shm) || prefill_.size() < 2) return;
+    const pid_t pid = cluster_.Pid(prefill_[1]);
+    if (pid <= 0) return;
+    std::ifstream in(absl::StrCat("/proc/", pid, "/maps"));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("memfd:pdserve-kv-pool-") != std::string::npos) {
+        absl::MutexLock l(&mu_);
+        shm_mapped_ = true;
+        return;
+      }
+    }
+  }
+
   void Fault(const std::string& kind) {
     absl::MutexLock l(&mu_);
     ++faults_[kind];
+  }
+
+  // The hostile peer (tests/soak/hostile_peer.h): header garbage on the
+  // HTTP front (any answer is fine; the router must stay up and lose
+  // nothing), forged streams to the decode workers' shm control endpoint
+  // and forged requests to their pool fd sockets (each must be refused with
+  // a clear status, and no fd it attached may stay in the worker).
+  void Hostile(uint64_t seed, double end) {
+    const double interval = absl::GetFlag(FLAGS_hostile_interval);
+    if (interval <= 0) return;
+    std::mt19937_64 rng(seed);
+    std::exponential_distribution<double> gap(1.0 / interval);
+    enum Kind { kHeaders, kShmStream, kShmSocket };
+    std::vector<Kind> kinds;
+    if (absl::GetFlag(FLAGS_hostile_http_headers)) kinds.push_back(kHeaders);
+    if (absl::GetFlag(FLAGS_shm)) {
+      kinds.push_back(kShmStream);
+      kinds.push_back(kShmSocket);
+    }
+    if (kinds.empty()) return;
+    while (Now() < end - 2 && !abort_) {
+      Sleep(std::min(gap(rng), 4 * interval));
+      const Kind kind = kinds[rng() % kinds.size()];
+      Proc* d = decode_[rng() % decode_.size()];
+      HostileResult r;
+      if (kind == kHeaders) {
+        r = HttpHeaderGarbage(http_port_,
+                              std::filesystem::path(model_).filename().string(),
+                              &rng);
+        Fault(r.answered ? "hostile_http_header_garbage_answered"
+                         : "hostile_http_header_garbage_unanswered");
+        continue;  // any HTTP answer counts as handled
+      }
+      if (kind == kShmStream) {
+        r = HostileShmStream(d->address(), &rng);
+        Fault("hostile_shm_control_stream");
+      } else {
+        const pid_t pid = cluster_.Pid(d);
+        if (pid <= 0) continue;
+        int leaked = 0;
+        r = HostileShmSocket(pid, &rng, &leaked);
+        Fault("hostile_shm_pool_socket");
+        if (leaked > 0) {
+          Log(absl::StrCat("FAIL: ", d->name, " holds ", leaked,
+                           " fds a hostile peer attached (", r.variant, ")"));
+          absl::MutexLock l(&mu_);
+          hostile_fds_leaked_ += leaked;
+        }
+      }
+      if (!r.answered) continue;  // restarting
+      Outcome o;
+      o.variant = r.variant;
+      o.code = r.code;
+      o.message = r.message;
+      Record(std::move(o));
+    }
   }
 
   void Sleep(double s) {
@@ -1331,7 +1425,14 @@ class Soak {
     }
     for (const Reference& r : refs_)
       if (!r.ok) Log("reference missing: " + r.error);
-    if (mismatches_ > 0 || unclear_ > 0 || malformed_accepted_ > 0) ok = false;
+    if (mismatches_ > 0 || unclear_ > 0 || malformed_accepted_ > 0 ||
+        hostile_fds_leaked_ > 0)
+      ok = false;
+    if (absl::GetFlag(FLAGS_shm) && !shm_mapped_) {
+      Log("FAIL: prefill-1 never mapped a decode worker's pool (no KV moved "
+          "over shm)");
+      ok = false;
+    }
     if (!cluster_.crashes.empty()) ok = false;
     return ok;
   }
@@ -1390,6 +1491,12 @@ class Soak {
                           static_cast<int>(first_token_s_.size()));
     absl::StrAppend(&s, "malformed           ", malformed_, " refused (",
                     malformed_accepted_, " wrongly accepted)\n");
+    absl::StrAppend(&s, "hostile fds leaked  ", hostile_fds_leaked_,
+                    absl::GetFlag(FLAGS_shm)
+                        ? (shm_mapped_ ? " (KV moved over shm)"
+                                       : " (KV never moved over shm)")
+                        : "",
+                    "\n");
     absl::StrAppend(&s, "faults injected    ");
     int total_faults = 0;
     for (const auto& [k, v] : faults_) {
@@ -1444,6 +1551,7 @@ class Soak {
           {"mismatched", mismatches_},
           {"unchecked", unchecked_},
           {"malformed", malformed_},
+          {"hostile_fds_leaked", hostile_fds_leaked_},
           {"blocks_leaked", blocks_leaked_},
           {"first_token_s",
            {{"p50", quantile(0.5)},
@@ -1485,6 +1593,8 @@ class Soak {
       unchecked_ = 0, malformed_ = 0, malformed_accepted_ = 0, unclear_ = 0;
   std::vector<double> first_token_s_ ABSL_GUARDED_BY(mu_);  // OK requests
   double blocks_leaked_ = 0;
+  int hostile_fds_leaked_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shm_mapped_ ABSL_GUARDED_BY(mu_) = false;
   bool index_agrees_ = false;
   std::map<std::string, std::string> index_report_;
   std::map<std::string, std::string> tier_dirs_;  // by worker name
