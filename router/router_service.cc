@@ -22,6 +22,7 @@
 #include "router/tenant_limiter.h"
 #include "wire/enums.h"
 #include "wire/sampling_convert.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::router {
 namespace {
@@ -172,6 +173,8 @@ struct RouterServer::Impl final : public v1::Router::Service,
                                   public v1::RouterControl::Service {
   RouterConfig config;
   std::unique_ptr<engine::Tokenizer> tokenizer;
+  // Compiled constraints by text, to refuse bad ones before routing.
+  structured::ConstraintCache constraints{structured::ConstraintConfig{}, 256};
   PrefixIndex index;
   std::unique_ptr<WorkerRegistry> registry;
   std::unique_ptr<Policy> policy;
@@ -438,6 +441,14 @@ struct RouterServer::Impl final : public v1::Router::Service,
     }
     call.sampling = SamplingFromProto(req.sampling());
     if (absl::Status s = call.sampling.Validate(); !s.ok()) return ToGrpc(s);
+    // A constraint that cannot compile is refused here, before routing; the
+    // automaton is cached, and workers compile the same text again.
+    if (const structured::ConstraintSpec spec =
+            ConstraintFromProto(req.sampling());
+        spec.active()) {
+      if (auto dfa = constraints.Get(spec); !dfa.ok())
+        return ToGrpc(dfa.status());
+    }
     return CheckRequestLimits(call.sampling, prompt.size());
   }
 
@@ -593,6 +604,11 @@ struct RouterServer::Impl final : public v1::Router::Service,
         std::min<size_t>(call.generated.size(), call.sampling.max_tokens);
     wreq.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(owed));
     wreq.mutable_sampling()->clear_stop();
+    // A migrated stream resumes the constraint after the tokens streamed.
+    if (wreq.sampling().has_structured()) {
+      wreq.mutable_sampling()->mutable_structured()->set_resume_tokens(
+          static_cast<uint32_t>(call.generated.size()));
+    }
     wreq.set_cache_salt(call.cache_salt);
     if (route.prefill) wreq.set_prefill_address(route.prefill->address);
     if (route.prefill && route.peer_pull.blocks() > 0)

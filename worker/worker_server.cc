@@ -16,7 +16,6 @@
 #include "decode_service/decode_handler.h"
 #include "engine/engine_loop.h"
 #include "kv_cache/kv_event_log.h"
-#include "model/weights.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/ipc/ipc_service.h"
 #include "kv_transfer/ipc/ipc_transport.h"
@@ -25,8 +24,11 @@
 #include "kv_transfer/nccl/nccl_runtime.h"
 #include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/transfer_metrics.h"
+#include "model/weights.h"
 #include "prefill_service/peer_pull.h"
 #include "prefill_service/prefill_handler.h"
+#include "structured/token_guide.h"
+#include "tokenizer/tokenizer.h"
 #include "wire/enums.h"
 
 namespace pdserve::worker {
@@ -391,6 +393,18 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                                           [raw](const engine::KvEvent& e) {
                                             raw->events.Append(e);
                                           }));
+  // Structured output masks logits over the model's own vocabulary; a model
+  // directory without a tokenizer serves unconstrained requests only.
+  if (auto tokenizer = engine::Tokenizer::Load(config.model_dir);
+      tokenizer.ok()) {
+    eng->set_guide_cache(std::make_shared<structured::GuideCache>(
+        structured::GuideCacheConfig{},
+        structured::TokenTrie::Build(**tokenizer)));
+  } else {
+    PDSERVE_LOG(WARNING) << "no tokenizer in " << config.model_dir
+                         << ", structured output is off: "
+                         << tokenizer.status();
+  }
   impl->layout = kv_transfer::KvLayout::FromSpec(eng->kv_spec(), fingerprint);
   impl->cache_fingerprint = engine::BlockHash{eng->cache_fingerprint()[0],
                                               eng->cache_fingerprint()[1]}

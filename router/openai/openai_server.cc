@@ -18,11 +18,13 @@
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
-#include "tokenizer/chat_template.h"
-#include "tokenizer/tokenizer.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/openai/errors.h"
 #include "router/openai/request.h"
+#include "router/openai/unknown_field_log.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -138,6 +140,7 @@ struct OpenAiServer::Impl {
   absl::StatusOr<engine::ChatTemplate> chat_template =
       absl::UnknownError("not loaded");
   std::unique_ptr<HttpMetrics> m;
+  std::unique_ptr<UnknownFieldLog> unknown_fields;
   std::unique_ptr<httplib::Server> http;
   std::thread listener;
   int port = 0;
@@ -256,6 +259,7 @@ struct OpenAiServer::Impl {
       s->set_logprobs(true);
       s->set_top_logprobs(static_cast<uint32_t>(*r.logprobs));
     }
+    ConstraintToProto(r.constraint, s);
     g.set_cache_salt(r.cache_salt);
     return g;
   }
@@ -266,6 +270,7 @@ struct OpenAiServer::Impl {
     if (const auto* err = std::get_if<ApiError>(&parsed))
       return Reply(res, BadRequest(err->message, err->param));
     CompletionRequest r = std::get<CompletionRequest>(std::move(parsed));
+    unknown_fields->Record(endpoint, r.unknown_fields);
     if (r.model != config.served_model_name)
       return Reply(res, NotFound(absl::StrCat("The model `", r.model,
                                               "` does not exist; this server "
@@ -492,6 +497,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // A model without a template still serves completions; chat answers 400.
   impl->chat_template = engine::ChatTemplateForModel(config.model_dir);
   impl->m = std::make_unique<HttpMetrics>(*registry);
+  impl->unknown_fields = std::make_unique<UnknownFieldLog>(*registry);
   // A client that goes away mid-write must not kill the router (TLS writes
   // do not pass MSG_NOSIGNAL).
   signal(SIGPIPE, SIG_IGN);
