@@ -87,7 +87,9 @@ std::optional<ApiError> RejectUnimplemented(Endpoint endpoint,
   if (endpoint != Endpoint::kChatCompletions) return std::nullopt;
   if (const Value* tc = json::Find(root, "tool_choice");
       tc != nullptr && !(tc->is_string() && tc->get<std::string>() == "none")) {
-    return Error("tool_choice", "tool calling is not supported");
+    return Error(
+        "tool_choice",
+        "'tool_choice' is not supported (pdserve has no tool calling)");
   }
   for (const char* key : {"functions", "function_call", "audio", "prediction",
                           "web_search_options", "reasoning_effort"}) {
@@ -98,7 +100,8 @@ std::optional<ApiError> RejectUnimplemented(Endpoint endpoint,
   if (const Value* m = json::Find(root, "modalities"); m != nullptr) {
     if (!(m->is_array() && m->size() == 1 && (*m)[0].is_string() &&
           (*m)[0].get<std::string>() == "text")) {
-      return Error("modalities", "only the \"text\" modality is supported");
+      return Error("modalities",
+                   "'modalities' other than [\"text\"] is not supported");
     }
   }
   return std::nullopt;
