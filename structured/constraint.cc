@@ -119,11 +119,13 @@ absl::StatusOr<std::shared_ptr<const Dfa>> CompileConstraint(
       root = CompileJsonObject(config.json, &re);
       break;
   }
-  if (!root.ok()) return root.status();
+  // A constraint over a cap is the client's error, like any other bad
+  // constraint: INVALID_ARGUMENT (HTTP 400), not RESOURCE_EXHAUSTED (which
+  // the fronts report as a retryable 429).
+  if (!root.ok()) return absl::InvalidArgumentError(root.status().message());
   auto dfa = Dfa::Build(re, *root, config.limits);
   if (!dfa.ok()) {
-    return absl::Status(
-        dfa.status().code(),
+    return absl::InvalidArgumentError(
         absl::StrCat(spec.KindName(), " constraint: ", dfa.status().message()));
   }
   return std::make_shared<const Dfa>(*std::move(dfa));

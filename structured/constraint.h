@@ -6,8 +6,8 @@
 // into a Dfa (structured/dfa.h) within DfaLimits, and ConstraintCache keeps
 // the compiled automata so a schema that many requests share is compiled
 // once. Errors: INVALID_ARGUMENT naming the problem (bad regex, unsupported
-// schema keyword, an empty language), RESOURCE_EXHAUSTED for a constraint
-// over the caps. ConstraintCache is thread-safe.
+// schema keyword, an empty language, a constraint over the state or time
+// caps). ConstraintCache is thread-safe.
 #pragma once
 
 #include <cstdint>
