@@ -215,9 +215,10 @@ absl::Status TokenMatcher::AcceptAll(const std::vector<int32_t>& tokens) {
 }
 
 absl::Status GuideCacheConfig::Validate() const {
-  if (max_guides == 0 || max_cached_masks == 0) {
+  if (max_guides == 0 || mask_bytes_per_guide == 0) {
     return absl::InvalidArgumentError(
-        "GuideCacheConfig: max_guides and max_cached_masks must be positive");
+        "GuideCacheConfig: max_guides and mask_bytes_per_guide must be "
+        "positive");
   }
   return constraint.Validate();
 }
@@ -235,9 +236,13 @@ absl::StatusOr<std::shared_ptr<const Guide>> GuideCache::Get(
   if (auto hit = guides_.Find(key)) return hit;
   auto dfa = dfas_.Get(spec);
   if (!dfa.ok()) return dfa.status();
+  // Worst case per mask: the bits plus a sparse list of up to vocab/32 ids.
+  const size_t vocab = static_cast<size_t>(trie_->vocab_size());
+  const size_t mask_bytes = vocab / 8 + vocab / 8 + 64;
+  const size_t max_masks =
+      std::max<size_t>(16, config_.mask_bytes_per_guide / mask_bytes);
   return guides_.Insert(
-      key, std::make_shared<const Guide>(*std::move(dfa), trie_,
-                                         config_.max_cached_masks));
+      key, std::make_shared<const Guide>(*std::move(dfa), trie_, max_masks));
 }
 
 }  // namespace pdserve::structured

@@ -140,10 +140,12 @@ class TokenMatcher {
 
 struct GuideCacheConfig {
   ConstraintConfig constraint;
-  size_t max_guides = 64;
-  // Per guide; past it the mask cache starts over (a mask of a 128k
-  // vocabulary is 16 KiB).
-  size_t max_cached_masks = 4096;
+  size_t max_guides = 16;
+  // Memory for each guide's cached masks; past it that cache starts over. A
+  // mask of a 128k vocabulary is 16 KiB (32 KiB with its sparse list), so
+  // the default holds about 1000-2000 states per constraint, and the whole
+  // cache at most max_guides times this.
+  size_t mask_bytes_per_guide = size_t{32} << 20;
   absl::Status Validate() const;
 };
 
