@@ -220,6 +220,24 @@ class StructuredOutputTest(unittest.TestCase):
             texts |= per_path
         self.assertTrue(texts <= set(choices), texts)
 
+    def test_cli_client_through_the_router_equals_local(self):
+        schema_path = os.path.join(WORK, "cli.schema.json")
+        with open(schema_path, "w") as f:
+            json.dump(SCHEMAS["nested"], f)
+        for flag in ("--regex=" + REGEXES[0], "--json-schema=" + schema_path):
+            want = local("Q: ", 200, flag, "--temperature=0.9", "--seed=3")
+            for cluster in CLUSTERS:
+                out = subprocess.run(
+                    [BIN, "generate", "--router", CLUSTERS[cluster]["addr"], "--insecure",
+                     "--prompt", "Q: ", "--max-tokens", "200", "--json", "--temperature=0.9",
+                     "--seed=3", flag], check=True, capture_output=True, text=True).stdout
+                self.assertEqual(json.loads(out)["text"], want["text"], (cluster, flag))
+        bad = subprocess.run([BIN, "generate", "--router", CLUSTERS["coloc"]["addr"],
+                              "--insecure", "--prompt", "Q", "--regex", "a(?=b)"],
+                             capture_output=True, text=True)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("lookaround", bad.stderr)
+
     def test_json_object_mode_is_an_object(self):
         for cluster in CLUSTERS:
             choice = completion(cluster, prompt="{", max_tokens=400, temperature=0,
