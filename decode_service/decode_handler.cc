@@ -163,6 +163,8 @@ grpc::Status DecodeHandler::Generate(
   // 3. First token to the client at once, then decode here.
   const int32_t first = static_cast<int32_t>(prefilled.first_token());
   base.set_prefill_worker(prefilled.worker_id());
+  // How the prefill's peer pull ended, for the router's holder backoff.
+  base.set_peer_pull_outcome(prefilled.peer_pull_outcome());
   const uint32_t cached = std::max<uint32_t>(
       prefilled.cached_prompt_tokens(),
       reservation->cached_blocks * loop_->kv_spec().block_size);

@@ -317,6 +317,7 @@ void WorkerRegistry::StartPoll(Entry* entry) {
     ++polls_in_flight_;
   }
   StatusPoll* raw = poll.get();
+  raw->request.set_peer_pull_key(config_.peer_pull_key);
   stub->async()->GetStatus(
       &raw->ctx, &raw->request, &raw->status,
       [this, entry, raw](grpc::Status st) { OnStatus(entry, raw, st); });

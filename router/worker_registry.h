@@ -59,6 +59,9 @@ struct RegistryConfig {
   // re-opened (a worker sends a batch at least every second), which also
   // bounds a subscription stuck connecting to a worker that hangs.
   absl::Duration event_stream_idle_timeout = absl::Seconds(10);
+  // Sent in every status poll (WorkerInfoRequest.peer_pull_key): the key
+  // workers check this router's peer-pull grants with. Empty: none.
+  std::string peer_pull_key;
 
   absl::Status Validate() const;
 };

@@ -1,7 +1,7 @@
 // OpenAI-shaped errors for the HTTP front: the HTTP status that fits a gRPC
 // status from the Router service, and the {"error": {...}} body.
 //
-// Mapping (README "Using the OpenAI API"):
+// Mapping (docs/openai-api.md):
 //   INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION -> 400
 //   UNAUTHENTICATED -> 401, PERMISSION_DENIED -> 403, NOT_FOUND -> 404
 //   RESOURCE_EXHAUSTED -> 429 with Retry-After (tenant limits, shedding)
