@@ -228,12 +228,12 @@ class StructuredOutputTest(unittest.TestCase):
             want = local("Q: ", 200, flag, "--temperature=0.9", "--seed=3")
             for cluster in CLUSTERS:
                 out = subprocess.run(
-                    [BIN, "generate", "--router", CLUSTERS[cluster]["addr"], "--insecure",
+                    [BIN, "generate", "--router", CLUSTERS[cluster]["addr"],
                      "--prompt", "Q: ", "--max-tokens", "200", "--json", "--temperature=0.9",
                      "--seed=3", flag], check=True, capture_output=True, text=True).stdout
                 self.assertEqual(json.loads(out)["text"], want["text"], (cluster, flag))
         bad = subprocess.run([BIN, "generate", "--router", CLUSTERS["coloc"]["addr"],
-                              "--insecure", "--prompt", "Q", "--regex", "a(?=b)"],
+                              "--prompt", "Q", "--regex", "a(?=b)"],
                              capture_output=True, text=True)
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("lookaround", bad.stderr)
