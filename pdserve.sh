@@ -13,7 +13,7 @@ DEB_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev libcivetweb-dev libxxhash-dev libpcre2-dev libicu-dev
   prometheus-cpp-dev nlohmann-json3-dev libcpp-httplib-dev
-  prometheus python3-torch python3-numpy openssl
+  prometheus python3-torch python3-numpy python3-jsonschema openssl
 )
 # Only for the fuzz targets (tests/fuzz): clang and its libFuzzer runtime.
 FUZZ_DEB_PACKAGES=(clang libclang-rt-14-dev)

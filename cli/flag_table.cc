@@ -288,6 +288,8 @@ const std::vector<FlagSpec>& AllFlags() {
       {"cache_salt", kGenerate},
       {"logprobs", kGenerate},
       {"top_logprobs", kGenerate},
+      {"json_schema", kGenerate},
+      {"regex", kGenerate},
       {"timeout_ms", kGenerate},
       {"tls", kGenerate},
       {"tls_server_name", kGenerate},

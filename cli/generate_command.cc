@@ -8,9 +8,12 @@
 #include "absl/strings/str_split.h"
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "common/file_util.h"
 #include "common/json.h"
+#include "common/status_macros.h"
 #include "engine/engine.h"
 #include "model/weights.h"
+#include "structured/token_guide.h"
 #include "tokenizer/tokenizer.h"
 
 ABSL_FLAG(std::string, prompt, "", "prompt text");
@@ -25,6 +28,11 @@ ABSL_FLAG(bool, logprobs, false,
           "with --json: each generated token's log-probability");
 ABSL_FLAG(uint32_t, top_logprobs, 0,
           "with --logprobs: also the N (<= 5) most likely alternatives");
+ABSL_FLAG(std::string, json_schema, "",
+          "constrain the output to JSON valid under the JSON schema in this "
+          "file");
+ABSL_FLAG(std::string, regex, "",
+          "constrain the output to match this regular expression");
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, router);
 
@@ -46,6 +54,23 @@ engine::SamplingParams SamplingParamsFromFlags() {
   return p;
 }
 
+absl::StatusOr<structured::ConstraintSpec> ConstraintFromFlags() {
+  const std::string schema_file = absl::GetFlag(FLAGS_json_schema);
+  const std::string regex = absl::GetFlag(FLAGS_regex);
+  if (!schema_file.empty() && !regex.empty()) {
+    return absl::InvalidArgumentError(
+        "--json-schema and --regex are mutually exclusive");
+  }
+  if (!regex.empty()) return structured::ConstraintSpec::Regex(regex);
+  if (schema_file.empty()) return structured::ConstraintSpec();
+  ASSIGN_OR_RETURN(std::string schema, ReadFileIfExists(schema_file));
+  if (schema.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--json-schema: cannot read ", schema_file));
+  }
+  return structured::ConstraintSpec::JsonSchema(std::move(schema));
+}
+
 int RunGenerate(const std::vector<std::string>&) {
   if (!absl::GetFlag(FLAGS_router).empty()) return RunGenerateRemote();
   const std::string dir = absl::GetFlag(FLAGS_model);
@@ -56,6 +81,8 @@ int RunGenerate(const std::vector<std::string>&) {
   if (!config.ok()) return ReportError(config.status());
   engine::SamplingParams sampling = SamplingParamsFromFlags();
   if (auto s = sampling.Validate(); !s.ok()) return ReportError(s);
+  auto constraint = ConstraintFromFlags();
+  if (!constraint.ok()) return ReportError(constraint.status());
   auto tokenizer = engine::Tokenizer::Load(dir);
   if (!tokenizer.ok()) return ReportError(tokenizer.status());
   auto weights =
@@ -65,11 +92,15 @@ int RunGenerate(const std::vector<std::string>&) {
       std::make_shared<const engine::ModelWeights>(std::move(*weights)),
       *config);
   if (!engine.ok()) return ReportError(engine.status());
+  (*engine)->set_guide_cache(std::make_shared<structured::GuideCache>(
+      structured::GuideCacheConfig{},
+      structured::TokenTrie::Build(**tokenizer)));
 
   engine::EngineRequest req;
   req.id = "local-0";
   req.prompt = (*tokenizer)->Encode(absl::GetFlag(FLAGS_prompt));
   req.sampling = sampling;
+  req.constraint = *std::move(constraint);
   req.cache_salt = absl::GetFlag(FLAGS_cache_salt);
   const bool as_json = absl::GetFlag(FLAGS_json);
   if (auto s = (*engine)->AddRequest(req); !s.ok()) return ReportError(s);

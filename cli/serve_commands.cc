@@ -31,6 +31,7 @@
 #include "router/router_service.h"
 #include "wire/enums.h"
 #include "wire/sampling_convert.h"
+#include "wire/structured_convert.h"
 #include "worker/registration.h"
 #include "worker/worker_server.h"
 
@@ -127,6 +128,7 @@ ABSL_DECLARE_FLAG(std::string, cache_salt);
 namespace pdserve::cli {
 
 engine::SamplingParams SamplingParamsFromFlags();
+absl::StatusOr<structured::ConstraintSpec> ConstraintFromFlags();
 
 namespace {
 
@@ -520,6 +522,9 @@ int RunGenerateRemote() {
   v1::GenerateRequest req;
   req.set_prompt(absl::GetFlag(FLAGS_prompt));
   *req.mutable_sampling() = SamplingToProto(SamplingParamsFromFlags());
+  auto constraint = ConstraintFromFlags();
+  if (!constraint.ok()) return ReportError(constraint.status());
+  ConstraintToProto(*constraint, req.mutable_sampling());
   req.set_cache_salt(absl::GetFlag(FLAGS_cache_salt));
   auto channel = RouterChannelFromFlags(absl::GetFlag(FLAGS_router));
   if (!channel.ok()) return ReportError(channel.status());

@@ -9,6 +9,7 @@
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "wire/channel_args.h"
 #include "wire/sampling_convert.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::decode {
 namespace {
@@ -85,6 +86,9 @@ grpc::Status DecodeHandler::Generate(
   req.id = request.request_id().empty() ? "anonymous" : request.request_id();
   req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
   req.sampling = SamplingFromProto(request.sampling());
+  req.constraint = ConstraintFromProto(request.sampling());
+  req.constraint_resume_tokens =
+      static_cast<int32_t>(request.sampling().structured().resume_tokens());
   req.sampling.stop.clear();  // stop strings are applied on text, by the router
   req.cache_salt = request.cache_salt();
   const absl::Time deadline = DeadlineOf(context);

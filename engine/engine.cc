@@ -187,6 +187,35 @@ absl::Status Engine::Validate(const EngineRequest& request) const {
     return absl::AlreadyExistsError(
         absl::StrCat("request id \"", request.id, "\" is in use"));
   }
+  if (request.constraint.active()) {
+    if (guides_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "structured output needs the model's tokenizer, which this engine "
+          "was not given");
+    }
+    if (request.constraint_resume_tokens < 0 ||
+        request.constraint_resume_tokens >= prompt) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "constraint resume_tokens ", request.constraint_resume_tokens,
+          " must be below the prompt length ", prompt));
+    }
+    RETURN_IF_ERROR(guides_->Get(request.constraint).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::StartMatcher(Sequence* seq) {
+  if (!seq->req.constraint.active()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::shared_ptr<const structured::Guide> guide,
+                   guides_->Get(seq->req.constraint));
+  seq->matcher.emplace(std::move(guide));
+  const auto resumed = std::vector<int32_t>(
+      seq->req.prompt.end() - seq->req.constraint_resume_tokens,
+      seq->req.prompt.end());
+  if (!seq->matcher->AcceptAll(resumed).ok()) {
+    return absl::InvalidArgumentError(
+        "the resumed output tokens do not match the constraint");
+  }
   return absl::OkStatus();
 }
 
@@ -202,6 +231,7 @@ absl::Status Engine::AddRequest(EngineRequest request) {
   seq->tokens = request.prompt;
   seq->num_prompt = static_cast<int32_t>(prompt);
   seq->req = std::move(request);
+  RETURN_IF_ERROR(StartMatcher(seq.get()));
   // The tier's reader thread starts on the blocks this request will load,
   // so that they are read (off this thread) by the time it is admitted.
   if (tier_ && config_.enable_prefix_caching) {
@@ -466,9 +496,14 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     CommitFullBlocks(seq);
     if (inputs[i].logits == LlamaModel::Logits::kNone) continue;
     const int64_t position = static_cast<int64_t>(seq->tokens.size());
-    const float* row = &logits_[logit_row * mc.vocab_size];
+    float* row = &logits_[logit_row * mc.vocab_size];
+    // Constrained rows only: other rows are sampled from untouched logits.
+    if (seq->matcher) seq->matcher->MaskLogits(row, mc.vocab_size);
     const int32_t token = SampleToken(row, mc.vocab_size, seq->req.sampling,
                                       position, &sample_scratch_);
+    // The mask allowed `token`, and a trimmed automaton never leaves a row
+    // without an allowed token (a completed match ends the request first).
+    if (seq->matcher) seq->matcher->Accept(token).IgnoreError();
     ++logit_row;
     seq->tokens.push_back(token);
     StepOutput out;
@@ -509,6 +544,8 @@ FinishReason Engine::CheckFinish(const Sequence& seq) const {
       static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
   if (!seq.req.sampling.ignore_eos && weights_->config.IsEos(token))
     return FinishReason::kEos;
+  // The constraint is fully matched: nothing but EOS could follow.
+  if (seq.matcher && seq.matcher->Complete()) return FinishReason::kStop;
   if (completion >= static_cast<int32_t>(seq.req.sampling.max_tokens) ||
       static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {
     return FinishReason::kLength;
@@ -522,6 +559,7 @@ absl::StatusOr<Reservation> Engine::Reserve(EngineRequest request) {
   seq->tokens = request.prompt;
   seq->num_prompt = static_cast<int32_t>(seq->tokens.size());
   seq->req = std::move(request);
+  RETURN_IF_ERROR(StartMatcher(seq.get()));
   std::vector<int32_t> hits;
   if (config_.enable_prefix_caching) {
     ExtendBlockHashes(fingerprint_, seq->req.cache_salt, seq->tokens,
@@ -596,6 +634,12 @@ absl::StatusOr<FinishReason> Engine::CompleteReservation(const std::string& id,
     Abort(id);
     return absl::InvalidArgumentError(absl::StrCat(
         "first token ", first_token, " is outside the vocabulary"));
+  }
+  // The decode side resumes the match after the prefill worker's token.
+  if (seq->matcher && !seq->matcher->Accept(first_token).ok()) {
+    Abort(id);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first token ", first_token, " is not allowed by the constraint"));
   }
   seq->num_computed = seq->num_prompt;
   CommitFullBlocks(seq);

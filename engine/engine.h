@@ -16,6 +16,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,6 +31,7 @@
 #include "kv_cache/kv_tier.h"
 #include "model/llama_model.h"
 #include "model/weights.h"
+#include "structured/token_guide.h"
 
 namespace pdserve::engine {
 
@@ -105,6 +107,12 @@ struct EngineRequest {
   // layer. It may take references (BlockManager::Acquire) on blocks it reads
   // later from another thread. Must not block.
   std::function<void(const LayerWritten&, BlockManager&)> on_layer_written;
+  // Structured output: logits are masked before sampling so the generated
+  // text matches this (needs set_guide_cache). The last
+  // `constraint_resume_tokens` prompt tokens are output generated under it
+  // before (a migrated stream); the match resumes after them.
+  structured::ConstraintSpec constraint;
+  int32_t constraint_resume_tokens = 0;
 };
 
 struct StepOutput {
@@ -187,6 +195,12 @@ class Engine {
   // True while `id` waits for admission (not yet holding blocks).
   bool IsWaiting(const std::string& id) const;
 
+  // Compiled constraints over this model's vocabulary, for requests with a
+  // constraint (without it they are FAILED_PRECONDITION).
+  void set_guide_cache(std::shared_ptr<structured::GuideCache> guides) {
+    guides_ = std::move(guides);
+  }
+
   EngineStats Stats() const;
   const EngineConfig& config() const { return config_; }
   const KvCacheSpec& kv_spec() const { return backend_->kv_spec(); }
@@ -232,6 +246,8 @@ class Engine {
     int32_t cached_prompt_tokens = -1;  // set at first admission
     std::vector<int32_t> blocks;
     std::vector<BlockHash> hashes;  // of full blocks of `tokens`
+    // With req.constraint: the match so far (every generated token).
+    std::optional<structured::TokenMatcher> matcher;
   };
   struct Scheduled {
     Sequence* seq;
@@ -261,6 +277,9 @@ class Engine {
   ModelFingerprint fingerprint_;
   std::unique_ptr<KvTier> tier_;  // blocks_'s tier hooks call it
   FinishReason CheckFinish(const Sequence& seq) const;
+  // Starts seq->matcher for a constrained request, past the resumed tokens.
+  absl::Status StartMatcher(Sequence* seq);
+  std::shared_ptr<structured::GuideCache> guides_;
 
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;
   absl::flat_hash_map<std::string, Sequence*> reserved_;

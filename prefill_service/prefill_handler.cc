@@ -6,6 +6,7 @@
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "prefill_service/layer_streamer.h"
 #include "wire/sampling_convert.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::prefill {
 
@@ -51,6 +52,9 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
   req.id = absl::StrCat("prefill:", request.request_id());
   req.prompt.assign(request.token_ids().begin(), request.token_ids().end());
   req.sampling = SamplingFromProto(request.sampling());
+  req.constraint = ConstraintFromProto(request.sampling());
+  req.constraint_resume_tokens =
+      static_cast<int32_t>(request.sampling().structured().resume_tokens());
   req.sampling.max_tokens = 1;
   req.sampling.stop.clear();
   req.cache_salt = request.cache_salt();

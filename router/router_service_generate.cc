@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "router/router_service_impl.h"
 #include "wire/enums.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::router {
 namespace {
@@ -162,6 +163,14 @@ grpc::Status RouterServer::Impl::TokenizeAndValidate(
   }
   call.sampling = SamplingFromProto(req.sampling());
   if (absl::Status s = call.sampling.Validate(); !s.ok()) return ToGrpc(s);
+  // A constraint that cannot compile is refused here, before routing; the
+  // automaton is cached, and workers compile the same text again.
+  if (const structured::ConstraintSpec spec =
+          ConstraintFromProto(req.sampling());
+      spec.active()) {
+    if (auto dfa = constraints.Get(spec); !dfa.ok())
+      return ToGrpc(dfa.status());
+  }
   return CheckRequestLimits(call.sampling, prompt.size());
 }
 
@@ -316,6 +325,11 @@ v1::WorkerGenerateRequest RouterServer::Impl::WorkerRequest(
       std::min<size_t>(call.generated.size(), call.sampling.max_tokens);
   wreq.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(owed));
   wreq.mutable_sampling()->clear_stop();
+  // A migrated stream resumes the constraint after the tokens streamed.
+  if (wreq.sampling().has_structured()) {
+    wreq.mutable_sampling()->mutable_structured()->set_resume_tokens(
+        static_cast<uint32_t>(call.generated.size()));
+  }
   wreq.set_cache_salt(call.cache_salt);
   if (route.prefill) wreq.set_prefill_address(route.prefill->address);
   if (route.prefill && route.peer_pull.blocks() > 0) {

@@ -18,6 +18,7 @@
 #include "router/router_metrics.h"
 #include "router/router_service.h"
 #include "router/tenant_limiter.h"
+#include "structured/constraint.h"
 #include "wire/peer_pull_grant.h"
 #include "wire/sampling_convert.h"
 
@@ -27,6 +28,8 @@ struct RouterServer::Impl final : public v1::Router::Service,
                                   public v1::RouterControl::Service {
   RouterConfig config;
   std::unique_ptr<engine::Tokenizer> tokenizer;
+  // Compiled constraints by text, to refuse bad ones before routing.
+  structured::ConstraintCache constraints{structured::ConstraintConfig{}, 256};
   PrefixIndex index;
   std::unique_ptr<WorkerRegistry> registry;
   std::unique_ptr<Policy> policy;

@@ -159,6 +159,50 @@ TEST_F(ServingTest, KilledDecodeWorkerMidStreamMigratesWithoutLosingTokens) {
   ExpectNoActiveBlocks(c);
 }
 
+TEST_F(ServingTest, MigratedStreamResumesItsConstraint) {
+  // Structured output across a migration: the new decode worker resumes the
+  // match after the tokens already streamed (StructuredOutput.resume_tokens)
+  // and the stream equals the local run. The regex has no accepting state
+  // before 750 bytes, so 600 tokens all stay under the constraint.
+  Cluster c = Cluster::Start(*model_, 1, 2, {"--local-prefill-threshold=0"});
+  const std::string prompt = Family(4) + "Words: ";
+  const std::string regex = "([a-z]{4} ){150}";
+  const uint32_t n = 600;
+  const auto expected = IdsFromJson(RunPdserve(absl::StrCat(
+      "generate --model ", *model_, " --json --temperature 0.8 --seed 5 ",
+      "--max-tokens ", n, " --regex '", regex, "' --prompt '", prompt, "'")));
+  ASSERT_EQ(expected.size(), n);
+  v1::GenerateRequest req = Request(prompt, n, 0.8f, 5);
+  req.mutable_sampling()->mutable_structured()->set_regex(regex);
+  bool killed = false;
+  std::string text;
+  auto res = Generate(c.stub.get(), req, [&](const v1::GenerateResponse& r) {
+    text += r.text();
+    if (killed) return;
+    for (auto& d : c.decode) {
+      if (MetricValue(Scrape(d.metrics_port), "pdserve_num_requests_running") >
+          0) {
+        Kill(&d);
+        killed = true;
+        return;
+      }
+    }
+  });
+  ASSERT_TRUE(killed) << "the request finished before a worker could be killed";
+  ASSERT_TRUE(res.status.ok()) << res.status.error_message();
+  EXPECT_EQ(res.tokens, expected);
+  EXPECT_EQ(res.last.finish_reason(), "length");
+  // Every byte is a prefix of a match: groups of 4 letters and a space.
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (i % 5 == 4) {
+      EXPECT_EQ(text[i], ' ') << text;
+    } else {
+      EXPECT_TRUE(text[i] >= 'a' && text[i] <= 'z') << text;
+    }
+  }
+  ExpectNoActiveBlocks(c);
+}
+
 TEST_F(ServingTest, KilledPrefillWorkerIsRetriedOnAnother) {
   Cluster c = Cluster::Start(*model_, 2, 1, {"--local-prefill-threshold=0"});
   const std::string prompt = Family(4) + "Question after a failure.";

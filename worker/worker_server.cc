@@ -27,6 +27,8 @@
 #include "model/weights.h"
 #include "prefill_service/peer_pull.h"
 #include "prefill_service/prefill_handler.h"
+#include "structured/token_guide.h"
+#include "tokenizer/tokenizer.h"
 #include "wire/enums.h"
 #include "wire/peer_pull_grant.h"
 
@@ -398,6 +400,18 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                                           [raw](const engine::KvEvent& e) {
                                             raw->events.Append(e);
                                           }));
+  // Structured output masks logits over the model's own vocabulary; a model
+  // directory without a tokenizer serves unconstrained requests only.
+  if (auto tokenizer = engine::Tokenizer::Load(config.model_dir);
+      tokenizer.ok()) {
+    eng->set_guide_cache(std::make_shared<structured::GuideCache>(
+        structured::GuideCacheConfig{},
+        structured::TokenTrie::Build(**tokenizer)));
+  } else {
+    PDSERVE_LOG(WARNING) << "no tokenizer in " << config.model_dir
+                         << ", structured output is off: "
+                         << tokenizer.status();
+  }
   impl->layout = kv_transfer::KvLayout::FromSpec(eng->kv_spec(), fingerprint);
   impl->cache_fingerprint = engine::BlockHash{eng->cache_fingerprint()[0],
                                               eng->cache_fingerprint()[1]}

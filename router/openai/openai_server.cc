@@ -24,8 +24,10 @@
 #include "router/openai/headers.h"
 #include "router/openai/http_connections.h"
 #include "router/openai/request.h"
+#include "router/openai/unknown_field_log.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "wire/structured_convert.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -142,6 +144,7 @@ struct OpenAiServer::Impl {
       absl::UnknownError("not loaded");
   std::unique_ptr<HttpMetrics> m;
   HangupWatcher hangups;
+  std::unique_ptr<UnknownFieldLog> unknown_fields;
   std::unique_ptr<FrontHttpServer> http;
   std::thread listener;
   int port = 0;
@@ -260,6 +263,7 @@ struct OpenAiServer::Impl {
       s->set_logprobs(true);
       s->set_top_logprobs(static_cast<uint32_t>(*r.logprobs));
     }
+    ConstraintToProto(r.constraint, s);
     g.set_cache_salt(r.cache_salt);
     return g;
   }
@@ -270,6 +274,7 @@ struct OpenAiServer::Impl {
     if (const auto* err = std::get_if<ApiError>(&parsed))
       return Reply(res, BadRequest(err->message, err->param));
     CompletionRequest r = std::get<CompletionRequest>(std::move(parsed));
+    unknown_fields->Record(endpoint, r.unknown_fields);
     if (r.model != config.served_model_name)
       return Reply(res, NotFound(absl::StrCat("The model `", r.model,
                                               "` does not exist; this server "
@@ -531,6 +536,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // A model without a template still serves completions; chat answers 400.
   impl->chat_template = engine::ChatTemplateForModel(config.model_dir);
   impl->m = std::make_unique<HttpMetrics>(*registry);
+  impl->unknown_fields = std::make_unique<UnknownFieldLog>(*registry);
   // A client that goes away mid-write must not kill the router (TLS writes
   // do not pass MSG_NOSIGNAL).
   signal(SIGPIPE, SIG_IGN);

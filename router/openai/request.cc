@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/json.h"
+#include "router/openai/structured_request.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -288,6 +289,7 @@ std::variant<CompletionRequest, ApiError> ParseCompletionRequest(
   }
   RejectUnsupported(f, endpoint);
   if (f.failed()) return f.error();
+  if (auto e = ParseStructuredOutput(endpoint, body, root, &r)) return *e;
   return r;
 }
 

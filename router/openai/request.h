@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "structured/constraint.h"
 #include "tokenizer/chat_template.h"
 
 namespace pdserve::router::openai {
@@ -42,6 +43,10 @@ struct CompletionRequest {
   // no logprobs. Completions: "logprobs": N. Chat: "logprobs": true with
   // "top_logprobs": N (0 when absent).
   std::optional<int32_t> logprobs;
+  // response_format / guided_* (router/openai/structured_request.h).
+  structured::ConstraintSpec constraint;
+  // Top-level keys no part of the parser knows (ignored, logged, counted).
+  std::vector<std::string> unknown_fields;
 };
 
 inline constexpr uint32_t kDefaultChatMaxTokens = 256;

@@ -225,4 +225,22 @@ write("openai_header_fuzz", "extra_header_line", b"\x00Bearer t\r\nX-Request-Id:
 write("openai_header_fuzz", "tab", b"\x00Bearer a\tb")
 write("openai_header_fuzz", "del", b"\x01Bearer a\x7f")
 write("openai_header_fuzz", "latin1", b"\x02Bearer caf\xe9")
+# --- structured_constraint_fuzz: a kind byte (0 regex, 1 JSON schema, 2 choice
+# list as JSON, 3 json_object), then the constraint's text ---------------------
+write("structured_constraint_fuzz", "regex", b"\x00" + r"[a-z]{2,5}(\.\d+)?|é+|(?:x|y)*z".encode())
+write("structured_constraint_fuzz", "regex_bad", b"\x00(a|b{3,2}")
+write("structured_constraint_fuzz", "schema", b"\x01" + json.dumps({
+    "type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": -5, "maximum": 300},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "maxItems": 3},
+        "when": {"type": "string", "format": "date"},
+        "id": {"type": "string", "pattern": "^[0-9a-f]{4}$"}},
+    "required": ["name", "n"], "additionalProperties": False}).encode())
+write("structured_constraint_fuzz", "schema_ref", b"\x01" + json.dumps({
+    "$defs": {"t": {"type": "object", "properties": {"kid": {"$ref": "#/$defs/t"},
+                                                      "v": {"type": ["number", "null"]}}}},
+    "anyOf": [{"$ref": "#/$defs/t"}, {"const": [1, {"a": None}]}]}).encode())
+write("structured_constraint_fuzz", "choice", b"\x02" + json.dumps(["yes", "no", "n\u00e9"]).encode())
+write("structured_constraint_fuzz", "json_object", b"\x03")
 print("wrote seeds under", OUT)

@@ -21,7 +21,7 @@ class CheckLayeringTest(unittest.TestCase):
         self.tmp = tempfile.TemporaryDirectory()
         self.root = self.tmp.name
         # A minimal tree that obeys every rule in rules.txt.
-        for folder in ('common', 'kernels', 'tokenizer', 'kv_cache', 'model', 'engine', 'wire',
+        for folder in ('common', 'kernels', 'tokenizer', 'structured', 'kv_cache', 'model', 'engine', 'wire',
                        'kv_transfer', 'prefill_service', 'decode_service', 'worker', 'router',
                        'cli'):
             write(self.root, f'{folder}/x.h', f'#include "{folder}/y.h"\n')
@@ -38,6 +38,9 @@ class CheckLayeringTest(unittest.TestCase):
             'wire/CMakeLists.txt': 'add_library(pdserve_wire STATIC w.cc)\n'
                                    'target_link_libraries(pdserve_wire PUBLIC pdserve_sampling)\n',
             'tokenizer/CMakeLists.txt': 'add_library(pdserve_tokenizer STATIC t.cc)\n',
+            'structured/CMakeLists.txt': 'add_library(pdserve_structured STATIC s.cc)\n'
+                                         'target_link_libraries(pdserve_structured PUBLIC '
+                                         'pdserve_tokenizer)\n',
             'kv_cache/CMakeLists.txt': 'add_library(pdserve_kv_cache_base STATIC b.cc)\n'
                                        'add_library(pdserve_kv_cache STATIC c.cc)\n'
                                        'target_link_libraries(pdserve_kv_cache PUBLIC '
@@ -92,7 +95,11 @@ class CheckLayeringTest(unittest.TestCase):
                  ('kernels/k2.cc', 'kv_cache/kv_cache.h'),
                  ('router/r4.cc', 'model/model_config.h'),
                  ('router/r5.cc', 'engine/sampling.h'),
-                 ('wire/w2.cc', 'kv_cache/block_manager.h')]
+                 ('wire/w2.cc', 'kv_cache/block_manager.h'),
+                 # Constraints know tokens, not models, engines or roles.
+                 ('structured/s1.cc', 'engine/sampling.h'),
+                 ('structured/s2.cc', 'model/model_config.h'),
+                 ('structured/s3.cc', 'router/openai/request.h')]
         for rel, inc in cases:
             with self.subTest(rel=rel, inc=inc):
                 write(self.root, rel, f'#include "{inc}"\n')
@@ -147,6 +154,9 @@ class CheckLayeringTest(unittest.TestCase):
             ('model/CMakeLists.txt', 'add_library(pdserve_model STATIC m.cc)\n'
              'target_link_libraries(pdserve_model PUBLIC pdserve_engine)\n',
              'pdserve_model links pdserve_engine'),
+            ('structured/CMakeLists.txt', 'add_library(pdserve_structured STATIC s.cc)\n'
+             'target_link_libraries(pdserve_structured PUBLIC pdserve_model)\n',
+             'pdserve_structured links pdserve_model'),
         ]
         for rel, text, message in cases:
             with self.subTest(rel=rel, message=message):

@@ -1,0 +1,298 @@
+#include "structured/dfa.h"
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/str_format.h"
+
+namespace pdserve::structured {
+
+absl::Status DfaLimits::Validate() const {
+  if (max_nfa_states < 2 || max_dfa_states < 1) {
+    return absl::InvalidArgumentError("DfaLimits: state caps must be positive");
+  }
+  if (max_build_time <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("DfaLimits: max_build_time must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Thompson NFA: a state either moves on a byte set to `next` or has
+// epsilon edges.
+struct NfaState {
+  int set = -1;  // index into Nfa::sets; -1: epsilon-only
+  int next = -1;
+  std::vector<int> eps;
+};
+
+struct Frag {
+  int in, out;
+};
+
+class NfaBuilder {
+ public:
+  NfaBuilder(const ByteRegex& re, int max_states)
+      : re_(re), max_states_(max_states) {}
+
+  std::vector<NfaState> states;
+  std::vector<ByteSet> sets;
+
+  absl::StatusOr<Frag> Build(int node) {
+    Frag f = BuildNode(node);
+    if (!status_.ok()) return status_;
+    return f;
+  }
+
+ private:
+  int NewState() {
+    if (static_cast<int>(states.size()) >= max_states_) {
+      if (status_.ok()) {
+        status_ = absl::ResourceExhaustedError(absl::StrFormat(
+            "constraint too large: more than %d NFA states", max_states_));
+      }
+      return -1;
+    }
+    states.emplace_back();
+    return static_cast<int>(states.size()) - 1;
+  }
+  int SetIndex(const ByteSet& s) {
+    auto [it, inserted] = set_index_.try_emplace(s.to_string(), 0);
+    if (inserted) {
+      it->second = static_cast<int>(sets.size());
+      sets.push_back(s);
+    }
+    return it->second;
+  }
+  void Eps(int from, int to) {
+    if (from >= 0 && to >= 0) states[from].eps.push_back(to);
+  }
+
+  Frag BuildNode(int id) {
+    if (!status_.ok()) return {-1, -1};
+    const ByteRegex::Node& n = re_.node(id);
+    switch (n.kind) {
+      case ByteRegex::Kind::kNothing: {
+        int a = NewState(), b = NewState();
+        return {a, b};
+      }
+      case ByteRegex::Kind::kEmpty: {
+        int a = NewState();
+        return {a, a};
+      }
+      case ByteRegex::Kind::kBytes: {
+        int a = NewState(), b = NewState();
+        if (a < 0 || b < 0) return {-1, -1};
+        states[a].set = SetIndex(n.bytes);
+        states[a].next = b;
+        return {a, b};
+      }
+      case ByteRegex::Kind::kConcat: {
+        Frag f = BuildNode(n.kids[0]);
+        for (size_t i = 1; i < n.kids.size() && status_.ok(); ++i) {
+          Frag g = BuildNode(n.kids[i]);
+          Eps(f.out, g.in);
+          f.out = g.out;
+        }
+        return f;
+      }
+      case ByteRegex::Kind::kAlt: {
+        int a = NewState(), b = NewState();
+        for (int kid : n.kids) {
+          if (!status_.ok()) break;
+          Frag g = BuildNode(kid);
+          Eps(a, g.in);
+          Eps(g.out, b);
+        }
+        return {a, b};
+      }
+      case ByteRegex::Kind::kRepeat: {
+        int start = NewState();
+        int cur = start;
+        for (int i = 0; i < n.min && status_.ok(); ++i) {
+          Frag g = BuildNode(n.kids[0]);
+          Eps(cur, g.in);
+          cur = g.out;
+        }
+        if (n.max < 0) {
+          Frag g = BuildNode(n.kids[0]);
+          int end = NewState();
+          Eps(cur, g.in);
+          Eps(g.out, cur);
+          Eps(cur, end);
+          return {start, end};
+        }
+        int end = NewState();
+        for (int i = n.min; i < n.max && status_.ok(); ++i) {
+          Frag g = BuildNode(n.kids[0]);
+          Eps(cur, end);
+          Eps(cur, g.in);
+          cur = g.out;
+        }
+        Eps(cur, end);
+        return {start, end};
+      }
+    }
+    return {-1, -1};
+  }
+
+  const ByteRegex& re_;
+  int max_states_;
+  absl::Status status_;
+  absl::flat_hash_map<std::string, int> set_index_;
+};
+
+// Sorted NFA states reachable from `seeds` by epsilon edges, keeping only
+// states with a byte transition and the final state.
+void Closure(const std::vector<NfaState>& nfa, int final_state,
+             std::vector<int>* seeds, std::vector<int>* out,
+             std::vector<uint32_t>* mark, uint32_t epoch) {
+  out->clear();
+  while (!seeds->empty()) {
+    int s = seeds->back();
+    seeds->pop_back();
+    if ((*mark)[s] == epoch) continue;
+    (*mark)[s] = epoch;
+    if (nfa[s].set >= 0 || s == final_state) out->push_back(s);
+    for (int e : nfa[s].eps) {
+      if ((*mark)[e] != epoch) seeds->push_back(e);
+    }
+  }
+  std::sort(out->begin(), out->end());
+}
+
+struct VecHash {
+  size_t operator()(const std::vector<int>& v) const { return absl::HashOf(v); }
+};
+
+}  // namespace
+
+absl::StatusOr<Dfa> Dfa::Build(const ByteRegex& re, int root,
+                               const DfaLimits& limits) {
+  if (!re.status().ok()) return re.status();
+  if (root < 0 || root >= re.size()) {
+    return absl::InvalidArgumentError("constraint: no regex root");
+  }
+  const absl::Time deadline = absl::Now() + limits.max_build_time;
+  NfaBuilder builder(re, limits.max_nfa_states);
+  auto frag = builder.Build(root);
+  if (!frag.ok()) return frag.status();
+  const std::vector<NfaState>& nfa = builder.states;
+  const int final_state = frag->out;
+
+  Dfa dfa;
+  // Byte classes: bytes that every set treats alike share a class.
+  {
+    std::vector<int> cls(256, 0);
+    int num = 1;
+    for (const ByteSet& s : builder.sets) {
+      absl::flat_hash_map<std::pair<int, bool>, int> remap;
+      int next_num = 0;
+      for (int b = 0; b < 256; ++b) {
+        auto [it, inserted] = remap.try_emplace({cls[b], s[b]}, next_num);
+        if (inserted) ++next_num;
+        cls[b] = it->second;
+      }
+      num = next_num;
+      if (absl::Now() > deadline) {
+        return absl::ResourceExhaustedError(
+            absl::StrFormat("constraint compile exceeded %s",
+                            absl::FormatDuration(limits.max_build_time)));
+      }
+    }
+    dfa.num_classes_ = num;
+    for (int b = 0; b < 256; ++b) dfa.byte_class_[b] = cls[b];
+  }
+  std::vector<int> rep(dfa.num_classes_, -1);  // a byte of each class
+  for (int b = 255; b >= 0; --b) rep[dfa.byte_class_[b]] = b;
+
+  std::vector<uint32_t> mark(nfa.size(), 0);
+  uint32_t epoch = 0;
+  absl::flat_hash_map<std::vector<int>, int, VecHash> ids;
+  std::vector<std::vector<int>> sets;
+  std::vector<int> seeds = {frag->in}, closure;
+  Closure(nfa, final_state, &seeds, &closure, &mark, ++epoch);
+  ids.emplace(closure, 0);
+  sets.push_back(closure);
+  for (size_t d = 0; d < sets.size(); ++d) {
+    if ((d & 63) == 0 && absl::Now() > deadline) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("constraint compile exceeded %s",
+                          absl::FormatDuration(limits.max_build_time)));
+    }
+    const std::vector<int> current = sets[d];
+    dfa.accepting_.push_back(
+        std::binary_search(current.begin(), current.end(), final_state));
+    for (int c = 0; c < dfa.num_classes_; ++c) {
+      seeds.clear();
+      for (int s : current) {
+        if (nfa[s].set >= 0 && builder.sets[nfa[s].set][rep[c]]) {
+          seeds.push_back(nfa[s].next);
+        }
+      }
+      if (seeds.empty()) {
+        dfa.next_.push_back(kDead);
+        continue;
+      }
+      Closure(nfa, final_state, &seeds, &closure, &mark, ++epoch);
+      auto [it, inserted] =
+          ids.try_emplace(closure, static_cast<int>(sets.size()));
+      if (inserted) {
+        if (static_cast<int>(sets.size()) >= limits.max_dfa_states) {
+          return absl::ResourceExhaustedError(
+              absl::StrFormat("constraint too large: more than %d DFA states",
+                              limits.max_dfa_states));
+        }
+        sets.push_back(closure);
+      }
+      dfa.next_.push_back(it->second);
+    }
+  }
+  // Trim: keep states from which an accepting state is reachable.
+  const int n = static_cast<int>(sets.size());
+  std::vector<std::vector<int>> preds(n);
+  for (int s = 0; s < n; ++s) {
+    for (int c = 0; c < dfa.num_classes_; ++c) {
+      int t = dfa.next_[static_cast<size_t>(s) * dfa.num_classes_ + c];
+      if (t >= 0) preds[t].push_back(s);
+    }
+  }
+  std::vector<bool> live(n, false);
+  std::deque<int> queue;
+  for (int s = 0; s < n; ++s) {
+    if (dfa.accepting_[s]) {
+      live[s] = true;
+      queue.push_back(s);
+    }
+  }
+  while (!queue.empty()) {
+    int t = queue.front();
+    queue.pop_front();
+    for (int s : preds[t]) {
+      if (!live[s]) {
+        live[s] = true;
+        queue.push_back(s);
+      }
+    }
+  }
+  if (!live[0]) {
+    return absl::InvalidArgumentError("constraint matches no string");
+  }
+  dfa.has_next_.assign(n, false);
+  for (int s = 0; s < n; ++s) {
+    for (int c = 0; c < dfa.num_classes_; ++c) {
+      int32_t& t = dfa.next_[static_cast<size_t>(s) * dfa.num_classes_ + c];
+      if (t >= 0 && !live[t]) t = kDead;
+      if (t >= 0) dfa.has_next_[s] = true;
+    }
+  }
+  return dfa;
+}
+
+}  // namespace pdserve::structured
