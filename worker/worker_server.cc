@@ -382,6 +382,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       engine::BlockHash{weights->fingerprint[0], weights->fingerprint[1]}.Hex();
   Impl* raw = impl.get();
   engine::EngineConfig engine_config = config.engine;
+  // One device for the backend, its KV pool and the KV transports.
+  engine_config.cuda_device = config.kv_cuda_device;
   // shm: a decode worker's pool must be mappable by its prefill peers.
   engine_config.kv_host_shared =
       config.kv_transport == kv_transfer::KvTransportKind::kShm &&
