@@ -19,12 +19,11 @@ std::string EncodeCudaIpcHandle(const std::string& driver_handle,
 }
 
 absl::Status DecodeCudaIpcHandle(const std::string& handle,
-                                 std::string* driver_handle,
-                                 uint64_t* offset) {
+                                 std::string* driver_handle, uint64_t* offset) {
   if (handle.size() <= 8) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda_ipc: a region handle of ", handle.size(),
-        " bytes is too short (a CUDA IPC handle and an offset)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda_ipc: a region handle of ", handle.size(),
+                     " bytes is too short (a CUDA IPC handle and an offset)"));
   }
   *driver_handle = handle.substr(0, handle.size() - 8);
   uint64_t v = 0;
@@ -100,8 +99,7 @@ class CudaIpcBackendImpl final : public PeerMemoryBackend {
     absl::StatusOr<std::unique_ptr<DeviceCopier>> copier =
         driver_->NewCopier(device_);
     if (!copier.ok()) return copier.status();
-    auto mapping =
-        std::make_unique<CudaIpcMapping>(this, *std::move(copier));
+    auto mapping = std::make_unique<CudaIpcMapping>(this, *std::move(copier));
     for (size_t i = 0; i < peer.regions.size(); ++i) {
       const ExportedRegion& r = peer.regions[i];
       std::string handle;

@@ -5,21 +5,22 @@
 // what is open. The decode pool's regions (per layer data and scales) are
 // carved from one allocation, as small cudaMallocs can be, so every region
 // but the first lies at an offset inside it.
+#include "kv_transfer/ipc/cuda_ipc_backend.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <algorithm>
+#include <cstring>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kv_transfer/ipc/cuda_ipc_backend.h"
 #include "kv_transfer/ipc/ipc_transport.h"
 #include "kv_transfer/nccl/fake_control_channel.h"
 #include "kv_transfer/test_blocks.h"
@@ -70,8 +71,7 @@ class FakeIpcDriver final : public CudaIpcDriver {
       return absl::InvalidArgumentError("cudaErrorInvalidValue");
     return absl::StrCat("fake-ipc:", reinterpret_cast<uintptr_t>(base));
   }
-  absl::StatusOr<void*> OpenMemHandle(int,
-                                      const std::string& handle) override {
+  absl::StatusOr<void*> OpenMemHandle(int, const std::string& handle) override {
     uintptr_t base = 0;
     if (handle.rfind("fake-ipc:", 0) != 0 ||
         !absl::SimpleAtoi(handle.substr(9), &base))
@@ -146,8 +146,8 @@ class SubAllocatedStorage final : public engine::KvStorage {
                      static_cast<size_t>(spec.LayerBlockBytes() * kBlocks),
                      ""});
       if (ScaleBytes(spec) > 0)
-        out.push_back({pool_->LayerBlockScales(l, 0),
-                       ScaleBytes(spec) * kBlocks, ""});
+        out.push_back(
+            {pool_->LayerBlockScales(l, 0), ScaleBytes(spec) * kBlocks, ""});
     }
     return out;
   }
@@ -180,15 +180,15 @@ class CudaIpcBackendTest : public ::testing::TestWithParam<DType> {
     backend_ = NewCudaIpcBackendOver(&driver_, 0);
     layout_ = KvLayout::FromSpec(spec_, "fp");
     receiver_ = std::make_unique<KvReceiver>(decode_.get(), layout_);
-    auto endpoint = IpcKvReceiveEndpoint::Create(
-        receiver_.get(), decode_.get(), backend_.get(), {});
+    auto endpoint = IpcKvReceiveEndpoint::Create(receiver_.get(), decode_.get(),
+                                                 backend_.get(), {});
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
     endpoint_ = *std::move(endpoint);
     network_.Listen(kDecode, [this](std::unique_ptr<ControlChannel> c) {
       endpoint_->Serve(std::move(c));
     });
-    transport_ = std::make_unique<IpcKvTransport>(&network_, backend_.get(),
-                                                  nullptr);
+    transport_ =
+        std::make_unique<IpcKvTransport>(&network_, backend_.get(), nullptr);
   }
   void TearDown() override {
     network_.StopListening(kDecode);
@@ -256,9 +256,9 @@ TEST_P(CudaIpcBackendTest, SubAllocatedRegionsLandAtTheirOffsetsSpanBySpan) {
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_TRUE((*session)->SendLayers(0, spec_.num_layers).ok());
   ASSERT_TRUE((*session)->Finish().ok());
-  ASSERT_TRUE(receiver_
-                  ->Wait(res, absl::Seconds(10), absl::Now() + absl::Seconds(10))
-                  .ok());
+  ASSERT_TRUE(
+      receiver_->Wait(res, absl::Seconds(10), absl::Now() + absl::Seconds(10))
+          .ok());
   for (int i = 0; i < static_cast<int>(physical.size()); ++i)
     EXPECT_EQ(CheckHolds(physical[i], i, 42), "") << "logical block " << i;
   for (int32_t b : {1, 4, 6, 8, 10, 12, 13, 15}) {
@@ -278,8 +278,8 @@ TEST_P(CudaIpcBackendTest, ConcurrentSendsToANewPeerOpenEachHandleOnce) {
   constexpr int kSenders = 4;
   std::vector<uint64_t> reservations;
   for (int s = 0; s < kSenders; ++s) {
-    reservations.push_back(receiver_->Expect(absl::StrCat("r", s),
-                                             {2 * s, 2 * s + 1}, 0));
+    reservations.push_back(
+        receiver_->Expect(absl::StrCat("r", s), {2 * s, 2 * s + 1}, 0));
     FillBlock(prefill_pool_.get(), 100 + s, 0, 2 * s);
     FillBlock(prefill_pool_.get(), 100 + s, 1, 2 * s + 1);
   }
@@ -340,7 +340,8 @@ TEST_P(CudaIpcBackendTest, ARegionLargerThanItsAllocationIsRefused) {
   KvExport far = endpoint_->exported();
   std::string handle;
   uint64_t offset = 0;
-  ASSERT_TRUE(DecodeCudaIpcHandle(far.regions[0].handle, &handle, &offset).ok());
+  ASSERT_TRUE(
+      DecodeCudaIpcHandle(far.regions[0].handle, &handle, &offset).ok());
   far.regions[0].handle = EncodeCudaIpcHandle(handle, uint64_t{1} << 40);
   EXPECT_EQ(backend_->Map(far).status().code(),
             absl::StatusCode::kFailedPrecondition);

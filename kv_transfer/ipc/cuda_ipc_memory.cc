@@ -104,9 +104,8 @@ class CudaRuntimeIpcDriver final : public CudaIpcDriver {
   absl::StatusOr<void*> OpenMemHandle(int device,
                                       const std::string& bytes) override {
     if (bytes.size() != sizeof(cudaIpcMemHandle_t)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("a handle of ", bytes.size(),
-                       " bytes is not a cudaIpcMemHandle_t"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a handle of ", bytes.size(), " bytes is not a cudaIpcMemHandle_t"));
     }
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
     cudaIpcMemHandle_t handle;
