@@ -377,7 +377,7 @@ const std::vector<Command>& AllCommands() {
        "themselves.\n"
        "Certificates (mTLS with every worker, TLS for clients) or an explicit "
        "--insecure\n"
-       "are required; README \"Security\" explains tokens, tenants and "
+       "are required; docs/security.md explains tokens, tenants and "
        "limits.\n",
        RunRouter},
       {"prefill", "a prefill worker",

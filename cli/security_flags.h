@@ -1,5 +1,5 @@
 // Flags for transport security, authentication, tenant limits and request
-// limits (README "Security"), and the configs built from them.
+// limits (docs/security.md), and the configs built from them.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
