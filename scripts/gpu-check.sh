@@ -45,9 +45,9 @@ BUILD_DIR=${BUILD_DIR:-build-gpu}
 TESTS=(kernels_cuda_test mla_moe_cuda_test kv_tier_gpu_test nccl_transport_gpu_test
        cuda_ipc_gpu_test engine_cuda_test worker_gpu_test worker_gpu_bench_test)
 declare -A EXPECTED_S=(
-  [kernels_cuda_test]=45 [mla_moe_cuda_test]=15 [kv_tier_gpu_test]=10
+  [kernels_cuda_test]=60 [mla_moe_cuda_test]=15 [kv_tier_gpu_test]=10
   [nccl_transport_gpu_test]=15 [cuda_ipc_gpu_test]=45 [engine_cuda_test]=60
-  [worker_gpu_test]=60 [worker_gpu_bench_test]=150)
+  [worker_gpu_test]=120 [worker_gpu_bench_test]=150)
 # Binaries that are benchmarks only: run with --bench.
 BENCH_ONLY=(worker_gpu_bench_test)
 
@@ -64,8 +64,8 @@ Here, before asking for a device:
      the run will report it MISSING (a FAIL): fix that first.
   2. Nothing else to prepare: the bundle is .gpu-check/ (under 60 MiB).
 
-Try 1 (about 5 minutes of device time with the start):
-  run(command="bash scripts/gpu-check.sh run", carry=[".gpu-check"], timeout_s=420)
+Try 1 (about 7 minutes of device time with the start; the binaries sum to ~5.5):
+  run(command="bash scripts/gpu-check.sh run", carry=[".gpu-check"], timeout_s=480)
   It prints, in this order:
     - the driver and runtime versions and each device (gpu_probe). If it
       says NO DEVICE the check stops there and FAILS: driver older than the
@@ -74,13 +74,13 @@ Try 1 (about 5 minutes of device time with the start):
       launch failed (no kernel image) -> CMAKE_CUDA_ARCHITECTURES lacks 90.
     - per binary, cheapest first (expected wall time on one H200, an
       estimate until measured):
-        kernels_cuda_test        ~45 s   kernels vs CPU/float64 references
+        kernels_cuda_test        ~60 s   kernels vs CPU/float64 references
         mla_moe_cuda_test        ~15 s
         kv_tier_gpu_test         ~10 s
         nccl_transport_gpu_test  ~15 s
         cuda_ipc_gpu_test        ~45 s   starts worker processes
         engine_cuda_test         ~60 s
-        worker_gpu_test          ~60 s   starts worker processes
+        worker_gpu_test          ~120 s  starts worker processes (6 KV cases)
         worker_gpu_bench_test    ~150 s  --bench only
       "RESULT name: PASS|FAIL ran N, skipped S, failed F (T s)" and the
       name and reason of every skipped test. Each binary is killed after
@@ -107,7 +107,7 @@ When one fails:
     or the pdserve binary (PDSERVE_BIN) is not visible to that binary.
   - MISSING: it did not build here; see the build output.
 
-Try 2 (what is left, about 8 minutes): only what failed, after the fix,
+Try 2 (what is left, about 6 minutes): only what failed, after the fix,
   and the benchmarks if time allows:
   run(command="GPU_CHECK_ONLY='engine_cuda_test worker_gpu_test' bash scripts/gpu-check.sh run",
       carry=[".gpu-check"], timeout_s=420)
