@@ -107,6 +107,16 @@ class GpuCheckRunTest(unittest.TestCase):
         self.assertIn("RESULT empty_test: FAIL ran 0", out)
         self.assertIn("RAN NO TESTS", out)
 
+    def test_tests_that_ran_beside_skips_for_no_device_fail_the_check(self):
+        # What a real binary prints on a machine without a usable device:
+        # its argument-check tests run and pass, every GPU test skips.
+        self.fake("mixed_test", gtest_output(passed=["Args.A"],
+                                             skipped=["Gpu.A", "Gpu.B"]))
+        rc, out = self.run_check(["mixed_test"])
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("RESULT mixed_test: FAIL ran 3, skipped 2, failed 0", out)
+        self.assertIn("A TEST SAW NO DEVICE", out)
+
     def test_a_failed_test_fails_the_check(self):
         self.fake("bad_test", gtest_output(passed=["S.A"], failed=["S.B"]))
         rc, out = self.run_check(["bad_test"])
