@@ -156,7 +156,11 @@ build_targets() {
 }
 
 build() {
-  grep -qx "/$BUNDLE/" .git/info/exclude 2>/dev/null || echo "/$BUNDLE/" >> .git/info/exclude
+  # .git is a file in a worktree: ask git where its exclude file is.
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx "/$BUNDLE/" "$exclude" 2>/dev/null || echo "/$BUNDLE/" >> "$exclude"
   build_targets
   local stage
   stage=$(mktemp -d)
