@@ -3,6 +3,7 @@
 // into ABSL_FLAGs, which live only in cli/) and returning an exit code.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -13,11 +14,17 @@ namespace pdserve::cli {
 struct Command {
   const char* name;     // "model init", "generate", ...
   const char* summary;  // one line for `pdserve --help`
-  std::string usage;    // full text for `pdserve NAME --help`
+  uint32_t id;          // its CommandBit (cli/flag_table.h)
+  // What it does, for `pdserve NAME --help`; the flag list below it is
+  // generated from the flag table.
+  const char* description;
   int (*run)(const std::vector<std::string>& positional);
 };
 
 const std::vector<Command>& AllCommands();
+
+// The full text of `pdserve NAME --help`.
+std::string CommandUsage(const Command& command);
 
 // Prints "pdserve: error: <message>" to stderr and returns the exit code for
 // the status (2 for invalid arguments, 1 otherwise).

@@ -13,6 +13,7 @@
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
 #include "cli/command.h"
+#include "cli/flag_table.h"
 #include "cli/flags.h"
 #include "common/tls.h"
 
@@ -91,34 +92,6 @@ ABSL_DECLARE_FLAG(std::string, policy);
 ABSL_DECLARE_FLAG(std::string, router);
 
 namespace pdserve::cli {
-namespace {
-
-constexpr char kEngineFlags[] =
-    "engine flags:\n"
-    "  --kv-dtype fp32|bf16|fp16|int8|fp8  KV cache dtype (default fp32; fp8 "
-    "is e4m3, --device cuda only)\n"
-    "  --block-size N                   tokens per KV block (default 16)\n"
-    "  --kv-cache-memory BYTES          KV cache budget, e.g. 512MiB (default "
-    "256MiB)\n"
-    "  --max-num-seqs N                 running sequences per step (default "
-    "64)\n"
-    "  --max-num-batched-tokens N       token budget per step (default 512)\n"
-    "  --max-model-len N                prompt + output limit (default: "
-    "model's)\n"
-    "  --enable-prefix-caching=false    disable prefix-cache reuse\n"
-    "  --kv-offload-dir DIR --kv-offload-bytes BYTES  a disk KV tier below "
-    "the pool (CPU; `up`: DIR/<role>-<i> per worker)\n"
-    "  --kv-offload-memory BYTES        a host-memory KV tier (pinned on "
-    "CUDA)\n"
-    "  --matmul deterministic|bf16dot|int8dot|blas  linear kernels (default "
-    "deterministic: batch-invariant fp32 chains; bf16dot/int8dot: bf16/int8 "
-    "activations, batch-invariant; blas: OpenBLAS)\n"
-    "  --weight-dtype auto|fp32|bf16|fp16|int8|int8-b32  weights in memory "
-    "(default auto: the checkpoint's; int8: a scale per row, int8-b32: per "
-    "32 inputs)\n"
-    "  --threads N                      kernel threads (default: all cores)\n";
-
-}  // namespace
 
 int ReportError(const absl::Status& status) {
   std::fprintf(stderr, "pdserve: error: %s\n",
@@ -297,261 +270,165 @@ int RunSimRoute(const std::vector<std::string>&) {
 }
 
 const std::vector<Command>& AllCommands() {
+  // Descriptions say what a command does; the flag list under each is
+  // generated from cli/flag_table.cc (names, values, defaults).
   static const std::vector<Command> commands = {
       {"model init",
        "write a deterministic random-weight model (Hugging Face layout)",
-       "model init --preset NAME --out DIR [--seed N] [--dtype "
-       "fp32|fp16|bf16]\n\n"
+       kModelInit,
        "Writes config.json, model.safetensors and a byte-level tokenizer (256 "
-       "byte\n"
-       "tokens + BOS/EOS). The same preset and seed always give the same "
-       "files.\n\n"
-       "Presets: tiny (tests), small (demo, the default), and one per "
-       "supported\n"
-       "family in that family's config shape at tiny size: llama2 (MHA), "
-       "llama3\n"
-       "(GQA, rope_theta 5e5), llama3.1 (+ llama3 RoPE scaling), mistral, "
-       "qwen2\n"
-       "(q/k/v bias, tied embeddings), qwen3 (q/k RMSNorm, tied "
-       "embeddings).\n",
+       "byte\ntokens + BOS/EOS). The same preset and seed always give the "
+       "same files;\nconfig.json's torch_dtype names the dtype the weights "
+       "are written in.\n\n"
+       "Presets (--preset): tiny (tests), small (demo, the default), one per "
+       "supported\nfamily in that family's config shape at tiny size (llama2, "
+       "llama3, llama3.1,\nmistral, qwen2, qwen3, mixtral, qwen3-moe, "
+       "deepseek-v2, deepseek-v3), and\nllama3.2-1b at full size (bf16 unless "
+       "--dtype says otherwise).\n",
        RunModelInit},
       {"model logits", "print the logits of a token sequence as JSON",
-       "model logits --model DIR --tokens 1,2,3 [--all-positions] [--threads "
-       "N]\n"
-       "             [--weight-dtype auto|fp32|bf16|fp16|int8|int8-b32]\n\n"
+       kModelLogits,
        "Prints {\"logits\": [...]} for the last position, or one list per "
-       "position\n"
-       "with --all-positions. fp32 KV cache: this is the accuracy reference "
-       "path.\n",
+       "position\nwith --all-positions. fp32 KV cache: this is the accuracy "
+       "reference path.\n",
        RunModelLogits},
       {"up",
        "run router + prefill + decode workers on localhost (the embedded "
        "default)",
-       "up [--model DIR] [--prefill N] [--decode M] [--port 50051] "
-       "[--metrics-port 9400]\n"
-       "   [--http-port 8000 (OpenAI API; 0: off)] [--served-model-name "
-       "NAME]\n"
-       "   [--policy cache_aware|round_robin|least_loaded|cache_threshold] "
-       "[engine flags]\n\n"
+       kUp,
        "Starts N prefill and M decode workers (or, with --prefill 0, M "
-       "colocated\n"
-       "--role both workers) and a router, as child processes on 127.0.0.1, "
-       "and prints\n"
-       "their endpoints. Without --model it creates the default small model "
-       "under\n"
-       "~/.cache/pdserve/models. Plaintext (--insecure) unless given "
-       "--tls-cert,\n--tls-key and --tls-ca: for local use. Ctrl-C stops "
-       "everything.\n\n" +
-           std::string(kEngineFlags),
+       "colocated\n--role both workers) and a router, as child processes on "
+       "127.0.0.1, and prints\ntheir endpoints. Without --model it creates "
+       "the default small model under\n~/.cache/pdserve/models. Plaintext "
+       "(--insecure) unless given --tls-cert,\n--tls-key and --tls-ca: for "
+       "local use. Ctrl-C stops everything. Every worker\nand router flag "
+       "below is passed on; --kv-transport auto is shm on CPU and\ncuda_ipc "
+       "with --device cuda, --threads 0 splits the cores between the "
+       "workers,\n--kv-offload-dir DIR gives each worker DIR/<role>-<i>, and "
+       "the router's ports\ndefault to 50051 (gRPC), 9400 (metrics) and 8000 "
+       "(OpenAI API; 0: off).\n",
        RunUp},
-      {"router", "the public Router service",
-       "router --model DIR [--port 50051] [--metrics-port 9400] [--host "
-       "127.0.0.1]\n"
-       "       [--http-port PORT (OpenAI API, HTTPS with --tls-cert/--tls-key; "
-       "0: off)] [--served-model-name NAME]\n"
-       "       [--prefill-workers A,B] [--decode-workers C,D] [--both-workers "
-       "E]\n"
-       "       [--policy "
-       "cache_aware|round_robin|least_loaded|cache_threshold]\n"
-       "       [--w-prefill 1] [--w-decode "
-       "64]\n"
-       "       [--local-prefill-threshold 32] [--max-retries 3]\n"
-       "       [--peer-pull] [--peer-pull-min-speedup 1]  (pull a prefix the "
-       "prefill worker lacks from a peer's pool when faster than recompute)\n"
-       "       [--worker-heartbeat-ms 500] [--worker-status-timeout-ms 1000] "
-       "[--worker-max-missed-polls 3] [--worker-forget-after-ms 60000]\n"
-       "       (--tls-cert F --tls-key F --tls-ca F [--tls-reload-seconds 10] "
-       "| --insecure)\n"
-       "       [--auth-tokens FILE] [--tenant-max-concurrent N] "
-       "[--tenant-tokens-per-minute N]\n"
-       "       [--shared-prefix-cache] [--request-timeout-ms 600000] "
-       "[--max-message-bytes 4194304]\n"
-       "       [--max-prompt-tokens 0] [--max-output-tokens 0] "
-       "[--max-stop-strings 16]\n"
-       "       [--max-stop-string-bytes 256] [--max-streams-per-connection "
-       "100]\n"
-       "       [--max-inflight-requests 1024]\n\n"
+      {"router", "the public Router service", kRouter,
        "Worker lists take host:port or dns:NAME:PORT (every address of NAME, "
-       "e.g. a\n"
-       "Kubernetes headless Service). Workers started with --router register "
-       "themselves.\n"
-       "Certificates (mTLS with every worker, TLS for clients) or an explicit "
-       "--insecure\n"
-       "are required; docs/security.md explains tokens, tenants and "
-       "limits.\n",
+       "e.g. a\nKubernetes headless Service). Workers started with --router "
+       "register themselves.\nCertificates (mTLS with every worker, TLS for "
+       "clients) or an explicit --insecure\nare required; "
+       "docs/security.md explains tokens, tenants and limits. "
+       "--peer-pull\nlets "
+       "the prefill worker pull a prefix it lacks from a peer's pool when "
+       "faster\nthan recompute. Ports default to 50051 (gRPC) and 9400 "
+       "(metrics); the OpenAI\nAPI is off unless --http-port is given.\n",
        RunRouter},
-      {"prefill", "a prefill worker",
-       "prefill --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
-       "[--advertise HOST]\n"
-       "        [--router ADDR] [--kv-transport grpc] [engine flags]\n"
-       "        (--tls-cert F --tls-key F --tls-ca F | --insecure)\n\n" +
-           std::string(kEngineFlags),
+      {"prefill", "a prefill worker", kPrefill,
+       "A worker with --role prefill: computes prompts' KV and ships it to "
+       "decode\nworkers. Listens on any free port unless --port is given.\n",
        RunPrefillWorker},
-      {"decode", "a decode worker",
-       "decode --model DIR [--port 0] [--metrics-port 0] [--host 127.0.0.1] "
-       "[--advertise HOST]\n"
-       "       [--router ADDR] [--admission-timeout-ms 10000] [engine "
-       "flags]\n"
-       "       (--tls-cert F --tls-key F --tls-ca F | --insecure)\n\n" +
-           std::string(kEngineFlags),
+      {"decode", "a decode worker", kDecode,
+       "A worker with --role decode: reserves KV blocks for a request, "
+       "receives the\nprompt's KV and decodes. Listens on any free port "
+       "unless --port is given.\n",
        RunDecodeWorker},
       {"worker",
        "a worker of any role (--role both: colocated prefill + decode)",
-       "worker --role prefill|decode|both --model DIR [--port 0] "
-       "[--metrics-port 0] [--router ADDR]\n"
-       "       (--tls-cert F --tls-key F --tls-ca F | --insecure) [engine "
-       "flags]\n\n" +
-           std::string(kEngineFlags),
+       kWorker,
+       "A worker of the given role; --role both prefills and decodes itself "
+       "(colocated).\n",
        RunWorker},
       {"generate", "generate text through a router, or in-process with --model",
-       "generate (--router ADDR | --model DIR) --prompt TEXT [--max-tokens N] "
-       "[--temperature T] [--top-p P]\n"
-       "         [--top-k K] [--seed S] [--stop STR]... [--ignore-eos] "
-       "[--cache-salt S] [--json]\n"
-       "         [--logprobs [--top-logprobs N]] [engine flags]\n\n"
+       kGenerate,
+       "With --router ADDR: through a router. With --model DIR: in-process, "
+       "with no\nservices (the reference path; the engine flags apply).\n"
        "Streams exactly the generated text to stdout; --json prints token ids, "
-       "text,\n"
-       "finish reason and usage instead. --timeout-ms sets a deadline (router "
-       "only).\n"
-       "With --router: --tls-ca FILE (or --tls: system roots) connects with "
-       "TLS,\n"
-       "--tls-server-name NAME, --tls-cert/--tls-key present a client "
-       "certificate,\n"
-       "--auth-token T (default $PDSERVE_AUTH_TOKEN) sends a bearer "
-       "token.\n\n" +
-           std::string(kEngineFlags),
+       "text,\nfinish reason and usage instead. --stop may repeat. "
+       "--timeout-ms sets a\ndeadline (router only). With --router: --tls-ca "
+       "FILE (or --tls: system roots)\nconnects with TLS, --tls-cert/--tls-key "
+       "present a client certificate,\n--auth-token T (default "
+       "$PDSERVE_AUTH_TOKEN) sends a bearer token.\n",
        RunGenerate},
-      {"kv-budget", "KV cache size arithmetic as JSON",
-       "kv-budget --layers L --kv-heads H --head-dim D [--dtype fp16] "
-       "[--tokens T]\n"
-       "          [--block-size 16] [--memory BYTES]\n"
-       "          [--kv-lora-rank R --qk-rope-head-dim D  (MLA: "
-       "DeepSeek-V2/V3)]"
-       "\n\n"
+      {"kv-budget", "KV cache size arithmetic as JSON", kKvBudget,
        "bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes; with "
-       "MLA\n"
-       "layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, beside the "
-       "MHA figure. With --tokens,\n"
-       "the bytes and blocks for T tokens; with --memory, the blocks and "
-       "tokens that fit\n"
-       "(int8 blocks include their fp32 per-(block, head) scales).\n",
+       "MLA\n(--kv-lora-rank R --qk-rope-head-dim D: DeepSeek-V2/V3) layers x "
+       "(kv_lora_rank +\nqk_rope_head_dim) x dtype bytes, beside the MHA "
+       "figure. With --tokens, the bytes\nand blocks for T tokens; with "
+       "--memory, the blocks and tokens that fit (int8\nblocks include their "
+       "fp32 per-(block, head) scales). --dtype defaults to fp16.\n",
        RunKvBudget},
       {"bench engine",
-       "prefill/decode throughput and the decode roofline ratio",
-       "bench engine --model DIR [--batch-sizes 1,8,32] [--prefill-tokens "
-       "512]\n"
-       "             [--decode-steps 32] [--decode-context 128] "
-       "[--accuracy-positions N]\n"
-       "             [--json] [engine flags]\n\n"
+       "prefill/decode throughput and the decode roofline ratio", kBenchEngine,
        "Reports prefill tokens/s, decode tokens/s per batch size, and the "
-       "decode\n"
-       "roofline ratio: bytes a step must read (weights + KV) per second "
-       "divided by\n"
-       "the STREAM-triad bandwidth measured in the same run, over at least 4x "
-       "the\n"
-       "last-level cache (sysfs). Prefill and each decode batch also report "
-       "GFLOP/s as a\n"
-       "fraction of the FMA peak of the GEMM path, measured in the same run. "
-       "With\n"
-       "--accuracy-positions, bf16/fp16/int8 logits are compared with fp32 "
-       "(max and mean\n"
-       "relative error, top-1 agreement).\n\n" +
-           std::string(kEngineFlags),
+       "decode\nroofline ratio: bytes a step must read (weights + KV) per "
+       "second divided by\nthe STREAM-triad bandwidth measured in the same "
+       "run, over at least 4x the\nlast-level cache (sysfs). Prefill and each "
+       "decode batch also report GFLOP/s as a\nfraction of the FMA peak of "
+       "the GEMM path, measured in the same run. With\n--accuracy-positions, "
+       "bf16/fp16/int8 logits are compared with fp32 (max and mean\nrelative "
+       "error, top-1 agreement).\n",
        RunBenchEngine},
       {"tokenize",
        "token ids of a text (or a chat) with a model's tokenizer, as JSON",
-       "tokenize --tokenizer PATH (--text STR | --file F | --messages JSON)\n"
-       "         [--add-special-tokens=false] "
-       "[--add-generation-prompt=false]\n\n"
-       "PATH is a model or tokenizer directory (tokenizer.json, "
-       "tokenizer_config.json) or\n"
-       "its tokenizer.json. Prints {\"ids\": [...], \"count\": N, \"tokens\": "
-       "[...]}; BOS/EOS\n"
-       "are added as the tokenizer config says unless "
-       "--add-special-tokens=false.\n"
-       "--messages takes a JSON list of {\"role\", \"content\"} and renders it "
-       "with the\n"
-       "model's chat template (Llama-3, ChatML/Qwen, Mistral) first; the "
-       "output then\n"
-       "also has \"chat_template\" and \"prompt\".\n",
+       kTokenize,
+       "--tokenizer PATH is a model or tokenizer directory (tokenizer.json, "
+       "\ntokenizer_config.json) or its tokenizer.json; the text comes from "
+       "--text,\n--file or --messages. Prints {\"ids\": [...], \"count\": N, "
+       "\"tokens\": [...]}; BOS/EOS\nare added as the tokenizer config says "
+       "unless --add-special-tokens=false.\n--messages takes a JSON list of "
+       "{\"role\", \"content\"} and renders it with the\nmodel's chat template "
+       "(Llama-3, ChatML/Qwen, Mistral) first; the output then\nalso has "
+       "\"chat_template\" and \"prompt\".\n",
        RunTokenize},
       {"detokenize", "the text of token ids with a model's tokenizer, as JSON",
-       "detokenize --tokenizer PATH --ids 1,2,3 "
-       "[--skip-special-tokens=false]\n\n"
-       "Prints {\"text\": ..., \"tokens\": [...]}. Special tokens (BOS, EOS, "
-       "chat markers)\n"
-       "are left out of the text unless --skip-special-tokens=false. Bytes "
-       "that do not\n"
-       "form valid UTF-8 become U+FFFD.\n",
+       kDetokenize,
+       "Prints {\"text\": ..., \"tokens\": [...]} for --ids. Special tokens "
+       "(BOS, EOS, chat\nmarkers) are left out of the text unless "
+       "--skip-special-tokens=false. Bytes that\ndo not form valid UTF-8 "
+       "become U+FFFD.\n",
        RunDetokenize},
       {"sim route",
        "replay a Mooncake trace through the real router index and policies",
-       "sim route --trace FILE [--prefill 16 | --prefill-sweep 4,16,64,256] "
-       "[--decode 8]\n"
-       "          [--policy "
-       "all|cache_aware,cache_threshold,least_loaded,round_robin,oracle]\n"
-       "          (a policy name + \"+pull\" and/or \"+tier\", e.g. "
-       "cache_aware+tier+pull: with peer pull, with a tier of "
-       "--tier-multiple x the pool\n"
-       "          per prefill worker, \"+tier+dtier\": on decode workers "
-       "too; \"unbounded\": the oracle with an "
-       "unbounded cache)\n"
-       "          [--cache-tokens 900000 | --pool-fraction 0.25] [--time-scale "
-       "1] [--max-requests N] "
-       "[--out sim.json] [--json]\n"
-       "          [--pull-from-tiers=false: +tier+pull holders serve from "
-       "their pool only] [--tier-refresh-on-hit=false]\n"
-       "sim route --trace FILE --tiers [--pool-fractions "
-       "0.0625,0.125,0.25,0.5] "
-       "[--tier-multiple 4]\n"
-       "          [--tier-read-gbps 2] [--kv-bytes-per-token 131072]\n\n"
+       kSimRoute,
        "A discrete-event simulation of a cluster driving pdserve's own "
-       "PrefixIndex, KV event\n"
-       "handling and Policy objects. Reports hit ratio, prefill imbalance, "
-       "estimated TTFT,\n"
-       "decision latency and index memory per policy and worker count; --out "
-       "also writes an SVG.\n",
+       "PrefixIndex, KV\nevent handling and Policy objects. Reports hit "
+       "ratio, prefill imbalance,\nestimated TTFT, decision latency and index "
+       "memory per policy and worker count;\n--out also writes an SVG. "
+       "--policy takes all, or a comma-separated list of\ncache_aware, "
+       "cache_threshold, least_loaded, round_robin, oracle, each with "
+       "\"+pull\"\nand/or \"+tier\" (peer pull; a tier of --tier-multiple x "
+       "the pool per prefill\nworker; \"+tier+dtier\": on decode workers "
+       "too), or \"unbounded\" (the oracle with an\nunbounded cache). --tiers "
+       "models the KV tier instead (pool only, pool + tier,\nunbounded).\n",
        RunSimRoute},
       {"bench serve",
        "load generator against a router: latency percentiles, throughput, "
        "goodput",
-       "bench serve (--router ADDR | --openai-url http://HOST:PORT/v1 "
-       "[--model NAME]) [--workload "
-       "chat|multiturn|longdoc|mixed|synthetic | --trace FILE]\n"
-       "            [--num-requests 32] [--rate R | --concurrency C] "
-       "[--input-len 128] [--output-len 32]\n"
-       "            [--slo-ttft 2.0] [--slo-itl 0.2] [--goodput --max-rate 16] "
-       "[--cdf-svg FILE] [--seed S] [--json]\n\n"
-       "Open loop: Poisson arrivals at --rate requests/s; closed loop: "
-       "--concurrency clients.\n"
-       "Trace lines: {\"arrival_s\": 0.5, \"prompt\": \"...\" | "
-       "\"prompt_tokens\": 300, \"max_tokens\": 32,\n"
-       "\"prefix_group\": \"g1\"}. Goodput: the highest rate at which >= 90% "
-       "of requests meet\n"
-       "both SLOs (TTFT, and the request's mean inter-token latency), found by "
-       "bisection.\n"
+       kBenchServe,
+       "Drives --router ADDR, or an OpenAI-compatible server at --openai-url "
+       "(--model is\nthen the served model name). Open loop: Poisson arrivals "
+       "at --rate requests/s;\nclosed loop: --concurrency clients. Trace "
+       "lines: {\"arrival_s\": 0.5, \"prompt\":\n\"...\" | \"prompt_tokens\": "
+       "300, \"max_tokens\": 32, \"prefix_group\": \"g1\"}. Goodput:\nthe "
+       "highest rate at which >= 90% of requests meet both SLOs (TTFT, and "
+       "the\nrequest's mean inter-token latency), found by bisection.\n"
        "multiturn: ceil(--num-requests / 6) conversations of 6 turns, "
-       "interleaved round-robin\n"
-       "(turn k of every conversation, then turn k + 1); turn 0 is "
-       "--input-len bytes, each later\n"
-       "turn is the previous prompt + an answer-like text (<= --output-len "
-       "bytes) + a new user\n"
-       "message, reusing 0.75-0.95 of its prompt (median 0.85, like the "
-       "Mooncake conversation\n"
-       "trace's follow-up turns).\n",
+       "interleaved\nround-robin (turn k of every conversation, then turn k + "
+       "1); turn 0 is\n--input-len bytes, each later turn is the previous "
+       "prompt + an answer-like text\n(<= --output-len bytes) + a new user "
+       "message, reusing 0.75-0.95 of its prompt\n(median 0.85, like the "
+       "Mooncake conversation trace's follow-up turns).\n",
        RunBenchServe},
       {"bench transfer", "KV transfer throughput over grpc vs raw loopback TCP",
-       "bench transfer [--transfer-tokens 1024,4096,16384] [--repetitions 3] "
-       "[--kv-dtype fp32] [--json]\n\n"
+       kBenchTransfer,
        "Moves the KV blocks of sequences of each length for the small layout "
-       "(--kv-dtype) and an\n"
-       "8B-shaped layout (32 layers, 8 KV heads, head_dim 128, bf16) through "
-       "the grpc transport on\n"
-       "loopback, verifies the bytes, and compares with a plain TCP socket "
-       "moving the same bytes.\n",
+       "(--kv-dtype)\nand an 8B-shaped layout (32 layers, 8 KV heads, head_dim "
+       "128, bf16) through the\ngrpc transport on loopback, verifies the "
+       "bytes, and compares with a plain TCP\nsocket moving the same bytes.\n",
        RunBenchTransfer},
   };
   return commands;
+}
+
+std::string CommandUsage(const Command& c) {
+  return absl::StrCat("usage: pdserve ", c.name, " [FLAGS]\n\n", c.description,
+                      "\n", FlagHelp(c.id));
 }
 
 }  // namespace pdserve::cli

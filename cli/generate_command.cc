@@ -10,8 +10,8 @@
 #include "cli/flags.h"
 #include "common/json.h"
 #include "engine/engine.h"
-#include "tokenizer/tokenizer.h"
 #include "model/weights.h"
+#include "tokenizer/tokenizer.h"
 
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(uint32_t, max_tokens, 16, "maximum tokens to generate");

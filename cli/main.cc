@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cli/command.h"
+#include "cli/flag_table.h"
 
 // Thread stacks of at least 1 MiB, for civetweb's sake (the metrics port,
 // common/metrics_http.h). glibc carves every loaded library's static TLS out
@@ -78,7 +79,7 @@ int Main(int argc, char** argv) {
   std::vector<std::string> rest(args.begin() + words, args.end());
   for (const std::string& a : rest) {
     if (a == "--help" || a == "-h" || a == "--helpfull") {
-      std::printf("usage: pdserve %s\n", cmd->usage.c_str());
+      std::printf("%s", CommandUsage(*cmd).c_str());
       return 0;
     }
   }
@@ -110,11 +111,19 @@ int Main(int argc, char** argv) {
       translated.push_back(a);
     }
   }
+  // Only the flags the command reads (its --help lists them): a flag another
+  // command reads would be silently ignored here.
+  if (absl::Status s = CheckCommandLineFlags(
+          cmd->name, cmd->id,
+          std::vector<std::string>(translated.begin() + 1, translated.end()));
+      !s.ok())
+    return ReportError(s);
   std::vector<char*> cargv;
   for (auto& s : translated) cargv.push_back(s.data());
-  absl::SetProgramUsageMessage(std::string("pdserve ") + cmd->usage);
+  absl::SetProgramUsageMessage(CommandUsage(*cmd));
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(cargv.size()), cargv.data());
+  if (absl::Status s = CheckFlagValues(cmd->id); !s.ok()) return ReportError(s);
   std::vector<std::string> pos;
   for (size_t i = 1; i < positional.size(); ++i)
     pos.emplace_back(positional[i]);

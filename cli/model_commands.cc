@@ -10,15 +10,15 @@
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "common/json.h"
+#include "kernels/cpu/matmul.h"
 #include "kv_cache/kv_cache.h"
 #include "model/llama_model.h"
 #include "model/model_init.h"
 #include "model/weights.h"
-#include "kernels/cpu/matmul.h"
 
 ABSL_FLAG(std::string, preset, "small",
-          "model preset: tiny, small, or a family shape (llama2, llama3, "
-          "llama3.1, mistral, qwen2, qwen3)");
+          "model init: the preset (its choices come from the preset table, "
+          "model/model_init.h)");
 ABSL_FLAG(std::string, out, "", "output directory");
 ABSL_FLAG(uint64_t, seed, 0,
           "random seed (weights for model init; sampling for generate)");
@@ -48,15 +48,11 @@ int RunModelInit(const std::vector<std::string>&) {
   opts.seed = absl::GetFlag(FLAGS_seed);
   if (opts.out_dir.empty())
     return ReportError(absl::InvalidArgumentError("--out is required"));
-  const std::string dt =
+  auto dtype =
       absl::GetFlag(FLAGS_dtype).empty()
-          ? DTypeName(engine::PresetDefaultDtype(opts.preset))
-          : absl::GetFlag(FLAGS_dtype);
-  auto dtype = ParseDType(dt);
-  if (!dtype || *dtype == DType::kI8 || *dtype == DType::kFp8E4M3) {
-    return ReportError(
-        absl::InvalidArgumentError("--dtype must be fp32, fp16 or bf16"));
-  }
+          ? absl::StatusOr<DType>(engine::PresetDefaultDtype(opts.preset))
+          : engine::ParseModelFileDtype(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return ReportError(dtype.status());
   opts.weight_dtype = *dtype;
   if (auto s = engine::WriteRandomModel(opts); !s.ok()) return ReportError(s);
   std::fprintf(stderr, "pdserve: wrote %s model (seed %llu) to %s\n",

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cli/command.h"
+#include "cli/flag_table.h"
 #include "cli/flags.h"
 #include "cli/security_flags.h"
 #include "cli/stop_signal.h"
@@ -46,6 +47,15 @@ ABSL_FLAG(int32_t, http_port, -1,
 ABSL_FLAG(std::string, served_model_name, "",
           "router/up: the model name of the OpenAI API (default: the model "
           "directory's base name)");
+ABSL_FLAG(int32_t, http_max_connections, 256,
+          "router: HTTP connections served at once (one thread each)");
+ABSL_FLAG(int32_t, http_max_queued_connections, 256,
+          "router: HTTP connections that may wait for a thread; past them 503 "
+          "with Retry-After");
+ABSL_FLAG(int32_t, http_keep_alive_timeout_ms, 5000,
+          "router: an idle HTTP keep-alive connection is closed after this");
+ABSL_FLAG(int64_t, http_max_body_bytes, 4 << 20,
+          "router: bytes per HTTP request body (413 past it)");
 ABSL_FLAG(std::string, advertise, "",
           "host other processes use to reach this worker (default: --host)");
 ABSL_FLAG(std::string, role, "both", "worker role: prefill, decode or both");
@@ -133,7 +143,8 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetrics(
       absl::GetFlag(FLAGS_host) == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", port);
 }
 
-int RunWorkerWithRole(const std::string& role_name) {
+// `command`: the CommandBit it was started as (its flags are reported).
+int RunWorkerWithRole(const std::string& role_name, uint32_t command) {
   if (absl::Status s = InstallStopSignalHandlers(); !s.ok())
     return ReportError(s);
   // mTLS (or an explicit --insecure) before any server or channel exists.
@@ -165,6 +176,7 @@ int RunWorkerWithRole(const std::string& role_name) {
       absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
   auto server =
       worker::WorkerServer::Start(config, &metrics::Registry::Default());
+  RegisterConfigInfo(metrics::Registry::Default(), "pdserve_worker", command);
   if (!server.ok()) return ReportError(server.status());
   auto http = StartMetrics(std::max(0, absl::GetFlag(FLAGS_metrics_port)));
   if (!http.ok()) return ReportError(http.status());
@@ -205,13 +217,13 @@ int RunWorkerWithRole(const std::string& role_name) {
 }  // namespace
 
 int RunPrefillWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole("prefill");
+  return RunWorkerWithRole("prefill", kPrefill);
 }
 int RunDecodeWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole("decode");
+  return RunWorkerWithRole("decode", kDecode);
 }
 int RunWorker(const std::vector<std::string>&) {
-  return RunWorkerWithRole(absl::GetFlag(FLAGS_role));
+  return RunWorkerWithRole(absl::GetFlag(FLAGS_role), kWorker);
 }
 
 namespace {
@@ -237,6 +249,11 @@ absl::StatusOr<std::unique_ptr<router::openai::OpenAiServer>> StartOpenAi(
   hc.port = port;
   hc.model_dir = config.model_dir;
   hc.served_model_name = ServedModelName(config.model_dir);
+  hc.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  hc.max_queued_connections = absl::GetFlag(FLAGS_http_max_queued_connections);
+  hc.keep_alive_idle_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_http_keep_alive_timeout_ms));
+  hc.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
   if (!config.tls.insecure) {
     hc.tls_cert_file = config.tls.cert_file;
     hc.tls_key_file = config.tls.key_file;
@@ -287,6 +304,7 @@ int RunRouter(const std::vector<std::string>&) {
   config.peer_pull.min_speedup = absl::GetFlag(FLAGS_peer_pull_min_speedup);
   auto server =
       router::RouterServer::Create(config, &metrics::Registry::Default());
+  RegisterConfigInfo(metrics::Registry::Default(), "pdserve_router", kRouter);
   if (!server.ok()) return ReportError(server.status());
   const int want =
       absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
@@ -395,50 +413,8 @@ int RunUp(const std::vector<std::string>&) {
     return ReportError(absl::InvalidArgumentError(
         "--decode must be at least 1 and --prefill at least 0"));
   }
-  // Engine flags pass through to the workers.
-  std::vector<std::string> engine_args = {
-      "--model=" + model,
-      "--kv-dtype=" + absl::GetFlag(FLAGS_kv_dtype),
-      "--block-size=" + std::to_string(absl::GetFlag(FLAGS_block_size)),
-      "--kv-cache-memory=" + absl::GetFlag(FLAGS_kv_cache_memory),
-      "--max-num-seqs=" + std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
-      "--max-num-batched-tokens=" +
-          std::to_string(absl::GetFlag(FLAGS_max_num_batched_tokens)),
-      "--matmul=" + absl::GetFlag(FLAGS_matmul),
-      // Workers share the machine: split the cores unless told otherwise, so
-      // kernel threads of different processes do not fight over one core.
-      "--threads=" +
-          std::to_string(
-              absl::GetFlag(FLAGS_threads) > 0
-                  ? absl::GetFlag(FLAGS_threads)
-                  : std::max(1, static_cast<int>(
-                                    std::thread::hardware_concurrency()) /
-                                    std::max(1, n_prefill + n_decode))),
-      std::string("--enable-prefix-caching=") +
-          (absl::GetFlag(FLAGS_enable_prefix_caching) ? "true" : "false"),
-      // Every worker of `up` is on this node, so prefill writes straight
-      // into the decode pool: cuda_ipc on a GPU (NCCL cannot join two ranks
-      // on one GPU), shm on CPU (measured 2.6-3.8x grpc's GB/s by `pdserve
-      // bench transfer`, kv_transfer/README.md).
-      "--kv-transport=" + (absl::GetFlag(FLAGS_kv_transport) != "auto"
-                               ? absl::GetFlag(FLAGS_kv_transport)
-                               : (absl::GetFlag(FLAGS_device) == "cuda"
-                                      ? std::string("cuda_ipc")
-                                      : std::string("shm"))),
-      "--device=" + absl::GetFlag(FLAGS_device),
-      // One GPU shared by every worker: each takes an equal part of the
-      // fraction asked for.
-      "--gpu-memory-utilization=" +
-          std::to_string(absl::GetFlag(FLAGS_gpu_memory_utilization) /
-                         std::max(1, n_prefill + n_decode)),
-      std::string("--gpu-reference-math=") +
-          (absl::GetFlag(FLAGS_gpu_reference_math) ? "true" : "false"),
-      std::string("--kv-layerwise=") +
-          (absl::GetFlag(FLAGS_kv_layerwise) ? "true" : "false"),
-  };
   // Plaintext unless TLS files are given: `up` is for local use.
-  const std::vector<std::string> tls_args = TlsArgsFromFlags();
-  const bool insecure = tls_args.front() == "--insecure";
+  const bool insecure = TlsArgsFromFlags().front() == "--insecure";
   if (insecure) {
     std::fprintf(stderr,
                  "pdserve up: plaintext gRPC (--insecure), no authentication "
@@ -455,22 +431,12 @@ int RunUp(const std::vector<std::string>&) {
     const bool is_prefill = i < n_prefill;
     const std::string role =
         is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
-    std::vector<std::string> args = {"worker", "--role=" + role, "--port=0",
-                                     "--metrics-port=0"};
-    args.insert(args.end(), engine_args.begin(), engine_args.end());
-    // KV tier flags pass through; a disk tier gets a directory per worker
-    // (a tier empties its directory at start-up).
-    if (!absl::GetFlag(FLAGS_kv_offload_dir).empty()) {
-      const std::filesystem::path dir = absl::GetFlag(FLAGS_kv_offload_dir);
-      args.push_back("--kv-offload-dir=" +
-                     (dir / absl::StrCat(role, "-", i)).string());
-      args.push_back("--kv-offload-bytes=" +
-                     absl::GetFlag(FLAGS_kv_offload_bytes));
-    }
-    if (!absl::GetFlag(FLAGS_kv_offload_memory).empty())
-      args.push_back("--kv-offload-memory=" +
-                     absl::GetFlag(FLAGS_kv_offload_memory));
-    args.insert(args.end(), tls_args.begin(), tls_args.end());
+    // Every flag the table forwards to workers (cli/flag_table.cc), then
+    // the ones up decides per child.
+    UpChild up_child{false, role, i, n_prefill + n_decode, model};
+    std::vector<std::string> args = {"worker"};
+    for (std::string& a : UpChildArgs(up_child)) args.push_back(std::move(a));
+    args.insert(args.end(), {"--role=" + role, "--port=0", "--metrics-port=0"});
     auto child = Spawn(absl::StrCat(role, "-", i), args);
     if (!child.ok()) {
       stop_all();
@@ -479,27 +445,13 @@ int RunUp(const std::vector<std::string>&) {
     (is_prefill ? prefill_addrs : decode_addrs).push_back(child->address);
     children.push_back(*child);
   }
-  const int port =
-      absl::GetFlag(FLAGS_port) < 0 ? 50051 : absl::GetFlag(FLAGS_port);
-  const int mport = absl::GetFlag(FLAGS_metrics_port) < 0
-                        ? 9400
-                        : absl::GetFlag(FLAGS_metrics_port);
-  std::vector<std::string> router_args = {
-      "router",
-      "--model=" + model,
-      "--port=" + std::to_string(port),
-      "--metrics-port=" + std::to_string(mport),
-      "--policy=" + absl::GetFlag(FLAGS_policy),
-      "--local-prefill-threshold=" +
-          std::to_string(absl::GetFlag(FLAGS_local_prefill_threshold))};
+  UpChild up_router{true, "", 0, n_prefill + n_decode, model};
+  std::vector<std::string> router_args = {"router"};
+  for (std::string& a : UpChildArgs(up_router))
+    router_args.push_back(std::move(a));
   const int http_port = absl::GetFlag(FLAGS_http_port) < 0
                             ? 8000
                             : absl::GetFlag(FLAGS_http_port);
-  router_args.push_back("--http-port=" + std::to_string(http_port));
-  if (!absl::GetFlag(FLAGS_served_model_name).empty())
-    router_args.push_back("--served-model-name=" +
-                          absl::GetFlag(FLAGS_served_model_name));
-  router_args.insert(router_args.end(), tls_args.begin(), tls_args.end());
   if (n_prefill > 0) {
     router_args.push_back("--prefill-workers=" +
                           absl::StrJoin(prefill_addrs, ","));
@@ -528,9 +480,9 @@ int RunUp(const std::vector<std::string>&) {
                 ServedModelName(model).c_str());
   }
   std::printf(
-      "\nTry:\n  %s generate --router 127.0.0.1:%d --prompt \"hello\" "
+      "\nTry:\n  %s generate --router %s --prompt \"hello\" "
       "--max-tokens 32\n",
-      "build/bin/pdserve", port);
+      "build/bin/pdserve", router->address.c_str());
   if (http_port > 0) {
     std::printf(
         "  curl %s://127.0.0.1:%d/v1/completions -H 'Content-Type: "

@@ -38,16 +38,38 @@ v1::FinishReason FinishToProto(engine::FinishReason r) {
 
 }  // namespace
 
-std::shared_ptr<v1::Worker::Stub> DecodeHandler::PrefillStub(
+std::shared_ptr<v1::Worker::Stub> PrefillStubCache::Get(
     const std::string& address) {
   absl::MutexLock l(&mu_);
-  auto& stub = stubs_[address];
-  if (!stub) {
-    stub = v1::Worker::NewStub(
-        grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
-                                  wire::InternalChannelArgs()));
+  auto it = stubs_.find(address);
+  if (it != stubs_.end()) {
+    lru_.splice(lru_.begin(), lru_, it->second.lru);
+    return it->second.stub;
   }
+  if (stubs_.size() >= capacity_ && !lru_.empty()) {
+    stubs_.erase(lru_.back());
+    lru_.pop_back();
+  }
+  lru_.push_front(address);
+  std::shared_ptr<v1::Worker::Stub> stub = v1::Worker::NewStub(
+      grpc::CreateCustomChannel(address, tls::InternalChannelCredentials(),
+                                wire::InternalChannelArgs()));
+  stubs_[address] = Cached{stub, lru_.begin()};
   return stub;
+}
+
+void PrefillStubCache::Forget(const std::string& address,
+                              const std::shared_ptr<v1::Worker::Stub>& stub) {
+  absl::MutexLock l(&mu_);
+  auto it = stubs_.find(address);
+  if (it == stubs_.end() || it->second.stub != stub) return;
+  lru_.erase(it->second.lru);
+  stubs_.erase(it);
+}
+
+size_t PrefillStubCache::size() const {
+  absl::MutexLock l(&mu_);
+  return stubs_.size();
 }
 
 grpc::Status DecodeHandler::Generate(
@@ -119,10 +141,16 @@ grpc::Status DecodeHandler::Generate(
   // prefill worker, which then stops computing for a request nobody awaits.
   std::unique_ptr<grpc::ClientContext> pctx =
       grpc::ClientContext::FromServerContext(*context);
-  const grpc::Status pst = PrefillStub(request.prefill_address())
-                               ->Prefill(pctx.get(), prefill, &prefilled);
+  const std::shared_ptr<v1::Worker::Stub> prefill_stub =
+      stubs_.Get(request.prefill_address());
+  const grpc::Status pst =
+      prefill_stub->Prefill(pctx.get(), prefill, &prefilled);
   if (!pst.ok()) {
     release();
+    // Unreachable (a gone pod): its channel is not kept for an address that
+    // may never come back. Its next request makes a fresh one.
+    if (pst.error_code() == grpc::StatusCode::UNAVAILABLE)
+      stubs_.Forget(request.prefill_address(), prefill_stub);
     // Name the prefill worker as the culprit (StatusCause::kPrefillFailed), so
     // the router retries with another prefill worker rather than dropping us.
     // Transport-level failures become UNAVAILABLE (retryable); request errors
@@ -159,6 +187,8 @@ grpc::Status DecodeHandler::Generate(
   // 3. First token to the client at once, then decode here.
   const int32_t first = static_cast<int32_t>(prefilled.first_token());
   base.set_prefill_worker(prefilled.worker_id());
+  // How the prefill's peer pull ended, for the router's holder backoff.
+  base.set_peer_pull_outcome(prefilled.peer_pull_outcome());
   const uint32_t cached = std::max<uint32_t>(
       prefilled.cached_prompt_tokens(),
       reservation->cached_blocks * loop_->kv_spec().block_size);

@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <list>
 #include <memory>
 #include <string>
 
@@ -22,6 +23,33 @@
 #include "pdserve/v1/internal.grpc.pb.h"
 
 namespace pdserve::decode {
+
+// Prefill workers' stubs by address, shared by concurrent requests. Addresses
+// come from the router and change with pod-IP churn, so the cache is
+// bounded: a stub whose call failed at the transport level (its worker is
+// gone) is dropped, and past `capacity` the least recently used one is. A
+// call in flight keeps its own reference. Thread-safe.
+class PrefillStubCache {
+ public:
+  explicit PrefillStubCache(size_t capacity = 64) : capacity_(capacity) {}
+  std::shared_ptr<v1::Worker::Stub> Get(const std::string& address)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops `address`'s stub if it is still `stub` (a newer one stays).
+  void Forget(const std::string& address,
+              const std::shared_ptr<v1::Worker::Stub>& stub)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Cached {
+    std::shared_ptr<v1::Worker::Stub> stub;
+    std::list<std::string>::iterator lru;  // position in lru_
+  };
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Cached> stubs_ ABSL_GUARDED_BY(mu_);
+  std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);  // most recent first
+};
 
 struct DecodeOptions {
   std::string worker_id;
@@ -40,6 +68,9 @@ class DecodeHandler {
                         const v1::WorkerGenerateRequest& request,
                         grpc::ServerWriter<v1::WorkerGenerateResponse>* writer);
 
+  // Prefill stubs held (bounded; see PrefillStubCache).
+  size_t cached_prefill_stubs() const { return stubs_.size(); }
+
  private:
   // Streams engine outputs until the request finishes, is cancelled or fails.
   grpc::Status StreamOutputs(
@@ -47,14 +78,11 @@ class DecodeHandler {
       const std::shared_ptr<engine::RequestStream>& stream,
       v1::WorkerGenerateResponse base,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer);
-  std::shared_ptr<v1::Worker::Stub> PrefillStub(const std::string& address);
 
   engine::EngineLoop* loop_;
   kv_transfer::KvReceiver* receiver_;
   const DecodeOptions options_;
-  absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
-      ABSL_GUARDED_BY(mu_);
+  PrefillStubCache stubs_;
 };
 
 }  // namespace pdserve::decode

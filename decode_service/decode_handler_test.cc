@@ -327,6 +327,20 @@ TEST_F(DecodeHandlerTest, FailedPrefillWorkerIsNamedAndFreesEveryBlock) {
   ExpectNothingLeft();
 }
 
+TEST_F(DecodeHandlerTest, AGonePrefillWorkersStubIsNotKept) {
+  Start();
+  grpc::ClientContext ok_ctx;
+  ASSERT_TRUE(Generate(&ok_ctx, Request()).status.ok());
+  EXPECT_EQ(handler_->cached_prefill_stubs(), 1u);
+  v1::WorkerGenerateRequest gone = Request();
+  gone.set_prefill_address("127.0.0.1:1");  // nothing listens there
+  grpc::ClientContext ctx;
+  const Result r = Generate(&ctx, gone);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(handler_->cached_prefill_stubs(), 1u);  // only the live one
+  ExpectNothingLeft();
+}
+
 TEST_F(DecodeHandlerTest, RejectedKvChunkFailsTheTransferAndFreesEveryBlock) {
   Start();
   prefill_->mode = FakePrefillService::Mode::kBadChunk;
@@ -404,6 +418,37 @@ TEST_F(DecodeHandlerTest, OversizedRequestIdOrSaltIsInvalidArgument) {
   }
   EXPECT_FALSE(prefill_->called.HasBeenNotified());
   ExpectNothingLeft();
+}
+
+}  // namespace
+}  // namespace pdserve::decode
+
+namespace pdserve::decode {
+namespace {
+
+// Prefill addresses change with pod-IP churn: the stub cache stays bounded
+// (it used to keep a channel for every address ever named).
+TEST(PrefillStubCacheTest, StaysBoundedUnderAddressChurn) {
+  PrefillStubCache cache(8);
+  for (int i = 0; i < 10000; ++i) {
+    cache.Get("10." + std::to_string(i / 65536) + "." +
+              std::to_string(i / 256 % 256) + "." + std::to_string(i % 256) +
+              ":50052");
+    ASSERT_LE(cache.size(), 8u);
+  }
+  const auto a = cache.Get("10.9.9.9:1");
+  EXPECT_EQ(cache.Get("10.9.9.9:1"), a);  // reused while cached
+  // The most recently used survive eviction.
+  for (int i = 0; i < 7; ++i) {
+    cache.Get("10.8.8." + std::to_string(i) + ":1");
+    EXPECT_EQ(cache.Get("10.9.9.9:1"), a);
+  }
+  cache.Forget("10.9.9.9:1", nullptr);  // not its stub: kept
+  EXPECT_EQ(cache.Get("10.9.9.9:1"), a);
+  const size_t before = cache.size();
+  cache.Forget("10.9.9.9:1", a);
+  EXPECT_EQ(cache.size(), before - 1);
+  EXPECT_NE(cache.Get("10.9.9.9:1"), a);
 }
 
 }  // namespace

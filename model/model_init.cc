@@ -3,9 +3,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/json.h"
 #include "common/status_macros.h"
 #include "model/moe.h"
@@ -265,7 +267,35 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     return c;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown preset \"", preset, "\" (choose one of: ", kPresetNames, ")"));
+      "unknown preset \"", preset,
+      "\" (choose one of: ", absl::StrJoin(PresetNames(), ", "), ")"));
+}
+
+std::vector<std::string> PresetNames() {
+  std::vector<std::string> names;
+  for (const PresetShape& p : kPresets) names.push_back(p.name);
+  return names;
+}
+
+absl::StatusOr<DType> ParseModelFileDtype(absl::string_view name) {
+  const std::optional<DType> d =
+      ParseDType(std::string_view(name.data(), name.size()));
+  if (!d || (*d != DType::kF32 && *d != DType::kF16 && *d != DType::kBF16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dtype must be fp32, fp16 or bf16, got \"", name, "\""));
+  }
+  return *d;
+}
+
+const char* TorchDtypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    default:
+      return "float32";
+  }
 }
 
 DType PresetDefaultDtype(const std::string& preset) {
@@ -328,6 +358,19 @@ void AddDeepseekMoeTensors(const ModelConfig& c, int64_t layer, AddFn& add) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> PresetConfigJson(const std::string& preset,
+                                             DType weight_dtype) {
+  ASSIGN_OR_RETURN(ModelConfig c, PresetConfig(preset));
+  // ModelConfig::ToJson describes the architecture; the dtype is the file's.
+  // (Our own output: it parses; the key order is kept.)
+  json::OrderedValue config = json::OrderedValue::parse(
+      c.ToJson(), nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object())
+    return absl::InternalError("config.json: ModelConfig::ToJson is not JSON");
+  config["torch_dtype"] = TorchDtypeName(weight_dtype);
+  return json::DumpLines(config) + "\n";
+}
 
 absl::Status WriteRandomModel(const ModelInitOptions& options) {
   ASSIGN_OR_RETURN(ModelConfig c, PresetConfig(options.preset));
@@ -404,7 +447,9 @@ absl::Status WriteRandomModel(const ModelInitOptions& options) {
     tensors[i].values = storage[i].data();
 
   const std::string dir = options.out_dir;
-  RETURN_IF_ERROR(WriteText(dir + "/config.json", c.ToJson()));
+  ASSIGN_OR_RETURN(const std::string config,
+                   PresetConfigJson(options.preset, options.weight_dtype));
+  RETURN_IF_ERROR(WriteText(dir + "/config.json", config));
   RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors));
   RETURN_IF_ERROR(
       WriteText(dir + "/tokenizer.json", ByteTokenizer::TokenizerJson()));

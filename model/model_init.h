@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "model/model_config.h"
 
@@ -25,13 +27,23 @@ namespace pdserve::engine {
 //    layer, YaRN);
 //  - "llama3.2-1b": the Llama 3.2 1B shape at full size (hidden 2048, 16
 //    layers, 32 heads, 8 KV heads, vocabulary 128256, tied), bf16 by default.
-inline constexpr const char* kPresetNames =
-    "tiny, small, llama2, llama3, llama3.1, mistral, qwen2, qwen3, mixtral, "
-    "qwen3-moe, deepseek-v2, deepseek-v3, llama3.2-1b";
+// Every preset's name, in the preset table's order.
+std::vector<std::string> PresetNames();
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset);
 // The dtype a preset is written in when none is asked for (fp32; bf16 for
 // llama3.2-1b, as the real checkpoint).
 DType PresetDefaultDtype(const std::string& preset);
+// The dtypes a model file can be written in: "fp32", "fp16" or "bf16" (and
+// their long spellings); anything else is INVALID_ARGUMENT.
+absl::StatusOr<DType> ParseModelFileDtype(absl::string_view name);
+// config.json's "torch_dtype" for weights stored as `dtype` ("float32",
+// "float16", "bfloat16").
+const char* TorchDtypeName(DType dtype);
+
+// The config.json a preset is written with when its weights are stored as
+// `weight_dtype` (torch_dtype names that dtype).
+absl::StatusOr<std::string> PresetConfigJson(const std::string& preset,
+                                             DType weight_dtype);
 
 struct ModelInitOptions {
   std::string preset = "small";
@@ -42,7 +54,8 @@ struct ModelInitOptions {
 
 // Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json
 // and generation_config.json into out_dir (created if needed). The same
-// options always produce byte-identical files.
+// options always produce byte-identical files. config.json's torch_dtype
+// names the dtype the weights are written in.
 absl::Status WriteRandomModel(const ModelInitOptions& options);
 
 }  // namespace pdserve::engine

@@ -64,6 +64,14 @@ PeerPullMetrics::PeerPullMetrics(metrics::Registry& r)
           r, "pdserve_kv_peer_pull_served_total",
           "Peer pulls this worker served as the holder, by outcome",
           {"outcome"}, {"partial"})),
+      served_refused(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"refused"})),
+      served_busy(metrics::CounterChild(
+          r, "pdserve_kv_peer_pull_served_total",
+          "Peer pulls this worker served as the holder, by outcome",
+          {"outcome"}, {"busy"})),
       served_pool_blocks(metrics::CounterChild(
           r, "pdserve_kv_peer_pull_served_blocks_total",
           "KV blocks this worker sent to peers as the holder, by where they "
@@ -104,9 +112,76 @@ bool BlockHashFromBytes(const std::string& bytes, engine::BlockHash* h) {
 
 // ---------------------------------------------------------------- holder
 
+absl::Status PeerBlockHolderConfig::Validate() const {
+  if (address.empty() || keys == nullptr) {
+    return absl::InvalidArgumentError(
+        "a peer-pull holder needs its address and a key set");
+  }
+  if (max_concurrent_pulls < 1 || max_blocks_per_pull < 1) {
+    return absl::InvalidArgumentError(
+        "peer-pull caps (concurrent pulls, blocks per pull) must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status PeerBlockHolder::Admit(const v1::PullBlocksRequest& request) {
+  auto refused = [&](grpc::Status s) {
+    if (metrics_) metrics_->served_refused->Increment();
+    return s;
+  };
+  const v1::PeerPull& grant = request.grant();
+  const uint64_t end_block =
+      uint64_t{request.first_block()} + request.hashes_size();
+  if (absl::Status s = config_.keys->Verify(
+          grant, config_.address, request.request_id(), end_block, absl::Now());
+      !s.ok()) {
+    return refused(ToGrpc(s));
+  }
+  // The destination is the grant's (the puller's registered address); the
+  // caller may repeat it, never name another.
+  if (!request.kv_destination().empty() &&
+      request.kv_destination() != grant.puller_kv_address()) {
+    return refused(grpc::Status(
+        grpc::StatusCode::PERMISSION_DENIED,
+        absl::StrCat("PullBlocks: kv_destination ", request.kv_destination(),
+                     " is not the puller's registered address ",
+                     grant.puller_kv_address(), " named by the grant")));
+  }
+  if (request.hashes_size() > config_.max_blocks_per_pull) {
+    if (metrics_) metrics_->served_busy->Increment();
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("PullBlocks: ", request.hashes_size(),
+                     " blocks asked for; this holder serves at most ",
+                     config_.max_blocks_per_pull, " per pull"));
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
                                          const v1::PullBlocksRequest& request,
                                          v1::PullBlocksResponse* response) {
+  // The grant first, so that callers without one cannot take the slots of
+  // pulls served at once; then that cap, before anything is pinned.
+  if (grpc::Status st = Admit(request); !st.ok()) return st;
+  const int32_t now_active = ++active_;
+  struct Leave {
+    std::atomic<int32_t>* n;
+    ~Leave() { --*n; }
+  } leave{&active_};
+  if (now_active > config_.max_concurrent_pulls) {
+    if (metrics_) metrics_->served_busy->Increment();
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("PullBlocks: this holder is serving ", now_active - 1,
+                     " pulls (at most ", config_.max_concurrent_pulls, ")"));
+  }
+  return Serve(context, request, response);
+}
+
+grpc::Status PeerBlockHolder::Serve(grpc::ServerContext* context,
+                                    const v1::PullBlocksRequest& request,
+                                    v1::PullBlocksResponse* response) {
   auto failed = [&](grpc::Status s) {
     if (metrics_) metrics_->served_failed->Increment();
     return s;
@@ -215,9 +290,12 @@ grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         "the pulled blocks are no longer cached here");
   }
+  if (config_.before_send_for_test) config_.before_send_for_test();
   const std::vector<int32_t>* pinned = &held->blocks;
   kv_transfer::SendPlan plan;
-  plan.destination = request.kv_destination();
+  // Never the caller's choice: the puller's registered address, as the
+  // router's grant names it (checked in Admit).
+  plan.destination = request.grant().puller_kv_address();
   plan.request_id = request.request_id();
   plan.reservation_id = request.reservation_id();
   plan.sender_id = worker_id_;
@@ -268,6 +346,8 @@ grpc::Status PeerBlockHolder::PullBlocks(grpc::ServerContext* context,
 std::shared_ptr<v1::Worker::Stub> PeerPuller::HolderStub(
     const std::string& address) {
   absl::MutexLock l(&mu_);
+  if (!stubs_.contains(address) && stubs_.size() >= kMaxHolderStubs)
+    stubs_.erase(stubs_.begin());
   auto& stub = stubs_[address];
   if (stub == nullptr) {
     stub = v1::Worker::NewStub(
@@ -276,6 +356,39 @@ std::shared_ptr<v1::Worker::Stub> PeerPuller::HolderStub(
   }
   return stub;
 }
+
+void PeerPuller::ForgetHolder(const std::string& address) {
+  absl::MutexLock l(&mu_);
+  stubs_.erase(address);
+}
+
+size_t PeerPuller::num_holder_stubs() const {
+  absl::MutexLock l(&mu_);
+  return stubs_.size();
+}
+
+namespace {
+
+// What the router hears of a pull that did not complete, from the holder's
+// answer (status codes, never message text).
+v1::PeerPullOutcome ReportFor(const grpc::Status& st) {
+  switch (st.error_code()) {
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::NOT_FOUND:
+      return v1::PEER_PULL_OUTCOME_EVICTED;
+    case grpc::StatusCode::PERMISSION_DENIED:
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return v1::PEER_PULL_OUTCOME_REFUSED;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return v1::PEER_PULL_OUTCOME_BUSY;
+    default:
+      return v1::PEER_PULL_OUTCOME_FAILED;
+  }
+}
+
+}  // namespace
 
 PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
                                     const v1::PrefillRequest& request) {
@@ -315,19 +428,24 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
     }
     return p;
   });
+  Pulled failed;
+  failed.report = v1::PEER_PULL_OUTCOME_FAILED;
   if (!planned.ok()) {
     Count(PeerPullMetrics::kFailed);
-    return none;
+    return failed;
   }
   Plan& plan = *planned;
   if (plan.no_blocks) {
     Count(PeerPullMetrics::kNoBlocks);
-    return none;
+    failed.report = v1::PEER_PULL_OUTCOME_NO_BLOCKS;
+    return failed;
   }
-  if (plan.hashes.empty()) return none;  // no prefix cache, or no full block
+  Pulled local;
+  local.report = v1::PEER_PULL_OUTCOME_LOCAL;
+  if (plan.hashes.empty()) return local;  // no prefix cache, or no full block
   if (plan.blocks.empty()) {
     Count(PeerPullMetrics::kLocal);
-    return none;
+    return local;
   }
   // (Engine::ReleaseBlocks releases tail first.)
   auto give_back = [&] {
@@ -340,7 +458,7 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
   // (a new reservation over the same leading blocks, the others given back)
   // and asks again, at most kMaxAttempts times in all, within one deadline.
   constexpr int kMaxAttempts = 3;
-  const std::string pull_id = absl::StrCat("pull:", request.request_id());
+  const std::string pull_id = wire::PullRequestId(request.request_id());
   const absl::Time deadline = absl::Now() + options_.timeout;
   const int32_t asked = static_cast<int32_t>(plan.hashes.size());
   v1::PullBlocksResponse answer;
@@ -357,6 +475,9 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
     ask.set_kv_destination(options_.kv_address);
     ask.set_reservation_id(reservation);
     ask.set_partial_ok(true);
+    // The router's grant: the holder checks it, and pushes only to the
+    // address it names (which must be ours: kv_destination repeats it).
+    *ask.mutable_grant() = want;
     *ask.mutable_layout() = kv_transfer::ToProto(layout_);
     // A child call: the request's cancellation and deadline pass on, within
     // the pull's own bound.
@@ -397,10 +518,17 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
   }
   if (!received.ok()) {
     give_back();
-    Count(st.ok() || st.error_code() == grpc::StatusCode::NOT_FOUND
-              ? PeerPullMetrics::kEvicted
-              : PeerPullMetrics::kFailed);
-    return none;
+    const bool evicted =
+        st.ok() || st.error_code() == grpc::StatusCode::NOT_FOUND;
+    Count(evicted ? PeerPullMetrics::kEvicted : PeerPullMetrics::kFailed);
+    // A holder that cannot be reached is dropped with its channel.
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE)
+      ForgetHolder(want.holder_address());
+    // The holder answered, but the blocks did not arrive: the transfer failed.
+    failed.report = st.ok() && answer.blocks_sent() > 0
+                        ? v1::PEER_PULL_OUTCOME_FAILED
+                        : ReportFor(st);
+    return failed;
   }
   // 3. The pulled blocks join this worker's prefix cache (a `stored` event).
   const int32_t n = static_cast<int32_t>(plan.hashes.size());
@@ -412,13 +540,15 @@ PeerPuller::Pulled PeerPuller::Pull(grpc::ServerContext* context,
   });
   if (!committed.ok()) {
     Count(PeerPullMetrics::kFailed);
-    return none;  // the loop stopped: the engine and its blocks are gone
+    return failed;  // the loop stopped: the engine and its blocks are gone
   }
   Pulled out;
   out.held = std::move(plan.blocks);
   out.pulled_blocks = n - plan.local;
   out.outcome =
       n < asked ? PeerPullMetrics::kPartial : PeerPullMetrics::kPulled;
+  out.report =
+      n < asked ? v1::PEER_PULL_OUTCOME_PARTIAL : v1::PEER_PULL_OUTCOME_PULLED;
   Count(out.outcome);
   if (options_.metrics) {
     options_.metrics->blocks_pulled->Increment(out.pulled_blocks);

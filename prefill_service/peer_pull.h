@@ -24,7 +24,19 @@
 // them as a prefix hit. Any failure (NOT_FOUND, a dead or slow holder, a
 // transfer error, no free blocks on P) ends the pull: P cancels the
 // reservation, frees the blocks and recomputes, so the output is the same
-// either way and no block leaks on either side.
+// either way and no block leaks on either side. P reports how the pull ended
+// in its PrefillResponse (peer_pull_outcome), which the decode worker passes
+// on to the router, so that the router backs off a holder whose pulls fail.
+//
+// What the holder checks before it pins anything (its caller is untrusted):
+// the router's grant (wire/peer_pull_grant.h: signed by a router that polled
+// this worker, naming this worker as the holder, not expired, for this pull's
+// request and covering its blocks), and it pushes only to the grant's puller
+// address, the puller's address in the router's registry: a kv_destination
+// naming anything else is PERMISSION_DENIED. At most max_concurrent_pulls
+// pulls are served at once and at most max_blocks_per_pull blocks per call;
+// past either it answers RESOURCE_EXHAUSTED before pinning a block, so pulls
+// cannot starve the holder's own admission.
 //
 // Thread-safe: PeerPuller and PeerBlockHolder serve concurrent RPCs;
 // RateMeter and PeerPullMetrics may be shared.
@@ -32,6 +44,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +58,7 @@
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/transport.h"
 #include "pdserve/v1/internal.grpc.pb.h"
+#include "wire/peer_pull_grant.h"
 
 namespace pdserve::prefill {
 
@@ -92,6 +107,11 @@ class PeerPullMetrics {
   metrics::Counter* served_not_found;
   metrics::Counter* served_failed;
   metrics::Counter* served_partial;
+  // Refused before pinning anything: a grant that does not verify or a
+  // destination other than the grant's ("refused"), or past the caps
+  // ("busy").
+  metrics::Counter* served_refused;
+  metrics::Counter* served_busy;
   metrics::Counter* served_pool_blocks;
   metrics::Counter* served_tier_blocks;
 
@@ -99,32 +119,63 @@ class PeerPullMetrics {
   metrics::Counter* outcomes_[kNumOutcomes];
 };
 
+struct PeerBlockHolderConfig {
+  // This worker's address as routers know it (grants name the holder by it).
+  std::string address;
+  // The keys grants are checked against (filled from the routers' polls).
+  // Required; must outlive the holder.
+  const wire::PeerPullKeys* keys = nullptr;
+  // Pulls served at once; more are RESOURCE_EXHAUSTED at once.
+  int32_t max_concurrent_pulls = 4;
+  // Blocks one call may ask for; more is RESOURCE_EXHAUSTED. Also never more
+  // than the pool.
+  int32_t max_blocks_per_pull = 1024;
+  // Tests only: runs once a pull holds its blocks, before it sends them.
+  std::function<void()> before_send_for_test;
+
+  absl::Status Validate() const;
+};
+
 // Holder side of Worker.PullBlocks.
 class PeerBlockHolder {
  public:
   // `transfer_rate` (may be null) gets each pull's bytes and send time.
-  // `metrics` may be null.
+  // `metrics` may be null. `config` must be valid.
   PeerBlockHolder(engine::EngineLoop* loop, kv_transfer::KvTransport* transport,
                   kv_transfer::KvLayout layout, std::string worker_id,
-                  RateMeter* transfer_rate, PeerPullMetrics* metrics)
+                  RateMeter* transfer_rate, PeerPullMetrics* metrics,
+                  PeerBlockHolderConfig config)
       : loop_(loop),
         transport_(transport),
         layout_(std::move(layout)),
         worker_id_(std::move(worker_id)),
         transfer_rate_(transfer_rate),
-        metrics_(metrics) {}
+        metrics_(metrics),
+        config_(std::move(config)) {}
 
   grpc::Status PullBlocks(grpc::ServerContext* context,
                           const v1::PullBlocksRequest& request,
                           v1::PullBlocksResponse* response);
 
+  // Pulls being served now.
+  int32_t active_pulls() const { return active_.load(); }
+  int32_t max_blocks_per_pull() const { return config_.max_blocks_per_pull; }
+
  private:
+  // The checks before anything is pinned; OK or the status to answer.
+  grpc::Status Admit(const v1::PullBlocksRequest& request);
+  grpc::Status Serve(grpc::ServerContext* context,
+                     const v1::PullBlocksRequest& request,
+                     v1::PullBlocksResponse* response);
+
   engine::EngineLoop* loop_;
   kv_transfer::KvTransport* transport_;
   const kv_transfer::KvLayout layout_;
   const std::string worker_id_;
   RateMeter* transfer_rate_;
   PeerPullMetrics* metrics_;
+  const PeerBlockHolderConfig config_;
+  std::atomic<int32_t> active_{0};
 };
 
 struct PeerPullerOptions {
@@ -152,13 +203,23 @@ class PeerPuller {
     std::vector<int32_t> held;  // the whole prefix, pulled or already local
     int32_t pulled_blocks = 0;
     PeerPullMetrics::Outcome outcome = PeerPullMetrics::kLocal;
+    // For the router (PrefillResponse.peer_pull_outcome); NONE when no pull
+    // was asked for.
+    v1::PeerPullOutcome report = v1::PEER_PULL_OUTCOME_NONE;
   };
   // Pulls `request.peer_pull()`; never fails the request: on any failure
   // nothing is held and the prefill recomputes.
   Pulled Pull(grpc::ServerContext* context, const v1::PrefillRequest& request);
   void Release(const Pulled& pulled);
 
+  // Holder stubs kept (one channel each). A holder whose call fails as
+  // unreachable is dropped at once; past kMaxHolderStubs an arbitrary one is
+  // dropped, so churn of holder addresses cannot grow the map.
+  static constexpr size_t kMaxHolderStubs = 64;
+  size_t num_holder_stubs() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
+  void ForgetHolder(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<v1::Worker::Stub> HolderStub(const std::string& address)
       ABSL_LOCKS_EXCLUDED(mu_);
   void Count(PeerPullMetrics::Outcome o) {
@@ -169,7 +230,7 @@ class PeerPuller {
   kv_transfer::KvReceiver* receiver_;
   const kv_transfer::KvLayout layout_;
   const PeerPullerOptions options_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
 };

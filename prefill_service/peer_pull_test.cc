@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "engine/test_util.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "prefill_service/prefill_handler.h"
@@ -48,6 +49,28 @@ class DropTransport : public kv_transfer::KvTransport {
   }
 };
 
+// The router's key in these tests: every Node accepts grants it signed.
+const std::string& RouterKey() {
+  static const std::string* key = new std::string(wire::NewPeerPullKey());
+  return *key;
+}
+
+// The router's grant for `request_id`'s pull of `blocks` from `holder` into
+// `puller`'s address.
+v1::PeerPull Grant(const std::string& holder, const std::string& puller,
+                   const std::string& request_id, uint32_t blocks,
+                   const std::string& key = RouterKey()) {
+  v1::PeerPull g;
+  g.set_holder_address(holder);
+  g.set_holder_id("holder");
+  g.set_blocks(blocks);
+  g.set_puller_kv_address(puller);
+  g.set_request_id(request_id);
+  g.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Minutes(1)));
+  wire::SignPeerPullGrant(key, &g);
+  return g;
+}
+
 // Holder behaviour under test: the real one, one that pushes the first
 // requested block and then dies (its transfer stream aborts, the RPC fails),
 // or one that hangs: it never answers until the caller gives up.
@@ -57,9 +80,12 @@ class Node : public v1::Worker::Service {
  public:
   // `tier`: a KV tier below the pool (with `pool_blocks` > 0: a pool of that
   // many blocks, so that prompts push each other out into the tier).
+  // `holder_config`: the holder's caps and test hook (its address and keys
+  // are this node's).
   explicit Node(HolderMode mode = HolderMode::kReal,
                 absl::Duration pull_timeout = absl::Seconds(5),
-                engine::KvTierConfig tier = {}, int64_t pool_blocks = 0)
+                engine::KvTierConfig tier = {}, int64_t pool_blocks = 0,
+                PeerBlockHolderConfig holder_config = {})
       : mode_(mode) {
     engine::EngineConfig config;
     config.block_size = 4;
@@ -87,9 +113,13 @@ class Node : public v1::Worker::Service {
     EXPECT_NE(port, 0);
     address_ = "127.0.0.1:" + std::to_string(port);
     metrics_ = std::make_unique<PeerPullMetrics>(registry_);
+    keys_.Add(RouterKey());
+    holder_config.address = address_;
+    holder_config.keys = &keys_;
+    EXPECT_TRUE(holder_config.Validate().ok());
     holder_ = std::make_unique<PeerBlockHolder>(
         loop_.get(), transport_.get(), layout_, "holder@" + address_,
-        &transfer_rate_, metrics_.get());
+        &transfer_rate_, metrics_.get(), holder_config);
     puller_ = std::make_unique<PeerPuller>(
         loop_.get(), receiver_.get(), layout_,
         PeerPullerOptions{address_, pull_timeout, metrics_.get()});
@@ -233,6 +263,8 @@ class Node : public v1::Worker::Service {
 
   const std::string& address() const { return address_; }
   PeerPullMetrics& metrics() { return *metrics_; }
+  PeerBlockHolder& holder() { return *holder_; }
+  PeerPuller& puller() { return *puller_; }
   RateMeter& transfer_rate() { return transfer_rate_; }
   RateMeter& prefill_rate() { return prefill_rate_; }
 
@@ -247,6 +279,7 @@ class Node : public v1::Worker::Service {
   DropTransport drop_;
   RateMeter transfer_rate_, prefill_rate_;
   std::unique_ptr<PeerPullMetrics> metrics_;
+  wire::PeerPullKeys keys_;
   std::unique_ptr<PeerBlockHolder> holder_;
   std::unique_ptr<PeerPuller> puller_;
   std::unique_ptr<PrefillHandler> handler_;
@@ -271,9 +304,8 @@ class PeerPullTest : public ::testing::Test {
   v1::PrefillRequest PullRequest(Node& puller, const Node& holder,
                                  int blocks = kBlocks) {
     v1::PrefillRequest r = puller.Request("pulled", kTokens);
-    r.mutable_peer_pull()->set_holder_address(holder.address());
-    r.mutable_peer_pull()->set_holder_id("holder");
-    r.mutable_peer_pull()->set_blocks(blocks);
+    *r.mutable_peer_pull() =
+        Grant(holder.address(), puller.address(), "pulled", blocks);
     return r;
   }
   static void ExpectSameOutput(const v1::PrefillResponse& a,
@@ -293,6 +325,7 @@ TEST_F(PeerPullTest, PulledPrefixGivesTheColdOutputAndCountsAsCached) {
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   ExpectSameOutput(cold, *pulled);
   EXPECT_EQ(pulled->pulled_blocks(), static_cast<uint32_t>(kBlocks));
+  EXPECT_EQ(pulled->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_PULLED);
   // The last full block is recomputed to sample from, at most.
   EXPECT_GE(pulled->cached_prompt_tokens(), (kBlocks - 1) * 4u);
   EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kPulled), 1);
@@ -398,13 +431,16 @@ TEST_F(PeerPullTest, GoneHolderMeansRecompute) {
   }  // the holder process is gone: its port refuses
   Node puller;
   v1::PrefillRequest r = puller.Request("pulled", kTokens);
-  r.mutable_peer_pull()->set_holder_address(gone_address);
-  r.mutable_peer_pull()->set_blocks(kBlocks);
+  *r.mutable_peer_pull() =
+      Grant(gone_address, puller.address(), "pulled", kBlocks);
   auto pulled = puller.Run(r);
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   ExpectSameOutput(cold, *pulled);
   EXPECT_EQ(puller.metrics().count(PeerPullMetrics::kFailed), 1);
+  EXPECT_EQ(pulled->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_FAILED);
   EXPECT_EQ(puller.ActiveBlocks(), 0);
+  // The unreachable holder's channel is not kept.
+  EXPECT_EQ(puller.puller().num_holder_stubs(), 0u);
 }
 
 TEST_F(PeerPullTest, PrefixAlreadyLocalPullsNothing) {
@@ -443,6 +479,8 @@ TEST_F(PeerPullTest, HolderUnpinsWhenItsSendFails) {
   }
   for (const auto& h : hashes) ask.add_hashes(BlockHashToBytes(h));
   ask.set_kv_destination(puller.address());
+  *ask.mutable_grant() =
+      Grant(holder.address(), puller.address(), "bogus", kBlocks);
   ask.set_reservation_id(12345);
   *ask.mutable_layout() = r.layout();
   grpc::ClientContext ctx;
@@ -459,6 +497,8 @@ TEST_F(PeerPullTest, HolderRefusesMalformedRequests) {
   auto stub = v1::Worker::NewStub(grpc::CreateChannel(
       holder.address(), grpc::InsecureChannelCredentials()));
   v1::PullBlocksRequest ask;
+  ask.set_request_id("pull:x");
+  *ask.mutable_grant() = Grant(holder.address(), "127.0.0.1:1", "x", 1);
   *ask.mutable_layout() = holder.Request("x", 4).layout();
   ask.add_hashes("short");
   grpc::ClientContext ctx;
@@ -466,6 +506,143 @@ TEST_F(PeerPullTest, HolderRefusesMalformedRequests) {
   EXPECT_EQ(stub->PullBlocks(&ctx, ask, &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(holder.ActiveBlocks(), 0);
+}
+
+// The holder pushes only where the router's grant says: a caller naming
+// another destination, or carrying a grant for someone else, a forged one or
+// none, is refused before anything is pinned, and nothing is sent.
+TEST_F(PeerPullTest, PullNamingAnotherDestinationIsRefused) {
+  Node holder, puller, victim;
+  Warm(holder);
+  const std::vector<engine::BlockHash> hashes =
+      holder.Hashes(holder.Request("x", kTokens));
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      holder.address(), grpc::InsecureChannelCredentials()));
+  auto ask_with = [&](const v1::PeerPull& grant, const std::string& dest) {
+    v1::PullBlocksRequest ask;
+    ask.set_request_id("pull:r1");
+    for (int i = 0; i < kBlocks; ++i)
+      ask.add_hashes(BlockHashToBytes(hashes[i]));
+    ask.set_kv_destination(dest);
+    ask.set_reservation_id(1);
+    *ask.mutable_layout() = holder.Request("x", 4).layout();
+    *ask.mutable_grant() = grant;
+    grpc::ClientContext ctx;
+    v1::PullBlocksResponse resp;
+    return stub->PullBlocks(&ctx, ask, &resp).error_code();
+  };
+  const v1::PeerPull mine =
+      Grant(holder.address(), puller.address(), "r1", kBlocks);
+  // The puller's grant, someone else's destination.
+  EXPECT_EQ(ask_with(mine, victim.address()),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // The grant rewritten to the victim's address no longer verifies.
+  v1::PeerPull rewritten = mine;
+  rewritten.set_puller_kv_address(victim.address());
+  EXPECT_EQ(ask_with(rewritten, victim.address()),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // Signed by a key no router gave this holder; or no grant at all.
+  EXPECT_EQ(ask_with(Grant(holder.address(), victim.address(), "r1", kBlocks,
+                           wire::NewPeerPullKey()),
+                     victim.address()),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(ask_with(v1::PeerPull(), victim.address()),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // A grant naming another holder.
+  EXPECT_EQ(ask_with(Grant(victim.address(), puller.address(), "r1", kBlocks),
+                     puller.address()),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(holder.metrics().served_refused->Value(), 5);
+  EXPECT_EQ(holder.metrics().served_sent->Value(), 0);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(victim.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, PullerWithSomeoneElsesGrantRecomputesAndReportsRefused) {
+  Node holder, puller, other;
+  const v1::PrefillResponse cold = Warm(holder);
+  // The grant names `other` as the puller: `puller` sends its own address as
+  // kv_destination, which the holder refuses.
+  v1::PrefillRequest r = puller.Request("pulled", kTokens);
+  *r.mutable_peer_pull() =
+      Grant(holder.address(), other.address(), "pulled", kBlocks);
+  auto got = puller.Run(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameOutput(cold, *got);
+  EXPECT_EQ(got->pulled_blocks(), 0u);
+  EXPECT_EQ(got->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_REFUSED);
+  EXPECT_EQ(holder.metrics().served_refused->Value(), 1);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+  EXPECT_EQ(other.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, PullOverTheBlocksPerCallCapIsResourceExhausted) {
+  PeerBlockHolderConfig caps;
+  caps.max_blocks_per_pull = kBlocks - 1;
+  Node holder(HolderMode::kReal, absl::Seconds(5), {}, 0, caps);
+  Node puller;
+  const v1::PrefillResponse cold = Warm(holder);
+  auto got = puller.Run(PullRequest(puller, holder));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameOutput(cold, *got);
+  EXPECT_EQ(got->pulled_blocks(), 0u);
+  EXPECT_EQ(got->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_BUSY);
+  EXPECT_EQ(holder.metrics().served_busy->Value(), 1);
+  EXPECT_EQ(holder.metrics().served_sent->Value(), 0);
+  // At the cap it is served.
+  Node puller2;
+  auto fits = puller2.Run(PullRequest(puller2, holder, kBlocks - 1));
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->pulled_blocks(), static_cast<uint32_t>(kBlocks - 1));
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  EXPECT_EQ(puller.ActiveBlocks(), 0);
+  EXPECT_EQ(puller2.ActiveBlocks(), 0);
+}
+
+TEST_F(PeerPullTest, PullsPastTheConcurrencyCapAreResourceExhausted) {
+  constexpr int kCap = 2;
+  // Each served pull waits, holding its blocks, until the test lets go.
+  absl::Notification release;
+  PeerBlockHolderConfig caps;
+  caps.max_concurrent_pulls = kCap;
+  caps.before_send_for_test = [&release] {
+    release.WaitForNotificationWithTimeout(absl::Seconds(30));
+  };
+  Node holder(HolderMode::kReal, absl::Seconds(20), {}, 0, caps);
+  const v1::PrefillResponse cold = Warm(holder);
+  std::vector<std::unique_ptr<Node>> pullers;
+  for (int i = 0; i <= kCap; ++i)
+    pullers.push_back(
+        std::make_unique<Node>(HolderMode::kReal, absl::Seconds(20)));
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got(kCap);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCap; ++i) {
+    threads.emplace_back(
+        [&, i] { got[i] = pullers[i]->Run(PullRequest(*pullers[i], holder)); });
+  }
+  // Both pulls hold their blocks in the holder now.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (holder.holder().active_pulls() < kCap && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(holder.holder().active_pulls(), kCap);
+  // The next one is turned away at once, and recomputes.
+  auto busy = pullers[kCap]->Run(PullRequest(*pullers[kCap], holder));
+  ASSERT_TRUE(busy.ok()) << busy.status();
+  EXPECT_EQ(busy->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_BUSY);
+  ExpectSameOutput(cold, *busy);
+  EXPECT_EQ(holder.metrics().served_busy->Value(), 1);
+  release.Notify();
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kCap; ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(got[i]->peer_pull_outcome(), v1::PEER_PULL_OUTCOME_PULLED);
+    ExpectSameOutput(cold, *got[i]);
+  }
+  EXPECT_EQ(holder.metrics().served_sent->Value(), kCap);
+  EXPECT_EQ(holder.holder().active_pulls(), 0);
+  EXPECT_EQ(holder.ActiveBlocks(), 0);
+  for (auto& p : pullers) EXPECT_EQ(p->ActiveBlocks(), 0);
 }
 
 // A holder whose pool pushed the prompt out into its disk tier: pulls are
@@ -722,6 +899,8 @@ TEST_F(PeerPullFromTierTest,
   ask.set_request_id("pull:old");
   for (int i = 0; i < kBlocks; ++i) ask.add_hashes(BlockHashToBytes(hashes[i]));
   ask.set_kv_destination("127.0.0.1:1");
+  *ask.mutable_grant() =
+      Grant(holder->address(), "127.0.0.1:1", "old", kBlocks);
   ask.set_reservation_id(1);
   *ask.mutable_layout() = holder->Request("x", 4).layout();
   grpc::ClientContext ctx;

@@ -181,6 +181,7 @@ grpc::Status PrefillHandler::Prefill(grpc::ServerContext* context,
       static_cast<uint32_t>(done.cached_prompt_tokens));
   response->set_bytes_sent(bytes);
   response->set_pulled_blocks(static_cast<uint32_t>(pulled.pulled_blocks));
+  response->set_peer_pull_outcome(pulled.report);
   response->set_worker_id(worker_id_);
   return grpc::Status::OK;
 }

@@ -16,7 +16,7 @@ absl::Status PeerPullConfig::Validate() const {
     return absl::InvalidArgumentError(
         "peer pull rates must be > 0 and the overhead >= 0");
   }
-  return absl::OkStatus();
+  return backoff.Validate();
 }
 
 PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
@@ -55,6 +55,7 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
     double saving() const { return without - pull; }
   };
   Option best;
+  bool skipped_backed_off = false;
   for (const PeerPullCandidate& c : input.candidates) {
     if (c.index == input.prefill || !c.up || c.address.empty() ||
         !c.same_cache) {
@@ -63,6 +64,10 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
     const int32_t held = std::min(c.leading_blocks, input.prompt_blocks);
     const int32_t gain = held - input.prefill_cached_blocks;
     if (gain < config.min_blocks) continue;
+    if (c.backed_off) {
+      skipped_backed_off = true;
+      continue;
+    }
     // The holder sends; until it has measured, P's own send rate over the
     // same transport is the next best guess.
     double rate = c.transfer_bytes_per_second;
@@ -87,7 +92,7 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
     }
   }
   if (best.c == nullptr) {
-    d.reason = "no_holder";
+    d.reason = skipped_backed_off ? "backed_off" : "no_holder";
     return d;
   }
   d.holder = best.c->index;
@@ -101,6 +106,62 @@ PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
   d.pull = best.passes;
   if (!d.pull) d.reason = "not_faster";
   return d;
+}
+
+absl::Status PeerPullBackoffConfig::Validate() const {
+  if (initial <= absl::ZeroDuration() || max < initial || max_holders < 1) {
+    return absl::InvalidArgumentError(
+        "peer pull backoff: initial must be > 0, max >= initial and "
+        "max_holders >= 1");
+  }
+  return absl::OkStatus();
+}
+
+absl::Duration PeerPullBackoff::Failed(const std::string& holder,
+                                       absl::Time now) {
+  absl::MutexLock l(&mu_);
+  if (!holders_.contains(holder) && holders_.size() >= config_.max_holders) {
+    // Forget every holder whose backoff has ended; if none has, the one
+    // ending soonest.
+    for (auto it = holders_.begin(); it != holders_.end();) {
+      if (it->second.until <= now) {
+        holders_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    if (holders_.size() >= config_.max_holders) {
+      auto soonest = holders_.begin();
+      for (auto it = holders_.begin(); it != holders_.end(); ++it) {
+        if (it->second.until < soonest->second.until) soonest = it;
+      }
+      holders_.erase(soonest);
+    }
+  }
+  State& s = holders_[holder];
+  s.failures = std::min(s.failures + 1, 30);
+  absl::Duration d = config_.initial;
+  for (int i = 1; i < s.failures && d < config_.max; ++i) d *= 2;
+  d = std::min(d, config_.max);
+  s.until = now + d;
+  return d;
+}
+
+void PeerPullBackoff::Succeeded(const std::string& holder) {
+  absl::MutexLock l(&mu_);
+  holders_.erase(holder);
+}
+
+bool PeerPullBackoff::BackedOff(const std::string& holder,
+                                absl::Time now) const {
+  absl::MutexLock l(&mu_);
+  auto it = holders_.find(holder);
+  return it != holders_.end() && now < it->second.until;
+}
+
+size_t PeerPullBackoff::size() const {
+  absl::MutexLock l(&mu_);
+  return holders_.size();
 }
 
 int64_t BytesPerBlock(const v1::KvLayout& layout) {

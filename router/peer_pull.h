@@ -16,11 +16,27 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "pdserve/v1/internal.pb.h"
 #include "router/prefix_index.h"
 
 namespace pdserve::router {
+
+struct PeerPullBackoffConfig {
+  // A holder whose pull failed is skipped this long, doubled for each further
+  // consecutive failure up to `max`; a pull that succeeds ends it.
+  absl::Duration initial = absl::Seconds(5);
+  absl::Duration max = absl::Minutes(1);
+  // Holders remembered; past it, those whose backoff ended are forgotten
+  // first (then the one ending soonest), so churn of holder addresses cannot
+  // grow it.
+  size_t max_holders = 1024;
+
+  absl::Status Validate() const;
+};
 
 struct PeerPullConfig {
   bool enabled = false;  // --peer-pull
@@ -37,6 +53,7 @@ struct PeerPullConfig {
   // A tier token read back costs this fraction of a recompute until the
   // worker has measured its tier's load rate (as PolicyConfig's).
   double default_tier_load_cost = 0.25;
+  PeerPullBackoffConfig backoff;
 
   absl::Status Validate() const;
 };
@@ -48,6 +65,8 @@ struct PeerPullCandidate {
   std::string id;
   bool up = false;          // the registry's view; a down worker is skipped
   bool same_cache = false;  // same cache fingerprint and block size as P
+  // Its recent pulls failed (PeerPullBackoff): skipped until the backoff ends.
+  bool backed_off = false;
   // Leading prompt blocks it holds in its pool, then its KV tier (index).
   int32_t leading_blocks = 0;
   // Of leading_blocks, the trailing ones only its tier holds: it reads them
@@ -84,7 +103,8 @@ struct PeerPullDecision {
   // Estimates: the pull (overhead, the holder's tier reads, the transfer),
   // and the same blocks without it (P's own tier reads, then recompute).
   double transfer_seconds = 0, recompute_seconds = 0;
-  // "" when pulling; else why not: "disabled", "no_holder", "not_faster".
+  // "" when pulling; else why not: "disabled", "no_holder", "not_faster",
+  // "backed_off" (the only holders that would gain are backed off).
   std::string reason;
 };
 
@@ -95,6 +115,33 @@ struct PeerPullDecision {
 // than P has in its pool.
 PeerPullDecision DecidePeerPull(const PeerPullConfig& config,
                                 const PeerPullInput& input);
+
+// Which holders the router stops choosing for a while because pulls from
+// them failed (the prefill worker reports each pull's outcome back through
+// the decode worker's first response). Keyed by the holder's address.
+// Thread-safe.
+class PeerPullBackoff {
+ public:
+  explicit PeerPullBackoff(PeerPullBackoffConfig config = {})
+      : config_(config) {}
+  // A failed pull from `holder` at `now`: returns how long it is backed off.
+  absl::Duration Failed(const std::string& holder, absl::Time now)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A pull from `holder` succeeded: its backoff (if any) ends.
+  void Succeeded(const std::string& holder) ABSL_LOCKS_EXCLUDED(mu_);
+  bool BackedOff(const std::string& holder, absl::Time now) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct State {
+    absl::Time until;
+    int failures = 0;  // consecutive
+  };
+  const PeerPullBackoffConfig config_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, State> holders_ ABSL_GUARDED_BY(mu_);
+};
 
 // KV bytes of one block across all layers for a worker's layout (the int8
 // per-(block, head) scales included).

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "wire/peer_pull_grant.h"
+
 namespace pdserve::router {
 namespace {
 
@@ -248,6 +250,145 @@ TEST(PeerPullConfigTest, ValidateRefusesBadValues) {
   c = PeerPullConfig();
   c.default_tier_load_cost = 0;
   EXPECT_FALSE(c.Validate().ok());
+}
+
+TEST_F(PeerPullTest, SkipsABackedOffHolderForTheNextBest) {
+  input_.candidates = {Holder(1, 48, 1e9), Holder(2, 32, 1e9)};
+  input_.candidates[0].backed_off = true;
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_TRUE(d.pull);
+  EXPECT_EQ(d.holder, 2);
+}
+
+TEST_F(PeerPullTest, OnlyBackedOffHoldersMeansNoPullWithItsOwnReason) {
+  input_.candidates = {Holder(1, 48, 1e9)};
+  input_.candidates[0].backed_off = true;
+  PeerPullDecision d = DecidePeerPull(config_, input_);
+  EXPECT_FALSE(d.pull);
+  EXPECT_EQ(d.reason, "backed_off");
+}
+
+TEST(PeerPullBackoffTest, FailedHolderIsSkippedUntilItsBackoffEnds) {
+  PeerPullBackoffConfig config;
+  config.initial = absl::Seconds(5);
+  config.max = absl::Seconds(20);
+  PeerPullBackoff backoff(config);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  EXPECT_FALSE(backoff.BackedOff("h:1", t0));
+  EXPECT_EQ(backoff.Failed("h:1", t0), absl::Seconds(5));
+  EXPECT_TRUE(backoff.BackedOff("h:1", t0 + absl::Seconds(4)));
+  EXPECT_FALSE(backoff.BackedOff("h:1", t0 + absl::Seconds(5)));
+  EXPECT_FALSE(backoff.BackedOff("h:2", t0));
+  // Consecutive failures double it, up to max.
+  EXPECT_EQ(backoff.Failed("h:1", t0), absl::Seconds(10));
+  EXPECT_EQ(backoff.Failed("h:1", t0), absl::Seconds(20));
+  EXPECT_EQ(backoff.Failed("h:1", t0), absl::Seconds(20));
+  // A pull that worked ends it, and the next failure starts over.
+  backoff.Succeeded("h:1");
+  EXPECT_FALSE(backoff.BackedOff("h:1", t0));
+  EXPECT_EQ(backoff.Failed("h:1", t0), absl::Seconds(5));
+}
+
+TEST(PeerPullBackoffTest, ChurnOfHolderAddressesStaysBounded) {
+  PeerPullBackoffConfig config;
+  config.max_holders = 8;
+  PeerPullBackoff backoff(config);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (int i = 0; i < 10000; ++i) {
+    backoff.Failed("10.0.0." + std::to_string(i) + ":1",
+                   t0 + absl::Milliseconds(i));
+  }
+  EXPECT_LE(backoff.size(), 8u);
+  // The newest is still backed off.
+  EXPECT_TRUE(backoff.BackedOff("10.0.0.9999:1", t0 + absl::Seconds(10)));
+}
+
+class PeerPullGrantTest : public ::testing::Test {
+ protected:
+  PeerPullGrantTest() : key_(wire::NewPeerPullKey()) {
+    keys_.Add(key_);
+    grant_.set_holder_address("127.0.0.1:7001");
+    grant_.set_holder_id("holder");
+    grant_.set_blocks(8);
+    grant_.set_puller_kv_address("127.0.0.1:7002");
+    grant_.set_request_id("req-1@abc.1");
+    grant_.set_expires_unix_ms(absl::ToUnixMillis(now_ + absl::Minutes(1)));
+    wire::SignPeerPullGrant(key_, &grant_);
+  }
+  absl::Status Verify(const v1::PeerPull& g, uint64_t end_block = 8) {
+    return keys_.Verify(g, "127.0.0.1:7001", "pull:req-1@abc.1", end_block,
+                        now_);
+  }
+  const absl::Time now_ = absl::FromUnixSeconds(100000);
+  std::string key_;
+  wire::PeerPullKeys keys_;
+  v1::PeerPull grant_;
+};
+
+TEST_F(PeerPullGrantTest, TheRoutersGrantVerifies) {
+  EXPECT_EQ(key_.size(), wire::kPeerPullKeyBytes);
+  EXPECT_TRUE(Verify(grant_).ok()) << Verify(grant_);
+}
+
+TEST_F(PeerPullGrantTest, AnotherDestinationBreaksTheSignature) {
+  v1::PeerPull g = grant_;
+  g.set_puller_kv_address("10.9.9.9:1");
+  EXPECT_EQ(Verify(g).code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(PeerPullGrantTest, MoreBlocksOrAnotherRequestBreakTheSignature) {
+  v1::PeerPull more = grant_;
+  more.set_blocks(1000);
+  EXPECT_EQ(Verify(more, 1000).code(), absl::StatusCode::kPermissionDenied);
+  v1::PeerPull other = grant_;
+  other.set_request_id("req-2@abc.1");
+  EXPECT_EQ(
+      keys_.Verify(other, "127.0.0.1:7001", "pull:req-2@abc.1", 8, now_).code(),
+      absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(PeerPullGrantTest, RefusedForAnotherHolderRequestOrRangeOrWhenExpired) {
+  EXPECT_EQ(keys_.Verify(grant_, "127.0.0.1:9999", "pull:req-1@abc.1", 8, now_)
+                .code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      keys_.Verify(grant_, "127.0.0.1:7001", "pull:req-9", 8, now_).code(),
+      absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Verify(grant_, 9).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(keys_
+                .Verify(grant_, "127.0.0.1:7001", "pull:req-1@abc.1", 8,
+                        now_ + absl::Minutes(2))
+                .code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(PeerPullGrantTest, UnknownKeyOrNoKeyIsRefused) {
+  v1::PeerPull forged = grant_;
+  wire::SignPeerPullGrant(wire::NewPeerPullKey(), &forged);
+  EXPECT_EQ(Verify(forged).code(), absl::StatusCode::kPermissionDenied);
+  v1::PeerPull unsigned_grant = grant_;
+  unsigned_grant.clear_grant_mac();
+  EXPECT_EQ(Verify(unsigned_grant).code(), absl::StatusCode::kPermissionDenied);
+  wire::PeerPullKeys none;
+  EXPECT_EQ(
+      none.Verify(grant_, "127.0.0.1:7001", "pull:req-1@abc.1", 8, now_).code(),
+      absl::StatusCode::kFailedPrecondition);
+  // A key of the wrong size is never taken.
+  none.Add("short");
+  EXPECT_TRUE(none.empty());
+}
+
+TEST_F(PeerPullGrantTest, KeysOfTheLastRoutersAreKept) {
+  wire::PeerPullKeys keys;
+  keys.Add(key_);
+  for (size_t i = 0; i < wire::PeerPullKeys::kMaxKeys - 1; ++i)
+    keys.Add(wire::NewPeerPullKey());
+  EXPECT_TRUE(
+      keys.Verify(grant_, "127.0.0.1:7001", "pull:req-1@abc.1", 8, now_).ok());
+  keys.Add(wire::NewPeerPullKey());  // the oldest (key_) goes
+  EXPECT_EQ(
+      keys.Verify(grant_, "127.0.0.1:7001", "pull:req-1@abc.1", 8, now_).code(),
+      absl::StatusCode::kPermissionDenied);
 }
 
 }  // namespace

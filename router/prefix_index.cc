@@ -10,45 +10,108 @@ bool KnownTier(engine::KvTierKind t) {
 }
 }  // namespace
 
+PrefixIndex::WorkerState* PrefixIndex::State(WorkerIndex worker) {
+  if (worker < 0) return nullptr;
+  if (static_cast<size_t>(worker) >= workers_.size())
+    workers_.resize(static_cast<size_t>(worker) + 1);
+  return &workers_[static_cast<size_t>(worker)];
+}
+
+bool PrefixIndex::Stale(const Holder& x, const engine::BlockHash& h) const {
+  const WorkerState& w = workers_[static_cast<size_t>(x.worker)];
+  return w.clearing > 0 && !w.hashes.contains(h);
+}
+
+PrefixIndex::Holder* PrefixIndex::FindLive(Holders& holders, WorkerIndex worker,
+                                           const engine::BlockHash& h) {
+  for (Holder& x : holders) {
+    if (x.worker == worker) return Stale(x, h) ? nullptr : &x;
+  }
+  return nullptr;
+}
+
+PrefixIndex::Holder& PrefixIndex::Touch(Holders& holders, WorkerIndex worker,
+                                        const engine::BlockHash& h) {
+  WorkerState* w = State(worker);
+  for (Holder& x : holders) {
+    if (x.worker != worker) continue;
+    if (Stale(x, h)) {
+      x.lower = 0;
+      x.expires = absl::InfinitePast();
+      w->hashes.insert(h);
+    }
+    return x;
+  }
+  w->hashes.insert(h);
+  holders.push_back({worker, 0, absl::InfinitePast()});
+  return holders.back();
+}
+
+void PrefixIndex::Account(WorkerIndex worker, const engine::BlockHash& h,
+                          const Holder& before, const Holder& after) {
+  WorkerState& w = workers_[static_cast<size_t>(worker)];
+  auto flip = [&](engine::KvTierKind tier) {
+    WorkerSummary& s = w.summary[static_cast<size_t>(tier)];
+    s.digest.hi ^= h.hi;
+    s.digest.lo ^= h.lo;
+    return &s;
+  };
+  const bool was = before.expires == absl::InfiniteFuture();
+  const bool is = after.expires == absl::InfiniteFuture();
+  if (was != is) {
+    WorkerSummary* s = flip(engine::KvTierKind::kPool);
+    s->blocks = is ? s->blocks + 1 : s->blocks - 1;
+  }
+  for (int t = 0; t < engine::kNumKvTierKinds; ++t) {
+    const auto tier = static_cast<engine::KvTierKind>(t);
+    if (tier == engine::KvTierKind::kPool) continue;
+    const bool had = (before.lower & TierBit(tier)) != 0;
+    const bool has = (after.lower & TierBit(tier)) != 0;
+    if (had == has) continue;
+    WorkerSummary* s = flip(tier);
+    s->blocks = has ? s->blocks + 1 : s->blocks - 1;
+  }
+  if (after.Empty()) w.hashes.erase(h);
+}
+
 void PrefixIndex::StoredLocked(WorkerIndex worker,
                                std::span<const engine::BlockHash> hashes,
                                engine::KvTierKind tier) {
-  if (!KnownTier(tier)) return;
+  if (!KnownTier(tier) || worker < 0) return;
   const bool pool = tier == engine::KvTierKind::kPool;
-  const TierMask bit = pool ? 0 : TierBit(tier);
   for (const auto& h : hashes) {
-    Holders& holders = index_[h];
-    auto it = std::find_if(holders.begin(), holders.end(),
-                           [&](const Holder& x) { return x.worker == worker; });
-    if (it == holders.end()) {
-      holders.push_back(
-          {worker, bit, pool ? absl::InfiniteFuture() : absl::InfinitePast()});
-    } else if (pool) {
-      it->expires = absl::InfiniteFuture();  // speculation confirmed
+    Holder& x = Touch(index_[h], worker, h);
+    const Holder before = x;
+    if (pool) {
+      x.expires = absl::InfiniteFuture();  // new, or speculation confirmed
     } else {
-      it->lower |= bit;
+      x.lower |= TierBit(tier);
     }
+    Account(worker, h, before, x);
   }
 }
 
 void PrefixIndex::RemovedLocked(WorkerIndex worker,
                                 std::span<const engine::BlockHash> hashes,
                                 engine::KvTierKind tier) {
-  if (!KnownTier(tier)) return;
+  if (!KnownTier(tier) || worker < 0 ||
+      static_cast<size_t>(worker) >= workers_.size())
+    return;
   const bool pool = tier == engine::KvTierKind::kPool;
   for (const auto& h : hashes) {
     auto it = index_.find(h);
     if (it == index_.end()) continue;
     Holders& holders = it->second;
-    auto x = std::find_if(holders.begin(), holders.end(),
-                          [&](const Holder& x) { return x.worker == worker; });
-    if (x == holders.end()) continue;
+    Holder* x = FindLive(holders, worker, h);
+    if (x == nullptr) continue;
+    const Holder before = *x;
     if (pool) {
       x->expires = absl::InfinitePast();
     } else {
       x->lower &= static_cast<TierMask>(~TierBit(tier));
     }
-    if (x->Empty()) holders.erase(x);
+    Account(worker, h, before, *x);
+    if (x->Empty()) holders.erase(holders.begin() + (x - holders.data()));
     if (holders.empty()) index_.erase(it);
   }
 }
@@ -78,19 +141,33 @@ void PrefixIndex::Moved(WorkerIndex worker,
 }
 
 void PrefixIndex::ClearWorker(WorkerIndex worker) {
-  absl::MutexLock l(&mu_);
-  for (auto it = index_.begin(); it != index_.end();) {
-    Holders& holders = it->second;
-    holders.erase(
-        std::remove_if(holders.begin(), holders.end(),
-                       [&](const Holder& x) { return x.worker == worker; }),
-        holders.end());
-    if (holders.empty()) {
-      index_.erase(it++);
-    } else {
-      ++it;
+  absl::flat_hash_set<engine::BlockHash, engine::BlockHashHasher> old;
+  {
+    absl::MutexLock l(&mu_);
+    if (worker < 0 || static_cast<size_t>(worker) >= workers_.size()) return;
+    WorkerState& w = workers_[static_cast<size_t>(worker)];
+    // From here on the old holders are stale: queries skip them.
+    old.swap(w.hashes);
+    w.summary = {};
+    ++w.clearing;
+  }
+  for (auto it = old.begin(); it != old.end();) {
+    absl::MutexLock l(&mu_);
+    const WorkerState& w = workers_[static_cast<size_t>(worker)];
+    for (size_t n = 0; n < kClearBatch && it != old.end(); ++n, ++it) {
+      if (w.hashes.contains(*it)) continue;  // stored again since: live
+      auto e = index_.find(*it);
+      if (e == index_.end()) continue;
+      Holders& holders = e->second;
+      holders.erase(
+          std::remove_if(holders.begin(), holders.end(),
+                         [&](const Holder& x) { return x.worker == worker; }),
+          holders.end());
+      if (holders.empty()) index_.erase(e);
     }
   }
+  absl::MutexLock l(&mu_);
+  --workers_[static_cast<size_t>(worker)].clearing;
 }
 
 namespace {
@@ -112,14 +189,13 @@ void PrefixIndex::PurgeExpired(absl::Time now, size_t budget) {
     Holders& holders = it->second;
     // Confirmed entries expire at InfiniteFuture, renewed ones later than
     // now: both stay. An expired one leaves the pool's set; it stays for
-    // the lower tiers that hold the block.
-    for (Holder& x : holders) {
-      if (x.worker == e.worker && x.expires <= now)
-        x.expires = absl::InfinitePast();
-    }
-    holders.erase(std::remove_if(holders.begin(), holders.end(),
-                                 [&](const Holder& x) { return x.Empty(); }),
-                  holders.end());
+    // the lower tiers that hold the block. (A stale one is ClearWorker's.)
+    Holder* x = FindLive(holders, e.worker, e.hash);
+    if (x == nullptr || x->expires > now) continue;
+    const Holder before = *x;
+    x->expires = absl::InfinitePast();
+    Account(e.worker, e.hash, before, *x);
+    if (x->Empty()) holders.erase(holders.begin() + (x - holders.data()));
     if (holders.empty()) index_.erase(it);
   }
 }
@@ -132,18 +208,12 @@ void PrefixIndex::Speculate(WorkerIndex worker,
   absl::MutexLock l(&mu_);
   // More than this call adds, so a backlog of expired entries drains.
   PurgeExpired(now, 2 * hashes.size() + 16);
-  if (expires <= now) return;  // already expired: nothing to record
+  if (expires <= now || worker < 0) return;  // nothing to record
   for (const auto& h : hashes) {
-    Holders& holders = index_[h];
-    auto it = std::find_if(holders.begin(), holders.end(),
-                           [&](const Holder& x) { return x.worker == worker; });
-    if (it == holders.end()) {
-      holders.push_back({worker, 0, expires});
-    } else if (it->expires != absl::InfiniteFuture() && expires > it->expires) {
-      it->expires = expires;
-    } else {
-      continue;  // confirmed, or already expiring later
-    }
+    Holder& x = Touch(index_[h], worker, h);
+    if (x.expires == absl::InfiniteFuture() || expires <= x.expires)
+      continue;           // confirmed, or already expiring later
+    x.expires = expires;  // not confirmed: no summary changes
     expiries_.push_back({expires, h, worker});
     std::push_heap(expiries_.begin(), expiries_.end(), LaterExpiry<Expiry>);
   }
@@ -164,7 +234,8 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
       bool has = false;
       if (it != index_.end()) {
         for (const Holder& x : it->second) {
-          if (x.worker == workers[w] && x.Holds(tiers, now)) {
+          if (x.worker == workers[w] && x.Holds(tiers, now) &&
+              !Stale(x, hashes[b])) {
             has = true;
             break;
           }
@@ -189,7 +260,7 @@ size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
   if (it == index_.end()) return 0;
   size_t n = 0;
   for (const Holder& x : it->second) {
-    if (!x.Holds(tiers, now)) continue;
+    if (!x.Holds(tiers, now) || Stale(x, h)) continue;
     ++n;
     if (out != nullptr) out->push_back(x.worker);
   }
@@ -275,27 +346,23 @@ PrefixIndex::MemoryUsage PrefixIndex::Memory() const {
     if (holders.capacity() > kInlineHolders)
       m.bytes += holders.capacity() * sizeof(Holder);
   }
+  m.workers = workers_.size();
+  m.bytes += workers_.capacity() * sizeof(WorkerState);
+  for (const WorkerState& w : workers_) {
+    m.reverse_entries += w.hashes.size();
+    m.bytes += w.hashes.capacity() * (sizeof(engine::BlockHash) + 1);
+  }
   return m;
 }
 
 PrefixIndex::WorkerSummary PrefixIndex::Summary(WorkerIndex worker,
                                                 engine::KvTierKind tier) const {
   absl::ReaderMutexLock l(&mu_);
-  WorkerSummary s;
-  if (!KnownTier(tier)) return s;
-  const bool pool = tier == engine::KvTierKind::kPool;
-  for (const auto& [hash, holders] : index_) {
-    for (const Holder& h : holders) {
-      if (h.worker != worker) continue;
-      if (pool ? h.expires != absl::InfiniteFuture()
-               : (h.lower & TierBit(tier)) == 0)
-        continue;
-      ++s.blocks;
-      s.digest.hi ^= hash.hi;
-      s.digest.lo ^= hash.lo;
-    }
-  }
-  return s;
+  if (!KnownTier(tier) || worker < 0 ||
+      static_cast<size_t>(worker) >= workers_.size())
+    return WorkerSummary{};
+  return workers_[static_cast<size_t>(worker)]
+      .summary[static_cast<size_t>(tier)];
 }
 
 size_t PrefixIndex::num_hashes() const {

@@ -19,14 +19,23 @@
 // the worker never stored the blocks) are purged, a bounded number per
 // Speculate call, oldest expiry first, so the index stays within the entries
 // speculated during one TTL plus what confirmed events hold.
+//
+// Per worker, a reverse index (the hashes it has entries for) and running
+// summaries (block count and XOR digest per tier) are kept with every update,
+// so Summary is O(1) and ClearWorker touches only that worker's entries. It
+// also never holds the lock for long: it takes the worker's set in O(1), after
+// which queries ignore the worker's old entries, and erases them in batches,
+// releasing the lock between batches so routing goes on meanwhile.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
@@ -69,8 +78,13 @@ class PrefixIndex {
              engine::KvTierKind from, engine::KvTierKind to)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets everything about a worker, every tier (cleared, resync, or
-  // worker gone).
+  // worker gone). Its entries stop counting at once; erasing them costs
+  // O(its entries), in batches of kClearBatch under the lock, and returns
+  // when they are all gone. Events for the worker may arrive meanwhile (a
+  // resync's snapshot): they count, and the erasing leaves them alone.
   void ClearWorker(WorkerIndex worker) ABSL_LOCKS_EXCLUDED(mu_);
+  // Entries ClearWorker erases per lock hold: a few hundred microseconds.
+  static constexpr size_t kClearBatch = 1024;
   // Records that `worker` will hold these blocks soon; expires after `ttl`
   // unless Stored confirms it. Also purges up to 2 x hashes.size() + 16
   // expired speculative entries, more than it adds, so refused requests
@@ -109,7 +123,7 @@ class PrefixIndex {
 
   // What the index holds for one worker in one tier, to compare with the
   // worker's own cache: confirmed (non-speculative) hashes and the XOR of
-  // them. O(hashes).
+  // them. O(1): kept up to date by every update.
   struct WorkerSummary {
     size_t blocks = 0;
     engine::BlockHash digest;
@@ -121,17 +135,24 @@ class PrefixIndex {
   struct MemoryUsage {
     size_t hashes = 0;   // distinct block hashes
     size_t holders = 0;  // (hash, worker) entries
+    // Worker slots (the highest WorkerIndex seen, plus one) and the entries
+    // of their reverse indexes (equal to `holders` once clears finish).
+    size_t workers = 0;
+    size_t reverse_entries = 0;
     // Speculative entries waiting for their expiry to be checked (some may
     // have been confirmed or renewed since).
     size_t pending_expiries = 0;
-    // Table slots and control bytes, holder lists on the heap, and the
-    // expiry queue.
+    // Table slots and control bytes, holder lists on the heap, the
+    // reverse indexes and the expiry queue.
     size_t bytes = 0;
   };
   // O(hashes): for reports, not the routing path.
   MemoryUsage Memory() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  struct Holder;
+  static constexpr size_t kInlineHolders = 2;
+  using Holders = absl::InlinedVector<Holder, kInlineHolders>;
   struct Holder {
     WorkerIndex worker;
     TierMask lower = 0;  // the lower tiers (kLowerTiers bits) that hold it
@@ -144,6 +165,32 @@ class PrefixIndex {
     // Nothing left: neither in the pool (nor expecting it) nor below.
     bool Empty() const { return lower == 0 && expires == absl::InfinitePast(); }
   };
+  // One worker's reverse index and running summaries.
+  struct WorkerState {
+    // Hashes this worker has a live holder for.
+    absl::flat_hash_set<engine::BlockHash, engine::BlockHashHasher> hashes;
+    std::array<WorkerSummary, engine::kNumKvTierKinds> summary{};
+    // ClearWorker calls still erasing this worker's old holders: while any
+    // runs, a holder whose hash is not in `hashes` is stale and ignored.
+    int clearing = 0;
+  };
+  WorkerState* State(WorkerIndex worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A holder left over from before a ClearWorker that is still erasing.
+  bool Stale(const Holder& x, const engine::BlockHash& h) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // `worker`'s live holder of `h` in `holders`, or null.
+  Holder* FindLive(Holders& holders, WorkerIndex worker,
+                   const engine::BlockHash& h)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `worker`'s live holder of `h`, created (holding nothing) if there is
+  // none; a stale one is reset and reused.
+  Holder& Touch(Holders& holders, WorkerIndex worker,
+                const engine::BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Updates the worker's summaries for a holder that went from `before` to
+  // `after`, and drops it from the reverse index when it holds nothing.
+  void Account(WorkerIndex worker, const engine::BlockHash& h,
+               const Holder& before, const Holder& after)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How many live holders `h` has in `tiers`; lists them in `out` unless it
   // is null.
   size_t LiveHolders(const engine::BlockHash& h, absl::Time now, TierMask tiers,
@@ -166,13 +213,12 @@ class PrefixIndex {
   void PurgeExpired(absl::Time now, size_t budget)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  static constexpr size_t kInlineHolders = 2;
-  using Holders = absl::InlinedVector<Holder, kInlineHolders>;
   const Clock clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher>
       index_ ABSL_GUARDED_BY(mu_);
-  std::vector<Expiry> expiries_ ABSL_GUARDED_BY(mu_);  // a heap
+  std::vector<Expiry> expiries_ ABSL_GUARDED_BY(mu_);      // a heap
+  std::vector<WorkerState> workers_ ABSL_GUARDED_BY(mu_);  // by WorkerIndex
 };
 
 }  // namespace pdserve::router

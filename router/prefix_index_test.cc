@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <random>
+#include <set>
+#include <thread>
 #include <vector>
 
 namespace pdserve::router {
@@ -305,6 +308,115 @@ TEST(PrefixIndexTest, UnknownHashesAndTiersNeverCrash) {
   EXPECT_EQ(index.LeadingBlocks(h, w, kAllTiers)[0], 3);
   // The moved unknown hashes are now in worker 0's pool (it says so).
   EXPECT_EQ(index.LeadingBlocks(unknown, w)[0], 3);
+}
+
+// The running summaries equal a recount from the holders after any mix of
+// stores, removals, moves, speculation, expiry and clears.
+TEST(PrefixIndexTest, IncrementalSummariesMatchARecount) {
+  using engine::KvTierKind;
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
+  std::mt19937_64 rng(7);
+  const auto h = Chain(64, 3);
+  constexpr int kWorkers = 3;
+  // What each worker holds per tier, as the events say.
+  std::vector<std::array<std::set<size_t>, engine::kNumKvTierKinds>> want(
+      kWorkers);
+  const KvTierKind tiers[] = {KvTierKind::kPool, KvTierKind::kHostMemory,
+                              KvTierKind::kDisk};
+  for (int step = 0; step < 5000; ++step) {
+    const WorkerIndex w = static_cast<WorkerIndex>(rng() % kWorkers);
+    const size_t i = rng() % h.size();
+    const KvTierKind t = tiers[rng() % 3];
+    auto& set = want[w][static_cast<size_t>(t)];
+    switch (rng() % 8) {
+      case 0:
+      case 1:
+      case 2:
+        index.Stored(w, std::span(h).subspan(i, 1), t);
+        set.insert(i);
+        break;
+      case 3:
+      case 4:
+        index.Removed(w, std::span(h).subspan(i, 1), t);
+        set.erase(i);
+        break;
+      case 5: {
+        const KvTierKind to = tiers[rng() % 3];
+        if (to == t) break;
+        index.Moved(w, std::span(h).subspan(i, 1), t, to);
+        set.erase(i);
+        want[w][static_cast<size_t>(to)].insert(i);
+        break;
+      }
+      case 6:
+        index.Speculate(w, std::span(h).subspan(i, 1), absl::Milliseconds(5));
+        clock.now += absl::Milliseconds(1);
+        break;
+      case 7:
+        if (rng() % 50 == 0) {
+          index.ClearWorker(w);
+          for (auto& s : want[w]) s.clear();
+        }
+        break;
+    }
+    for (int v = 0; v < kWorkers; ++v) {
+      for (KvTierKind tier : tiers) {
+        PrefixIndex::WorkerSummary recount;
+        for (size_t k : want[v][static_cast<size_t>(tier)]) {
+          ++recount.blocks;
+          recount.digest.hi ^= h[k].hi;
+          recount.digest.lo ^= h[k].lo;
+        }
+        const PrefixIndex::WorkerSummary got = index.Summary(v, tier);
+        ASSERT_EQ(got.blocks, recount.blocks) << "step " << step;
+        ASSERT_EQ(got.digest, recount.digest) << "step " << step;
+      }
+    }
+  }
+}
+
+// ClearWorker erases only the worker's own entries; each worker's reverse
+// index holds exactly its entries.
+TEST(PrefixIndexTest, ClearWorkerLeavesOtherWorkersAndReverseIndexesExact) {
+  PrefixIndex index;
+  const auto a = Chain(1000, 1), b = Chain(10, 2);
+  index.Stored(0, a);
+  index.Stored(1, b);
+  index.Stored(1, std::span(a).first(5));
+  EXPECT_EQ(index.Memory().reverse_entries, index.Memory().holders);
+  index.ClearWorker(1);
+  const std::vector<WorkerIndex> w = {0, 1};
+  EXPECT_EQ(index.LeadingBlocks(a, w), (std::vector<int32_t>{1000, 0}));
+  EXPECT_EQ(index.num_hashes(), 1000u);
+  EXPECT_EQ(index.Memory().holders, 1000u);
+  EXPECT_EQ(index.Memory().reverse_entries, 1000u);
+  EXPECT_EQ(index.Summary(1).blocks, 0u);
+  EXPECT_EQ(index.Summary(0).blocks, 1000u);
+}
+
+// Events that arrive while a clear is still erasing (a resync's snapshot)
+// count, and the erasing does not take them away.
+TEST(PrefixIndexTest, StoresDuringAClearSurviveIt) {
+  PrefixIndex index;
+  const auto h = Chain(200'000, 5);
+  index.Stored(0, h);
+  std::thread clear([&] { index.ClearWorker(0); });
+  // Re-stored while the clear may still run.
+  index.Stored(0, std::span(h).first(100));
+  clear.join();
+  std::vector<int32_t> counts = {0};
+  index.LeadingBlocksOfPrompt(
+      h.size(), [&](size_t i) { return h[i]; }, &counts);
+  ASSERT_GE(counts.size(), 1u);
+  // Either order of the two leaves at most the re-stored blocks, and the
+  // index agrees with its own summary.
+  EXPECT_LE(counts[0], 100);
+  EXPECT_EQ(index.Summary(0).blocks, static_cast<size_t>(counts[0]));
+  EXPECT_EQ(index.num_hashes(), static_cast<size_t>(counts[0]));
+  index.ClearWorker(0);
+  EXPECT_EQ(index.num_hashes(), 0u);
+  EXPECT_EQ(index.Memory().reverse_entries, 0u);
 }
 
 }  // namespace

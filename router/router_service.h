@@ -13,7 +13,6 @@
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
 #include "common/tls.h"
-#include "tokenizer/tokenizer.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/auth.h"
@@ -21,6 +20,7 @@
 #include "router/policy.h"
 #include "router/prefix_index.h"
 #include "router/worker_registry.h"
+#include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
 

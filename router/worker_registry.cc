@@ -34,7 +34,8 @@ absl::Status RegistryConfig::Validate() const {
   if (heartbeat <= absl::ZeroDuration() ||
       status_timeout <= absl::ZeroDuration() || max_missed_polls < 1 ||
       forget_registered_after <= absl::ZeroDuration() ||
-      event_stream_idle_timeout <= absl::ZeroDuration())
+      event_stream_idle_timeout <= absl::ZeroDuration() ||
+      evict_retired_after < absl::ZeroDuration())
     return absl::InvalidArgumentError(
         "worker registry: --worker-heartbeat-ms, --worker-status-timeout-ms "
         "and --worker-forget-after-ms (and the event stream idle timeout) "
@@ -48,9 +49,11 @@ struct WorkerRegistry::Entry {
   // Added by RegisterWorker (not a flag or DNS): forgotten when down long.
   bool registered = false;
   // Gone from DNS (a rolled-out pod) or a registered worker down too long:
-  // no longer polled, routed to or counted. Entries are never erased, so
-  // WorkerIndex values stay valid; a retired entry drops its channel.
+  // no longer polled, routed to or counted; a retired entry drops its
+  // channel. It is evicted (and its WorkerIndex reused) once nothing refers
+  // to it (EvictRetired).
   bool retired = false;
+  absl::Time retired_at;
   // When it last answered a poll or registered (for forgetting).
   absl::Time last_seen = absl::Now();
   // Bumped after each heartbeat failure cleared the worker's index entries.
@@ -100,21 +103,66 @@ std::shared_ptr<v1::Worker::Stub> NewWorkerStub(const std::string& address) {
 }  // namespace
 
 WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
-                                           v1::WorkerRole role) {
+                                           v1::WorkerRole role, bool* added) {
   for (auto& e : entries_) {
-    if (e->view.address == address) return e.get();
+    if (e != nullptr && e->view.address == address) return e.get();
   }
+  if (added != nullptr) *added = true;
   auto e = std::make_unique<Entry>();
-  e->view.index = static_cast<WorkerIndex>(entries_.size());
+  if (free_indices_.empty()) {
+    e->view.index = static_cast<WorkerIndex>(entries_.size());
+    entries_.emplace_back();
+  } else {
+    e->view.index = free_indices_.back();
+    free_indices_.pop_back();
+  }
   e->view.address = address;
   e->view.role = role;
   e->view.stub = NewWorkerStub(address);
-  entries_.push_back(std::move(e));
-  return entries_.back().get();
+  Entry* raw = e.get();
+  entries_[static_cast<size_t>(raw->view.index)] = std::move(e);
+  return raw;
+}
+
+void WorkerRegistry::EvictRetired() {
+  std::vector<std::unique_ptr<Entry>> evicted;
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_) return;  // Stop joins every thread itself
+    for (auto& e : entries_) {
+      // Nothing refers to it: no poll or event stream in flight (the event
+      // thread clears `subscribed` as its last step), no routed request
+      // still charged to it (so no later AddLoad or ReportFailure names its
+      // index).
+      if (e == nullptr || !e->retired ||
+          now - e->retired_at < config_.evict_retired_after ||
+          e->poll != nullptr || e->subscribed || e->events_ctx != nullptr ||
+          e->view.routed_requests != 0 || e->view.routed_prefill_tokens != 0)
+        continue;
+      evicted.push_back(std::move(e));
+    }
+  }
+  if (evicted.empty()) return;
+  // The event threads have returned or are returning: join outside mu_.
+  // Then no event can name the index any more; a batch applied after the
+  // retirement's own clear is dropped with it, before the index is reused.
+  for (auto& e : evicted) {
+    if (e->events_thread.joinable()) e->events_thread.join();
+    index_->ClearWorker(e->view.index);
+  }
+  absl::MutexLock l(&mu_);
+  for (auto& e : evicted) free_indices_.push_back(e->view.index);
+}
+
+size_t WorkerRegistry::slots() const {
+  absl::MutexLock l(&mu_);
+  return entries_.size() - free_indices_.size();
 }
 
 void WorkerRegistry::Retire(Entry* e) {
   e->retired = true;
+  e->retired_at = absl::Now();
   e->view.up = false;
   e->wants_events = false;
   e->view.stub.reset();  // in-flight calls keep their own reference
@@ -122,9 +170,9 @@ void WorkerRegistry::Retire(Entry* e) {
 
 void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   absl::MutexLock l(&mu_);
-  const size_t before = entries_.size();
-  Entry* e = Add(address, role);
-  if (entries_.size() != before) e->registered = true;
+  bool added = false;
+  Entry* e = Add(address, role, &added);
+  if (added) e->registered = true;
   if (e->registered && e->retired) {
     e->retired = false;
     e->view.role = role;
@@ -146,6 +194,7 @@ void WorkerRegistry::Stop() {
     if (stop_) return;
     stop_ = true;
     for (auto& e : entries_) {
+      if (e == nullptr) continue;
       if (e->poll) polls.push_back(e->poll);
       if (e->events_ctx) streams.push_back(e->events_ctx);
     }
@@ -163,7 +212,7 @@ void WorkerRegistry::Stop() {
     mu_.Await(absl::Condition(
         +[](int* n) { return *n == 0; }, &polls_in_flight_));
     for (auto& e : entries_) {
-      if (e->events_thread.joinable())
+      if (e != nullptr && e->events_thread.joinable())
         threads.push_back(std::move(e->events_thread));
     }
   }
@@ -174,7 +223,7 @@ std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
   absl::MutexLock l(&mu_);
   std::vector<WorkerView> out;
   for (const auto& e : entries_) {
-    if (e->view.up && !e->retired) out.push_back(e->view);
+    if (e != nullptr && e->view.up && !e->retired) out.push_back(e->view);
   }
   return out;
 }
@@ -183,21 +232,25 @@ std::vector<WorkerView> WorkerRegistry::AllWorkers() const {
   absl::MutexLock l(&mu_);
   std::vector<WorkerView> out;
   for (const auto& e : entries_) {
-    if (!e->retired) out.push_back(e->view);
+    if (e != nullptr && !e->retired) out.push_back(e->view);
   }
   return out;
 }
 
 void WorkerRegistry::ReportFailure(WorkerIndex index) {
   absl::MutexLock l(&mu_);
-  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size())) return;
+  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size()) ||
+      entries_[index] == nullptr)
+    return;
   entries_[index]->view.up = false;
 }
 
 void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens,
                              int64_t requests) {
   absl::MutexLock l(&mu_);
-  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size())) return;
+  if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size()) ||
+      entries_[index] == nullptr)
+    return;
   entries_[index]->view.routed_prefill_tokens += prefill_tokens;
   entries_[index]->view.routed_requests += requests;
 }
@@ -212,7 +265,8 @@ bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
                                   +[](Args* a) {
                                     size_t up = 0;
                                     for (const auto& e : *a->entries)
-                                      up += e->view.up && !e->retired;
+                                      up += e != nullptr && e->view.up &&
+                                            !e->retired;
                                     return up >= a->n;
                                   },
                                   &args),
@@ -269,7 +323,7 @@ void WorkerRegistry::ResolveDns() {
   }
   if (!all_resolved) return;
   for (auto& e : entries_) {
-    if (!e->from_dns || e->retired) continue;
+    if (e == nullptr || !e->from_dns || e->retired) continue;
     const bool listed =
         std::any_of(found.begin(), found.end(),
                     [&](const auto& f) { return f.first == e->view.address; });
@@ -287,13 +341,15 @@ void WorkerRegistry::PollLoop() {
   while (true) {
     if (round++ % 10 == 0) ResolveDns();
     Sweep(absl::Now());
+    EvictRetired();
     StartEventStreams();
     std::vector<Entry*> targets;
     {
       absl::MutexLock l(&mu_);
       if (stop_) return;
       for (auto& e : entries_) {
-        if (!e->retired && e->poll == nullptr) targets.push_back(e.get());
+        if (e != nullptr && !e->retired && e->poll == nullptr)
+          targets.push_back(e.get());
       }
     }
     // Concurrent: a worker that hangs holds only its own poll.
@@ -317,6 +373,7 @@ void WorkerRegistry::StartPoll(Entry* entry) {
     ++polls_in_flight_;
   }
   StatusPoll* raw = poll.get();
+  raw->request.set_peer_pull_key(config_.peer_pull_key);
   stub->async()->GetStatus(
       &raw->ctx, &raw->request, &raw->status,
       [this, entry, raw](grpc::Status st) { OnStatus(entry, raw, st); });
@@ -379,7 +436,7 @@ void WorkerRegistry::StartEventStreams() {
     absl::MutexLock l(&mu_);
     if (stop_) return;
     for (auto& e : entries_) {
-      if (e->wants_events && !e->subscribed && !e->retired)
+      if (e != nullptr && e->wants_events && !e->subscribed && !e->retired)
         finished.emplace_back(e.get(), std::move(e->events_thread));
     }
   }
@@ -399,7 +456,7 @@ void WorkerRegistry::Sweep(absl::Time now) {
   {
     absl::MutexLock l(&mu_);
     for (auto& e : entries_) {
-      if (e->retired) continue;
+      if (e == nullptr || e->retired) continue;
       if (e->events_ctx != nullptr &&
           now - e->last_event > config_.event_stream_idle_timeout) {
         idle.push_back(e->events_ctx);

@@ -7,6 +7,13 @@
 // for `forget_registered_after` is forgotten; static and DNS entries stay
 // (DNS ones until they leave DNS).
 //
+// A forgotten worker's entry (and its channel) is evicted once nothing refers
+// to it: no poll or event stream in flight and no routed request still
+// charged to it. Its index entries are cleared again and its WorkerIndex
+// reused, so
+// registry slots, index state and per-worker vectors stay bounded by the
+// workers alive at once however often addresses change (pod-IP churn).
+//
 // Status polls are asynchronous and concurrent, one in flight per worker, so
 // a worker that hangs delays only its own status. Every RPC the registry has
 // in flight is cancellable: Stop() cancels them all and returns once they
@@ -59,6 +66,13 @@ struct RegistryConfig {
   // re-opened (a worker sends a batch at least every second), which also
   // bounds a subscription stuck connecting to a worker that hangs.
   absl::Duration event_stream_idle_timeout = absl::Seconds(10);
+  // Sent in every status poll (WorkerInfoRequest.peer_pull_key): the key
+  // workers check this router's peer-pull grants with. Empty: none.
+  std::string peer_pull_key;
+  // A forgotten worker's entry is evicted this long after it was forgotten
+  // (and once nothing refers to it): a grace period for a request routed
+  // from a view taken just before, whose load accounting still names it.
+  absl::Duration evict_retired_after = absl::Seconds(10);
 
   absl::Status Validate() const;
 };
@@ -84,6 +98,8 @@ class WorkerRegistry {
   void ReportFailure(WorkerIndex index);
   // Router-side load accounting (deltas; negative when work completes).
   void AddLoad(WorkerIndex index, int64_t prefill_tokens, int64_t requests);
+  // Worker slots held: listed workers plus forgotten ones not yet evicted.
+  size_t slots() const ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until at least `n` workers are up or `timeout` passes.
   bool WaitForWorkers(size_t n, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -104,16 +120,21 @@ class WorkerRegistry {
   void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   void EventLoop(Entry* entry) ABSL_LOCKS_EXCLUDED(mu_);
   void ResolveDns() ABSL_LOCKS_EXCLUDED(mu_);
-  Entry* Add(const std::string& address, v1::WorkerRole role)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry for `address`, created (and `*added` set) if there is none.
+  Entry* Add(const std::string& address, v1::WorkerRole role,
+             bool* added = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // No longer polled, routed to or counted; its index entries are dropped
   // by the caller (ClearWorker) once mu_ is released.
   void Retire(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts retired entries nothing refers to any more, freeing their index.
+  void EvictRetired() ABSL_LOCKS_EXCLUDED(mu_);
 
   const RegistryConfig config_;
   PrefixIndex* const index_;
   mutable absl::Mutex mu_;
+  // By WorkerIndex; null where an evicted entry's index awaits reuse.
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  std::vector<WorkerIndex> free_indices_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int polls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread poll_thread_;  // touched only by Start and Stop

@@ -3,11 +3,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <memory>
 #include <random>
 #include <unordered_set>
 
@@ -405,11 +408,18 @@ TEST_F(BpeTokenizerTest, UnsupportedComponentsAreNamed) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("outside the vocabulary"));
 }
 
-// Model start-up reads the whole tokenizer.json: a Qwen/Llama-3-sized one
-// must load in well under a second. The goal is 0.3 s in Release on a
-// 2-core machine; the bound is loose so a loaded machine does not fail it,
-// while the protobuf-based parser this replaced (about 2.4 s) would.
-TEST_F(BpeTokenizerTest, LoadsATenMegabyteTokenizerJsonQuickly) {
+// Model start-up reads the whole tokenizer.json, so loading a
+// Qwen/Llama-3-sized one (151k tokens and merges) must cost about what
+// reading its JSON does: the loader streams the vocabulary and merges
+// instead of building a document of them, and resolves the merges on two
+// threads. The yardstick is measured in the same run: parsing the same text
+// into a plain JSON document (json::Parse), interleaved with the loads, best
+// of two each, so a machine loaded by other tests slows both alike. Loading
+// measured 0.8-1.0x that parse (0.3 s idle in Release on 2 cores); the
+// bound of 3x fails a loader several times slower, such as the
+// protobuf-JSON parser this replaced (2.4 s idle).
+TEST_F(BpeTokenizerTest,
+       LoadsATenMegabyteTokenizerJsonInAboutTheTimeOfItsJsonParse) {
   constexpr int kVocab = 151000;
   for (bool pairs : {false, true}) {
     const std::string dir = absl::StrCat(testing::TempDir(), "/bpe_large_",
@@ -417,14 +427,28 @@ TEST_F(BpeTokenizerTest, LoadsATenMegabyteTokenizerJsonQuickly) {
     std::filesystem::create_directories(dir);
     const std::string text = LargeByteLevelJson(kVocab, pairs);
     std::ofstream(dir + "/tokenizer.json") << text;
-    const auto start = std::chrono::steady_clock::now();
-    auto t = Tokenizer::Load(dir);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count();
-    ASSERT_TRUE(t.ok()) << t.status();
-    std::printf("tokenizer.json of %.1f MB (merges as %s) loaded in %.3f s\n",
-                text.size() / 1e6, pairs ? "pairs" : "strings", seconds);
+    auto seconds_of = [](auto&& fn) {
+      const auto start = std::chrono::steady_clock::now();
+      fn();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                           start)
+          .count();
+    };
+    absl::StatusOr<std::unique_ptr<Tokenizer>> t;
+    double parse_s = std::numeric_limits<double>::infinity();
+    double load_s = parse_s;
+    for (int round = 0; round < 2; ++round) {
+      parse_s =
+          std::min(parse_s, seconds_of([&] {
+                     ASSERT_TRUE(json::Parse(text, "tokenizer.json").ok());
+                   }));
+      load_s = std::min(load_s, seconds_of([&] { t = Tokenizer::Load(dir); }));
+      ASSERT_TRUE(t.ok()) << t.status();
+    }
+    std::printf(
+        "tokenizer.json of %.1f MB (merges as %s): loaded in %.3f s, parsed "
+        "as a JSON document in %.3f s (best of 2)\n",
+        text.size() / 1e6, pairs ? "pairs" : "strings", load_s, parse_s);
     EXPECT_EQ((*t)->vocab_size(), kVocab + 1);
     // A merge of two letters encodes as its one token.
     const auto* bpe = dynamic_cast<const BpeTokenizer*>(t->get());
@@ -441,11 +465,7 @@ TEST_F(BpeTokenizerTest, LoadsATenMegabyteTokenizerJsonQuickly) {
                 ElementsAre(letters));
     const std::string sample = "The quick brown fox <|endoftext|> 12345!";
     EXPECT_EQ((*t)->Decode((*t)->Encode(sample, false), false), sample);
-    // Timing belongs in benchmarks; this bound only catches a return to the
-    // old protobuf-JSON path (about 2.3 s idle, several seconds under the
-    // parallel test load of a 2-core CI machine). The idle figure (about
-    // 0.3 s) is printed above.
-    EXPECT_LE(seconds, 4.0);
+    EXPECT_LE(load_s, 3 * parse_s);
   }
 }
 

@@ -16,7 +16,6 @@
 #include "decode_service/decode_handler.h"
 #include "engine/engine_loop.h"
 #include "kv_cache/kv_event_log.h"
-#include "model/weights.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/ipc/ipc_service.h"
 #include "kv_transfer/ipc/ipc_transport.h"
@@ -25,9 +24,11 @@
 #include "kv_transfer/nccl/nccl_runtime.h"
 #include "kv_transfer/nccl/nccl_transport.h"
 #include "kv_transfer/transfer_metrics.h"
+#include "model/weights.h"
 #include "prefill_service/peer_pull.h"
 #include "prefill_service/prefill_handler.h"
 #include "wire/enums.h"
+#include "wire/peer_pull_grant.h"
 
 namespace pdserve::worker {
 namespace {
@@ -127,7 +128,9 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   std::unique_ptr<kv_transfer::KvTransferService> kv_service;
   // Peer pull (prefill_service/peer_pull.h): every role can hold blocks for
   // a puller; prefill-serving roles pull. Rates exported in WorkerStatus.
+  // The keys of the routers' pull grants come with their status polls.
   prefill::RateMeter prefill_rate, transfer_rate;
+  wire::PeerPullKeys peer_pull_keys;
   std::unique_ptr<prefill::PeerPullMetrics> peer_pull_metrics;
   std::unique_ptr<prefill::PeerPuller> puller;
   std::unique_ptr<prefill::PeerBlockHolder> holder;
@@ -151,9 +154,10 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
   }
   bool Ready() const { return ready.load(std::memory_order_acquire); }
 
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest* req,
                          v1::WorkerStatus* out) override {
     if (!Ready()) return Starting();
+    if (!req->peer_pull_key().empty()) peer_pull_keys.Add(req->peer_pull_key());
     const engine::EngineStats s = loop->stats();
     out->set_id(id);
     out->set_role(config.role);
@@ -171,6 +175,8 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
     out->set_draining(draining);
     out->set_prefill_tokens_per_second(prefill_rate.rate());
     out->set_kv_transfer_bytes_per_second(transfer_rate.rate());
+    out->set_peer_pull_max_blocks(
+        static_cast<uint32_t>(holder->max_blocks_per_pull()));
     if (s.has_kv_tier) {
       out->set_kv_tier(static_cast<v1::KvTier>(s.kv_tier.kind));
       out->set_kv_tier_blocks(static_cast<uint64_t>(s.kv_tier.blocks_stored));
@@ -384,10 +390,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   engine::EngineConfig engine_config = config.engine;
   // One device for the backend, its KV pool and the KV transports.
   engine_config.cuda_device = config.kv_cuda_device;
-  // shm: a decode worker's pool must be mappable by its prefill peers.
+  // shm: every pool must be mappable by its peers: a decode worker's by the
+  // prefill workers that push into it, a prefill worker's by the holders it
+  // pulls prefixes from (peer pull).
   engine_config.kv_host_shared =
-      config.kv_transport == kv_transfer::KvTransportKind::kShm &&
-      impl->serves_decode;
+      config.kv_transport == kv_transfer::KvTransportKind::kShm;
   ASSIGN_OR_RETURN(auto eng,
                    engine::Engine::Create(weights, engine_config,
                                           [raw](const engine::KvEvent& e) {
@@ -435,14 +442,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       ASSIGN_OR_RETURN(impl->ipc_backend, kv_transfer::ipc::NewCudaIpcBackend(
                                               storage->memory().device));
     }
-    if (impl->serves_decode) {
-      kv_transfer::ipc::IpcReceiverConfig receive;
-      receive.timeout = config.kv_stall_timeout;
-      ASSIGN_OR_RETURN(
-          impl->ipc_endpoint,
-          kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
-              impl->receiver.get(), storage, impl->ipc_backend.get(), receive));
-    }
+    // Every role receives: decode workers the prefills' KV, prefill workers
+    // the blocks a peer pull asks of a holder.
+    kv_transfer::ipc::IpcReceiverConfig receive;
+    receive.timeout = config.kv_stall_timeout;
+    ASSIGN_OR_RETURN(
+        impl->ipc_endpoint,
+        kv_transfer::ipc::IpcKvReceiveEndpoint::Create(
+            impl->receiver.get(), storage, impl->ipc_backend.get(), receive));
     impl->kv_service = std::make_unique<kv_transfer::ipc::IpcKvTransferService>(
         impl->receiver.get(), impl->ipc_endpoint.get());
     impl->nccl_control =
@@ -500,9 +507,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   prefill_options.metrics = impl->transfer_metrics.get();
   impl->peer_pull_metrics =
       std::make_unique<prefill::PeerPullMetrics>(*registry);
+  prefill::PeerBlockHolderConfig holder_config;
+  holder_config.address = impl->address;
+  holder_config.keys = &impl->peer_pull_keys;
+  RETURN_IF_ERROR(holder_config.Validate());
   impl->holder = std::make_unique<prefill::PeerBlockHolder>(
       impl->loop.get(), impl->transport.get(), impl->layout, impl->id,
-      &impl->transfer_rate, impl->peer_pull_metrics.get());
+      &impl->transfer_rate, impl->peer_pull_metrics.get(), holder_config);
   impl->puller = std::make_unique<prefill::PeerPuller>(
       impl->loop.get(), impl->receiver.get(), impl->layout,
       prefill::PeerPullerOptions{

@@ -17,6 +17,12 @@ HttpError NotFound(std::string message, std::string code) {
       404, "invalid_request_error", std::move(code), std::move(message), "", 0};
 }
 
+HttpError Unauthorized(std::string message) {
+  return HttpError{
+      401, "authentication_error", "invalid_api_key", std::move(message), "",
+      0};
+}
+
 HttpError FromGrpc(const grpc::Status& status, int64_t retry_after_ms) {
   HttpError e;
   e.message = status.error_message();

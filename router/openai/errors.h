@@ -1,7 +1,7 @@
 // OpenAI-shaped errors for the HTTP front: the HTTP status that fits a gRPC
 // status from the Router service, and the {"error": {...}} body.
 //
-// Mapping (README "Using the OpenAI API"):
+// Mapping (docs/openai-api.md):
 //   INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION -> 400
 //   UNAUTHENTICATED -> 401, PERMISSION_DENIED -> 403, NOT_FOUND -> 404
 //   RESOURCE_EXHAUSTED -> 429 with Retry-After (tenant limits, shedding)
@@ -30,6 +30,8 @@ struct HttpError {
 
 HttpError BadRequest(std::string message, std::string param = "");
 HttpError NotFound(std::string message, std::string code);
+// 401 authentication_error / invalid_api_key, as the router's UNAUTHENTICATED.
+HttpError Unauthorized(std::string message);
 
 // `retry_after_ms`: the router's "retry-after-ms" trailing metadata, 0 when
 // absent; rounded up to whole seconds (at least 1) for 429.

@@ -10,6 +10,7 @@
 #include <variant>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -18,11 +19,13 @@
 #include "common/logging.h"
 #include "common/metric_handles.h"
 #include "common/status_macros.h"
-#include "tokenizer/chat_template.h"
-#include "tokenizer/tokenizer.h"
 #include "pdserve/v1/router.grpc.pb.h"
 #include "router/openai/errors.h"
+#include "router/openai/headers.h"
+#include "router/openai/http_connections.h"
 #include "router/openai/request.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -138,7 +141,8 @@ struct OpenAiServer::Impl {
   absl::StatusOr<engine::ChatTemplate> chat_template =
       absl::UnknownError("not loaded");
   std::unique_ptr<HttpMetrics> m;
-  std::unique_ptr<httplib::Server> http;
+  HangupWatcher hangups;
+  std::unique_ptr<FrontHttpServer> http;
   std::thread listener;
   int port = 0;
   absl::Mutex rng_mu;
@@ -278,10 +282,24 @@ struct OpenAiServer::Impl {
     if (const auto* err = std::get_if<HttpError>(&g)) return Reply(res, *err);
 
     auto call = std::make_shared<GenerateCall>();
-    if (req.has_header("Authorization"))
-      call->ctx.AddMetadata("authorization",
-                            req.get_header_value("Authorization"));
+    if (req.has_header("Authorization")) {
+      // Checked before it becomes metadata: gRPC aborts on a bad value.
+      const std::string authorization = req.get_header_value("Authorization");
+      if (absl::Status s = CheckForwardedHeader("Authorization", authorization);
+          !s.ok())
+        return Reply(res, Unauthorized(std::string(s.message())));
+      call->ctx.AddMetadata("authorization", authorization);
+    }
     call->reader = stub->Generate(&call->ctx, std::get<v1::GenerateRequest>(g));
+    // Until the response goes out, a client that hangs up cancels the call:
+    // nobody would read what it computes. (A streamed response notices a
+    // hangup itself, on its next write.)
+    const int fd = CurrentConnectionFd();
+    const uint64_t watch =
+        fd < 0 ? 0 : hangups.Watch(fd, [call] { call->ctx.TryCancel(); });
+    absl::Cleanup unwatch = [&] {
+      if (watch != 0) hangups.Unwatch(watch);
+    };
     // The first message decides the HTTP status: errors before it
     // (validation, auth, limits, no workers) are a proper error response.
     auto first = std::make_shared<v1::GenerateResponse>();
@@ -430,6 +448,12 @@ struct OpenAiServer::Impl {
   }
 
   void HandleModels(const httplib::Request& req, httplib::Response& res) {
+    if (req.has_header("Authorization")) {
+      if (absl::Status s = CheckForwardedHeader(
+              "Authorization", req.get_header_value("Authorization"));
+          !s.ok())
+        return Reply(res, Unauthorized(std::string(s.message())));
+    }
     if (hooks.authenticate) {
       absl::Status s =
           hooks.authenticate(req.get_header_value("Authorization"));
@@ -461,9 +485,20 @@ absl::Status OpenAiServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "HTTPS needs both a certificate and a key");
   if (max_connections < 1)
-    return absl::InvalidArgumentError("max_connections must be at least 1");
+    return absl::InvalidArgumentError(
+        "--http-max-connections must be at least 1");
+  if (max_queued_connections < 0)
+    return absl::InvalidArgumentError(
+        "--http-max-queued-connections must not be negative");
+  if (keep_alive_idle_timeout <= absl::ZeroDuration())
+    return absl::InvalidArgumentError(
+        "--http-keep-alive-timeout-ms must be positive");
+  if (keep_alive_max_requests < 1)
+    return absl::InvalidArgumentError(
+        "keep_alive_max_requests must be at least 1");
   if (max_body_bytes < 1024)
-    return absl::InvalidArgumentError("max_body_bytes must be at least 1 KiB");
+    return absl::InvalidArgumentError(
+        "--http-max-body-bytes must be at least 1 KiB");
   return absl::OkStatus();
 }
 
@@ -472,6 +507,10 @@ OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl)
 OpenAiServer::~OpenAiServer() { Stop(); }
 int OpenAiServer::port() const { return impl_->port; }
 bool OpenAiServer::tls() const { return !impl_->config.tls_cert_file.empty(); }
+OpenAiServer::ConnectionStats OpenAiServer::connection_stats() const {
+  const ConnectionPool::Stats s = impl_->http->pool().stats();
+  return ConnectionStats{s.active, s.queued, s.shed};
+}
 
 void OpenAiServer::Stop() {
   if (impl_->http) impl_->http->stop();
@@ -496,23 +535,32 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // do not pass MSG_NOSIGNAL).
   signal(SIGPIPE, SIG_IGN);
 
-  if (config.tls_cert_file.empty()) {
-    impl->http = std::make_unique<httplib::Server>();
-  } else {
-    auto ssl = std::make_unique<httplib::SSLServer>(
-        config.tls_cert_file.c_str(), config.tls_key_file.c_str());
-    if (!ssl->is_valid())
+  SSL_CTX* ssl_ctx = nullptr;
+  if (!config.tls_cert_file.empty()) {
+    ssl_ctx = SSL_CTX_new(TLS_server_method());
+    if (ssl_ctx == nullptr ||
+        SSL_CTX_set_min_proto_version(ssl_ctx, TLS1_2_VERSION) != 1 ||
+        SSL_CTX_use_certificate_chain_file(ssl_ctx,
+                                           config.tls_cert_file.c_str()) != 1 ||
+        SSL_CTX_use_PrivateKey_file(ssl_ctx, config.tls_key_file.c_str(),
+                                    SSL_FILETYPE_PEM) != 1 ||
+        SSL_CTX_check_private_key(ssl_ctx) != 1) {
+      if (ssl_ctx != nullptr) SSL_CTX_free(ssl_ctx);
       return absl::InvalidArgumentError(
           absl::StrCat("cannot load the HTTPS certificate ",
                        config.tls_cert_file, " or key ", config.tls_key_file));
-    impl->http = std::move(ssl);
+    }
+    SSL_CTX_set_options(ssl_ctx, SSL_OP_NO_COMPRESSION);
   }
-  httplib::Server& http = *impl->http;
-  const int threads = config.max_connections;
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  ConnectionLimits limits;
+  limits.threads = config.max_connections;
+  limits.max_queued = config.max_queued_connections;
+  limits.keep_alive_idle = config.keep_alive_idle_timeout;
+  limits.keep_alive_max_requests = config.keep_alive_max_requests;
+  impl->http = std::make_unique<FrontHttpServer>(limits, ssl_ctx);
+  FrontHttpServer& http = *impl->http;
   // Tokens go out as they come: no Nagle delay on small SSE writes.
   http.set_tcp_nodelay(true);
-  http.set_keep_alive_max_count(100000);
   http.set_payload_max_length(static_cast<size_t>(config.max_body_bytes));
   Impl* self = impl.get();
   http.Post("/v1/completions",

@@ -10,6 +10,10 @@
 // that disconnects mid-stream cancels its gRPC call, which cancels the worker
 // calls and frees their KV blocks.
 //
+// A client that hangs up before its non-streamed response is ready cancels
+// the call the same way. Connections beyond `max_connections` wait in a
+// bounded queue, and past it get 503 with Retry-After (http_connections.h).
+//
 // Thread-safety: Start/Stop from one thread; requests are served on the
 // server's own pool of `max_connections` threads.
 #pragma once
@@ -23,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
 
 namespace pdserve::router::openai {
@@ -38,8 +43,16 @@ struct OpenAiServerConfig {
   // are read once at start-up.
   std::string tls_cert_file;
   std::string tls_key_file;
-  // Connection threads; each streaming request holds one while it runs.
+  // Connection threads: connections served at once; each request holds its
+  // connection's thread while it runs.
   int max_connections = 256;
+  // Accepted connections that may wait for a thread; past them a connection
+  // gets 503 with Retry-After at once.
+  int max_queued_connections = 256;
+  // An idle keep-alive connection is closed after this, and at once when
+  // another connection waits for its thread.
+  absl::Duration keep_alive_idle_timeout = absl::Seconds(5);
+  int keep_alive_max_requests = 1000;  // per connection
   // Bytes per request body (413 beyond).
   int64_t max_body_bytes = 4 << 20;
 
@@ -69,6 +82,13 @@ class OpenAiServer {
 
   int port() const;
   bool tls() const;
+  // Connections on a thread, waiting for one, and refused with 503 so far.
+  struct ConnectionStats {
+    int64_t active = 0;
+    int64_t queued = 0;
+    int64_t shed = 0;
+  };
+  ConnectionStats connection_stats() const;
   // Stops accepting and waits for the listener thread; idempotent.
   void Stop();
 

@@ -216,4 +216,13 @@ write("kv_event_fuzz", "malformed_hash", ev_stream([
     (1, batch([field_bytes(3, field_varint(1, 2) + field_bytes(4, b"short"))])),
     (1, batch([field_bytes(3, field_varint(1, 3) + field_varint(2, 7))])),
 ]))
+# --- OpenAI front headers (openai_header_fuzz.cc: [endpoint][Authorization
+# value]); the last three are the values gRPC aborts on, kept as regressions.
+write("openai_header_fuzz", "completions_bearer", b"\x00Bearer tok-alpha")
+write("openai_header_fuzz", "chat_bearer", b"\x01Bearer tok-alpha")
+write("openai_header_fuzz", "models_bearer", b"\x02Bearer tok-alpha")
+write("openai_header_fuzz", "extra_header_line", b"\x00Bearer t\r\nX-Request-Id: 7")
+write("openai_header_fuzz", "tab", b"\x00Bearer a\tb")
+write("openai_header_fuzz", "del", b"\x01Bearer a\x7f")
+write("openai_header_fuzz", "latin1", b"\x02Bearer caf\xe9")
 print("wrote seeds under", OUT)

@@ -1,0 +1,315 @@
+// The AVX-512F kernels of packed_gemm.h (up to kAvx512Rows rows by
+// kAvx512Panels panels of 16 columns, the widener of the batched path) and
+// the AVX512-BF16 VDPBF16PS tiles of GemmNumerics::kBf16Dot. Each function
+// carries its target attribute; the dispatcher calls them only where cpuid
+// reports the instructions.
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its
+// _mm512_undefined_* placeholders) in every instantiation, and
+// -Wuninitialized in _mm512_reduce_max_ps; nothing here reads an
+// uninitialised value.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#include "kernels/cpu/packed_gemm_internal.h"
+
+namespace pdserve::kernels::packed_gemm_internal {
+namespace {
+
+// One pair of k (q even) of one panel: Raw is what stays in a register
+// between the two halves (bf16: the packed words; others: the address).
+template <Fmt W>
+struct Avx512Pair;
+template <>
+struct Avx512Pair<Fmt::kF32> {
+  using Raw = const float*;
+  PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
+    return reinterpret_cast<const float*>(panel) + q * kPanel;
+  }
+  PDSERVE_AVX512 static __m512 First(Raw p) { return _mm512_loadu_ps(p); }
+  PDSERVE_AVX512 static __m512 Second(Raw p) { return _mm512_loadu_ps(p + 16); }
+};
+template <>
+struct Avx512Pair<Fmt::kBF16> {
+  using Raw = __m512i;
+  PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
+    return _mm512_loadu_si512(panel + (q >> 1) * 64);
+  }
+  PDSERVE_AVX512 static __m512 First(Raw d) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+  }
+  PDSERVE_AVX512 static __m512 Second(Raw d) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+};
+template <>
+struct Avx512Pair<Fmt::kF16> {
+  using Raw = const uint8_t*;
+  PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
+    return panel + q * 32;
+  }
+  PDSERVE_AVX512 static __m512 First(Raw p) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  PDSERVE_AVX512 static __m512 Second(Raw p) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  }
+};
+PDSERVE_AVX512 inline __m512 WidenInt8Avx512(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+struct Avx512Pair<Fmt::kI8> {
+  using Raw = const uint8_t*;
+  PDSERVE_AVX512 static Raw Load(const uint8_t* panel, int64_t q) {
+    return panel + q * 16;
+  }
+  PDSERVE_AVX512 static __m512 First(Raw p) { return WidenInt8Avx512(p); }
+  PDSERVE_AVX512 static __m512 Second(Raw p) { return WidenInt8Avx512(p + 16); }
+};
+
+template <Fmt W, int MR, int NV>
+PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
+                               int64_t panel_bytes, int64_t k0, int64_t k1,
+                               float* io, bool zero) {
+  using P = Avx512Pair<W>;
+  constexpr int kWidth = NV * 16;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = zero ? _mm512_setzero_ps()
+                       : _mm512_loadu_ps(io + i * kWidth + v * 16);
+    }
+  }
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  // Bytes of one panel per k; at small batches the tile streams its panels
+  // from DRAM, and a prefetch 1 KiB ahead in each keeps more lines in flight
+  // than the hardware prefetcher alone (one per 64 bytes).
+  constexpr int64_t kBytesPerK = ElementBytesOf(W) * kPanel;
+  int64_t q = k0;
+  for (; q + 2 <= k1; q += 2) {
+    const float* xq = xp + (q - k0) * MR;
+    if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(
+            reinterpret_cast<const char*>(wp[v] + q * kBytesPerK + 1024),
+            _MM_HINT_T0);
+    }
+    typename P::Raw raw[NV];
+    for (int v = 0; v < NV; ++v) raw[v] = P::Load(wp[v], q);
+    // Broadcast each x once and reuse it across the NV panels: 3 x 6
+    // accumulators, 3 widened weights, the raw words and one broadcast fit
+    // the 32 registers without spills.
+    __m512 a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = P::First(raw[v]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xa = _mm512_set1_ps(xq[i]);
+      for (int v = 0; v < NV; ++v)
+        acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
+    }
+    for (int v = 0; v < NV; ++v) a[v] = P::Second(raw[v]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xb = _mm512_set1_ps(xq[MR + i]);
+      for (int v = 0; v < NV; ++v)
+        acc[i][v] = _mm512_fmadd_ps(xb, a[v], acc[i][v]);
+    }
+  }
+  if (q < k1) {  // odd k: the pair's second weight is padding
+    const float* xq = xp + (q - k0) * MR;
+    for (int v = 0; v < NV; ++v) {
+      const __m512 a = P::First(P::Load(wp[v], q));
+      for (int i = 0; i < MR; ++i)
+        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xq[i]), a, acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
+// Block int8: per block the NV panels' scales stay in registers; each k's
+// weights are widened and scaled once (an exact product) for all MR rows.
+template <int MR, int NV>
+PDSERVE_AVX512 void TileAvx512B32(const float* xp, const uint8_t* w,
+                                  int64_t panel_bytes, int64_t k0, int64_t k1,
+                                  float* io, bool zero) {
+  constexpr int kWidth = NV * 16;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = zero ? _mm512_setzero_ps()
+                       : _mm512_loadu_ps(io + i * kWidth + v * 16);
+    }
+  }
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  // Pointers and a block-relative index only: k0 >= 0, and index
+  // arithmetic per k would cost more than the widening.
+  const float* xq = xp;
+  for (int64_t b = k0 / kInt8Block; b * kInt8Block < k1; ++b) {
+    const int64_t base = b * kInt8Block;
+    const int64_t j1 = std::min(k1, base + kInt8Block) - base;
+    const uint8_t* blk[NV];
+    __m512 s[NV];
+    for (int v = 0; v < NV; ++v) {
+      blk[v] = wp[v] + b * kBlockBytes;
+      s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk[v] + kInt8Block * kPanel)));
+    }
+    for (int64_t j = std::max(k0, base) - base; j < j1; ++j, xq += MR) {
+      __m512 a[NV];
+      for (int v = 0; v < NV; ++v)
+        a[v] = _mm512_mul_ps(WidenInt8Avx512(blk[v] + j * kPanel), s[v]);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xa = _mm512_set1_ps(xq[i]);
+        for (int v = 0; v < NV; ++v)
+          acc[i][v] = _mm512_fmadd_ps(xa, a[v], acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
+template <Fmt W>
+PDSERVE_AVX512 void WidenAvx512(const uint8_t* w, int64_t panel_bytes, int nv,
+                                int64_t q0, int64_t q1, float* out) {
+  for (int v = 0; v < nv; ++v) {
+    const uint8_t* panel = w + v * panel_bytes;
+    float* o = out + v * (q1 - q0) * kPanel;
+    if constexpr (W == Fmt::kI8B32) {
+      for (int64_t q = q0; q < q1;) {
+        const int64_t b = q / kInt8Block;
+        const int64_t end = std::min(q1, (b + 1) * kInt8Block);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(panel + BlockScaleOffset(b, 0))));
+        const uint8_t* p =
+            panel + b * kBlockBytes + (q - b * kInt8Block) * kPanel;
+        for (; q < end; ++q, p += kPanel) {
+          _mm512_storeu_ps(o + (q - q0) * kPanel,
+                           _mm512_mul_ps(WidenInt8Avx512(p), s));
+        }
+      }
+    } else {
+      using P = Avx512Pair<W>;
+      for (int64_t q = q0; q < q1; q += 2) {  // q0 is even
+        const typename P::Raw raw = P::Load(panel, q);
+        _mm512_storeu_ps(o + (q - q0) * kPanel, P::First(raw));
+        if (q + 1 < q1)
+          _mm512_storeu_ps(o + (q + 1 - q0) * kPanel, P::Second(raw));
+      }
+    }
+  }
+}
+
+template <int MR, int NV>
+__attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
+    const float* xpf, const uint8_t* w, int64_t panel_bytes, int64_t k0,
+    int64_t k1, float* io, bool zero) {
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xpf);
+  constexpr int kWidth = NV * 16;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = zero ? _mm512_setzero_ps()
+                       : _mm512_loadu_ps(io + i * kWidth + v * 16);
+    }
+  }
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
+  for (int64_t q = k0; q < k1; q += 2) {
+    const uint32_t* xq = xp + (q - k0) / 2 * MR;
+    __m512i raw[NV];
+    for (int v = 0; v < NV; ++v)
+      raw[v] = _mm512_loadu_si512(wp[v] + (q >> 1) * 64);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[i]));
+      for (int v = 0; v < NV; ++v) {
+        acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)raw[v], (__m512bh)xb);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
+  }
+}
+
+template <Fmt W, int NV, int... R>
+constexpr std::array<TileFn, sizeof...(R)> Avx512Rows(
+    std::integer_sequence<int, R...>) {
+  if constexpr (W == Fmt::kI8B32) {
+    return {&TileAvx512B32<R + 1, NV>...};
+  } else {
+    return {&TileAvx512<W, R + 1, NV>...};
+  }
+}
+template <Fmt W>
+struct Avx512Table {
+  static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
+  static constexpr std::array<std::array<TileFn, kAvx512Rows>, kAvx512Panels>
+      kFns = {Avx512Rows<W, 1>(kSeq), Avx512Rows<W, 2>(kSeq),
+              Avx512Rows<W, 3>(kSeq)};
+};
+template <int NV, int... R>
+constexpr std::array<TileFn, sizeof...(R)> Bf16DotRows(
+    std::integer_sequence<int, R...>) {
+  return {&TileBf16Dot<R + 1, NV>...};
+}
+
+}  // namespace
+
+TileFn Bf16DotTile(int rows, int nv) {
+  static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
+  static constexpr std::array<std::array<TileFn, kAvx512Rows>, kAvx512Panels>
+      kFns = {Bf16DotRows<1>(kSeq), Bf16DotRows<2>(kSeq), Bf16DotRows<3>(kSeq)};
+  return kFns[nv - 1][rows - 1];
+}
+
+TileFn Avx512Tile(Fmt t, int rows, int nv) {
+  switch (t) {
+    case Fmt::kF32:
+      return Avx512Table<Fmt::kF32>::kFns[nv - 1][rows - 1];
+    case Fmt::kBF16:
+      return Avx512Table<Fmt::kBF16>::kFns[nv - 1][rows - 1];
+    case Fmt::kF16:
+      return Avx512Table<Fmt::kF16>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8:
+      return Avx512Table<Fmt::kI8>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8B32:
+      return Avx512Table<Fmt::kI8B32>::kFns[nv - 1][rows - 1];
+    case Fmt::kI8Dot:  // never: GemmNT runs GemmDotLayoutChain for it
+      break;
+  }
+  return nullptr;
+}
+
+WidenFn Avx512Widener(Fmt t) {
+  switch (t) {
+    case Fmt::kBF16:
+      return &WidenAvx512<Fmt::kBF16>;
+    case Fmt::kF16:
+      return &WidenAvx512<Fmt::kF16>;
+    case Fmt::kI8:
+      return &WidenAvx512<Fmt::kI8>;
+    case Fmt::kI8B32:
+      return &WidenAvx512<Fmt::kI8B32>;
+    case Fmt::kF32:
+    case Fmt::kI8Dot:  // (never reaches here)
+      return nullptr;
+  }
+  return nullptr;
+}
+
+}  // namespace pdserve::kernels::packed_gemm_internal

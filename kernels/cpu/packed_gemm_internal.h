@@ -1,0 +1,235 @@
+// What the packed_gemm*.cc files share, and nothing else includes: the panel
+// formats and their byte offsets, the tile and widener signatures, the
+// target attributes of each instruction-set family, and each family's entry
+// points. packed_gemm.cc is the dispatcher (ISA choice, packing, the GemmNT
+// driver); packed_gemm_portable.cc, _avx2.cc, _avx512.cc (with AVX512-BF16),
+// _int8dot.cc (AVX512-VNNI and the kInt8Dot drivers) and _amx.cc
+// (AMX-INT8) hold the kernels. Every function carries its own target
+// attribute, so the files need no per-file compile flags and run only where
+// the dispatcher found the instructions.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/packed_gemm.h"
+
+namespace pdserve::kernels::packed_gemm_internal {
+
+constexpr int64_t kPanel = 16;  // output rows (columns of y) per panel
+// Block int8: per block of 32 k, [32][16] int8 then 16 fp16 scales.
+constexpr int64_t kBlockBytes = kInt8Block * kPanel + kPanel * 2;
+
+// What a panel holds; DType alone does not say how int8 is scaled.
+// kI8Dot: per-row int8 in WeightMatrix::Layout::kPanel16Dot.
+enum class Fmt : uint8_t { kF32, kBF16, kF16, kI8, kI8B32, kI8Dot };
+
+inline Fmt FormatOf(
+    DType t, Int8Scaling s,
+    WeightMatrix::Layout layout = WeightMatrix::Layout::kPanel16) {
+  switch (t) {
+    case DType::kBF16:
+      return Fmt::kBF16;
+    case DType::kF16:
+      return Fmt::kF16;
+    case DType::kI8:
+      if (s == Int8Scaling::kBlock32) return Fmt::kI8B32;
+      return layout == WeightMatrix::Layout::kPanel16Dot ? Fmt::kI8Dot
+                                                         : Fmt::kI8;
+    default:
+      return Fmt::kF32;
+  }
+}
+
+// Bytes per weight of the panel-16 formats with one byte count per k (not
+// kI8B32, whose blocks carry scales).
+constexpr int64_t ElementBytesOf(Fmt t) {
+  return t == Fmt::kF32 ? 4 : t == Fmt::kBF16 || t == Fmt::kF16 ? 2 : 1;
+}
+
+// Byte offset of weight (k index q, column c of the panel) inside a panel.
+inline int64_t PanelOffset(Fmt t, int64_t q, int64_t c) {
+  switch (t) {
+    case Fmt::kBF16:  // [k/2][16][2]: two k of one column share a word
+      return (((q >> 1) * kPanel + c) * 2 + (q & 1)) * 2;
+    case Fmt::kF16:
+      return (q * kPanel + c) * 2;
+    case Fmt::kI8:
+      return q * kPanel + c;
+    case Fmt::kI8Dot:  // [k/4][16][4]
+      return (q >> 2) * (kPanel * 4) + c * 4 + (q & 3);
+    case Fmt::kI8B32:
+      return (q / kInt8Block) * kBlockBytes + (q % kInt8Block) * kPanel + c;
+    case Fmt::kF32:
+      break;
+  }
+  return (q * kPanel + c) * 4;
+}
+// Byte offset of the fp16 scale of (block b, column c) in a block-int8 panel.
+inline int64_t BlockScaleOffset(int64_t b, int64_t c) {
+  return b * kBlockBytes + kInt8Block * kPanel + c * 2;
+}
+
+// w(q, c) of the order contract: the stored weight widened to fp32 (block
+// int8: times its block's scale, an exact product).
+inline float LoadWidened(Fmt t, const uint8_t* panel, int64_t q, int64_t c) {
+  const uint8_t* p = panel + PanelOffset(t, q, c);
+  switch (t) {
+    case Fmt::kF32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case Fmt::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return Bf16ToFloat(h);
+    }
+    case Fmt::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return F16ToFloat(h);
+    }
+    case Fmt::kI8:
+    case Fmt::kI8Dot:
+      return static_cast<float>(static_cast<int8_t>(*p));
+    case Fmt::kI8B32: {
+      uint16_t h;
+      std::memcpy(&h, panel + BlockScaleOffset(q / kInt8Block, c), 2);
+      return static_cast<float>(static_cast<int8_t>(*p)) * F16ToFloat(h);
+    }
+  }
+  return 0;
+}
+
+#define PDSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PDSERVE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define PDSERVE_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c")))
+#define PDSERVE_AMX                                             \
+  __attribute__((                                               \
+      target("avx512f,avx512bw,avx512vnni,avx512vbmi,f16c,amx-" \
+             "tile,amx-int8")))
+
+// Tiles. Each computes io[MR][NV*16] (+)= x[MR rows][k0:k1] · panels[k0:k1]
+// for NV consecutive panels; `zero` starts the chains at 0, otherwise they
+// resume from io. Every chain is fma over k in increasing order. x comes
+// packed as xp[(q - k0) * MR + i] (one k's MR values side by side), so a tile
+// reads one contiguous stream instead of MR rows that share cache sets.
+using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
+                        float*, bool);
+
+using WidenFn = void (*)(const uint8_t*, int64_t, int, int64_t, int64_t,
+                         float*);
+
+constexpr int kAvx512Rows = 6, kAvx512Panels = 3;
+constexpr int kAvx2Rows = 4;
+constexpr int kPortableRows = 4;
+// k per widening stage: 3 panels x 128 k x 16 fp32 = 24 KiB, in L1 while
+// every row tile of the batch passes over it.
+constexpr int64_t kStageK = 128;
+
+// --- Widening once per batch -----------------------------------------------
+// With more rows than one register tile holds, each row tile would widen the
+// same weights again. Instead the weights of [q0, q1) of NV panels are
+// widened once into an fp32 scratch in the fp32 panel layout
+// (out[v][q - q0][16]), and every row tile runs the fp32 tile over it. The
+// values are exactly w(j, p) and the chains run in the same order, so the
+// bits equal the direct path's.
+// Each ISA's widener (null for fp32, which needs none).
+WidenFn PortableWidener(Fmt t);
+WidenFn Avx2Widener(Fmt t);
+WidenFn Avx512Widener(Fmt t);
+
+// Portable: any rows (<= 8) and panel count (<= 3).
+void TilePortable(Fmt t, int rows, int nv, const float* xp, const uint8_t* w,
+                  int64_t panel_bytes, int64_t k0, int64_t k1, float* io,
+                  bool zero);
+// AVX2 + FMA: rows <= kAvx2Rows, one panel.
+TileFn Avx2Tile(Fmt t, int rows);
+// AVX-512F: rows <= kAvx512Rows, nv <= kAvx512Panels panels (not kI8Dot,
+// which GemmNT runs through GemmDotLayoutChain).
+TileFn Avx512Tile(Fmt t, int rows, int nv);
+
+// --- bf16-activation dot products (GemmNumerics::kBf16Dot) -----------------
+// x comes packed as bf16 pairs, xp[(q - k0) / 2 * MR + i] = x[2t] | x[2t+1]
+// << 16, the layout of the weights' words. Per pair, as VDPBF16PS does it
+// (Intel SDM): acc += w[2t+1]*x[2t+1], then acc += w[2t]*x[2t], each an fp32
+// FMA with bf16 denormal inputs read as zero and denormal results flushed.
+void TileBf16DotPortable(int rows, int nv, const uint32_t* xp, const uint8_t* w,
+                         int64_t panel_bytes, int64_t k0, int64_t k1, float* io,
+                         bool zero);
+// AVX512-BF16 VDPBF16PS, the same chain (xp as floats holding the pairs).
+TileFn Bf16DotTile(int rows, int nv);
+
+// --- int8 activations x block-int8 weights (GemmNumerics::kInt8Dot) --------
+// qx: [rows][kp] int8 (this row tile's rows), sx: [rows][blocks]; io:
+// [rows][nv * 16]. Every output: per block the exact integer dot product,
+// then acc = fma(float(isum), sx * sw, acc), blocks in increasing order.
+void Int8DotPortable(const int8_t* qx, const float* sx, int64_t kp,
+                     int64_t blocks, int rows, int nv, const uint8_t* w,
+                     int64_t panel_bytes, float* io);
+// One row of QuantizeActivationsInt8; the AVX-512 one gives the same bytes
+// (max is exact, division and round-to-nearest-even are IEEE in both).
+void QuantizeRowPortable(const float* x, int64_t k, int64_t kp, int8_t* q,
+                         float* scales);
+
+// --- kInt8Dot on per-row int8 weights ---------------------------------------
+// Activations are rounded per row (one scale per row), so a row's integer
+// sum runs over all of k and the only fp32 arithmetic is the final
+//   y[i][j] = float(isum) * (sx[i] * sw[j]).
+// Integer sums are exact (int32 up to k = 65536 on VNNI and AMX, int64 on the
+// portable loop at any k, the same integers), so every kernel gives the same
+// bits. Quantized rows are kRowDotK-aligned (zero padding), which AMX needs.
+constexpr int64_t kRowDotK = 64;  // k per TDPBSSD at full depth
+constexpr int64_t kRowDotMaxHwK = int64_t{1} << 16;
+
+inline int64_t RowDotPaddedK(int64_t k) {
+  return (k + kRowDotK - 1) / kRowDotK * kRowDotK;
+}
+// One row rounded with one scale, q padded to kq with zeros.
+void QuantizeRowPerRowPortable(const float* x, int64_t k, int64_t kq, int8_t* q,
+                               float* scale);
+// rows x nv panels of per-row int8 weights (either layout, `fmt`), y to io
+// [rows][nv * 16].
+void RowDotPortable(Fmt fmt, const int8_t* qx, const float* sx, int64_t kq,
+                    int64_t k, int rows, int nv, const uint8_t* w,
+                    int64_t panel_bytes, const float* sw, float* io);
+
+// kFp32Chain on kPanel16Dot: the order contract, plainly (correct, slow; the
+// engine packs kPanel16Dot only for kInt8Dot).
+void GemmDotLayoutChain(const float* __restrict__ x, int64_t m, int64_t k,
+                        const WeightMatrix& w, float* __restrict__ y);
+
+// The vpermb index that turns 4 k x 16 columns of a block ([32 k][16
+// columns] stored) into the 16 dwords of 4 consecutive k that VPDPBUSD and
+// an AMX B tile want.
+PDSERVE_VNNI inline __m512i Int8DotOrder() {
+  alignas(64) uint8_t order[64];
+  for (int c = 0; c < kPanel; ++c)
+    for (int kk = 0; kk < 4; ++kk) order[c * 4 + kk] = kk * kPanel + c;
+  return _mm512_load_si512(order);
+}
+
+// kInt8Dot on block int8 weights (VNNI, AMX or portable by Int8DotKernelFor)
+// and on per-row int8 weights.
+void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
+                 const WeightMatrix& w, float* __restrict__ y);
+void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
+                const WeightMatrix& w, float* __restrict__ y);
+
+// AMX-INT8 (packed_gemm_amx.cc). Rows of qx are padded to a multiple of
+// kAmxRows with zeros (scales 0).
+constexpr int kAmxRows = 16;
+// Block int8: qx [m padded][kp] signed, sx [m padded][kp / 32].
+void GemmInt8DotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kp,
+                    const WeightMatrix& w, float* __restrict__ y);
+// Per-row int8 on kPanel16Dot: qx [m padded][kq] signed, sx [m padded].
+void GemmRowDotAmx(const int8_t* qx, const float* sx, int64_t m, int64_t kq,
+                   const WeightMatrix& w, float* __restrict__ y);
+
+}  // namespace pdserve::kernels::packed_gemm_internal
