@@ -122,6 +122,7 @@ int RunGenerate(const std::vector<std::string>&) {
     auto step = (*engine)->Step();
     if (!step.ok()) return ReportError(step.status());
     for (const auto& out : *step) {
+      if (!out.error.ok()) return ReportError(out.error);
       ids.insert(ids.end(), out.new_tokens.begin(), out.new_tokens.end());
       for (const engine::TokenLogprobs& lp : out.logprobs) {
         json::OrderedValue top = json::OrderedValue::array();

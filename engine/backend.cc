@@ -59,6 +59,10 @@ absl::Status BackendConfig::Validate() const {
         absl::StrCat("gpu_memory_utilization must be in (0, 1], got ",
                      gpu_memory_utilization));
   }
+  if (cuda_device < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_device must be >= 0, got ", cuda_device));
+  }
   if (max_num_batched_tokens < 1) {
     return absl::InvalidArgumentError(
         "max_num_batched_tokens must be at least 1");

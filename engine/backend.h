@@ -54,6 +54,9 @@ struct BackendConfig {
   bool gpu_reference_math = false;
   // CUDA: activation buffers are sized for this many tokens per step.
   int32_t max_num_batched_tokens = 512;
+  // CUDA: the device the backend runs on and keeps its KV pool in
+  // (--kv-cuda-device, which NCCL and cuda_ipc use too); >= 0.
+  int32_t cuda_device = 0;
 
   absl::Status Validate() const;
 };

@@ -112,12 +112,16 @@ class CudaKvStorage final : public KvStorage {
   absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
                           void* scales) override {
     const KvSpan s = Span(layer, block);
+    if (s.scale_bytes > 0 && scales == nullptr)
+      return MissingScales(layer, block);
     return Copy(data, s.data, s.data_bytes, scales, s.scales, s.scale_bytes,
                 cudaMemcpyDeviceToHost);
   }
   absl::Status CopyFromHost(int32_t layer, int64_t block, const void* data,
                             const void* scales) override {
     const KvSpan s = Span(layer, block);
+    if (s.scale_bytes > 0 && scales == nullptr)
+      return MissingScales(layer, block);
     return Copy(s.data, data, s.data_bytes, s.scales, scales, s.scale_bytes,
                 cudaMemcpyHostToDevice);
   }
@@ -153,7 +157,7 @@ class CudaKvStorage final : public KvStorage {
     }
     PDSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(dst, src, bytes, kind, copy_stream_));
-    if (scale_bytes > 0 && dst_scales != nullptr && src_scales != nullptr) {
+    if (scale_bytes > 0) {  // both non-null: checked by the callers
       PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           dst_scales, src_scales, scale_bytes, kind, copy_stream_));
     }
@@ -228,7 +232,8 @@ class CudaBackend : public Backend {
   static absl::StatusOr<std::unique_ptr<Backend>> Create(
       std::shared_ptr<const ModelWeights> weights, const BackendConfig& config);
   ~CudaBackend() override {
-    gemm_.reset();  // before the stream it uses
+    cudaSetDevice(device_);  // the destroying thread may have another device
+    gemm_.reset();           // before the stream it uses
     layer_events_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -337,7 +342,13 @@ absl::Status CudaBackend::Init() {
   if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
     return absl::FailedPreconditionError("--device cuda: no CUDA device found");
   }
-  PDSERVE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device_));
+  if (config_.cuda_device >= device_count) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--kv-cuda-device ", config_.cuda_device,
+                     ": this machine has ", device_count, " CUDA devices"));
+  }
+  device_ = config_.cuda_device;
+  PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   // What this backend itself allocates (weights, activations) is measured as
   // the drop in free memory from here; other workers sharing the GPU (a P/D
   // pair on one device) are not charged to this one's budget.
@@ -479,6 +490,9 @@ absl::Status CudaBackend::Forward(
   // GPU overlap this pass's remaining layers. An error mid-pass runs no
   // later hook; the stream is synchronized so no work of the failed pass
   // outlives this call.
+  // The engine thread may not be the one that created the backend, and
+  // the current device is per thread.
+  PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   LayerReadySequencer layers(layer_events_.get(), &on_layer_written);
   absl::Status s = ForwardOnStream(seqs, logits, layers);
   if (!s.ok()) cudaStreamSynchronize(stream_);

@@ -3,9 +3,11 @@
 // stream is bit-identical, and greedy, temperature, top-k and top-p sampling
 // pick the same token for the same logits, seed and position. Exact
 // equality is expected; the only allowed difference (a uniform within
-// ~1e-15 of a CDF boundary) does not occur on these inputs.
+// ~1e-15 of a CDF boundary) does not occur on these inputs. Rows with a NaN
+// logit are invalid on both.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -81,6 +83,56 @@ TEST_F(CudaSamplingTest, SameTokensAsTheCpuSampler) {
           << "vocab " << vocab << " row " << r << " temperature "
           << p.temperature << " top_p " << p.top_p << " top_k " << p.top_k;
     }
+  }
+}
+
+// A NaN anywhere in a row (first, middle, last element; greedy, random,
+// top-k, top-p) makes both samplers report the row invalid with the same
+// sentinel, and leaves the rows beside it alone: a GPU that kept sampling
+// (treating NaN as -inf) would serve tokens from corrupt logits.
+TEST_F(CudaSamplingTest, ARowWithANanIsInvalidOnBothSamplersAndOthersAreNot) {
+  static_assert(kInvalidToken == engine::kInvalidLogitsToken);
+  const int64_t vocab = 32000;
+  const int32_t rows = 12;
+  std::vector<float> logits =
+      testing::RandomFloats(&rng_, static_cast<size_t>(rows) * vocab, 3.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Rows 0, 3, 6, 9 carry a NaN at the start, middle, end, and next to the
+  // row's maximum.
+  logits[0 * vocab + 0] = nan;
+  logits[3 * vocab + vocab / 2] = nan;
+  logits[6 * vocab + vocab - 1] = nan;
+  logits[9 * vocab + 5] = 50.0f;
+  logits[9 * vocab + 6] = nan;
+  std::vector<SampleParams> params(rows);
+  for (int32_t r = 0; r < rows; ++r) {
+    params[r].temperature = r % 2 == 0 ? 0.0f : 0.9f;
+    params[r].top_k = r % 4 == 1 ? 40 : 0;
+    params[r].top_p = r % 4 == 3 ? 0.9f : 1.0f;
+    params[r].seed = 77 + r;
+    params[r].position = 5 + r;
+  }
+  DeviceArray<float> dlogits(logits);
+  DeviceArray<int32_t> tokens(rows);
+  const int64_t ws_bytes = SamplingWorkspaceBytes(rows, vocab);
+  DeviceArray<uint8_t> ws(static_cast<size_t>(ws_bytes));
+  ASSERT_TRUE(InvokeSample(dlogits.get(), rows, vocab, params.data(),
+                           tokens.get(), ws.get(), ws_bytes, stream_)
+                  .ok());
+  Sync();
+  const std::vector<int32_t> got = tokens.Download();
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (int32_t r = 0; r < rows; ++r) {
+    engine::SamplingParams p;
+    p.temperature = params[r].temperature;
+    p.top_p = params[r].top_p;
+    p.top_k = params[r].top_k;
+    p.seed = params[r].seed;
+    const int32_t want = engine::SampleToken(logits.data() + r * vocab, vocab,
+                                             p, params[r].position, &scratch);
+    const bool poisoned = r % 3 == 0;
+    EXPECT_EQ(want == engine::kInvalidLogitsToken, poisoned) << "row " << r;
+    EXPECT_EQ(got[r], want) << "row " << r << " temperature " << p.temperature;
   }
 }
 

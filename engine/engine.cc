@@ -101,6 +101,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   bc.gpu_memory_utilization = config.gpu_memory_utilization;
   bc.max_num_batched_tokens = config.max_num_batched_tokens;
   bc.gpu_reference_math = config.gpu_reference_math;
+  bc.cuda_device = config.cuda_device;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    CreateBackend(weights, bc));
   EngineConfig c = config;
@@ -505,6 +506,18 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     // without an allowed token (a completed match ends the request first).
     if (seq->matcher) seq->matcher->Accept(token).IgnoreError();
     ++logit_row;
+    if (token == kInvalidLogitsToken) {
+      // No token can come from NaN logits: end this request alone (retired
+      // below, blocks freed); the rest of the batch carries on.
+      StepOutput out;
+      out.id = seq->req.id;
+      out.error = absl::InternalError(absl::StrCat(
+          "request \"", seq->req.id, "\": the logits for position ", position,
+          " hold NaN (corrupt weights or KV cache, or a kernel fault); the "
+          "request was ended"));
+      outputs.push_back(std::move(out));
+      continue;
+    }
     seq->tokens.push_back(token);
     StepOutput out;
     out.id = seq->req.id;
@@ -522,10 +535,12 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   }
   // Retire finished sequences after the loop: `batch` points into seqs_.
   for (StepOutput& out : outputs) {
-    if (out.finish == FinishReason::kNone || out.new_tokens.empty()) continue;
+    const bool failed = !out.error.ok();
+    if (!failed && (out.finish == FinishReason::kNone || out.new_tokens.empty()))
+      continue;
     auto it = seqs_.find(out.id);
     Sequence* seq = it->second.get();
-    if (seq->req.hold_blocks_on_finish) {
+    if (seq->req.hold_blocks_on_finish && !failed) {
       out.held_blocks = std::move(seq->blocks);
       seq->blocks.clear();
     } else {

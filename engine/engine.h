@@ -53,6 +53,7 @@ struct EngineConfig {
   Device device = Device::kCpu;
   double gpu_memory_utilization = 0.9;
   bool gpu_reference_math = false;  // see BackendConfig (equivalence checks)
+  int32_t cuda_device = 0;          // see BackendConfig
   // Bounds on work queued ahead of the engine thread, so that a burst of
   // requests costs memory in proportion to these caps, not to the burst.
   // Beyond each cap new work is refused with RESOURCE_EXHAUSTED.
@@ -126,6 +127,10 @@ struct StepOutput {
   std::vector<int32_t> held_blocks;  // see EngineRequest::hold_blocks_on_finish
   // With sampling.logprobs: one per new_tokens entry.
   std::vector<TokenLogprobs> logprobs;
+  // Not OK when the request ended with an engine error instead of a token
+  // (INTERNAL: its logits held a NaN, engine/sampling.h); its blocks are
+  // already freed and new_tokens is empty.
+  absl::Status error;
 };
 
 // Blocks reserved on a decode worker for a prompt whose KV another worker

@@ -346,6 +346,11 @@ void EngineLoop::Run() {
               engine_->ReleaseBlocks(out.held_blocks);
             continue;
           }
+          if (!out.error.ok()) {  // the request ended with an engine error
+            it->second->Fail(out.error);
+            streams_.erase(it);
+            continue;
+          }
           const bool finished = out.finish != FinishReason::kNone;
           it->second->Push(std::move(out));
           if (finished) streams_.erase(it);

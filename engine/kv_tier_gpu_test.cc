@@ -3,7 +3,8 @@
 // memory there) and blocks move device -> pinned host -> device through
 // CopyToHost / CopyFromHost. A block offered, overwritten in the pool and
 // loaded back into another pool block has the bytes it had, for every KV
-// dtype the device stores (scales included). Needs a CUDA device; skips
+// dtype the device stores (scales included), and a scaled span copied with
+// no scale buffer is refused. Needs a CUDA device; skips
 // with the reason when none is found.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -102,6 +103,17 @@ TEST_P(KvTierGpuTest, PinnedMemoryTierRoundTripsDeviceBlocks) {
   ASSERT_TRUE((*t)->Load(h1, storage, 3).ok());
   EXPECT_EQ(BlockBytes(storage, 2), want0);
   EXPECT_EQ(BlockBytes(storage, 3), want1);
+  // A scaled span copied without its scale buffer is refused, both ways,
+  // and nothing lands (never int8/fp8 data with stale scales).
+  if (DTypeHasScales(GetParam())) {
+    std::vector<unsigned char> data(storage.spec().LayerBlockBytes(), 0x5a);
+    EXPECT_EQ(storage.CopyFromHost(0, 2, data.data(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(BlockBytes(storage, 2), want0) << "data copied without scales";
+    EXPECT_EQ(storage.CopyToHost(0, 2, data.data(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(data[0], 0x5a);
+  }
   const KvTierStats s = (*t)->Stats();
   EXPECT_EQ(s.blocks_loaded, 2);
   EXPECT_GT(s.LoadTokensPerSecond(), 0);

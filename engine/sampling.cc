@@ -82,23 +82,37 @@ namespace {
 
 // The first index of the largest logit, as the plain scan
 //   best = 0; for i: if (logits[i] > logits[best]) best = i;
-// gives it (NaN never wins; a NaN at 0 stays the answer; +0 and -0 tie),
-// in two passes the compiler vectorizes: 16 running maxima, then the first
-// index equal to their maximum. At batch 32 the scan over a 128k vocabulary
-// was ~12% of a 1B decode step.
+// gives it (+0 and -0 tie), or kInvalidLogitsToken when any logit is NaN,
+// in two passes the compiler vectorizes: 16 running maxima and NaN flags,
+// then the first index equal to their maximum. At batch 32 the scan over a
+// 128k vocabulary was ~12% of a 1B decode step; the NaN flag rides along in
+// the same pass.
 int32_t Argmax(const float* logits, int64_t vocab) {
-  if (vocab <= 0 || !(logits[0] == logits[0])) return 0;
+  if (vocab <= 0) return 0;
+  if (!(logits[0] == logits[0])) return kInvalidLogitsToken;
   constexpr int kLanes = 16;
   float lane[kLanes];
+  int nan[kLanes] = {};
   for (float& l : lane) l = logits[0];
   int64_t i = 0;
   for (; i + kLanes <= vocab; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j)
-      lane[j] = logits[i + j] > lane[j] ? logits[i + j] : lane[j];
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = logits[i + j];
+      lane[j] = v > lane[j] ? v : lane[j];
+      nan[j] |= v != v;
+    }
   }
   float mx = lane[0];
-  for (int j = 1; j < kLanes; ++j) mx = lane[j] > mx ? lane[j] : mx;
-  for (; i < vocab; ++i) mx = logits[i] > mx ? logits[i] : mx;
+  int any_nan = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    mx = lane[j] > mx ? lane[j] : mx;
+    any_nan |= nan[j];
+  }
+  for (; i < vocab; ++i) {
+    mx = logits[i] > mx ? logits[i] : mx;
+    any_nan |= logits[i] != logits[i];
+  }
+  if (any_nan) return kInvalidLogitsToken;
   for (int64_t p = 0; p < vocab; ++p) {
     if (logits[p] == mx) return static_cast<int32_t>(p);
   }
@@ -111,7 +125,7 @@ int32_t SampleToken(const float* logits, int64_t vocab,
                     const SamplingParams& params, int64_t position,
                     std::vector<std::pair<float, int32_t>>* scratch) {
   const int32_t best = Argmax(logits, vocab);
-  if (params.temperature <= 0.0f) return best;
+  if (params.temperature <= 0.0f || best == kInvalidLogitsToken) return best;
 
   auto& cand = *scratch;
   cand.clear();

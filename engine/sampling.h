@@ -56,7 +56,15 @@ std::array<uint32_t, 4> Philox4x32(std::array<uint32_t, 4> counter,
 // Uniform float in [0, 1) for (seed, position): 24 random bits.
 float UniformForPosition(uint64_t seed, int64_t position);
 
-// Picks the next token from fp32 logits [vocab]. Greedy takes the first
+// What SampleToken returns for a row of logits that holds a NaN: no token
+// can be chosen from it (NaN comes from corrupt weights or KV, or a kernel
+// fault), so the engine ends that request with INTERNAL naming the position
+// and frees its blocks; other requests of the batch are unaffected. The GPU
+// sampler (kernels/cuda/sampling.cuh) reports such rows the same way.
+inline constexpr int32_t kInvalidLogitsToken = -1;
+
+// Picks the next token from fp32 logits [vocab], or kInvalidLogitsToken when
+// any logit is NaN (greedy and random alike). Greedy takes the first
 // maximum. Otherwise: logits / temperature, keep the top_k largest (ties by
 // lower id), softmax, keep the smallest prefix in (prob desc, id asc) order
 // whose mass reaches top_p, and invert the CDF at UniformForPosition.

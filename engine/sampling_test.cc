@@ -8,6 +8,10 @@
 #include <random>
 #include <vector>
 
+#include "engine/backend.h"
+#include "engine/engine.h"
+#include "engine/test_util.h"
+
 namespace pdserve::engine {
 namespace {
 
@@ -53,6 +57,8 @@ TEST_F(SamplingTest, GreedyAndDegenerateFiltersTakeTheArgmax) {
 // 16-lane blocks and on adversarial rows.
 TEST_F(SamplingTest, GreedyEqualsThePlainScanOnHardRows) {
   auto scan = [](const std::vector<float>& l) {
+    for (float v : l)
+      if (v != v) return kInvalidLogitsToken;
     int32_t best = 0;
     for (size_t i = 1; i < l.size(); ++i)
       if (l[i] > l[best]) best = static_cast<int32_t>(i);
@@ -149,6 +155,132 @@ TEST_F(SamplingTest, LogprobsAreLogSoftmaxOfRawLogitsWithTopByValueThenId) {
   SamplingParams p;
   p.top_logprobs = kMaxTopLogprobs + 1;
   EXPECT_FALSE(p.Validate().ok());
+}
+
+TEST_F(SamplingTest, ANanLogitMakesTheRowInvalidGreedyOrRandom) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  SamplingParams greedy;
+  SamplingParams random;
+  random.temperature = 0.8f;
+  random.top_k = 5;
+  random.top_p = 0.9f;
+  random.seed = 3;
+  for (size_t at : {size_t{0}, size_t{17}, size_t{999}}) {
+    std::vector<float> l(1000, 0.5f);
+    l[10] = 4.0f;
+    l[at] = nan;
+    EXPECT_EQ(Sample(l, greedy, 0), kInvalidLogitsToken) << at;
+    EXPECT_EQ(Sample(l, random, 0), kInvalidLogitsToken) << at;
+  }
+  std::vector<float> clean(1000, 0.5f);
+  clean[10] = 4.0f;
+  EXPECT_EQ(Sample(clean, greedy, 0), 10);
+}
+
+// The CPU backend behind a test factory registered for Device::kCuda, whose
+// logits turn to NaN for every sequence whose length after this step is
+// kPoisonLength: the engine's handling of a NaN row, on CPU.
+constexpr int32_t kPoisonLength = 22;
+
+class NanAtLengthBackend final : public Backend {
+ public:
+  explicit NanAtLengthBackend(std::unique_ptr<Backend> inner)
+      : inner_(std::move(inner)) {}
+  Device device() const override { return Device::kCuda; }
+  const KvCacheSpec& kv_spec() const override { return inner_->kv_spec(); }
+  int64_t num_blocks() const override { return inner_->num_blocks(); }
+  KvStorage* kv_storage() override { return inner_->kv_storage(); }
+  absl::Status Forward(
+      std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
+      const LlamaModel::LayerWrittenFn& on_layer_written) override {
+    if (absl::Status s = inner_->Forward(seqs, logits, on_layer_written);
+        !s.ok())
+      return s;
+    size_t rows = 0;
+    for (const auto& s : seqs) rows += s.logits == LlamaModel::Logits::kLast;
+    if (rows == 0) return absl::OkStatus();
+    const size_t vocab = logits->size() / rows;
+    size_t row = 0;
+    for (const auto& s : seqs) {
+      if (s.logits != LlamaModel::Logits::kLast) continue;
+      if (s.start_pos + static_cast<int32_t>(s.tokens.size()) ==
+          kPoisonLength)
+        (*logits)[row * vocab + vocab / 3] =
+            std::numeric_limits<float>::quiet_NaN();
+      ++row;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> NanAtLengthFactory(
+    std::shared_ptr<const ModelWeights> weights, const BackendConfig& config) {
+  BackendConfig cpu = config;
+  cpu.device = Device::kCpu;
+  auto inner = CreateBackend(std::move(weights), cpu);
+  if (!inner.ok()) return inner.status();
+  return std::unique_ptr<Backend>(new NanAtLengthBackend(*std::move(inner)));
+}
+
+TEST(SamplingNanTest, NanLogitsEndThatRequestWithInternalAndFreeItsBlocks) {
+  SetBackendFactory(Device::kCuda, NanAtLengthFactory);
+  EngineConfig config;
+  config.device = Device::kCuda;
+  auto make = [&] {
+    auto e = Engine::Create(testing::TinyWeights(), config);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  };
+  // "poisoned": a 20-token prompt reaches length 22 at its third token;
+  // "clean" (24 tokens) and "short" (8 tokens, 6 new) never pass through 22.
+  auto poisoned = testing::SyntheticRequest("poisoned", 20, 1, 8, 0.0f, 5);
+  auto clean = testing::SyntheticRequest("clean", 24, 2, 8, 0.7f, 5);
+  auto shorter = testing::SyntheticRequest("short", 8, 3, 6, 0.0f, 5);
+  auto alone = make();
+  ASSERT_TRUE(alone->AddRequest(clean).ok());
+  ASSERT_TRUE(alone->AddRequest(shorter).ok());
+  const auto want = testing::DrainEngine(alone.get());
+
+  auto engine = make();
+  ASSERT_TRUE(engine->AddRequest(poisoned).ok());
+  ASSERT_TRUE(engine->AddRequest(clean).ok());
+  ASSERT_TRUE(engine->AddRequest(shorter).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  absl::Status error;
+  int errors = 0;
+  for (int steps = 0; engine->HasWork() && steps < 1000; ++steps) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (const StepOutput& o : *step) {
+      if (!o.error.ok()) {
+        EXPECT_EQ(o.id, "poisoned");
+        EXPECT_TRUE(o.new_tokens.empty());
+        error = o.error;
+        ++errors;
+        // Its blocks are free at once; the others still run.
+        EXPECT_EQ(engine->Stats().num_running, 2);
+      }
+      auto& v = got[o.id];
+      v.insert(v.end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
+  }
+  EXPECT_FALSE(engine->HasWork());
+  ASSERT_EQ(errors, 1);
+  EXPECT_EQ(error.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(error.message().find("position 22"), std::string::npos) << error;
+  EXPECT_NE(error.message().find("NaN"), std::string::npos) << error;
+  // Two tokens came before the NaN row, none after.
+  EXPECT_EQ(got["poisoned"].size(), 2u);
+  // The other rows of the same batches are untouched.
+  EXPECT_EQ(got["clean"], want.at("clean"));
+  EXPECT_EQ(got["short"], want.at("short"));
+  EXPECT_EQ(engine->Stats().blocks_active, 0) << "a block was left held";
+  // Aborting the ended request later is harmless.
+  engine->Abort("poisoned");
+  SetBackendFactory(Device::kCuda, nullptr);
 }
 
 }  // namespace

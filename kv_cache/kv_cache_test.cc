@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace pdserve::engine {
 namespace {
 
@@ -34,6 +36,30 @@ TEST(KvPoolTest, LayerBlockSpansAreContiguousAndDisjoint) {
   EXPECT_NE((*pool)->LayerBlockScales(1, 2), nullptr);
   EXPECT_EQ(KvPool::Create(spec, 0).status().code(),
             absl::StatusCode::kResourceExhausted);
+}
+
+// int8 data without its scales is garbage on arrival: a copy given no scale
+// buffer for a scaled span fails and copies nothing (the CUDA storage has
+// the same rule, engine/kv_tier_gpu_test.cc).
+TEST(KvPoolTest, CopiesOfScaledSpansWithoutAScaleBufferAreRefused) {
+  KvCacheSpec spec{2, 2, 4, 4, DType::kI8};
+  auto pool = KvPool::Create(spec, 3);
+  ASSERT_TRUE(pool.ok());
+  std::vector<uint8_t> data(spec.LayerBlockBytes(), 7);
+  std::vector<float> scales(2 * spec.num_kv_heads, 0.5f);
+  EXPECT_EQ((*pool)->CopyFromHost(1, 2, data.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*pool)->LayerBlockData(1, 2)[0], 0) << "data copied anyway";
+  EXPECT_EQ((*pool)->CopyToHost(1, 2, data.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(data[0], 7) << "data copied anyway";
+  ASSERT_TRUE((*pool)->CopyFromHost(1, 2, data.data(), scales.data()).ok());
+  EXPECT_EQ((*pool)->LayerBlockScales(1, 2)[3], 0.5f);
+  // fp32 has no scales: null is fine.
+  KvCacheSpec f32{2, 2, 4, 4, DType::kF32};
+  auto plain = KvPool::Create(f32, 3);
+  std::vector<uint8_t> f32_data(f32.LayerBlockBytes(), 1);
+  EXPECT_TRUE((*plain)->CopyFromHost(0, 0, f32_data.data(), nullptr).ok());
 }
 
 }  // namespace

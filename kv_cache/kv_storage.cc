@@ -25,6 +25,13 @@ std::string KvMemoryName(const KvMemory& m) {
                                      : absl::StrCat("cuda:", m.device);
 }
 
+absl::Status MissingScales(int32_t layer, int64_t block) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "KV span (layer ", layer, ", block ", block,
+      ") has scales but no scale buffer was given; refusing to copy its data "
+      "without them"));
+}
+
 std::unique_ptr<HostStagingBuffer> KvStorage::AllocateStaging(size_t bytes) {
   return std::make_unique<PlainStaging>(bytes);
 }

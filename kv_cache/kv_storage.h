@@ -58,6 +58,10 @@ class HostStagingBuffer {
 // A piece of a storage's memory that another process on the same node may
 // map: the shm and cuda_ipc transports (kv_transfer/ipc/) write the spans a
 // decode worker reserved straight through such a mapping.
+// INVALID_ARGUMENT for CopyToHost / CopyFromHost given no scale buffer for
+// a span that has scales.
+absl::Status MissingScales(int32_t layer, int64_t block);
+
 struct KvSharedRegion {
   void* base = nullptr;  // in the storage's memory(): host or device
   size_t bytes = 0;
@@ -83,7 +87,8 @@ class KvStorage {
   // 0 <= block < num_blocks() (callers validate untrusted indices first).
   virtual KvSpan Span(int32_t layer, int64_t block) = 0;
   // Copies a span's bytes to host memory / from host memory. `scales` may be
-  // null when the dtype has none. Host storage: memcpy. Device storage: a
+  // null when the dtype has none; null for a dtype with scales (int8, fp8) is
+  // INVALID_ARGUMENT and nothing is copied, never data without its scales. Host storage: memcpy. Device storage: a
   // synchronous device copy (the transfer thread waits, not the engine).
   virtual absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
                                   void* scales) = 0;

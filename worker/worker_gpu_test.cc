@@ -2,7 +2,8 @@
 // KV leaves device memory through pinned staging and the grpc transport and
 // lands in the decode worker's device blocks; with --gpu-reference-math the
 // tokens must equal a colocated GPU worker's, greedy and seeded. Skips with
-// the reason where no CUDA device is visible. Prints each disaggregated
+// the reason where no CUDA device is visible. Covers fp32, bf16, int8 and
+// fp8 KV (the quantized ones move scale spans too). Prints each disaggregated
 // request's time (BENCH lines) for scripts/gpu-check.sh.
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
@@ -80,12 +81,12 @@ class WorkerGpuTest : public ::testing::Test {
   void TearDown() override {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
-  WorkerConfig Config(v1::WorkerRole role, DType kv) {
+  WorkerConfig Config(v1::WorkerRole role, DType kv, bool reference_math) {
     WorkerConfig c;
     c.role = role;
     c.model_dir = dir_;
     c.engine.device = engine::Device::kCuda;
-    c.engine.gpu_reference_math = true;
+    c.engine.gpu_reference_math = reference_math;
     c.engine.gpu_memory_utilization = 0.25;  // three workers on one GPU
     c.engine.kv_dtype = kv;
     c.kv_stall_timeout = absl::Seconds(60);
@@ -94,15 +95,34 @@ class WorkerGpuTest : public ::testing::Test {
   std::string dir_;
 };
 
+// Every KV dtype the GPU stores, int8 and fp8 with their scale spans, and
+// for the quantized ones also the serving math (bf16 GEMMs, the tensor-core
+// prefill kernel) besides the reference math (fp32 GEMMs, prefill through
+// the decode kernel). Exact equality is the bound: both sides run the same
+// kernels on the same inputs on one GPU, and the KV bytes (and scales)
+// arrive unchanged, so any difference is a transfer or layout fault.
 TEST_F(WorkerGpuTest, OneGpuPrefillDecodePairOverGrpcEqualsColocated) {
-  for (DType kv : {DType::kBF16, DType::kF32, DType::kI8}) {
+  struct Case {
+    DType kv;
+    bool reference_math;
+  };
+  for (const Case& c : {Case{DType::kBF16, true}, Case{DType::kF32, true},
+                        Case{DType::kI8, true}, Case{DType::kFp8E4M3, true},
+                        Case{DType::kI8, false},
+                        Case{DType::kFp8E4M3, false}}) {
+    const DType kv = c.kv;
+    SCOPED_TRACE(absl::StrCat(DTypeName(kv), c.reference_math
+                                                 ? " reference math"
+                                                 : " serving math"));
     metrics::Registry r0, r1, r2;
-    auto both = WorkerServer::Start(Config(v1::WORKER_ROLE_BOTH, kv), &r0);
+    auto both = WorkerServer::Start(
+        Config(v1::WORKER_ROLE_BOTH, kv, c.reference_math), &r0);
     ASSERT_TRUE(both.ok()) << both.status();
-    auto prefill =
-        WorkerServer::Start(Config(v1::WORKER_ROLE_PREFILL, kv), &r1);
+    auto prefill = WorkerServer::Start(
+        Config(v1::WORKER_ROLE_PREFILL, kv, c.reference_math), &r1);
     ASSERT_TRUE(prefill.ok()) << prefill.status();
-    auto decode = WorkerServer::Start(Config(v1::WORKER_ROLE_DECODE, kv), &r2);
+    auto decode = WorkerServer::Start(
+        Config(v1::WORKER_ROLE_DECODE, kv, c.reference_math), &r2);
     ASSERT_TRUE(decode.ok()) << decode.status();
     for (auto [temperature, seed] :
          {std::pair<float, uint64_t>{0.0f, 0}, {0.8f, 42}}) {

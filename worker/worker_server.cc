@@ -390,6 +390,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       engine::BlockHash{weights->fingerprint[0], weights->fingerprint[1]}.Hex();
   Impl* raw = impl.get();
   engine::EngineConfig engine_config = config.engine;
+  // One device for the backend, its KV pool and the KV transports.
+  engine_config.cuda_device = config.kv_cuda_device;
   // shm: every pool must be mappable by its peers: a decode worker's by the
   // prefill workers that push into it, a prefill worker's by the holders it
   // pulls prefixes from (peer pull).

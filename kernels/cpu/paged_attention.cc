@@ -101,7 +101,11 @@ constexpr float kLn2Lo = 1.42860682030941723212e-6f;
 constexpr float kExpC[6] = {1.0f / 5040, 1.0f / 720, 1.0f / 120,
                             1.0f / 24,   1.0f / 6,   0.5f};
 
+// NaN stays NaN (a NaN score poisons the softmax, so the output and then
+// the logits carry it and the engine ends the request, instead of dropping
+// that key silently); below kExpMin the result is 0.
 inline float ExpPortable(float x) {
+  if (x != x) return x;
   if (!(x >= kExpMin)) return 0.0f;
   x = std::min(x, 0.0f);
   const float n = std::nearbyint(x * kLog2e);
@@ -127,6 +131,8 @@ inline float ExpPortable(float x) {
 #define PDSERVE_ATTN_AVX2 __attribute__((target("avx2,fma")))
 
 PDSERVE_ATTN_AVX512 inline __m512 Exp16(__m512 x) {
+  const __m512 in = x;
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __mmask16 ok =
       _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_setzero_ps()),
@@ -143,10 +149,14 @@ PDSERVE_ATTN_AVX512 inline __m512 Exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+  return _mm512_mask_mov_ps(
+      _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits))),
+      nan, in);
 }
 
 PDSERVE_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
+  const __m256 in = x;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
   const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_setzero_ps()),
                     _mm256_set1_ps(kExpMin));
@@ -162,7 +172,8 @@ PDSERVE_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+  return _mm256_blendv_ps(
+      _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(bits))), in, nan);
 }
 
 enum class AttnIsa { kPortable, kAvx2, kAvx512 };

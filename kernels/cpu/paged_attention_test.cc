@@ -205,7 +205,8 @@ TEST(AttentionExpTest, WithinTwoUlpOfExpAndZeroBelowTheRange) {
   EXPECT_EQ(AttentionExpForTesting(-87.5f), 0.0f);
   EXPECT_EQ(AttentionExpForTesting(-std::numeric_limits<float>::infinity()),
             0.0f);
-  EXPECT_EQ(AttentionExpForTesting(std::nanf("")), 0.0f);
+  // NaN propagates (see NanInTheCacheReachesTheOutputOfEveryQueryThatSeesIt).
+  EXPECT_TRUE(std::isnan(AttentionExpForTesting(std::nanf(""))));
   float worst = 0;
   for (float x = -87.0f; x <= 0.0f; x += 0.00137f) {
     const double want = std::exp(double(x));
@@ -217,6 +218,50 @@ TEST(AttentionExpTest, WithinTwoUlpOfExpAndZeroBelowTheRange) {
   }
   EXPECT_LE(worst, 2.0f);
   std::printf("[ note ] attention exp: worst %.2f ulp over [-87, 0]\n", worst);
+}
+
+// What a NaN does to a request: a NaN in a key (corrupt KV, a kernel fault
+// upstream) must reach the output of every query that attends to it, on
+// every instruction set, so that the logits hold NaN and the engine ends the
+// request with INTERNAL (engine/sampling.h, kInvalidLogitsToken). An exp
+// that mapped NaN to 0 would drop that key and serve wrong tokens silently.
+// Queries before the poisoned position do not see it and stay finite.
+TEST_F(PagedAttentionTest, NanInTheCacheReachesTheOutputOfEveryQueryThatSeesIt) {
+  const int kv_heads = 2, heads = 4, hd = 64, bs = 16, len = 40, bad = 21;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PagedFixture f = Build(dtype, kv_heads, hd, bs, {len});
+    // Poison the key of position `bad`, KV head 0, by rewriting it.
+    std::vector<float> k = f.k[0], v = f.v[0];
+    k[(bad * kv_heads + 0) * hd + 5] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<int64_t> slots(len);
+    for (int t = 0; t < len; ++t)
+      slots[t] = int64_t{f.tables[0][t / bs]} * bs + t % bs;
+    WriteKv(k.data(), v.data(), len, slots.data(), f.view);
+    std::normal_distribution<float> dist;
+    std::vector<float> q(len * heads * hd);
+    for (auto& x : q) x = dist(rng_);
+    AttentionSeq seq{0, len, 0, f.tables[0].data()};
+    for (PagedAttentionIsa isa :
+         {PagedAttentionIsa::kPortable, PagedAttentionIsa::kAvx2,
+          PagedAttentionIsa::kAvx512}) {
+      if (!SetPagedAttentionIsa(isa)) continue;
+      std::vector<float> out(q.size());
+      PagedAttention(q.data(), heads, {&seq, 1}, f.view, 0.125f, out.data());
+      for (int pos = 0; pos < len; ++pos) {
+        for (int h = 0; h < heads; ++h) {
+          // Query heads 0 and 1 read KV head 0 (GQA group of 2).
+          const bool sees = pos >= bad && h / (heads / kv_heads) == 0;
+          const float* o = out.data() + (pos * heads + h) * hd;
+          const bool any_nan =
+              std::any_of(o, o + hd, [](float x) { return std::isnan(x); });
+          ASSERT_EQ(any_nan, sees)
+              << DTypeName(dtype) << " isa " << static_cast<int>(isa)
+              << " pos " << pos << " head " << h;
+        }
+      }
+    }
+    SetPagedAttentionIsa(PagedAttentionIsa::kBest);
+  }
 }
 
 TEST_F(PagedAttentionTest, Int8TokenByTokenWritesEqualOneChunkWrite) {

@@ -85,6 +85,19 @@ __global__ void __launch_bounds__(kDecodeThreads) PagedDecodeAttentionKernel(
   const int seq = query_seq != nullptr ? query_seq[query] : query;
   const int ctx = context_lens[query];
   const int start = part * kPartition;
+  // A context beyond the launch's max_context_len (a caller bug) would need
+  // partitions this grid lacks, and the reduce step would read partials
+  // past its own: the row's output is NaN instead, which the engine turns
+  // into an INTERNAL error for that request (engine/sampling.h).
+  if (ctx < 0 || ctx > num_parts * kPartition) {
+    if (part == 0) {
+      for (int i = tid; i < GROUP_TILE * HD; i += kDecodeThreads) {
+        out[(static_cast<int64_t>(query) * num_heads + head0 + i / HD) * HD +
+            i % HD] = __int_as_float(0x7fc00000);
+      }
+    }
+    return;
+  }
   if (start >= ctx) {
     if (ctx == 0 && num_parts == 1) {  // no context: the CPU writes zeros
       for (int i = tid; i < GROUP_TILE * HD; i += kDecodeThreads) {
@@ -284,7 +297,13 @@ __global__ void __launch_bounds__(128) PagedDecodeReduceKernel(
   const int head = blockIdx.x;
   const int query = blockIdx.y;
   const int64_t qh = static_cast<int64_t>(query) * gridDim.x + head;
-  const int used = (context_lens[query] + kPartition - 1) / kPartition;
+  const int ctx = context_lens[query];
+  const int used = (ctx + kPartition - 1) / kPartition;
+  if (ctx < 0 || used > num_parts) {  // see PagedDecodeAttentionKernel
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+      out[qh * head_dim + d] = __int_as_float(0x7fc00000);
+    return;
+  }
   const float* maxes = partial_max + qh * num_parts;
   const float* sums = partial_sum + qh * num_parts;
   if (threadIdx.x == 0) {
@@ -483,6 +502,19 @@ __global__ void __launch_bounds__(kPrefillThreads) PagedPrefillAttentionKernel(
   const int head = blockIdx.y;
   const int q0 = blockIdx.x * kBlockQ;
   if (q0 >= s.num_q) return;
+  // Positions past the sequence's block-table row (a caller bug) would read
+  // another sequence's table: NaN rows instead, as in the decode kernel.
+  if (s.start_pos < 0 || int64_t{s.start_pos} + s.num_q >
+                             int64_t{max_blocks_per_seq} * cache.block_size) {
+    for (int i = threadIdx.x; i < kBlockQ * HD; i += kPrefillThreads) {
+      const int qi = q0 + i / HD;
+      if (qi < s.num_q) {
+        out[(static_cast<int64_t>(s.q_row + qi) * num_heads + head) * HD +
+            i % HD] = __int_as_float(0x7fc00000);
+      }
+    }
+    return;
+  }
   const int kv_head = head / (num_heads / cache.num_kv_heads);
   const int32_t* table =
       block_tables + static_cast<int64_t>(blockIdx.z) * max_blocks_per_seq;

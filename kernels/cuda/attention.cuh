@@ -36,7 +36,11 @@ int64_t PagedDecodeAttentionWorkspaceBytes(int32_t num_queries,
 
 // Query row r attends to positions [0, context_lens[r]) of sequence
 // query_seq[r] (r itself when query_seq is null). context_lens[r] may be 0
-// (the output row is then 0). All pointers are device pointers.
+// (the output row is then 0). A context_lens[r] above max_context_len or
+// below 0 makes row r's output NaN (the lengths live on the device, so the
+// launcher cannot check them without a sync; NaN reaches the logits, where
+// the engine ends that request with INTERNAL). All pointers are device
+// pointers.
 absl::Status InvokePagedDecodeAttention(
     const float* q,  // [num_queries, num_heads, head_dim]
     const PagedKvView& cache,
@@ -50,7 +54,9 @@ absl::Status InvokePagedDecodeAttention(
     void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 
 // One sequence of a prefill call: its queries are rows [q_row, q_row + num_q)
-// of q/out at positions start_pos .. start_pos + num_q - 1.
+// of q/out at positions start_pos .. start_pos + num_q - 1. A sequence whose
+// last position lies past its block-table row (max_blocks_per_seq *
+// block_size) gets NaN output rows, as the decode launcher's bad contexts.
 struct PrefillSeq {
   int32_t q_row = 0;
   int32_t num_q = 0;

@@ -16,7 +16,9 @@
 #include <random>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kv_copy.cuh"
 #include "kernels/cuda/test_util.h"
 
@@ -39,31 +41,47 @@ class KernelBench : public testing::GpuTest {
     }
     testing::GpuTest::SetUp();
   }
-  // Mean milliseconds of `fn` over enough iterations for ~50 ms.
+  // Mean milliseconds of `fn` (returning its launch's absl::Status) over
+  // enough iterations for ~50 ms, or the first error of any launch, event or
+  // the stream: a figure is never printed for launches that failed.
   template <typename Fn>
-  double TimeMs(Fn fn) {
-    for (int i = 0; i < 2; ++i) fn();
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    cudaEventRecord(a, stream_);
-    fn();
-    cudaEventRecord(b, stream_);
-    cudaEventSynchronize(b);
-    float once = 0;
-    cudaEventElapsedTime(&once, a, b);
-    const int iters =
-        std::clamp(static_cast<int>(50.0 / std::max(once, 0.001f)), 3, 200);
-    cudaEventRecord(a, stream_);
-    for (int i = 0; i < iters; ++i) fn();
-    cudaEventRecord(b, stream_);
-    cudaEventSynchronize(b);
-    float total = 0;
-    cudaEventElapsedTime(&total, a, b);
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-    return total / iters;
+  absl::StatusOr<double> TimeMs(Fn fn) {
+    absl::Status first;
+    auto run = [&] {
+      absl::Status s = fn();
+      if (first.ok() && !s.ok()) first = s;
+    };
+    auto check = [&](cudaError_t e) {
+      if (first.ok() && e != cudaSuccess) first = PDSERVE_CUDA_STATUS(e);
+    };
+    for (int i = 0; i < 2; ++i) run();
+    cudaEvent_t a = nullptr, b = nullptr;
+    check(cudaEventCreate(&a));
+    check(cudaEventCreate(&b));
+    float once = 0, total = 0;
+    int iters = 0;
+    if (first.ok()) {
+      check(cudaEventRecord(a, stream_));
+      run();
+      check(cudaEventRecord(b, stream_));
+      check(cudaEventSynchronize(b));
+      check(cudaEventElapsedTime(&once, a, b));
+      iters =
+          std::clamp(static_cast<int>(50.0 / std::max(once, 0.001f)), 3, 200);
+    }
+    if (first.ok()) {
+      check(cudaEventRecord(a, stream_));
+      for (int i = 0; i < iters && first.ok(); ++i) run();
+      check(cudaEventRecord(b, stream_));
+      check(cudaEventSynchronize(b));
+      check(cudaEventElapsedTime(&total, a, b));
+    }
+    check(cudaStreamSynchronize(stream_));  // faults of the kernels
+    check(cudaGetLastError());
+    if (a != nullptr) cudaEventDestroy(a);
+    if (b != nullptr) cudaEventDestroy(b);
+    if (!first.ok()) return first;
+    return static_cast<double>(total) / iters;
   }
 };
 
@@ -95,13 +113,17 @@ TEST_F(KernelBench, DecodeAttentionBandwidth) {
     for (int batch : batches) {
       for (int ctx : contexts) {
         DeviceArray<int32_t> lens(std::vector<int32_t>(batch, ctx));
-        const double ms = TimeMs([&] {
-          (void)InvokePagedDecodeAttention(
+        const absl::StatusOr<double> timed = TimeMs([&] {
+          return InvokePagedDecodeAttention(
               q.get(), layer.view, tables.get(),
               static_cast<int32_t>(max_blocks_per_seq), lens.get(), nullptr,
               batch, kHeads, ctx, 0.088f, out.get(), ws.get(), ws_bytes,
               stream_);
         });
+        ASSERT_TRUE(timed.ok()) << KvDtypeName(dtype) << " batch " << batch
+                                << " context " << ctx << ": "
+                                << timed.status();
+        const double ms = *timed;
         const double bytes =
             2.0 * batch * ctx * kKvHeads * kHd * KvDtypeBytes(dtype);
         const double gbps = bytes / (ms * 1e-3) / 1e9;
@@ -140,11 +162,14 @@ TEST_F(KernelBench, PrefillAttentionThroughput) {
     const size_t rows = static_cast<size_t>(s.new_tokens) * s.seqs;
     DeviceArray<float> q(rows * kHeads * kHd), out(rows * kHeads * kHd);
     q.Zero();
-    const double ms = TimeMs([&] {
-      (void)InvokePagedPrefillAttention(
+    const absl::StatusOr<double> timed = TimeMs([&] {
+      return InvokePagedPrefillAttention(
           q.get(), layer.view, dseqs.get(), s.seqs, dtable.get(),
           blocks_per_seq, kHeads, s.new_tokens, 0.088f, out.get(), stream_);
     });
+    ASSERT_TRUE(timed.ok()) << "cached " << s.cached << " new "
+                            << s.new_tokens << ": " << timed.status();
+    const double ms = *timed;
     // Causal pairs: each new token i sees cached + i + 1 keys.
     const double pairs =
         static_cast<double>(s.seqs) *
@@ -185,27 +210,32 @@ TEST_F(KernelBench, GatherScatterVersusMemcpy) {
   DeviceArray<KvBlockSpan> dspans(spans), ddistinct(distinct);
   DeviceArray<uint8_t> staging(num_spans * span), other(num_spans * span);
   const double bytes = static_cast<double>(num_spans) * span;
-  const double memcpy_ms = TimeMs([&] {
-    cudaMemcpyAsync(other.get(), staging.get(), num_spans * span,
-                    cudaMemcpyDeviceToDevice, stream_);
+  const absl::StatusOr<double> memcpy_ms = TimeMs([&] {
+    return PDSERVE_CUDA_STATUS(cudaMemcpyAsync(other.get(), staging.get(),
+                                               num_spans * span,
+                                               cudaMemcpyDeviceToDevice,
+                                               stream_));
   });
-  const double gather_ms = TimeMs([&] {
-    (void)InvokeGatherKvBlocks(
+  ASSERT_TRUE(memcpy_ms.ok()) << memcpy_ms.status();
+  const absl::StatusOr<double> gather_ms = TimeMs([&] {
+    return InvokeGatherKvBlocks(
         reinterpret_cast<const uint8_t* const*>(dbases.get()), layers, blocks,
         span, dspans.get(), num_spans, staging.get(), stream_);
   });
-  const double scatter_ms = TimeMs([&] {
-    (void)InvokeScatterKvBlocks(dbases.get(), layers, blocks, span,
-                                ddistinct.get(), num_spans, staging.get(),
-                                stream_);
+  ASSERT_TRUE(gather_ms.ok()) << gather_ms.status();
+  const absl::StatusOr<double> scatter_ms = TimeMs([&] {
+    return InvokeScatterKvBlocks(dbases.get(), layers, blocks, span,
+                                 ddistinct.get(), num_spans, staging.get(),
+                                 stream_);
   });
+  ASSERT_TRUE(scatter_ms.ok()) << scatter_ms.status();
   auto gbps = [&](double ms) { return bytes / (ms * 1e-3) / 1e9; };
   std::printf("BENCH kv_copy span_bytes=%ld spans=%d memcpy_d2d GB/s=%.0f\n",
-              static_cast<long>(span), num_spans, gbps(memcpy_ms));
+              static_cast<long>(span), num_spans, gbps(*memcpy_ms));
   std::printf("BENCH kv_copy gather GB/s=%.0f vs_memcpy=%.2f\n",
-              gbps(gather_ms), memcpy_ms / gather_ms);
+              gbps(*gather_ms), *memcpy_ms / *gather_ms);
   std::printf("BENCH kv_copy scatter GB/s=%.0f vs_memcpy=%.2f\n",
-              gbps(scatter_ms), memcpy_ms / scatter_ms);
+              gbps(*scatter_ms), *memcpy_ms / *scatter_ms);
 }
 
 }  // namespace

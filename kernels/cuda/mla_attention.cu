@@ -45,6 +45,15 @@ __global__ void MlaDecodeKernel(
   for (int i = tid; i < width; i += kThreads) q_sm[i] = q[i];
   __syncthreads();
   const int ctx = context_lens[query];
+  // A context past the query's block-table row (a caller bug) would read
+  // another row: NaN output instead, which the engine turns into an INTERNAL
+  // error for that request. The whole block returns together.
+  if (ctx < 0 || int64_t{ctx} > int64_t{max_blocks} * block_size) {
+    float* bad = out + (int64_t{query} * heads + head) * rank;
+    for (int r = tid; r < rank; r += kThreads)
+      bad[r] = __int_as_float(0x7fc00000);
+    return;
+  }
   const int32_t* table = block_tables + int64_t{query} * max_blocks;
   float acc[kMaxLatentPerThread];
 #pragma unroll

@@ -44,7 +44,8 @@ __host__ __device__ inline float Uniform(uint64_t seed, int64_t position) {
 constexpr int kArgmaxThreads = 256;
 constexpr int kSampleThreads = 1024;
 
-// First maximum of each row. grid: rows; block: kArgmaxThreads.
+// First maximum of each row, or kInvalidToken when the row holds a NaN.
+// grid: rows; block: kArgmaxThreads.
 __global__ void __launch_bounds__(kArgmaxThreads)
     ArgmaxKernel(const float* __restrict__ logits,  // [rows, vocab]
                  int64_t vocab, int32_t* __restrict__ tokens) {  // [rows]
@@ -63,15 +64,21 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   __shared__ typename Reduce::TempStorage temp;
   const float* row = logits + blockIdx.x * vocab;
   Best best{-INFINITY, vocab};
+  int nan = 0;
   for (int64_t i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
     const float v = row[i];
+    nan |= v != v;
     if (v > best.value || best.index == vocab) {
-      if (!(v != v)) best = Best{v, i};  // NaN never wins
+      if (!(v != v)) best = Best{v, i};
     }
   }
   const Best b = Reduce(temp).Reduce(best, Op());
-  if (threadIdx.x == 0)
-    tokens[blockIdx.x] = static_cast<int32_t>(b.index < vocab ? b.index : 0);
+  const int any_nan = __syncthreads_or(nan);
+  if (threadIdx.x == 0) {
+    tokens[blockIdx.x] =
+        any_nan ? kInvalidToken
+                : static_cast<int32_t>(b.index < vocab ? b.index : 0);
+  }
 }
 
 // keys = logits / temperature (NaN -> -inf), values = ids. grid-stride.
@@ -115,6 +122,9 @@ __global__ void __launch_bounds__(kSampleThreads) SampleSortedKernel(
   const int64_t r = blockIdx.x;
   const SampleParams p = params[r];
   if (!(p.temperature > 0.0f)) return;  // greedy: ArgmaxKernel's answer
+  // A row with a NaN stays invalid (ArgmaxKernel ran first on this stream);
+  // every thread returns here, before any barrier.
+  if (tokens[r] == kInvalidToken) return;
   const float* key = keys + r * vocab;
   const int32_t* id = ids + r * vocab;
   const int64_t n =

@@ -5,8 +5,10 @@
 // counter-based Philox4x32-10 uniform keyed by (seed, position). The same
 // logits therefore give the same token on either device, except when the
 // uniform or top_p falls within double rounding (~1e-15) of a CDF boundary:
-// the GPU forms prefix sums in parallel, the CPU sequentially. NaN logits
-// are treated as -inf here (the CPU drops them).
+// the GPU forms prefix sums in parallel, the CPU sequentially. A row that
+// holds a NaN logit gets kInvalidToken, greedy or random, as the CPU's
+// SampleToken returns engine::kInvalidLogitsToken (the same value): the
+// engine ends that request with an error.
 //
 // Random rows sort each row (CUB segmented radix sort, stable, so equal
 // values keep id order) and scan it in one thread block. Thread-safe;
@@ -21,6 +23,9 @@
 #include "absl/status/status.h"
 
 namespace pdserve::kernels::cuda {
+
+// The token of a row whose logits hold a NaN (engine::kInvalidLogitsToken).
+inline constexpr int32_t kInvalidToken = -1;
 
 struct SampleParams {
   float temperature = 0.0f;  // <= 0: greedy

@@ -1,35 +1,38 @@
-// The cuda_ipc PeerMemoryBackend: decode exports each cudaMalloc region of
-// its KV pool with cudaIpcGetMemHandle; prefill opens a peer's handles once
-// (cudaIpcOpenMemHandle, cached with the mapping) and copies device to
-// device with cudaMemcpyAsync on its own stream, one event per batch.
+// The cuda_ipc PeerMemoryBackend on CUDA: CudaIpcDriver over the CUDA
+// runtime (cudaIpcGetMemHandle / cudaIpcOpenMemHandle, copies with
+// cudaMemcpyAsync on the mapping's own stream and one event per batch) and
+// cuMemGetAddressRange for the allocation that holds a pointer. The logic
+// (sub-allocation offsets, one open per handle, region checks) is
+// cuda_ipc_backend.cc, tested on CPU against a fake driver.
 //
-// Never run on a GPU yet (see kv_transfer/README.md).
+// cuMemGetAddressRange is a driver API call, reached through the runtime's
+// cudaGetDriverEntryPointByVersion instead of linking libcuda, so that
+// binaries built with CUDA still start on machines without a driver.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kv_transfer/ipc/cuda_ipc_backend.h"
 #include "kv_transfer/ipc/peer_memory.h"
 
 namespace pdserve::kv_transfer::ipc {
 namespace {
 
-class CudaIpcMapping final : public PeerMapping {
+class CudaCopier final : public DeviceCopier {
  public:
-  explicit CudaIpcMapping(int device) : device_(device) {}
-  ~CudaIpcMapping() override {
+  explicit CudaCopier(int device) : device_(device) {}
+  ~CudaCopier() override {
     cudaSetDevice(device_);
     if (event_ != nullptr) {
-      // A copy abandoned at its deadline must finish before the handles
-      // close; this waits for the stream, never for a peer.
+      // Waits for the stream, never for a peer.
       cudaEventSynchronize(event_);
       cudaEventDestroy(event_);
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    for (void* p : bases_) cudaIpcCloseMemHandle(p);
   }
   absl::Status Init() {
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -39,33 +42,7 @@ class CudaIpcMapping final : public PeerMapping {
         cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     return absl::OkStatus();
   }
-  absl::Status Add(const ExportedRegion& region) {
-    if (region.handle.size() != sizeof(cudaIpcMemHandle_t)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cuda_ipc: a handle of ", region.handle.size(),
-                       " bytes is not a cudaIpcMemHandle_t"));
-    }
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, region.handle.data(), sizeof handle);
-    void* p = nullptr;
-    const cudaError_t e =
-        cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
-    if (e != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-less error
-      return absl::UnavailableError(absl::StrCat(
-          "cuda_ipc: cannot map the decode worker's KV region (", region.bytes,
-          " bytes): ", cudaGetErrorName(e),
-          " (cuda_ipc needs both workers on one node, a GPU each can reach, "
-          "and distinct processes)"));
-    }
-    bases_.push_back(p);
-    return absl::OkStatus();
-  }
-  uint8_t* base(size_t region) override {
-    return static_cast<uint8_t*>(bases_[region]);
-  }
   absl::Status Copy(std::span<const CopyOp> ops, absl::Time deadline) override {
-    absl::MutexLock l(&mu_);  // one stream and event per mapping
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     for (const CopyOp& op : ops) {
       PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
@@ -88,43 +65,69 @@ class CudaIpcMapping final : public PeerMapping {
 
  private:
   const int device_;
-  absl::Mutex mu_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t event_ = nullptr;
-  std::vector<void*> bases_;
 };
 
-class CudaIpcBackend final : public PeerMemoryBackend {
+class CudaRuntimeIpcDriver final : public CudaIpcDriver {
  public:
-  explicit CudaIpcBackend(int device) : device_(device) {}
-  PeerMemoryKind kind() const override { return PeerMemoryKind::kCudaIpc; }
-  engine::MemoryKind memory_kind() const override {
-    return engine::MemoryKind::kDevice;
+  absl::StatusOr<Allocation> AllocationOf(int device, const void* p) override {
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(
+        "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess ||
+        fn == nullptr) {
+      cudaGetLastError();
+      return absl::FailedPreconditionError(
+          "cuda_ipc: the CUDA driver offers no cuMemGetAddressRange");
+    }
+    CUdeviceptr base = 0;
+    size_t bytes = 0;
+    const CUresult r = reinterpret_cast<GetAddressRange>(fn)(
+        &base, &bytes, reinterpret_cast<CUdeviceptr>(p));
+    if (r != CUDA_SUCCESS) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda_ipc: cuMemGetAddressRange failed (CUresult ",
+                       static_cast<int>(r), "): not device memory"));
+    }
+    return Allocation{static_cast<uintptr_t>(base), bytes};
   }
-  absl::StatusOr<std::string> ExportHandle(
-      const engine::KvSharedRegion& region) override {
-    PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  absl::StatusOr<std::string> GetMemHandle(int device, void* base) override {
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
     cudaIpcMemHandle_t handle;
-    PDSERVE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, region.base));
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, base));
     return std::string(reinterpret_cast<const char*>(&handle), sizeof handle);
   }
-  absl::StatusOr<std::unique_ptr<PeerMapping>> Map(
-      const KvExport& peer) override {
-    if (peer.kind != PeerMemoryKind::kCudaIpc) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cuda_ipc: the decode worker exports its KV over ",
-                       PeerMemoryName(peer.kind)));
+  absl::StatusOr<void*> OpenMemHandle(int device,
+                                      const std::string& bytes) override {
+    if (bytes.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a handle of ", bytes.size(), " bytes is not a cudaIpcMemHandle_t"));
     }
-    auto mapping = std::make_unique<CudaIpcMapping>(device_);
-    if (auto s = mapping->Init(); !s.ok()) return s;
-    for (const ExportedRegion& r : peer.regions) {
-      if (auto s = mapping->Add(r); !s.ok()) return s;
+    PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, bytes.data(), sizeof handle);
+    void* p = nullptr;
+    const cudaError_t e =
+        cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-less error
+      return absl::UnavailableError(cudaGetErrorName(e));
     }
-    return std::unique_ptr<PeerMapping>(std::move(mapping));
+    return p;
   }
-
- private:
-  const int device_;
+  void CloseMemHandle(int device, void* base) override {
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(base);
+  }
+  absl::StatusOr<std::unique_ptr<DeviceCopier>> NewCopier(int device) override {
+    auto copier = std::make_unique<CudaCopier>(device);
+    if (absl::Status s = copier->Init(); !s.ok()) return s;
+    return std::unique_ptr<DeviceCopier>(std::move(copier));
+  }
 };
 
 }  // namespace
@@ -141,7 +144,9 @@ absl::StatusOr<std::unique_ptr<PeerMemoryBackend>> NewCudaIpcBackend(
                          : std::string(cudaGetErrorName(e)),
         ")"));
   }
-  return std::unique_ptr<PeerMemoryBackend>(new CudaIpcBackend(device));
+  // Stateless: one per process, shared by every backend.
+  static CudaRuntimeIpcDriver* driver = new CudaRuntimeIpcDriver();
+  return NewCudaIpcBackendOver(driver, device);
 }
 
 }  // namespace pdserve::kv_transfer::ipc

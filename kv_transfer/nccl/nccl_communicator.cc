@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_check.h"
 
@@ -18,18 +19,38 @@ namespace {
 constexpr size_t kStagingGranule = size_t{1} << 20;
 
 // The ncclComm_t, shared with the completions recorded on it so they can
-// tell that it was aborted.
+// tell that it was aborted. Abort() runs on another thread than the owner's
+// calls and the completions' Poll(), and ncclCommAbort frees the
+// communicator: every use of `comm` holds `mu` (shared) for the one NCCL
+// call, and Abort holds it exclusively, so no call runs on a freed
+// communicator. Waits poll with the lock released, so an Abort is never held
+// up by a wait.
 struct CommHandle {
-  ncclComm_t comm = nullptr;
-  int device = 0;
+  CommHandle(ncclComm_t c, int d) : comm(c), device(d) {}
+  absl::Mutex mu;
+  ncclComm_t comm ABSL_GUARDED_BY(mu) = nullptr;
+  const int device;
+
+  // f(comm) under the shared lock; FAILED_PRECONDITION once aborted.
+  template <typename F>
+  absl::Status With(F f) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::ReaderMutexLock l(&mu);
+    if (comm == nullptr) {
+      return absl::FailedPreconditionError("NCCL communicator aborted");
+    }
+    return f(comm);
+  }
 };
 
 // Polls a nonblocking communicator until its pending operation (init,
-// GroupEnd, finalize) is no longer in progress.
-absl::Status WaitReady(ncclComm_t comm, absl::Time deadline, const char* what) {
+// GroupEnd, finalize) is no longer in progress. `get_state` reads the
+// communicator's async state (under the handle's lock where there is one).
+template <typename GetState>
+absl::Status WaitReadyWith(GetState get_state, absl::Time deadline,
+                           const char* what) {
   while (true) {
     ncclResult_t state = ncclSuccess;
-    PDSERVE_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm, &state));
+    RETURN_IF_ERROR(get_state(&state));
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) {
       return absl::Status(cuda::NcclErrorCode(state),
@@ -42,6 +63,26 @@ absl::Status WaitReady(ncclComm_t comm, absl::Time deadline, const char* what) {
   }
 }
 
+// A communicator no other thread knows yet (init).
+absl::Status WaitReady(ncclComm_t comm, absl::Time deadline, const char* what) {
+  return WaitReadyWith(
+      [comm](ncclResult_t* state) {
+        return PDSERVE_NCCL_STATUS(ncclCommGetAsyncError(comm, state));
+      },
+      deadline, what);
+}
+
+absl::Status WaitReady(CommHandle* handle, absl::Time deadline,
+                       const char* what) {
+  return WaitReadyWith(
+      [handle](ncclResult_t* state) {
+        return handle->With([state](ncclComm_t comm) {
+          return PDSERVE_NCCL_STATUS(ncclCommGetAsyncError(comm, state));
+        });
+      },
+      deadline, what);
+}
+
 class NcclCompletion : public Completion {
  public:
   NcclCompletion(std::shared_ptr<CommHandle> handle, cudaEvent_t event)
@@ -52,17 +93,17 @@ class NcclCompletion : public Completion {
   }
 
   absl::StatusOr<bool> Poll() override {
-    if (handle_->comm == nullptr) {
-      return absl::FailedPreconditionError("NCCL communicator aborted");
-    }
+    RETURN_IF_ERROR(handle_->With([](ncclComm_t) { return absl::OkStatus(); }));
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(handle_->device));
     const cudaError_t query = cudaEventQuery(event_);
     if (query == cudaSuccess) return true;
     if (query != cudaErrorNotReady) return PDSERVE_CUDA_STATUS(query);
     // Still running: surface a failed peer instead of waiting for the timeout.
-    ncclResult_t state = ncclSuccess;
-    PDSERVE_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(handle_->comm, &state));
-    PDSERVE_NCCL_RETURN_IF_ERROR(state);
+    RETURN_IF_ERROR(handle_->With([](ncclComm_t comm) {
+      ncclResult_t state = ncclSuccess;
+      PDSERVE_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm, &state));
+      return PDSERVE_NCCL_STATUS(state);
+    }));
     return false;
   }
 
@@ -75,30 +116,38 @@ class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(int device, int rank, absl::Duration op_timeout,
                    cudaStream_t stream, ncclComm_t comm)
-      : handle_(std::make_shared<CommHandle>(CommHandle{comm, device})),
+      : handle_(std::make_shared<CommHandle>(comm, device)),
         rank_(rank),
         op_timeout_(op_timeout),
         stream_(stream) {}
 
   ~NcclCommunicator() override {
     cudaSetDevice(handle_->device);
-    if (handle_->comm != nullptr) {
-      // A clean goodbye needs an idle stream and a live peer; otherwise abort.
-      const bool idle = cudaStreamQuery(stream_) == cudaSuccess;
-      bool finalized = false;
-      if (idle) {
-        const ncclResult_t r = ncclCommFinalize(handle_->comm);
-        finalized = (r == ncclSuccess || r == ncclInProgress) &&
-                    WaitReady(handle_->comm, absl::Now() + op_timeout_,
-                              "ncclCommFinalize")
-                        .ok();
+    // A clean goodbye needs an idle stream and a live peer; otherwise abort.
+    const bool idle = cudaStreamQuery(stream_) == cudaSuccess;
+    bool finalized = false;
+    if (idle) {
+      const absl::Status started = handle_->With([](ncclComm_t comm) {
+        const ncclResult_t r = ncclCommFinalize(comm);
+        return r == ncclSuccess || r == ncclInProgress
+                   ? absl::OkStatus()
+                   : PDSERVE_NCCL_STATUS(r);
+      });
+      finalized = started.ok() && WaitReady(handle_.get(),
+                                            absl::Now() + op_timeout_,
+                                            "ncclCommFinalize")
+                                      .ok();
+    }
+    {
+      absl::MutexLock l(&handle_->mu);
+      if (handle_->comm != nullptr) {
+        if (finalized) {
+          ncclCommDestroy(handle_->comm);
+        } else {
+          ncclCommAbort(handle_->comm);
+        }
+        handle_->comm = nullptr;
       }
-      if (finalized) {
-        ncclCommDestroy(handle_->comm);
-      } else {
-        ncclCommAbort(handle_->comm);
-      }
-      handle_->comm = nullptr;
     }
     cudaStreamSynchronize(stream_);
     if (host_ != nullptr) cudaFreeHost(host_);
@@ -183,27 +232,33 @@ class NcclCommunicator : public Communicator {
   absl::Status Send(size_t offset, size_t bytes) override {
     RETURN_IF_ERROR(Alive());
     RETURN_IF_ERROR(InRange(offset, bytes));
-    PDSERVE_NCCL_RETURN_IF_ERROR(ncclSend(wire_ + offset, bytes, ncclUint8,
-                                          1 - rank_, handle_->comm, stream_));
-    return absl::OkStatus();
+    return handle_->With([&](ncclComm_t comm) {
+      return PDSERVE_NCCL_STATUS(
+          ncclSend(wire_ + offset, bytes, ncclUint8, 1 - rank_, comm, stream_));
+    });
   }
 
   absl::Status Recv(size_t offset, size_t bytes) override {
     RETURN_IF_ERROR(Alive());
     RETURN_IF_ERROR(InRange(offset, bytes));
-    PDSERVE_NCCL_RETURN_IF_ERROR(ncclRecv(wire_ + offset, bytes, ncclUint8,
-                                          1 - rank_, handle_->comm, stream_));
-    return absl::OkStatus();
+    return handle_->With([&](ncclComm_t comm) {
+      return PDSERVE_NCCL_STATUS(
+          ncclRecv(wire_ + offset, bytes, ncclUint8, 1 - rank_, comm, stream_));
+    });
   }
 
   absl::Status GroupEnd() override {
     RETURN_IF_ERROR(Alive());
-    const ncclResult_t r = ncclGroupEnd();
-    PDSERVE_NCCL_RETURN_IF_ERROR(r);
+    ncclResult_t r = ncclSuccess;
+    // Under the lock: the group's communicator must not be freed meanwhile.
+    RETURN_IF_ERROR(handle_->With([&r](ncclComm_t) {
+      r = ncclGroupEnd();
+      return PDSERVE_NCCL_STATUS(r);
+    }));
     // Nonblocking: the group may still be launching; wait until it is on the
     // stream.
     if (r == ncclInProgress) {
-      return WaitReady(handle_->comm, absl::Now() + op_timeout_,
+      return WaitReady(handle_.get(), absl::Now() + op_timeout_,
                        "ncclGroupEnd");
     }
     return absl::OkStatus();
@@ -223,6 +278,7 @@ class NcclCommunicator : public Communicator {
   }
 
   void Abort() override {
+    absl::MutexLock l(&handle_->mu);
     if (handle_->comm == nullptr) return;
     cudaSetDevice(handle_->device);
     ncclCommAbort(handle_->comm);
@@ -233,9 +289,7 @@ class NcclCommunicator : public Communicator {
   // Every call selects the device (the calling thread may have another one)
   // and fails once the communicator was aborted.
   absl::Status Alive() const {
-    if (handle_->comm == nullptr) {
-      return absl::FailedPreconditionError("NCCL communicator aborted");
-    }
+    RETURN_IF_ERROR(handle_->With([](ncclComm_t) { return absl::OkStatus(); }));
     return PDSERVE_CUDA_STATUS(cudaSetDevice(handle_->device));
   }
   absl::Status InRange(size_t offset, size_t bytes) const {
