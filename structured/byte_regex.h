@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/utf8.h"
 
 namespace pdserve::structured {
 
@@ -96,7 +97,6 @@ class ByteRegex {
   absl::Status status_;
 };
 
-// Appends `cp` to `out` as UTF-8.
-void AppendUtf8(uint32_t cp, std::string* out);
+using ::pdserve::AppendUtf8;  // common/utf8.h
 
 }  // namespace pdserve::structured

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/json.h"
+#include "common/utf8.h"
 #include "tokenizer/bpe_tokenizer.h"
 
 namespace pdserve::engine::bpe_internal {
@@ -62,7 +63,7 @@ inline char32_t DecodeUtf8(std::string_view s, size_t i) {
   }
 }
 
-void AppendUtf8(char32_t cp, std::string* out);
+using ::pdserve::AppendUtf8;
 
 // GPT-2's byte alphabet: byte b is written as the character ByteChar(b), so
 // that every byte has a printable, non-space character.
