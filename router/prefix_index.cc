@@ -1,8 +1,26 @@
 #include "router/prefix_index.h"
 
 #include <algorithm>
+#include <thread>
 
 namespace pdserve::router {
+namespace {
+// Counts a routing call in `waiters` while it waits for the index lock.
+class RoutingWait {
+ public:
+  explicit RoutingWait(std::atomic<int>* waiters) : waiters_(waiters) {
+    waiters_->fetch_add(1, std::memory_order_relaxed);
+  }
+  void Acquired() {
+    if (waiters_ != nullptr) waiters_->fetch_sub(1, std::memory_order_release);
+    waiters_ = nullptr;
+  }
+  ~RoutingWait() { Acquired(); }
+
+ private:
+  std::atomic<int>* waiters_;
+};
+}  // namespace
 
 namespace {
 bool KnownTier(engine::KvTierKind t) {
@@ -152,6 +170,10 @@ void PrefixIndex::ClearWorker(WorkerIndex worker) {
     ++w.clearing;
   }
   for (auto it = old.begin(); it != old.end();) {
+    // Routing first: a waiting routing call takes the lock before the next
+    // batch does.
+    while (routing_waiters_.load(std::memory_order_acquire) > 0)
+      std::this_thread::yield();
     absl::MutexLock l(&mu_);
     const WorkerState& w = workers_[static_cast<size_t>(worker)];
     for (size_t n = 0; n < kClearBatch && it != old.end(); ++n, ++it) {
@@ -225,7 +247,9 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
   std::vector<int32_t> result(workers.size(), 0);
   std::vector<bool> alive(workers.size(), true);
   const absl::Time now = clock_();
+  RoutingWait wait(&routing_waiters_);
   absl::MutexLock l(&mu_);
+  wait.Acquired();
   size_t still = workers.size();
   for (size_t b = 0; b < hashes.size() && still > 0; ++b) {
     auto it = index_.find(hashes[b]);
@@ -280,7 +304,9 @@ void PrefixIndex::LeadingBlocksOfPrompt(
   std::vector<WorkerIndex> here, next;
   std::vector<uint8_t> in_next;  // by WorkerIndex
   const absl::Time now = clock_();
+  RoutingWait wait(&routing_waiters_);
   absl::ReaderMutexLock l(&mu_);
+  wait.Acquired();
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
   auto credit = [&](size_t pos) {

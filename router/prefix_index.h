@@ -29,6 +29,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -215,6 +216,11 @@ class PrefixIndex {
 
   const Clock clock_;
   mutable absl::Mutex mu_;
+  // Routing calls waiting for mu_. ClearWorker yields between its batches
+  // while any wait: absl::Mutex is not fair, and a thread that releases and
+  // at once re-takes the lock can otherwise starve routing for the whole
+  // clear of a large worker.
+  mutable std::atomic<int> routing_waiters_{0};
   absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher>
       index_ ABSL_GUARDED_BY(mu_);
   std::vector<Expiry> expiries_ ABSL_GUARDED_BY(mu_);      // a heap
