@@ -19,13 +19,13 @@
 #include "absl/strings/str_format.h"
 #include "common/json.h"
 #include "common/status_macros.h"
-#include "kv_cache/kv_cache.h"
-#include "model/llama_model.h"
-#include "model/weights.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/fma_peak.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kv_cache/kv_cache.h"
+#include "model/llama_model.h"
+#include "model/weights.h"
 
 namespace pdserve::bench {
 namespace {

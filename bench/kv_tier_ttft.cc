@@ -22,9 +22,9 @@
 #include "absl/strings/str_cat.h"
 #include "bench/serve_workload.h"
 #include "engine/engine.h"
-#include "tokenizer/tokenizer.h"
-#include "model/weights.h"
 #include "kernels/cpu/matmul.h"
+#include "model/weights.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 

@@ -21,11 +21,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/matmul.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_storage.h"
 #include "model/llama_model.h"
 #include "model/weights.h"
-#include "kernels/cpu/matmul.h"
 
 namespace pdserve::engine {
 

@@ -536,7 +536,8 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   // Retire finished sequences after the loop: `batch` points into seqs_.
   for (StepOutput& out : outputs) {
     const bool failed = !out.error.ok();
-    if (!failed && (out.finish == FinishReason::kNone || out.new_tokens.empty()))
+    if (!failed &&
+        (out.finish == FinishReason::kNone || out.new_tokens.empty()))
       continue;
     auto it = seqs_.find(out.id);
     Sequence* seq = it->second.get();

@@ -10,8 +10,8 @@
 
 #include "common/dtype.h"
 #include "engine/backend.h"
-#include "kv_cache/block_manager.h"
 #include "engine/engine.h"
+#include "kv_cache/block_manager.h"
 #include "kv_cache/kv_cache.h"
 
 namespace pdserve::engine {

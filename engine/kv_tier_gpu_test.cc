@@ -16,9 +16,9 @@
 
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
+#include "engine/test_util.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_tier.h"
-#include "engine/test_util.h"
 
 namespace pdserve::engine {
 namespace {

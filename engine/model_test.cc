@@ -8,8 +8,8 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
-#include "model/llama_model.h"
 #include "engine/test_util.h"
+#include "model/llama_model.h"
 
 namespace pdserve::engine {
 namespace {

@@ -203,8 +203,7 @@ class NanAtLengthBackend final : public Backend {
     size_t row = 0;
     for (const auto& s : seqs) {
       if (s.logits != LlamaModel::Logits::kLast) continue;
-      if (s.start_pos + static_cast<int32_t>(s.tokens.size()) ==
-          kPoisonLength)
+      if (s.start_pos + static_cast<int32_t>(s.tokens.size()) == kPoisonLength)
         (*logits)[row * vocab + vocab / 3] =
             std::numeric_limits<float>::quiet_NaN();
       ++row;

@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
-#include "model/model_init.h"
 #include "engine/test_util.h"
+#include "model/model_init.h"
 
 namespace pdserve::engine {
 namespace {

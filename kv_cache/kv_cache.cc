@@ -185,7 +185,8 @@ KvSpan KvPool::Span(int32_t layer, int64_t block) {
 absl::Status KvPool::CopyToHost(int32_t layer, int64_t block, void* data,
                                 void* scales) {
   const KvSpan s = Span(layer, block);
-  if (s.scale_bytes > 0 && scales == nullptr) return MissingScales(layer, block);
+  if (s.scale_bytes > 0 && scales == nullptr)
+    return MissingScales(layer, block);
   std::memcpy(data, s.data, s.data_bytes);
   if (s.scale_bytes > 0) std::memcpy(scales, s.scales, s.scale_bytes);
   return absl::OkStatus();
@@ -194,7 +195,8 @@ absl::Status KvPool::CopyToHost(int32_t layer, int64_t block, void* data,
 absl::Status KvPool::CopyFromHost(int32_t layer, int64_t block,
                                   const void* data, const void* scales) {
   const KvSpan s = Span(layer, block);
-  if (s.scale_bytes > 0 && scales == nullptr) return MissingScales(layer, block);
+  if (s.scale_bytes > 0 && scales == nullptr)
+    return MissingScales(layer, block);
   std::memcpy(s.data, data, s.data_bytes);
   if (s.scale_bytes > 0) std::memcpy(s.scales, scales, s.scale_bytes);
   return absl::OkStatus();

@@ -17,8 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "kv_cache/kv_storage.h"
 #include "kernels/cpu/paged_attention.h"
+#include "kv_cache/kv_storage.h"
 
 namespace pdserve::engine {
 

@@ -88,8 +88,9 @@ class KvStorage {
   virtual KvSpan Span(int32_t layer, int64_t block) = 0;
   // Copies a span's bytes to host memory / from host memory. `scales` may be
   // null when the dtype has none; null for a dtype with scales (int8, fp8) is
-  // INVALID_ARGUMENT and nothing is copied, never data without its scales. Host storage: memcpy. Device storage: a
-  // synchronous device copy (the transfer thread waits, not the engine).
+  // INVALID_ARGUMENT and nothing is copied, never data without its scales. Host
+  // storage: memcpy. Device storage: a synchronous device copy (the transfer
+  // thread waits, not the engine).
   virtual absl::Status CopyToHost(int32_t layer, int64_t block, void* data,
                                   void* scales) = 0;
   virtual absl::Status CopyFromHost(int32_t layer, int64_t block,

@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/paged_attention.h"
 #include "kv_cache/kv_cache.h"
 #include "model/mla.h"
 #include "model/moe.h"
 #include "model/weights.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/paged_attention.h"
 
 namespace pdserve::engine {
 

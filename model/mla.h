@@ -43,11 +43,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "kv_cache/kv_cache.h"
-#include "model/model_config.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/paged_attention.h"
+#include "kv_cache/kv_cache.h"
+#include "model/model_config.h"
 
 namespace pdserve::engine {
 

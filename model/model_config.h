@@ -11,8 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "kv_cache/kv_cache.h"
 #include "kernels/cpu/ops.h"
+#include "kv_cache/kv_cache.h"
 
 namespace pdserve::engine {
 

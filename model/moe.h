@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "model/model_config.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "model/model_config.h"
 
 namespace pdserve::engine {
 

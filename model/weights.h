@@ -18,11 +18,11 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/packed_gemm.h"
 #include "model/mla.h"
 #include "model/model_config.h"
 #include "model/moe.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/packed_gemm.h"
 
 namespace pdserve::engine {
 

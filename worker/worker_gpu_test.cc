@@ -106,14 +106,13 @@ TEST_F(WorkerGpuTest, OneGpuPrefillDecodePairOverGrpcEqualsColocated) {
     DType kv;
     bool reference_math;
   };
-  for (const Case& c : {Case{DType::kBF16, true}, Case{DType::kF32, true},
-                        Case{DType::kI8, true}, Case{DType::kFp8E4M3, true},
-                        Case{DType::kI8, false},
-                        Case{DType::kFp8E4M3, false}}) {
+  for (const Case& c :
+       {Case{DType::kBF16, true}, Case{DType::kF32, true},
+        Case{DType::kI8, true}, Case{DType::kFp8E4M3, true},
+        Case{DType::kI8, false}, Case{DType::kFp8E4M3, false}}) {
     const DType kv = c.kv;
-    SCOPED_TRACE(absl::StrCat(DTypeName(kv), c.reference_math
-                                                 ? " reference math"
-                                                 : " serving math"));
+    SCOPED_TRACE(absl::StrCat(
+        DTypeName(kv), c.reference_math ? " reference math" : " serving math"));
     metrics::Registry r0, r1, r2;
     auto both = WorkerServer::Start(
         Config(v1::WORKER_ROLE_BOTH, kv, c.reference_math), &r0);

@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
-#include "model/model_init.h"
 #include "kv_transfer/nccl/fake_communicator.h"
+#include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "wire/enums.h"
 #include "worker/worker_server.h"

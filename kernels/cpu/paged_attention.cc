@@ -150,8 +150,8 @@ PDSERVE_ATTN_AVX512 inline __m512 Exp16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mask_mov_ps(
-      _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits))),
-      nan, in);
+      _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits))), nan,
+      in);
 }
 
 PDSERVE_ATTN_AVX2 inline __m256 Exp8(__m256 x) {

@@ -226,7 +226,8 @@ TEST(AttentionExpTest, WithinTwoUlpOfExpAndZeroBelowTheRange) {
 // request with INTERNAL (engine/sampling.h, kInvalidLogitsToken). An exp
 // that mapped NaN to 0 would drop that key and serve wrong tokens silently.
 // Queries before the poisoned position do not see it and stay finite.
-TEST_F(PagedAttentionTest, NanInTheCacheReachesTheOutputOfEveryQueryThatSeesIt) {
+TEST_F(PagedAttentionTest,
+       NanInTheCacheReachesTheOutputOfEveryQueryThatSeesIt) {
   const int kv_heads = 2, heads = 4, hd = 64, bs = 16, len = 40, bad = 21;
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     PagedFixture f = Build(dtype, kv_heads, hd, bs, {len});
@@ -255,8 +256,8 @@ TEST_F(PagedAttentionTest, NanInTheCacheReachesTheOutputOfEveryQueryThatSeesIt) 
           const bool any_nan =
               std::any_of(o, o + hd, [](float x) { return std::isnan(x); });
           ASSERT_EQ(any_nan, sees)
-              << DTypeName(dtype) << " isa " << static_cast<int>(isa)
-              << " pos " << pos << " head " << h;
+              << DTypeName(dtype) << " isa " << static_cast<int>(isa) << " pos "
+              << pos << " head " << h;
         }
       }
     }

@@ -53,13 +53,13 @@ namespace {
 using testing::DeviceArray;
 using testing::DeviceKvLayer;
 
-constexpr double kFp16Unit = 1.0 / 2048;       // 2^-11
+constexpr double kFp16Unit = 1.0 / 2048;      // 2^-11
 constexpr double kFp32Unit = 1.0 / 16777216;  // 2^-24
 
 enum class Aim { kNone, kVisibleKey, kFutureKey };
 
 const char* AimName(Aim a) {
-  return a == Aim::kNone ? "N(0,1) scores"
+  return a == Aim::kNone         ? "N(0,1) scores"
          : a == Aim::kVisibleKey ? "peaked on a visible key"
                                  : "peaked on the first future key";
 }
@@ -165,8 +165,7 @@ Reference Attend(const Sequence& s, const std::vector<float>& q,
         for (int i = 0; i < d; ++i) ref.out[at + i] += p * v[i];
         for (size_t k = 0; k < roundings.size(); ++k) {
           const Rounding& ro = roundings[k];
-          const double f =
-              p * (ro.u_qk * (mag[t] + mean_mag) + ro.u_pv[r]);
+          const double f = p * (ro.u_qk * (mag[t] + mean_mag) + ro.u_pv[r]);
           for (int i = 0; i < d; ++i)
             ref.bound[k][at + i] += f * std::fabs(v[i]);
         }
@@ -188,10 +187,10 @@ std::vector<float> Queries(std::mt19937* rng, const Sequence& s,
                                                aim == Aim::kNone ? 1.0f : 0.1f);
   if (aim == Aim::kNone) return q;
   for (size_t r = 0; r < pos.size(); ++r) {
-    int target = aim == Aim::kFutureKey
-                     ? pos[r] + 1
-                     : static_cast<int>((uint64_t{r} * 7919 + 13) %
-                                        (pos[r] + 1));
+    int target =
+        aim == Aim::kFutureKey
+            ? pos[r] + 1
+            : static_cast<int>((uint64_t{r} * 7919 + 13) % (pos[r] + 1));
     if (target >= s.context) continue;  // the last position has no future
     for (int h = 0; h < heads; ++h) {
       const float* k = s.At(0, target, h / ratio);
@@ -207,7 +206,8 @@ std::vector<float> Queries(std::mt19937* rng, const Sequence& s,
 
 // Returns "" when every element is within twice its bound plus 1e-5, else
 // the first element that is not.
-std::string Check(const std::vector<float>& got, const std::vector<double>& want,
+std::string Check(const std::vector<float>& got,
+                  const std::vector<double>& want,
                   const std::vector<double>& bound) {
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(got[i] - want[i]);
@@ -279,7 +279,8 @@ class AttentionReferenceTest : public testing::GpuTest {
     DeviceArray<int32_t> dctx(ctx), dseq(seq), dtable(s.table);
     const int64_t ws_bytes =
         PagedDecodeAttentionWorkspaceBytes(rows, kHeads, head_dim, context);
-    DeviceArray<uint8_t> ws(static_cast<size_t>(std::max<int64_t>(ws_bytes, 1)));
+    DeviceArray<uint8_t> ws(
+        static_cast<size_t>(std::max<int64_t>(ws_bytes, 1)));
     dout.Zero();
     ASSERT_TRUE(InvokePagedDecodeAttention(
                     dq.get(), s.layer->view, dtable.get(), max_blocks,
@@ -294,8 +295,8 @@ class AttentionReferenceTest : public testing::GpuTest {
 
 // Chunks of a 700-token prompt that cover every position once, with starts
 // and ends on and off the 64-token tiles and 16-token blocks.
-const std::vector<Chunk> kChunks700 = {
-    {0, 64}, {64, 1}, {65, 63}, {128, 129}, {257, 15}, {272, 428}};
+const std::vector<Chunk> kChunks700 = {{0, 64},    {64, 1},   {65, 63},
+                                       {128, 129}, {257, 15}, {272, 428}};
 
 TEST_F(AttentionReferenceTest, PrefillChunksMatchFloat64ForEveryDtype) {
   for (KvDtype dtype : testing::kAllKvDtypes) {
@@ -325,7 +326,8 @@ TEST_F(AttentionReferenceTest, ContextsBeyondTheLaunchBoundGiveNanRows) {
   Sequence s(&rng_, KvDtype::kBF16, 1, 16, kHd, 1024);
   const float scale = 0.125f;
   const std::vector<int> pos = {511, 1023};
-  const std::vector<float> q = Queries(&rng_, s, pos, kHeads, scale, Aim::kNone);
+  const std::vector<float> q =
+      Queries(&rng_, s, pos, kHeads, scale, Aim::kNone);
   DeviceArray<float> dq(q), dout(q.size());
   DeviceArray<int32_t> dtable(s.table);
   const int max_blocks = static_cast<int>(s.table.size());
@@ -343,7 +345,8 @@ TEST_F(AttentionReferenceTest, ContextsBeyondTheLaunchBoundGiveNanRows) {
                   .ok());
   Sync();
   std::vector<float> out = dout.Download();
-  const Reference ref = Attend(s, q, {511}, kHeads, scale, Roundings({511}, kHd));
+  const Reference ref =
+      Attend(s, q, {511}, kHeads, scale, Roundings({511}, kHd));
   const std::vector<float> row0(out.begin(), out.begin() + kHeads * kHd);
   EXPECT_EQ(Check(row0, ref.out, ref.bound[1]), "");
   for (int i = kHeads * kHd; i < 2 * kHeads * kHd; ++i)

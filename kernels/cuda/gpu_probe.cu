@@ -91,8 +91,8 @@ int main() {
   cudaFree(dev);
   for (int i = 0; i < kN; ++i) {
     if (host[i] != i * 3 + 1) {
-      std::printf("NO DEVICE: probe kernel wrote %d at %d, want %d\n",
-                  host[i], i, i * 3 + 1);
+      std::printf("NO DEVICE: probe kernel wrote %d at %d, want %d\n", host[i],
+                  i, i * 3 + 1);
       return 1;
     }
   }

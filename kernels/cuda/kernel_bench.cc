@@ -121,8 +121,7 @@ TEST_F(KernelBench, DecodeAttentionBandwidth) {
               stream_);
         });
         ASSERT_TRUE(timed.ok()) << KvDtypeName(dtype) << " batch " << batch
-                                << " context " << ctx << ": "
-                                << timed.status();
+                                << " context " << ctx << ": " << timed.status();
         const double ms = *timed;
         const double bytes =
             2.0 * batch * ctx * kKvHeads * kHd * KvDtypeBytes(dtype);
@@ -167,8 +166,8 @@ TEST_F(KernelBench, PrefillAttentionThroughput) {
           q.get(), layer.view, dseqs.get(), s.seqs, dtable.get(),
           blocks_per_seq, kHeads, s.new_tokens, 0.088f, out.get(), stream_);
     });
-    ASSERT_TRUE(timed.ok()) << "cached " << s.cached << " new "
-                            << s.new_tokens << ": " << timed.status();
+    ASSERT_TRUE(timed.ok()) << "cached " << s.cached << " new " << s.new_tokens
+                            << ": " << timed.status();
     const double ms = *timed;
     // Causal pairs: each new token i sees cached + i + 1 keys.
     const double pairs =
@@ -211,10 +210,9 @@ TEST_F(KernelBench, GatherScatterVersusMemcpy) {
   DeviceArray<uint8_t> staging(num_spans * span), other(num_spans * span);
   const double bytes = static_cast<double>(num_spans) * span;
   const absl::StatusOr<double> memcpy_ms = TimeMs([&] {
-    return PDSERVE_CUDA_STATUS(cudaMemcpyAsync(other.get(), staging.get(),
-                                               num_spans * span,
-                                               cudaMemcpyDeviceToDevice,
-                                               stream_));
+    return PDSERVE_CUDA_STATUS(
+        cudaMemcpyAsync(other.get(), staging.get(), num_spans * span,
+                        cudaMemcpyDeviceToDevice, stream_));
   });
   ASSERT_TRUE(memcpy_ms.ok()) << memcpy_ms.status();
   const absl::StatusOr<double> gather_ms = TimeMs([&] {

@@ -129,14 +129,13 @@ class NcclCommunicator : public Communicator {
     if (idle) {
       const absl::Status started = handle_->With([](ncclComm_t comm) {
         const ncclResult_t r = ncclCommFinalize(comm);
-        return r == ncclSuccess || r == ncclInProgress
-                   ? absl::OkStatus()
-                   : PDSERVE_NCCL_STATUS(r);
+        return r == ncclSuccess || r == ncclInProgress ? absl::OkStatus()
+                                                       : PDSERVE_NCCL_STATUS(r);
       });
-      finalized = started.ok() && WaitReady(handle_.get(),
-                                            absl::Now() + op_timeout_,
-                                            "ncclCommFinalize")
-                                      .ok();
+      finalized =
+          started.ok() && WaitReady(handle_.get(), absl::Now() + op_timeout_,
+                                    "ncclCommFinalize")
+                              .ok();
     }
     {
       absl::MutexLock l(&handle_->mu);

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "tests/fuzz/fuzz_util.h"
 #include "tokenizer/bpe_tokenizer.h"
 #include "tokenizer/tokenizer.h"
-#include "tests/fuzz/fuzz_util.h"
 
 namespace {
 
