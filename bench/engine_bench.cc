@@ -23,6 +23,7 @@
 #include "kernels/cpu/fma_peak.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/step_profile.h"
 #include "kv_cache/kv_cache.h"
 #include "model/llama_model.h"
 #include "model/weights.h"
@@ -90,6 +91,35 @@ absl::StatusOr<std::vector<float>> AllLogits(
     RETURN_IF_ERROR(model.Forward({&in, 1}, pool.get(), &logits));
   }
   return logits;
+}
+
+// Means per step of `steps` profiled steps whose Engine::Step wall times add
+// up to `step_ns`. "other" is the step time no phase covers (the engine loop
+// between phases, output building, the backend call).
+StepProfileFigure ProfileFigure(std::string name, const kernels::StepProfile& p,
+                                int32_t steps, int64_t step_ns) {
+  StepProfileFigure f;
+  f.step = std::move(name);
+  f.steps = steps;
+  const double per = 1.0 / std::max(steps, 1);
+  f.step_ms = step_ns * per / 1e6;
+  int64_t covered = 0;
+  for (int i = 0; i < kernels::kNumPhases; ++i) {
+    if (p.calls[i] == 0) continue;
+    covered += p.ns[i];
+    f.phases.push_back({kernels::PhaseName(static_cast<kernels::Phase>(i)),
+                        p.ns[i] * per / 1e6, 0, p.calls[i] * per});
+  }
+  f.phases.push_back({"other", (step_ns - covered) * per / 1e6, 0, 0});
+  for (auto& ph : f.phases) ph.share = f.step_ms > 0 ? ph.ms / f.step_ms : 0;
+  f.gemm_calls = p.gemm_calls * per;
+  f.parallel_regions = p.parallel_regions * per;
+  f.barriers = p.barriers * per;
+  f.fork_ms = p.fork_ns * per / 1e6;
+  f.join_ms = p.join_ns * per / 1e6;
+  f.barrier_ms = p.barrier_ns * per / 1e6;
+  f.pack_ms = p.pack_ns * per / 1e6;
+  return f;
 }
 
 absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
@@ -314,6 +344,25 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
       while (eng->HasWork()) RETURN_IF_ERROR(eng->Step().status());
       best = std::min(best, Seconds(t0));
     }
+    if (config.profile) {
+      // Three more prefills with the timers on (each request: one prefill
+      // step, then its one decode token's step, which is not counted).
+      kernels::StepProfile prof;
+      int64_t step_ns = 0;
+      for (int rep = 0; rep < 3; ++rep) {
+        RETURN_IF_ERROR(eng->AddRequest(Request(
+            absl::StrCat("pp", rep), config.prefill_tokens, rep + 3, 1)));
+        {
+          kernels::ProfileCollector collect(&prof);
+          const int64_t t0 = kernels::ProfileNowNs();
+          RETURN_IF_ERROR(eng->Step().status());
+          step_ns += kernels::ProfileNowNs() - t0;
+        }
+        while (eng->HasWork()) RETURN_IF_ERROR(eng->Step().status());
+      }
+      result.profile.push_back(ProfileFigure(
+          absl::StrCat("prefill ", config.prefill_tokens), prof, 3, step_ns));
+    }
     const double p = config.prefill_tokens;
     const double flops = p * LayerMatrixFlops(mc) + OutputFlops(mc) +
                          AttentionFlops(mc, (p + 1) / 2) * p;
@@ -351,9 +400,10 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     ASSIGN_OR_RETURN(auto eng, engine::Engine::Create(weights, ec));
     std::fprintf(stderr, "[bench] decode batch %d: warm-up...\n", batch);
     for (int32_t i = 0; i < batch; ++i) {
-      RETURN_IF_ERROR(
-          eng->AddRequest(Request(absl::StrCat("d", i), config.decode_context,
-                                  i, config.decode_steps + 8)));
+      // --profile runs decode_steps more steps after the timed ones.
+      RETURN_IF_ERROR(eng->AddRequest(
+          Request(absl::StrCat("d", i), config.decode_context, i,
+                  config.decode_steps * (config.profile ? 2 : 1) + 8)));
     }
     // Warm up: prefill everything and run a few decode steps.
     for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(eng->Step().status());
@@ -378,6 +428,30 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(r.eng->Step().status());
       r.secs += Seconds(t0);
+    }
+  }
+  if (config.profile) {
+    // The same rounds again (a triad, which also evicts the caches as in the
+    // timed rounds, then one step of each batch size), with the timers on.
+    std::vector<kernels::StepProfile> profs(running.size());
+    std::vector<int64_t> step_ns(running.size(), 0);
+    for (int32_t s = 0; s < config.decode_steps; ++s) {
+      std::fprintf(stderr, "[bench] profiled decode round %d/%d\n", s + 1,
+                   config.decode_steps);
+      MeasureTriadBandwidth(result.stream_bytes, 3);
+      for (size_t i = 0; i < running.size(); ++i) {
+        kernels::ProfileCollector collect(&profs[i]);
+        const int64_t t0 = kernels::ProfileNowNs();
+        RETURN_IF_ERROR(running[i].eng->Step().status());
+        step_ns[i] += kernels::ProfileNowNs() - t0;
+      }
+    }
+    for (size_t i = 0; i < running.size(); ++i) {
+      StepProfileFigure f =
+          ProfileFigure(absl::StrCat("decode batch ", running[i].batch),
+                        profs[i], config.decode_steps, step_ns[i]);
+      f.unprofiled_step_ms = running[i].secs / config.decode_steps * 1e3;
+      result.profile.push_back(std::move(f));
     }
   }
   result.decode_stream_gb_per_s = triad_sum / config.decode_steps;
@@ -470,6 +544,31 @@ std::string EngineBenchResult::ToJson() const {
     v["top1_agreement"] = a.top1_agreement;
     out["accuracy"].push_back(std::move(v));
   }
+  out["profile"] = json::OrderedValue::array();
+  for (const auto& p : profile) {
+    json::OrderedValue v;
+    v["step"] = p.step;
+    v["steps"] = p.steps;
+    v["step_ms"] = p.step_ms;
+    v["unprofiled_step_ms"] = p.unprofiled_step_ms;
+    v["phases"] = json::OrderedValue::array();
+    for (const auto& ph : p.phases) {
+      json::OrderedValue e;
+      e["name"] = ph.name;
+      e["ms"] = ph.ms;
+      e["share"] = ph.share;
+      e["calls"] = ph.calls;
+      v["phases"].push_back(std::move(e));
+    }
+    v["gemm_calls"] = p.gemm_calls;
+    v["parallel_regions"] = p.parallel_regions;
+    v["barriers"] = p.barriers;
+    v["fork_ms"] = p.fork_ms;
+    v["join_ms"] = p.join_ms;
+    v["barrier_ms"] = p.barrier_ms;
+    v["pack_ms"] = p.pack_ms;
+    out["profile"].push_back(std::move(v));
+  }
   return json::Dump(out);
 }
 
@@ -503,6 +602,26 @@ std::string EngineBenchResult::ToTable() const {
         "\nint8dot: AMX-INT8 from batch %d on (0: not used); VPDPBUSD peak "
         "%.1f G ops/s, TDPBSSD at 32 k per instruction %.1f G ops/s\n",
         int8dot_amx_min_rows, int8dot_vnni_peak_gops, amx_int8_block_peak_gops);
+  }
+  for (const auto& p : profile) {
+    absl::StrAppendFormat(&out, "\nprofile: %s, %d steps, %.3f ms/step", p.step,
+                          p.steps, p.step_ms);
+    if (p.unprofiled_step_ms > 0) {
+      absl::StrAppendFormat(&out, " (unprofiled %.3f)", p.unprofiled_step_ms);
+    }
+    absl::StrAppendFormat(&out, "\n  %-16s %10s %7s %8s\n", "phase", "ms/step",
+                          "share", "calls");
+    for (const auto& ph : p.phases) {
+      absl::StrAppendFormat(&out, "  %-16s %10.4f %6.1f%% %8.1f\n", ph.name,
+                            ph.ms, 100 * ph.share, ph.calls);
+    }
+    absl::StrAppendFormat(
+        &out,
+        "  GEMMs: %.1f calls, %.1f parallel regions, %.1f k-block barriers "
+        "per step; of their time (calling thread): fork %.4f ms, join %.4f "
+        "ms, barriers %.4f ms, activation packing %.4f ms\n",
+        p.gemm_calls, p.parallel_regions, p.barriers, p.fork_ms, p.join_ms,
+        p.barrier_ms, p.pack_ms);
   }
   if (!accuracy.empty()) {
     absl::StrAppendFormat(&out, "\n%6s %10s %14s %14s %8s\n", "dtype",

@@ -32,6 +32,10 @@ struct EngineBenchConfig {
   // > 0: also compare every weight dtype's logits with fp32 over this many
   // positions (one prompt, prefilled in chunks of 256).
   int32_t accuracy_positions = 0;
+  // Also time every phase of the forward pass and the engine step (extra
+  // prefill and decode steps after the timed ones, under the same conditions:
+  // kernels/cpu/step_profile.h), so the figures above carry no timers.
+  bool profile = false;
   absl::Status Validate() const;
 };
 
@@ -55,6 +59,26 @@ struct AccuracyFigure {
   double max_rel_error = 0;
   double mean_rel_error = 0;
   double top1_agreement = 0;  // fraction of positions with the same argmax
+};
+
+// One profiled kind of step (the prefill, or decode at one batch size):
+// means per step. Phases overlap nothing but the "of which" GEMM parts.
+struct StepProfileFigure {
+  std::string step;  // "prefill 512", "decode batch 1"
+  int32_t steps = 0;
+  double step_ms = 0;  // wall time of Engine::Step, profiled
+  // The same steps unprofiled, from the timed rounds (decode only; 0 for
+  // prefill): what the timers cost is the difference.
+  double unprofiled_step_ms = 0;
+  struct Phase {
+    std::string name;
+    double ms = 0;
+    double share = 0;  // of step_ms
+    double calls = 0;  // spans per step
+  };
+  std::vector<Phase> phases;  // every phase with time, then "other"
+  double gemm_calls = 0, parallel_regions = 0, barriers = 0;  // per step
+  double fork_ms = 0, join_ms = 0, barrier_ms = 0, pack_ms = 0;
 };
 
 struct EngineBenchResult {
@@ -87,6 +111,7 @@ struct EngineBenchResult {
   int64_t weight_bytes = 0;
   std::vector<DecodeFigure> decode;
   std::vector<AccuracyFigure> accuracy;
+  std::vector<StepProfileFigure> profile;  // with EngineBenchConfig::profile
   std::string ToJson() const;
   std::string ToTable() const;
 };

@@ -28,6 +28,11 @@ ABSL_FLAG(int32_t, decode_context, 128,
 ABSL_FLAG(int32_t, accuracy_positions, 0,
           "bench engine: also compare bf16, fp16 and int8 weights' logits with "
           "fp32 over this many positions (0: skip)");
+ABSL_FLAG(bool, profile, false,
+          "bench engine: also print a per-step breakdown by phase (embedding, "
+          "norms, each GEMM, rope, KV write, attention, lm_head, sampling, "
+          "scheduling; GEMMs' fork/join, barriers and packing) from extra "
+          "profiled steps");
 ABSL_FLAG(std::string, workload, "synthetic",
           "bench serve: chat, multiturn, longdoc, mixed or synthetic");
 ABSL_FLAG(std::string, trace, "",
@@ -109,6 +114,7 @@ int RunBenchEngine(const std::vector<std::string>&) {
   config.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   config.decode_context = absl::GetFlag(FLAGS_decode_context);
   config.accuracy_positions = absl::GetFlag(FLAGS_accuracy_positions);
+  config.profile = absl::GetFlag(FLAGS_profile);
   config.batch_sizes.clear();
   for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes),
                                             ',', absl::SkipWhitespace())) {

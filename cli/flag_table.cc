@@ -332,6 +332,7 @@ const std::vector<FlagSpec>& AllFlags() {
       {"decode_steps", kBenchEngine},
       {"decode_context", kBenchEngine},
       {"accuracy_positions", kBenchEngine},
+      {"profile", kBenchEngine},
       // bench serve.
       {"workload", kBenchServe},
       {"trace", kBenchServe | kSimRoute},

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_cause.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/step_profile.h"
 
 namespace pdserve::engine {
 
@@ -411,6 +412,8 @@ Engine::KvSnapshot Engine::TakeKvSnapshot() {
 }
 
 absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
+  // --profile: scheduling up to the forward pass, then sampling and retiring.
+  kernels::PhaseTimer schedule_timer(kernels::Phase::kSchedule);
   PublishTierEvents();
   std::vector<StepOutput> outputs;
   for (auto& [id, reason] : aborted_) {
@@ -487,7 +490,9 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     };
   }
   logits_.clear();
+  schedule_timer.Stop();
   RETURN_IF_ERROR(backend_->Forward(inputs, &logits_, on_layer_written));
+  kernels::PhaseTimer sampling_timer(kernels::Phase::kSampling);
 
   const ModelConfig& mc = weights_->config;
   int64_t logit_row = 0;

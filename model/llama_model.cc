@@ -6,8 +6,12 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/paged_attention.h"
+#include "kernels/cpu/step_profile.h"
 
 namespace pdserve::engine {
+
+using kernels::Phase;
+using kernels::PhaseTimer;
 
 LlamaModel::LlamaModel(std::shared_ptr<const ModelWeights> weights,
                        kernels::MatMulMode mode)
@@ -78,26 +82,33 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
   slots_.resize(total);
 
   int64_t row = 0;
-  for (const SeqInput& s : seqs) {
-    for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
-      weights_->embed.DequantizeRow(s.tokens[i], &residual_[row * hidden]);
-      const int32_t pos = s.start_pos + static_cast<int32_t>(i);
-      positions_[row] = pos;
-      slots_[row] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
+  {
+    PhaseTimer timer(Phase::kEmbedding);
+    for (const SeqInput& s : seqs) {
+      for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
+        weights_->embed.DequantizeRow(s.tokens[i], &residual_[row * hidden]);
+        const int32_t pos = s.start_pos + static_cast<int32_t>(i);
+        positions_[row] = pos;
+        slots_[row] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
+      }
     }
   }
 
   const float eps = static_cast<float>(c.rms_norm_eps);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_->layers[l];
-    if (l == 0) {
-      kernels::RmsNorm(residual_.data(), nullptr, w.input_norm.data(), total,
-                       hidden, eps, normed_.data());
-    } else {
-      kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
-                       total, hidden, eps, normed_.data());
+    {
+      PhaseTimer timer(Phase::kNorm);
+      if (l == 0) {
+        kernels::RmsNorm(residual_.data(), nullptr, w.input_norm.data(), total,
+                         hidden, eps, normed_.data());
+      } else {
+        kernels::RmsNorm(proj_.data(), residual_.data(), w.input_norm.data(),
+                         total, hidden, eps, normed_.data());
+      }
     }
     if (mla_) {
+      PhaseTimer timer(Phase::kMla);
       mla_->Forward(
           w.mla, w.o_proj, normed_.data(), total, positions_.data(),
           slots_.data(), attn_seqs, pool, static_cast<int32_t>(l), mode_,
@@ -109,15 +120,26 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
       Attention(w, total, attn_seqs, pool, static_cast<int32_t>(l),
                 on_layer_written);
     }
-    kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(), total,
-                     hidden, eps, normed_.data());
+    {
+      PhaseTimer timer(Phase::kNorm);
+      kernels::RmsNorm(proj_.data(), residual_.data(), w.post_norm.data(),
+                       total, hidden, eps, normed_.data());
+    }
     if (!w.moe.empty()) {
+      PhaseTimer timer(Phase::kMoe);
       moe_.Forward(w.moe, c, normed_.data(), total, mode_, proj_.data());
       continue;
     }
-    kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up, gate_up_.data(),
-                      mode_);
-    kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
+    {
+      PhaseTimer timer(Phase::kGateUpGemm);
+      kernels::MatMulNT(normed_.data(), total, hidden, w.gate_up,
+                        gate_up_.data(), mode_);
+    }
+    {
+      PhaseTimer timer(Phase::kActivation);
+      kernels::SiluAndMul(gate_up_.data(), total, inter, act_.data());
+    }
+    PhaseTimer timer(Phase::kDownGemm);
     kernels::MatMulNT(act_.data(), total, inter, w.down, proj_.data(), mode_);
   }
   return Finish(seqs, total, logits);
@@ -133,32 +155,50 @@ void LlamaModel::Attention(const LayerWeights& w, int64_t total,
   const int64_t qkv_dim = q_dim + 2 * kv_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  kernels::MatMulNT(normed_.data(), total, c.hidden_size, w.qkv, qkv_.data(),
-                    mode_);
-  for (int64_t r = 0; r < total; ++r) {
-    float* src = &qkv_[r * qkv_dim];
-    if (!w.qkv_bias.empty()) {
-      for (int64_t i = 0; i < qkv_dim; ++i) src[i] += w.qkv_bias[i];
+  {
+    PhaseTimer timer(Phase::kQkvGemm);
+    kernels::MatMulNT(normed_.data(), total, c.hidden_size, w.qkv, qkv_.data(),
+                      mode_);
+  }
+  {
+    PhaseTimer timer(Phase::kQkvSplit);
+    for (int64_t r = 0; r < total; ++r) {
+      float* src = &qkv_[r * qkv_dim];
+      if (!w.qkv_bias.empty()) {
+        for (int64_t i = 0; i < qkv_dim; ++i) src[i] += w.qkv_bias[i];
+      }
+      std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
+      std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
+      std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim,
+                  kv_dim * sizeof(float));
     }
-    std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
-    std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
-    std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim, kv_dim * sizeof(float));
   }
   if (!w.q_norm.empty()) {  // Qwen3: RMSNorm of every head, before RoPE
+    PhaseTimer timer(Phase::kNorm);
     kernels::RmsNorm(q_.data(), nullptr, w.q_norm.data(), total * c.num_heads,
                      hd, eps, q_.data());
     kernels::RmsNorm(k_.data(), nullptr, w.k_norm.data(),
                      total * c.num_kv_heads, hd, eps, k_.data());
   }
-  kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
-                     inv_freq_.data());
-  kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
-                     inv_freq_.data());
+  {
+    PhaseTimer timer(Phase::kRope);
+    kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
+                       inv_freq_.data());
+    kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
+                       inv_freq_.data());
+  }
   const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
-  kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
+  {
+    PhaseTimer timer(Phase::kKvWrite);
+    kernels::WriteKv(k_.data(), v_.data(), total, slots_.data(), layer);
+  }
   if (on_layer_written) on_layer_written(static_cast<int32_t>(l));
-  kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
-                          attn_seqs, layer, scale, attn_.data());
+  {
+    PhaseTimer timer(Phase::kAttention);
+    kernels::PagedAttention(q_.data(), static_cast<int32_t>(c.num_heads),
+                            attn_seqs, layer, scale, attn_.data());
+  }
+  PhaseTimer timer(Phase::kOGemm);
   kernels::MatMulNT(attn_.data(), total, q_dim, w.o_proj, proj_.data(), mode_);
 }
 
@@ -167,10 +207,14 @@ absl::Status LlamaModel::Finish(std::span<const SeqInput> seqs, int64_t total,
   const ModelConfig& c = weights_->config;
   const int64_t hidden = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(), total,
-                   hidden, eps, normed_.data());
+  {
+    PhaseTimer timer(Phase::kNorm);
+    kernels::RmsNorm(proj_.data(), residual_.data(), weights_->norm.data(),
+                     total, hidden, eps, normed_.data());
+  }
 
   // Gather the rows that need logits, then one product with the output matrix.
+  PhaseTimer gather_timer(Phase::kLogitsGather);
   rows_.clear();
   int64_t row = 0;
   for (const SeqInput& s : seqs) {
@@ -187,6 +231,8 @@ absl::Status LlamaModel::Finish(std::span<const SeqInput> seqs, int64_t total,
   const int64_t out_rows = static_cast<int64_t>(rows_.size()) / hidden;
   const size_t base = logits->size();
   logits->resize(base + out_rows * c.vocab_size);
+  gather_timer.Stop();
+  PhaseTimer timer(Phase::kLmHead);
   kernels::MatMulNT(rows_.data(), out_rows, hidden, weights_->output_matrix(),
                     logits->data() + base, mode_);
   return absl::OkStatus();

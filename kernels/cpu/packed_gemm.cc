@@ -26,6 +26,8 @@
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm_internal.h"
+#include "kernels/cpu/step_profile.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -318,6 +320,8 @@ void ReferenceGemmNT(const float* x, int64_t m, int64_t k, const float* w,
 void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             const WeightMatrix& w, float* __restrict__ y,
             GemmNumerics numerics) {
+  StepProfile* const prof = ActiveProfile();
+  if (prof != nullptr) ++prof->gemm_calls;
   if (numerics == GemmNumerics::kInt8Dot && w.dtype() == DType::kI8 &&
       w.int8_scaling() == Int8Scaling::kBlock32) {
     if (m > 0 && w.rows() > 0) GemmInt8Dot(x, m, k, w, y);
@@ -380,66 +384,61 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
   const float* scales = w.scales();
-  // Within a k block tiles are independent, so threads claim them in small
-  // chunks: on a shared machine a preempted thread's share is taken over
-  // instead of stalling the step. Which thread computes a tile never changes
-  // its numbers; a barrier between k blocks keeps each tile's blocks in order.
-  const int64_t k_blocks = (k + kc - 1) / kc;
+  // Within a k block tiles are independent: the calling thread and the
+  // kernel helpers that are awake claim them in small chunks (task_pool.h),
+  // so a preempted helper's share is taken over instead of stalling the
+  // step. Which thread computes a tile never changes its numbers; k blocks
+  // run one after the other, which keeps each tile's blocks in order.
   const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 16));
-  std::vector<std::atomic<int64_t>> next_claim(k_blocks);
   const int width_max = max_nv * kPanel;
-
-#pragma omp parallel num_threads(threads) if (parallel)
-  {
-    int64_t cursor = 0, cursor_end = 0, kb = 0;
-    auto next_tile = [&]() -> int64_t {
-      if (cursor < cursor_end) return cursor++;
-      const int64_t c = next_claim[kb].fetch_add(chunk);
-      if (c >= tiles) return -1;
-      cursor = c;
-      cursor_end = std::min(tiles, c + chunk);
-      return cursor++;
-    };
-    // Direct path: one row tile's accumulators. Widening path: every row's
-    // (m x width), and the widened stage.
-    std::vector<float>& io_all = IoBuffer();
-    io_all.resize(widen ? m * width_max : kAvx512Rows * width_max);
-    float* const io = io_all.data();
-    alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
-    // This thread's copy of x[:, k0:k1], packed per row tile (see the tiles).
-    std::vector<float>& xp = PackBuffer();
-    xp.resize(m * kc + 2 * max_rows);
-    for (int64_t k0 = 0; k0 < k; k0 += kc, ++kb) {
-      const int64_t k1 = std::min(k, k0 + kc);
-      const bool first = k0 == 0, last = k1 == k;
-      if (kb > 0) {
-#pragma omp barrier
-      }
-      if (bf16dot) {  // bf16 pairs, the odd tail padded with 0
-        for (int64_t rt = 0; rt < row_tiles; ++rt) {
-          const int64_t i0 = m * rt / row_tiles;
-          const int64_t rows = m * (rt + 1) / row_tiles - i0;
-          uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
-          for (int64_t q = k0; q < k1; q += 2)
-            for (int64_t i = 0; i < rows; ++i) {
-              const float* xr = x + (i0 + i) * k;
-              const uint32_t lo = FloatToBf16(xr[q]);
-              const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
-              dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
-            }
+  if (prof != nullptr && parallel) {
+    prof->parallel_regions += (k + kc - 1) / kc;
+    prof->barriers += (k + kc - 1) / kc - 1;
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kc) {
+    const int64_t k1 = std::min(k, k0 + kc);
+    const bool first = k0 == 0, last = k1 == k;
+    auto run_tiles = [&](int64_t t_begin, int64_t t_end, bool first_call) {
+      // Direct path: one row tile's accumulators. Widening path: every row's
+      // (m x width), and the widened stage.
+      std::vector<float>& io_all = IoBuffer();
+      // This thread's copy of x[:, k0:k1], packed per row tile (see the
+      // tiles), made on its first chunk of this k block.
+      std::vector<float>& xp = PackBuffer();
+      if (first_call) {
+        // Only the calling thread has a profile installed.
+        StepProfile* const tprof = ActiveProfile();
+        const int64_t pack_start = tprof != nullptr ? ProfileNowNs() : 0;
+        io_all.resize(widen ? m * width_max : kAvx512Rows * width_max);
+        xp.resize(m * kc + 2 * max_rows);
+        if (bf16dot) {  // bf16 pairs, the odd tail padded with 0
+          for (int64_t rt = 0; rt < row_tiles; ++rt) {
+            const int64_t i0 = m * rt / row_tiles;
+            const int64_t rows = m * (rt + 1) / row_tiles - i0;
+            uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
+            for (int64_t q = k0; q < k1; q += 2)
+              for (int64_t i = 0; i < rows; ++i) {
+                const float* xr = x + (i0 + i) * k;
+                const uint32_t lo = FloatToBf16(xr[q]);
+                const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
+                dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
+              }
+          }
+        } else {
+          for (int64_t rt = 0; rt < row_tiles; ++rt) {
+            const int64_t i0 = m * rt / row_tiles;
+            const int64_t rows = m * (rt + 1) / row_tiles - i0;
+            float* dst = xp.data() + i0 * kc;
+            for (int64_t q = k0; q < k1; ++q)
+              for (int64_t i = 0; i < rows; ++i)
+                dst[(q - k0) * rows + i] = x[(i0 + i) * k + q];
+          }
         }
-      } else {
-        for (int64_t rt = 0; rt < row_tiles; ++rt) {
-          const int64_t i0 = m * rt / row_tiles;
-          const int64_t rows = m * (rt + 1) / row_tiles - i0;
-          float* dst = xp.data() + i0 * kc;
-          for (int64_t q = k0; q < k1; ++q)
-            for (int64_t i = 0; i < rows; ++i)
-              dst[(q - k0) * rows + i] = x[(i0 + i) * k + q];
-        }
+        if (tprof != nullptr) tprof->pack_ns += ProfileNowNs() - pack_start;
       }
-      cursor = cursor_end = 0;
-      for (int64_t tile; (tile = next_tile()) >= 0;) {
+      float* const io = io_all.data();
+      alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
+      for (int64_t tile = t_begin; tile < t_end; ++tile) {
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
         const int64_t c0 = p0 * kPanel;
@@ -521,6 +520,20 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             }
           store(i0, rows, io);
         }
+      }
+    };
+    RunChunks(tiles, chunk, parallel ? threads : 1, run_tiles);
+    if (prof != nullptr && parallel) {
+      const ChunkRunStats& stats = LastChunkRunStats();
+      if (first) {
+        prof->fork_ns += stats.publish_ns;
+      } else {
+        prof->barrier_ns += stats.publish_ns;
+      }
+      if (last) {
+        prof->join_ns += stats.wait_ns;
+      } else {
+        prof->barrier_ns += stats.wait_ns;
       }
     }
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -450,19 +451,28 @@ void PagedAttention(const float* q, int32_t num_heads,
     }
   }
   const int64_t row_stride = int64_t{num_heads} * d;
-#pragma omp parallel num_threads( \
-    std::min <int>(KernelThreads(), static_cast <int>(tasks.size())))
-  {
+  // Tasks go to the calling thread and whichever kernel helpers are awake
+  // (task_pool.h); each task's numbers depend only on the task. Scratch is
+  // per thread and kept between calls.
+  struct Scratch {
+    std::vector<float> kbuf, vbuf, kt, acc, m, l, scores, weights;
+    std::vector<const float*> qs;
+  };
+  const int ldk = (bs + 15) / 16 * 16;
+  const AttnIsa isa = ActiveAttnIsa();
+  auto run = [&](int64_t t_begin, int64_t t_end, bool) {
     // Keys of a block transposed and zero-padded to ldk (a multiple of 16),
     // the task's states' scores [states][ldk], one state's weights.
-    const int ldk = (bs + 15) / 16 * 16;
-    std::vector<float> kbuf(int64_t{bs} * d), vbuf(int64_t{bs} * d);
-    std::vector<float> kt(int64_t{d} * ldk), acc, m, l, scores;
-    std::vector<float> weights(ldk);
-    std::vector<const float*> qs;
-    const AttnIsa isa = ActiveAttnIsa();
-#pragma omp for schedule(dynamic, 1)
-    for (size_t ti = 0; ti < tasks.size(); ++ti) {
+    thread_local Scratch sc;
+    sc.kbuf.resize(int64_t{bs} * d);
+    sc.vbuf.resize(int64_t{bs} * d);
+    sc.kt.resize(int64_t{d} * ldk);
+    sc.weights.resize(ldk);
+    std::vector<float>&kbuf = sc.kbuf, &vbuf = sc.vbuf, &kt = sc.kt,
+    &acc = sc.acc, &m = sc.m, &l = sc.l, &scores = sc.scores,
+    &weights = sc.weights;
+    std::vector<const float*>& qs = sc.qs;
+    for (int64_t ti = t_begin; ti < t_end; ++ti) {
       const Task& task = tasks[ti];
       const AttentionSeq& seq = seqs[task.seq];
       const int nq = task.q_end - task.q_begin;
@@ -525,7 +535,8 @@ void PagedAttention(const float* q, int32_t num_heads,
         }
       }
     }
-  }
+  };
+  RunChunks(static_cast<int64_t>(tasks.size()), 1, KernelThreads(), run);
 }
 
 }  // namespace pdserve::kernels

@@ -1,0 +1,178 @@
+#include "kernels/cpu/task_pool.h"
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pdserve::kernels {
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// How long an idle helper keeps polling for the next job before it sleeps,
+// and how long the caller polls for claimed chunks before it yields its CPU
+// (to a helper that may be waiting for it on the same core).
+constexpr int64_t kHelperSpinNs = 200'000;
+constexpr int64_t kCallerSpinNs = 20'000;
+
+thread_local ChunkRunStats last_stats;
+
+class TaskPool {
+ public:
+  static TaskPool& Get() {
+    static TaskPool* pool = new TaskPool();  // helpers live as long as the
+    return *pool;                            // process: never destroyed
+  }
+
+  void Run(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
+    ChunkRunStats& stats = last_stats;
+    stats = ChunkRunStats();
+    const int64_t start = NowNs();
+    chunk = std::max<int64_t>(chunk, 1);
+    if (tasks <= 0) return;
+    if (threads <= 1 || tasks <= chunk || busy_.exchange(true)) {
+      // Alone: one task at a time still gives the same results.
+      fn(0, tasks, true);
+      return;
+    }
+    EnsureHelpers(threads - 1);
+    uint32_t gen;
+    {
+      absl::MutexLock lock(&mu_);
+      gen = ++gen_counter_;
+      job_ = Job{&fn, tasks, chunk, threads - 1};
+      done_.store(0, std::memory_order_relaxed);
+      claim_.store(uint64_t{gen} << 32, std::memory_order_release);
+      published_.store(gen, std::memory_order_release);
+      if (sleepers_ > 0) cv_.SignalAll();
+    }
+    bool first = true;
+    int64_t begin, end, own = 0;
+    while (Claim(gen, tasks, chunk, &begin, &end)) {
+      if (first) stats.publish_ns = NowNs() - start;
+      fn(begin, end, first);
+      first = false;
+      own += end - begin;
+    }
+    const int64_t wait_start = NowNs();
+    done_.fetch_add(own, std::memory_order_acq_rel);
+    while (done_.load(std::memory_order_acquire) < tasks) {
+      if (NowNs() - wait_start > kCallerSpinNs) {
+        sched_yield();
+      } else {
+        _mm_pause();
+      }
+    }
+    stats.wait_ns = NowNs() - wait_start;
+    stats.helped = own < tasks;
+    busy_.store(false, std::memory_order_release);
+  }
+
+ private:
+  struct Job {
+    const ChunkFn* fn = nullptr;
+    int64_t tasks = 0, chunk = 1;
+    int helpers = 0;  // helpers with index < helpers may join
+  };
+
+  // Claims the next chunk of job `gen`; false when the job is exhausted or
+  // already replaced by a newer one.
+  bool Claim(uint32_t gen, int64_t tasks, int64_t chunk, int64_t* begin,
+             int64_t* end) {
+    uint64_t cur = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      if (static_cast<uint32_t>(cur >> 32) != gen) return false;
+      const int64_t next = static_cast<int64_t>(cur & 0xffffffffu);
+      if (next >= tasks) return false;
+      const int64_t stop = std::min(tasks, next + chunk);
+      if (claim_.compare_exchange_weak(
+              cur, (uint64_t{gen} << 32) | static_cast<uint64_t>(stop),
+              std::memory_order_acq_rel)) {
+        *begin = next;
+        *end = stop;
+        return true;
+      }
+    }
+  }
+
+  void EnsureHelpers(int count) {
+    if (helpers_started_.load(std::memory_order_acquire) >= count) return;
+    absl::MutexLock lock(&start_mu_);
+    int have = helpers_started_.load(std::memory_order_relaxed);
+    for (; have < count; ++have) {
+      std::thread([this, index = have] { HelperLoop(index); }).detach();
+    }
+    helpers_started_.store(have, std::memory_order_release);
+  }
+
+  void HelperLoop(int index) {
+    uint32_t seen = published_.load(std::memory_order_acquire);
+    for (;;) {
+      // Poll for a new job for a while, then sleep until one is published.
+      const int64_t spin_start = NowNs();
+      int polls = 0;
+      while (published_.load(std::memory_order_acquire) == seen) {
+        _mm_pause();
+        if (++polls % 64 == 0 && NowNs() - spin_start > kHelperSpinNs) break;
+      }
+      Job job;
+      uint32_t gen;
+      {
+        absl::MutexLock lock(&mu_);
+        while (gen_counter_ == seen) {
+          ++sleepers_;
+          cv_.Wait(&mu_);
+          --sleepers_;
+        }
+        gen = gen_counter_;
+        job = job_;
+      }
+      seen = gen;
+      if (index >= job.helpers) continue;
+      bool first = true;
+      int64_t begin, end;
+      while (Claim(gen, job.tasks, job.chunk, &begin, &end)) {
+        // The claim keeps job `gen` (and *job.fn) alive until done_ counts
+        // this chunk.
+        (*job.fn)(begin, end, first);
+        first = false;
+        done_.fetch_add(end - begin, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  uint32_t gen_counter_ ABSL_GUARDED_BY(mu_) = 0;
+  Job job_ ABSL_GUARDED_BY(mu_);
+  int sleepers_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint32_t> published_{0};  // gen_counter_, for polling
+  std::atomic<uint64_t> claim_{0};      // generation << 32 | next task
+  std::atomic<int64_t> done_{0};        // tasks finished in this job
+  std::atomic<bool> busy_{false};       // a caller is running a job
+  absl::Mutex start_mu_;
+  std::atomic<int> helpers_started_{0};
+};
+
+}  // namespace
+
+void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
+  TaskPool::Get().Run(tasks, chunk, threads, fn);
+}
+
+const ChunkRunStats& LastChunkRunStats() { return last_stats; }
+
+}  // namespace pdserve::kernels

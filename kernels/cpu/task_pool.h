@@ -1,0 +1,50 @@
+// A process-wide pool of kernel helper threads that never makes the calling
+// thread wait for a helper to wake up.
+//
+// RunChunks(tasks, chunk, threads, fn) runs fn over [0, tasks) in chunks that
+// the calling thread and up to threads - 1 helpers claim from one counter.
+// The caller starts claiming at once; a helper joins only if it is awake
+// while unclaimed chunks are left, and the caller waits only for chunks a
+// helper has claimed and not finished. An OpenMP parallel region instead
+// waits at its start for every team thread to arrive and at its end for
+// every one to leave: with dozens of small GEMMs per decode step on a shared
+// 2-core machine, a preempted partner stalled each of them (measured:
+// 9-19 ms of a 14-37 ms step in region starts, `bench engine --profile`).
+// Here a descheduled helper costs nothing unless it holds a claimed chunk.
+//
+// Helpers spin briefly after a job (consecutive GEMMs of a step are
+// microseconds apart), then sleep until the next one is published.
+// Which thread runs a chunk must not change any result (the kernels' order
+// contract), so callers stay deterministic. One job at a time: a RunChunks
+// that finds the pool busy (another thread's job) runs its chunks alone on
+// the calling thread. fn must not call RunChunks.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/functional/function_ref.h"
+
+namespace pdserve::kernels {
+
+// fn(begin, end, first): tasks [begin, end); `first` is true on the first
+// chunk a thread runs in this call (for per-thread set-up such as packing;
+// it runs after a successful claim, so a late helper never touches the
+// caller's data once the call has returned).
+using ChunkFn = absl::FunctionRef<void(int64_t begin, int64_t end, bool first)>;
+
+// threads: the most threads to use, the caller included (<= 1: the caller
+// alone). Returns when every task has run.
+void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn);
+
+// What the last RunChunks on this thread waited for (for --profile):
+// publish_ns from entry to the caller's first chunk, wait_ns from the
+// caller's last chunk until every claimed chunk was done, and whether any
+// helper ran a chunk.
+struct ChunkRunStats {
+  int64_t publish_ns = 0;
+  int64_t wait_ns = 0;
+  bool helped = false;
+};
+const ChunkRunStats& LastChunkRunStats();
+
+}  // namespace pdserve::kernels
