@@ -83,15 +83,16 @@ std::vector<const char*> PresetChoices() {
 
 // `up`'s rewrites of a value for its children.
 std::optional<std::string> UpModel(const UpChild& c) { return c.model; }
-// Workers share the machine: the cores are split unless --threads is given,
-// so kernel threads of different processes do not fight over one core.
+// Workers share the machine: unless --threads is given, the cores are
+// divided by what each worker does (UpWorkerThreads), so kernel threads of
+// different processes do not fight over one core.
 std::optional<std::string> UpThreads(const UpChild& c) {
   int64_t threads = 0;
   (void)absl::SimpleAtoi(Current("threads"), &threads);
   if (threads > 0) return std::to_string(threads);
-  return std::to_string(
-      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
-                      std::max(1, c.num_workers)));
+  return std::to_string(UpWorkerThreads(
+      c.role, static_cast<int>(std::thread::hardware_concurrency()),
+      c.num_prefill, c.num_workers));
 }
 // One GPU shared by every worker: each takes an equal part of the fraction.
 std::optional<std::string> UpGpuMemory(const UpChild& c) {
@@ -478,6 +479,17 @@ absl::Status CheckFlagValues(uint32_t command) {
     }
   }
   return absl::OkStatus();
+}
+
+int UpWorkerThreads(const std::string& role, int cores, int num_prefill,
+                    int num_workers) {
+  cores = std::max(cores, 1);
+  num_workers = std::max(num_workers, 1);
+  const int num_decode = num_workers - num_prefill;
+  if (num_prefill <= 0 || num_decode <= 0)
+    return std::max(1, cores / num_workers);
+  if (role == "prefill") return std::max(1, cores / num_prefill);
+  return std::max(1, cores / (2 * num_decode));
 }
 
 std::vector<std::string> UpChildArgs(const UpChild& child) {

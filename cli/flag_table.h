@@ -57,8 +57,25 @@ struct UpChild {
   std::string role;  // worker role: prefill, decode or both
   int index = 0;     // worker index (prefill workers first)
   int num_workers = 1;
-  std::string model;  // the model directory (resolved default)
+  std::string model;    // the model directory (resolved default)
+  int num_prefill = 0;  // prefill workers among num_workers
 };
+
+// The kernel threads `up` gives a worker of `role` (prefill, decode, both)
+// on a host of `cores` when --threads is not given. Colocated workers split
+// the cores. With prefill and decode workers the split follows what each
+// does: decode steps read every weight per token and are bandwidth-bound,
+// which about half the cores already saturate (on 2 cores one thread read
+// as fast as two), so each decode worker gets cores / 2 over the decode
+// workers (at least 1); prefill is compute-bound and gets every core (over
+// the prefill workers) and runs at a lower CPU priority (kUpPrefillNice), so
+// it takes whatever the decode steps leave instead of a fixed half.
+int UpWorkerThreads(const std::string& role, int cores, int num_prefill,
+                    int num_workers);
+// The nice increment of `up`'s prefill workers when decode workers share
+// the host: decode steps then preempt prefill chunks, and prefill runs on
+// the cycles they leave.
+inline constexpr int kUpPrefillNice = 10;
 
 struct FlagSpec {
   const char* name;   // Abseil name (underscores); --help shows dashes

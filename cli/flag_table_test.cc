@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
@@ -153,6 +154,29 @@ TEST(FlagTableTest, UpForwardsEveryWorkerAndRouterFlag) {
   EXPECT_THAT(wargs, HasSubstr("--weight-dtype=auto "));
   EXPECT_THAT(rargs, HasSubstr("--port=50051 "));
   EXPECT_THAT(rargs, HasSubstr("--http-port=8000 "));
+}
+
+// up's thread split: colocated workers share the cores equally; with prefill
+// and decode workers, decode gets half the cores (bandwidth-bound) and
+// prefill all of them (compute-bound, at a lower priority).
+TEST(FlagTableTest, UpSplitsThreadsByWhatEachWorkerDoes) {
+  EXPECT_EQ(UpWorkerThreads("both", 2, 0, 1), 2);
+  EXPECT_EQ(UpWorkerThreads("both", 8, 0, 2), 4);
+  EXPECT_EQ(UpWorkerThreads("prefill", 2, 1, 2), 2);
+  EXPECT_EQ(UpWorkerThreads("decode", 2, 1, 2), 1);
+  EXPECT_EQ(UpWorkerThreads("prefill", 16, 2, 4), 8);
+  EXPECT_EQ(UpWorkerThreads("decode", 16, 2, 4), 4);
+  EXPECT_EQ(UpWorkerThreads("decode", 2, 1, 4), 1);
+  EXPECT_EQ(UpWorkerThreads("prefill", 1, 1, 2), 1);
+  UpChild prefill{false, "prefill", 0, 2, "/m", 1};
+  UpChild decode{false, "decode", 1, 2, "/m", 1};
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_THAT(absl::StrJoin(UpChildArgs(prefill), " ") + " ",
+              HasSubstr(absl::StrCat(
+                  "--threads=", UpWorkerThreads("prefill", cores, 1, 2), " ")));
+  EXPECT_THAT(absl::StrJoin(UpChildArgs(decode), " ") + " ",
+              HasSubstr(absl::StrCat(
+                  "--threads=", UpWorkerThreads("decode", cores, 1, 2), " ")));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // gRPC client behind `generate --router`.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -342,13 +343,17 @@ struct Child {
 };
 
 // Starts `pdserve ARGS...` and reads its "listening on ADDR metrics PORT" line.
+// nice_increment > 0 lowers the child's CPU priority (setpriority, before
+// exec; the worker's own re-exec keeps it).
 absl::StatusOr<Child> Spawn(const std::string& name,
-                            std::vector<std::string> args) {
+                            std::vector<std::string> args,
+                            int nice_increment = 0) {
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("pipe failed");
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
+    if (nice_increment > 0) setpriority(PRIO_PROCESS, 0, nice_increment);
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
     close(fds[1]);
@@ -435,11 +440,13 @@ int RunUp(const std::vector<std::string>&) {
         is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
     // Every flag the table forwards to workers (cli/flag_table.cc), then
     // the ones up decides per child.
-    UpChild up_child{false, role, i, n_prefill + n_decode, model};
+    UpChild up_child{false, role, i, n_prefill + n_decode, model, n_prefill};
     std::vector<std::string> args = {"worker"};
     for (std::string& a : UpChildArgs(up_child)) args.push_back(std::move(a));
     args.insert(args.end(), {"--role=" + role, "--port=0", "--metrics-port=0"});
-    auto child = Spawn(absl::StrCat(role, "-", i), args);
+    // Prefill workers yield the cores to decode steps (UpWorkerThreads).
+    auto child = Spawn(absl::StrCat(role, "-", i), args,
+                       is_prefill ? kUpPrefillNice : 0);
     if (!child.ok()) {
       stop_all();
       return ReportError(child.status());
@@ -447,7 +454,7 @@ int RunUp(const std::vector<std::string>&) {
     (is_prefill ? prefill_addrs : decode_addrs).push_back(child->address);
     children.push_back(*child);
   }
-  UpChild up_router{true, "", 0, n_prefill + n_decode, model};
+  UpChild up_router{true, "", 0, n_prefill + n_decode, model, n_prefill};
   std::vector<std::string> router_args = {"router"};
   for (std::string& a : UpChildArgs(up_router))
     router_args.push_back(std::move(a));

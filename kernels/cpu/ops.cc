@@ -5,14 +5,28 @@
 #include <numbers>
 
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::kernels {
 
+namespace {
+
+// Rows in chunks over the calling thread and the awake kernel helpers
+// (task_pool.h) from 17 rows on; each row's result depends only on the row.
+template <typename RowFn>
+void ForRows(int64_t rows, RowFn&& row_fn) {
+  RunChunks(rows, std::max<int64_t>(8, rows / 32),
+            rows > 16 ? KernelThreads() : 1,
+            [&](int64_t begin, int64_t end, bool) {
+              for (int64_t r = begin; r < end; ++r) row_fn(r);
+            });
+}
+
+}  // namespace
+
 void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
              int64_t dim, float eps, float* out) {
-#pragma omp parallel for schedule(static) \
-    num_threads(KernelThreads()) if (rows > 16)
-  for (int64_t r = 0; r < rows; ++r) {
+  ForRows(rows, [&](int64_t r) {
     const float* in = x + r * dim;
     if (residual != nullptr) {
       float* res = residual + r * dim;
@@ -25,15 +39,13 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
     const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
     float* o = out + r * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = in[i] * inv * weight[i];
-  }
+  });
 }
 
 void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                const int32_t* positions, const float* inv_freq) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) \
-    num_threads(KernelThreads()) if (rows > 16)
-  for (int64_t r = 0; r < rows; ++r) {
+  ForRows(rows, [&](int64_t r) {
     float cos_t[512],
         sin_t[512];  // head_dim <= 1024 is validated by the model config
     const float pos = static_cast<float>(positions[r]);
@@ -50,19 +62,17 @@ void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
         v[i + half] = b * cos_t[i] + a * sin_t[i];
       }
     }
-  }
+  });
 }
 
 void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
-#pragma omp parallel for schedule(static) \
-    num_threads(KernelThreads()) if (rows > 16)
-  for (int64_t r = 0; r < rows; ++r) {
+  ForRows(rows, [&](int64_t r) {
     const float* g = gate_up + r * 2 * inter;
     const float* u = g + inter;
     float* o = out + r * inter;
     for (int64_t i = 0; i < inter; ++i)
       o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  }
+  });
 }
 
 void SoftmaxInPlace(float* x, int64_t n) {

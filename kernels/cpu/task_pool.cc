@@ -44,8 +44,9 @@ class TaskPool {
     chunk = std::max<int64_t>(chunk, 1);
     if (tasks <= 0) return;
     if (threads <= 1 || tasks <= chunk || busy_.exchange(true)) {
-      // Alone: one task at a time still gives the same results.
-      fn(0, tasks, true);
+      // Alone, in the same chunks (the results do not depend on it).
+      for (int64_t begin = 0; begin < tasks; begin += chunk)
+        fn(begin, std::min(tasks, begin + chunk), begin == 0);
       return;
     }
     EnsureHelpers(threads - 1);

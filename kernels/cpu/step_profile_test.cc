@@ -1,0 +1,65 @@
+#include "kernels/cpu/step_profile.h"
+
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/packed_gemm.h"
+
+namespace pdserve::kernels {
+namespace {
+
+TEST(StepProfileTest, TimersCountOnlyWhileACollectorIsInstalled) {
+  StepProfile prof;
+  { PhaseTimer t(Phase::kRope); }
+  {
+    ProfileCollector collect(&prof);
+    {
+      PhaseTimer t(Phase::kRope);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    PhaseTimer stopped(Phase::kNorm);
+    stopped.Stop();
+    stopped.Stop();
+  }
+  { PhaseTimer t(Phase::kRope); }
+  EXPECT_EQ(prof.calls[static_cast<int>(Phase::kRope)], 1);
+  EXPECT_GE(prof.ns[static_cast<int>(Phase::kRope)], 2'000'000);
+  EXPECT_EQ(prof.calls[static_cast<int>(Phase::kNorm)], 1);
+  EXPECT_EQ(ActiveProfile(), nullptr);
+}
+
+TEST(StepProfileTest, CollectorIsPerThread) {
+  StepProfile prof;
+  ProfileCollector collect(&prof);
+  std::thread other([] {
+    EXPECT_EQ(ActiveProfile(), nullptr);
+    PhaseTimer t(Phase::kRope);
+  });
+  other.join();
+  EXPECT_EQ(prof.calls[static_cast<int>(Phase::kRope)], 0);
+}
+
+TEST(StepProfileTest, GemmRecordsCallsRegionsAndKBlockBarriers) {
+  SetKernelThreads(2);
+  const int64_t m = 256, k = 8192, n = 64;
+  std::vector<float> x(m * k, 0.5f), w(n * k, 0.25f), y(m * n);
+  const WeightMatrix wm = WeightMatrix::Pack(w.data(), n, k, DType::kBF16);
+  StepProfile prof;
+  {
+    ProfileCollector collect(&prof);
+    GemmNT(x.data(), m, k, wm, y.data());
+    GemmNT(x.data(), 1, k, wm, y.data());
+  }
+  EXPECT_EQ(prof.gemm_calls, 2);
+  // 256 rows take k blocks of 1M / 256 = 4096: two regions, one barrier
+  // between them; one row is one region.
+  EXPECT_EQ(prof.parallel_regions, 3);
+  EXPECT_EQ(prof.barriers, 1);
+  EXPECT_GT(prof.pack_ns, 0);
+  EXPECT_FLOAT_EQ(y[0], 0.5f * 0.25f * k);
+}
+
+}  // namespace
+}  // namespace pdserve::kernels
