@@ -1,0 +1,104 @@
+// bench engine's --profile: which phases a step reports and that the figures
+// add up (timings themselves are not asserted).
+#include "bench/engine_bench.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/model_init.h"
+
+namespace pdserve::bench {
+namespace {
+
+class EngineBenchProfileTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string((std::filesystem::temp_directory_path() /
+                            ("engine_bench_test_" + std::to_string(::getpid())))
+                               .string());
+    engine::ModelInitOptions opts;
+    opts.preset = "tiny";
+    opts.out_dir = *dir_;
+    ASSERT_TRUE(engine::WriteRandomModel(opts).ok());
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+  static EngineBenchConfig Config(bool profile) {
+    EngineBenchConfig c;
+    c.model_dir = *dir_;
+    c.prefill_tokens = 24;
+    c.decode_context = 8;
+    c.batch_sizes = {1, 3};
+    c.decode_steps = 3;
+    c.stream_bytes = 4 << 20;
+    c.profile = profile;
+    return c;
+  }
+  static std::string* dir_;
+};
+std::string* EngineBenchProfileTest::dir_ = nullptr;
+
+TEST_F(EngineBenchProfileTest, ReportsEveryPhaseOfPrefillAndEachDecodeBatch) {
+  auto r = RunEngineBench(Config(true));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->profile.size(), 3u);
+  EXPECT_EQ(r->profile[0].step, "prefill 24");
+  EXPECT_EQ(r->profile[1].step, "decode batch 1");
+  EXPECT_EQ(r->profile[2].step, "decode batch 3");
+  EXPECT_EQ(r->profile[0].unprofiled_step_ms, 0);
+  auto layers = engine::PresetConfig("tiny");
+  ASSERT_TRUE(layers.ok());
+  const double l = layers->num_layers;
+  for (const StepProfileFigure& f : r->profile) {
+    SCOPED_TRACE(f.step);
+    EXPECT_GT(f.step_ms, 0);
+    std::map<std::string, StepProfileFigure::Phase> by_name;
+    double shares = 0, ms = 0;
+    for (const auto& p : f.phases) {
+      by_name[p.name] = p;
+      shares += p.share;
+      ms += p.ms;
+    }
+    // The phases and "other" partition the step.
+    EXPECT_NEAR(shares, 1.0, 1e-9);
+    EXPECT_NEAR(ms, f.step_ms, 1e-9 * f.step_ms + 1e-12);
+    for (const char* name :
+         {"qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "attention",
+          "rope", "kv_write", "qkv_split", "silu_mul"}) {
+      ASSERT_TRUE(by_name.count(name)) << name;
+      EXPECT_DOUBLE_EQ(by_name[name].calls, l) << name;
+    }
+    // Input and post-attention norm per layer, and the final one.
+    EXPECT_DOUBLE_EQ(by_name["rms_norm"].calls, 2 * l + 1);
+    EXPECT_DOUBLE_EQ(by_name["lm_head"].calls, 1);
+    EXPECT_DOUBLE_EQ(by_name["schedule"].calls, 1);
+    EXPECT_DOUBLE_EQ(by_name["sampling"].calls, 1);
+    EXPECT_DOUBLE_EQ(by_name["embedding"].calls, 1);
+    EXPECT_TRUE(by_name.count("other"));
+    EXPECT_DOUBLE_EQ(f.gemm_calls, 4 * l + 1);
+    EXPECT_LE(f.parallel_regions, f.gemm_calls);
+    EXPECT_GE(f.fork_ms, 0);
+    EXPECT_GE(f.join_ms, 0);
+  }
+  EXPECT_GT(r->profile[1].unprofiled_step_ms, 0);
+  EXPECT_THAT(r->ToTable(), ::testing::HasSubstr("profile: decode batch 3"));
+  EXPECT_THAT(r->ToJson(), ::testing::HasSubstr("\"gate_up_gemm\""));
+}
+
+TEST_F(EngineBenchProfileTest, NoProfileUnlessAsked) {
+  auto r = RunEngineBench(Config(false));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->profile.empty());
+  EXPECT_THAT(r->ToTable(), ::testing::Not(::testing::HasSubstr("profile:")));
+  ASSERT_EQ(r->decode.size(), 2u);
+}
+
+}  // namespace
+}  // namespace pdserve::bench
