@@ -4,7 +4,8 @@
 # load, output tokens/s and ITL p50/p99 from `pdserve bench serve --json`.
 # usage: bench/experiments/up_disagg_vs_coloc.sh [PDSERVE_BIN] [MODEL_DIR] [REPS]
 #   extra binaries to compare (e.g. an older build) in $OTHER_BINS, each run
-#   disaggregated in the same rounds.
+#   disaggregated in the same rounds; $NUM_REQUESTS (24) and $CONCURRENCY (4)
+#   size the closed-loop `mixed` workload.
 set -euo pipefail
 B=${1:-build/bin/pdserve}
 WORK=$(mktemp -d)
@@ -15,7 +16,8 @@ UP_PID=
 cleanup() { [ -n "$UP_PID" ] && kill "$UP_PID" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 [ -f "$MODEL/config.json" ] || "$B" model init --preset small --out "$MODEL" > /dev/null 2>&1
-WORKLOAD=(--workload mixed --num-requests 24 --input-len 64 --output-len 32 --concurrency 4 --seed 7)
+WORKLOAD=(--workload mixed --num-requests "${NUM_REQUESTS:-24}" --input-len 64 --output-len 32
+  --concurrency "${CONCURRENCY:-4}" --seed 7)
 
 run() {  # run NAME BIN PREFILL_WORKERS
   local name=$1 bin=$2 prefill=$3 log=$WORK/up.log
@@ -31,7 +33,7 @@ run() {  # run NAME BIN PREFILL_WORKERS
   [ -n "$addr" ] || { echo "up did not start:" >&2; cat "$log" >&2; exit 1; }
   local load
   load=$(cut -d' ' -f1 /proc/loadavg)
-  "$bin" bench serve --router "$addr" "${WORKLOAD[@]}" --json 2> /dev/null | $PY -c '
+  "$bin" bench serve --router "$addr" "${WORKLOAD[@]}" --json 2> "$WORK/bench.err" | $PY -c '
 import json, sys
 r = json.load(sys.stdin)
 print("%s load=%s out_tok/s=%.2f itl_p50_ms=%.1f itl_p99_ms=%.1f ttft_p50_ms=%.0f failed=%d" % (
