@@ -123,8 +123,7 @@ void AppendJinjaJson(const json::OrderedValue& v, int indent, int level,
           break;
         default:
           if (c < 0x20) {
-            absl::StrAppend(out, "\\u00", c < 0x10 ? "0" : "",
-                            absl::Hex(c));
+            absl::StrAppend(out, "\\u00", c < 0x10 ? "0" : "", absl::Hex(c));
           } else {
             out->push_back(static_cast<char>(c));
           }
@@ -220,8 +219,9 @@ absl::StatusOr<std::string> RenderLlama3(
       }
       const ChatToolCall& call = m.tool_calls[0];
       absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n",
-                      "{\"name\": \"", call.name, "\", \"parameters\": ",
-                      ArgumentsJson(call), "}<|eot_id|>");
+                      "{\"name\": \"", call.name,
+                      "\", \"parameters\": ", ArgumentsJson(call),
+                      "}<|eot_id|>");
     } else if (t.llama31_date_header &&
                (m.role == "tool" || m.role == "ipython")) {
       // 3.1 writes tool output as JSON (a string is "iterable" to its
@@ -246,9 +246,8 @@ absl::StatusOr<std::string> RenderChatMl(
   if (t.tools && !tools.empty()) {
     // Qwen2.5 / Qwen3: the system prompt (or Qwen2.5's default), then the
     // tools' signatures and how to call them.
-    const std::string& system = messages[0].role == "system"
-                                    ? messages[0].content
-                                    : t.default_system;
+    const std::string& system =
+        messages[0].role == "system" ? messages[0].content : t.default_system;
     out = "<|im_start|>system\n";
     if (!system.empty()) absl::StrAppend(&out, system, "\n\n");
     out +=
@@ -329,8 +328,9 @@ absl::StatusOr<std::string> RenderChatMl(
       for (size_t k = 0; k < m.tool_calls.size(); ++k) {
         if (k > 0 || !bare_content.empty()) out += "\n";
         absl::StrAppend(&out, "<tool_call>\n{\"name\": \"",
-                        m.tool_calls[k].name, "\", \"arguments\": ",
-                        ArgumentsJson(m.tool_calls[k]), "}\n</tool_call>");
+                        m.tool_calls[k].name,
+                        "\", \"arguments\": ", ArgumentsJson(m.tool_calls[k]),
+                        "}\n</tool_call>");
       }
       out += "<|im_end|>\n";
     } else if (m.role == "tool") {
@@ -617,8 +617,8 @@ absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(
   // Checked (depth, syntax) by the common parser, then read again keeping
   // key order: tool-call arguments are rendered in the order they were given.
   RETURN_IF_ERROR(json::Parse(json_text, "messages").status());
-  const json::OrderedValue root = json::OrderedValue::parse(
-      json_text, nullptr, /*allow_exceptions=*/false);
+  const json::OrderedValue root =
+      json::OrderedValue::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (!root.is_array()) {
     return absl::InvalidArgumentError(
         "messages: expected a JSON list of {\"role\", \"content\"} objects");
@@ -657,8 +657,8 @@ absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(
         }
         // Arguments as OpenAI sends them (a JSON text) or as an object.
         if (auto args = fn->find("arguments"); args != fn->end()) {
-          c.arguments = args->is_string() ? args->get<std::string>()
-                                          : args->dump();
+          c.arguments =
+              args->is_string() ? args->get<std::string>() : args->dump();
         }
         msg.tool_calls.push_back(std::move(c));
       }

@@ -383,23 +383,24 @@ struct OpenAiServer::Impl {
       if (calls.active()) {
         std::vector<ToolCallDelta> deltas = calls.Push(text);
         bool tool_calls = false;
-        for (ToolCallDelta& d : calls.Finish(EndedByItself(finish), &tool_calls))
+        for (ToolCallDelta& d :
+             calls.Finish(EndedByItself(finish), &tool_calls))
           deltas.push_back(std::move(d));
         if (tool_calls) {
           ToolCallAnswer answer = AssembleToolCalls(deltas);
           OrderedValue list = OrderedValue::array();
           for (const ToolCall& call : answer.calls) {
-            list.push_back({{"id", call.id},
-                            {"type", "function"},
-                            {"function",
-                             {{"name", call.name},
-                              {"arguments", call.arguments}}}});
+            list.push_back(
+                {{"id", call.id},
+                 {"type", "function"},
+                 {"function",
+                  {{"name", call.name}, {"arguments", call.arguments}}}});
           }
           choice["message"] = {
               {"role", "assistant"},
               {"content", answer.content.empty() ||
-                                  answer.content.find_first_not_of(
-                                      " \n\r\t") == std::string::npos
+                                  answer.content.find_first_not_of(" \n\r\t") ==
+                                      std::string::npos
                               ? OrderedValue()
                               : OrderedValue(answer.content)},
               {"tool_calls", std::move(list)}};
@@ -474,10 +475,10 @@ struct OpenAiServer::Impl {
         delta = {{"tool_calls", OrderedValue::array({std::move(part)})}};
       }
       OrderedValue choice = {{"index", 0}, {"delta", std::move(delta)}};
-      choice["logprobs"] = with_logprobs && r.logprobs.has_value() &&
-                                   !lps.empty()
-                               ? LogprobsJson(r, lps, &offset)
-                               : OrderedValue();
+      choice["logprobs"] =
+          with_logprobs && r.logprobs.has_value() && !lps.empty()
+              ? LogprobsJson(r, lps, &offset)
+              : OrderedValue();
       choice["finish_reason"] = nullptr;
       return chunk(std::move(choice));
     };
@@ -499,8 +500,7 @@ struct OpenAiServer::Impl {
         for (size_t k = 0; k < deltas.size(); ++k) {
           if (!tool_piece(deltas[k], k == 0)) return false;
         }
-        if (deltas.empty() && !lps.empty() && !piece("", nullptr))
-          return false;
+        if (deltas.empty() && !lps.empty() && !piece("", nullptr)) return false;
       } else if ((!msg.text().empty() || !lps.empty()) &&
                  !piece(msg.text(), nullptr)) {
         return false;
@@ -523,7 +523,8 @@ struct OpenAiServer::Impl {
       std::string finish_reason = FinishReason(finish);
       if (calls.active()) {
         bool tool_calls = false;
-        for (const ToolCallDelta& d : calls.Finish(EndedByItself(finish), &tool_calls))
+        for (const ToolCallDelta& d :
+             calls.Finish(EndedByItself(finish), &tool_calls))
           if (!tool_piece(d, false)) return false;
         if (tool_calls) finish_reason = "tool_calls";
       }

@@ -134,10 +134,9 @@ bool ParseToolMessageFields(Fields& f, const Value& m,
       const Value* fn = json::Find(call, "function");
       const std::string* name =
           fn == nullptr ? nullptr : json::StringOrNull(json::Find(*fn, "name"));
-      const std::string* args = fn == nullptr
-                                    ? nullptr
-                                    : json::StringOrNull(json::Find(
-                                          *fn, "arguments"));
+      const std::string* args =
+          fn == nullptr ? nullptr
+                        : json::StringOrNull(json::Find(*fn, "arguments"));
       const std::string* type = json::StringOrNull(json::Find(call, "type"));
       if (name == nullptr || args == nullptr ||
           (type != nullptr && *type != "function")) {

@@ -13,9 +13,7 @@ namespace {
 using Family = engine::ChatTemplate::Family;
 using json::OrderedValue;
 
-bool IsSpace(char c) {
-  return c == ' ' || c == '\n' || c == '\r' || c == '\t';
-}
+bool IsSpace(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
 bool AllSpace(absl::string_view s) {
   return std::all_of(s.begin(), s.end(), IsSpace);
@@ -215,8 +213,8 @@ void ToolCallStream::ScanRequired(std::vector<ToolCallDelta>* out) {
           ++s.pos;
         } else {
           // Scanned from this byte on (not consumed here).
-          s.state = s.key == "arguments" ? State::kArguments
-                                         : State::kOtherValue;
+          s.state =
+              s.key == "arguments" ? State::kArguments : State::kOtherValue;
           s.depth = 0;
           s.in_string = false;
           s.escaped = false;
@@ -364,8 +362,8 @@ bool ToolCallStream::ParseAuto(std::vector<ToolCall>* calls) const {
         if (!absl::StartsWith(held.substr(pos), kHermesOpen)) return false;
         pos += kHermesOpen.size();
         size_t close = held.find(kHermesClose, pos);
-        const size_t end = close == absl::string_view::npos ? held.size()
-                                                            : close;
+        const size_t end =
+            close == absl::string_view::npos ? held.size() : close;
         if (!add(ParseOrdered(held.substr(pos, end - pos)), {"arguments"}))
           return false;
         pos = close == absl::string_view::npos ? held.size()
@@ -416,8 +414,8 @@ std::vector<ToolCallDelta> ToolCallStream::Finish(bool complete,
     case Mode::kContent:
       break;
     case Mode::kNamed:
-      *tool_calls = complete && !text_.empty() &&
-                    !ParseOrdered(text_).is_discarded();
+      *tool_calls =
+          complete && !text_.empty() && !ParseOrdered(text_).is_discarded();
       break;
     case Mode::kRequired:
       *tool_calls = complete && scan_.state == Scan::State::kDone &&

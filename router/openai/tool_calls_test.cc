@@ -31,7 +31,7 @@ struct Outcome {
 
 // Feeds `pieces` one by one, then ends the output.
 Outcome Feed(const CompletionRequest& r, Family family,
-         const std::vector<std::string>& pieces, bool complete = true) {
+             const std::vector<std::string>& pieces, bool complete = true) {
   ToolCallStream s(r, family, 7);
   Outcome run;
   for (const std::string& p : pieces) {
@@ -69,7 +69,7 @@ TEST(ToolCallStreamTest, NamedStreamsArgumentsAsTheyCome) {
 
 TEST(ToolCallStreamTest, NamedCutShortIsNoToolCall) {
   Outcome run = Feed(Request(ToolChoice::kNamed, "get_time"), Family::kChatMl,
-                 {"{\"zone\": \"U"}, /*complete=*/false);
+                     {"{\"zone\": \"U"}, /*complete=*/false);
   EXPECT_FALSE(run.tool_calls);
 }
 
@@ -90,8 +90,7 @@ TEST(ToolCallStreamTest, RequiredStreamedByteByByteEqualsWhole) {
   ASSERT_EQ(bytes.answer.calls.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(bytes.answer.calls[i].name, whole.answer.calls[i].name);
-    EXPECT_EQ(bytes.answer.calls[i].arguments,
-              whole.answer.calls[i].arguments);
+    EXPECT_EQ(bytes.answer.calls[i].arguments, whole.answer.calls[i].arguments);
   }
   // Byte by byte, the name goes out once its string closes, and then every
   // argument byte in the push that brought it: nothing attributable waits.
@@ -113,8 +112,8 @@ TEST(ToolCallStreamTest, RequiredRejectsUnknownNamesAndCutOutput) {
       Feed(r, Family::kChatMl, {R"([{"name": "rm_rf", "arguments": {}}])"})
           .tool_calls);
   Outcome cut = Feed(r, Family::kChatMl,
-                 {R"([{"name": "get_time", "arguments": {"zone": )"},
-                 /*complete=*/false);
+                     {R"([{"name": "get_time", "arguments": {"zone": )"},
+                     /*complete=*/false);
   EXPECT_FALSE(cut.tool_calls);
   EXPECT_FALSE(
       Feed(r, Family::kChatMl, {R"([{"name": "get_time", "arguments": {}})"})
@@ -155,17 +154,18 @@ TEST(ToolCallStreamTest, AutoPlainTextAndBadCallsAreContent) {
   }
   // A call cut short by max_tokens stays text.
   Outcome cut = Feed(r, Family::kChatMl,
-                 {"<tool_call>{\"name\": \"get_time\", \"arguments\": {}}"},
-                 /*complete=*/false);
+                     {"<tool_call>{\"name\": \"get_time\", \"arguments\": {}}"},
+                     /*complete=*/false);
   EXPECT_FALSE(cut.tool_calls);
 }
 
 TEST(ToolCallStreamTest, AutoLlamaAndMistralFormats) {
   CompletionRequest r = Request(ToolChoice::kAuto);
-  Outcome llama = Feed(r, Family::kLlama3,
-                   Bytes(" {\"name\": \"get_time\", \"parameters\": {\"zone\": "
-                         "\"CET\"}}; {\"name\": \"get_weather\", "
-                         "\"parameters\": {}}"));
+  Outcome llama =
+      Feed(r, Family::kLlama3,
+           Bytes(" {\"name\": \"get_time\", \"parameters\": {\"zone\": "
+                 "\"CET\"}}; {\"name\": \"get_weather\", "
+                 "\"parameters\": {}}"));
   ASSERT_TRUE(llama.tool_calls);
   ASSERT_EQ(llama.answer.calls.size(), 2u);
   EXPECT_EQ(llama.answer.calls[0].arguments, R"({"zone":"CET"})");
@@ -177,9 +177,10 @@ TEST(ToolCallStreamTest, AutoLlamaAndMistralFormats) {
   ToolCallStream s(r, Family::kLlama3, 1);
   EXPECT_EQ(s.Push("Hi").size(), 1u);
 
-  Outcome mistral = Feed(r, Family::kMistral,
-                     {"[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": "
-                      "{\"zone\": \"UTC\"}}]"});
+  Outcome mistral =
+      Feed(r, Family::kMistral,
+           {"[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": "
+            "{\"zone\": \"UTC\"}}]"});
   ASSERT_TRUE(mistral.tool_calls);
   EXPECT_EQ(mistral.answer.calls[0].name, "get_time");
   Outcome mistral_bare = Feed(

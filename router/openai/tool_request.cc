@@ -113,9 +113,8 @@ std::optional<ApiError> ParseTool(const OrderedValue& tool, size_t i,
     // are named here; automaton caps are checked when the router compiles
     // the request's constraint.
     structured::ByteRegex re;
-    auto node = structured::CompileJsonSchema(out->parameters,
-                                              structured::JsonSchemaOptions{},
-                                              &re);
+    auto node = structured::CompileJsonSchema(
+        out->parameters, structured::JsonSchemaOptions{}, &re);
     if (!node.ok()) {
       return Error("tools", absl::StrCat("'", where, ".function.parameters': ",
                                          node.status().message()));
@@ -137,18 +136,18 @@ std::string RequiredToolCallsSchema(const std::vector<FunctionTool>& tools,
                                               /*allow_exceptions=*/false);
     RewriteRefs(params, "#/$defs/" + key);
     defs[key] = std::move(params);
-    alternatives.push_back(OrderedValue{
-        {"type", "object"},
-        {"properties",
-         {{"name", {{"const", tools[i].name}}},
-          {"arguments", {{"$ref", "#/$defs/" + key}}}}},
-        {"required", {"name", "arguments"}},
-        {"additionalProperties", false}});
+    alternatives.push_back(
+        OrderedValue{{"type", "object"},
+                     {"properties",
+                      {{"name", {{"const", tools[i].name}}},
+                       {"arguments", {{"$ref", "#/$defs/" + key}}}}},
+                     {"required", {"name", "arguments"}},
+                     {"additionalProperties", false}});
   }
   OrderedValue schema = {{"type", "array"},
                          {"items", {{"anyOf", std::move(alternatives)}}},
                          {"minItems", 1}};
-  if (!parallel) schema["maxItems"] = 1;
+  schema["maxItems"] = parallel ? kMaxParallelToolCalls : 1;
   schema["$defs"] = std::move(defs);
   return schema.dump(-1, ' ', false,
                      nlohmann::ordered_json::error_handler_t::replace);
@@ -182,14 +181,13 @@ std::optional<ApiError> ParseToolFields(absl::string_view body,
       FunctionTool tool;
       if (auto e = ParseTool((*ordered)[i], i, &tool)) return e;
       if (!names.insert(tool.name).second) {
-        return Error("tools", absl::StrCat("two tools are named '", tool.name,
-                                           "'"));
+        return Error("tools",
+                     absl::StrCat("two tools are named '", tool.name, "'"));
       }
       r->tools.push_back(std::move(tool));
     }
   }
-  r->tool_choice =
-      r->tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
+  r->tool_choice = r->tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
   if (const Value* tc = json::Find(root, "tool_choice")) {
     if (tc->is_string()) {
       const std::string& choice = tc->get_ref<const std::string&>();
@@ -252,10 +250,9 @@ std::optional<ApiError> ParseToolFields(absl::string_view body,
       return std::nullopt;
     }
   }
-  return Error("tool_choice",
-               absl::StrCat("'tool_choice' names function ",
-                            json::Quote(r->tool_choice_name),
-                            ", which is not in 'tools'"));
+  return Error("tool_choice", absl::StrCat("'tool_choice' names function ",
+                                           json::Quote(r->tool_choice_name),
+                                           ", which is not in 'tools'"));
 }
 
 }  // namespace pdserve::router::openai

@@ -10,7 +10,7 @@
 //    {"type": "function", "function": {"name"}}. Default: "auto" with tools,
 //    "none" without.
 //  - A named function constrains the output to its parameters' schema;
-//    "required" constrains it to a JSON array of 1..N calls
+//    "required" constrains it to a JSON array of 1..8 calls
 //    (RequiredToolCallsSchema), exactly one with parallel_tool_calls false.
 //    Neither combines with another output constraint (response_format,
 //    guided_*).
@@ -35,11 +35,17 @@ std::optional<ApiError> ParseToolFields(absl::string_view body,
                                         const json::Value& root,
                                         CompletionRequest* r);
 
-// The JSON schema of tool_choice "required": an array (1..N items, or exactly
-// one when !parallel) of {"name": <const>, "arguments": <that tool's
-// parameters>} objects, one anyOf alternative per tool, without other
-// properties. Each tool's parameters sit in "$defs" under "tool_<i>" with
-// their own local "$ref"s rewritten to point there.
+// Calls one "required" answer may hold: a bound keeps generation finite
+// (a model that never closes the array ends at this many) and the automaton
+// small.
+inline constexpr int kMaxParallelToolCalls = 8;
+
+// The JSON schema of tool_choice "required": an array (1..
+// kMaxParallelToolCalls items, or exactly one when !parallel) of {"name":
+// <const>, "arguments": <that tool's parameters>} objects, one anyOf
+// alternative per tool, without other properties. Each tool's parameters sit in
+// "$defs" under "tool_<i>" with their own local "$ref"s rewritten to point
+// there.
 std::string RequiredToolCallsSchema(const std::vector<FunctionTool>& tools,
                                     bool parallel);
 

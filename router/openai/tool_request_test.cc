@@ -78,7 +78,7 @@ TEST(ToolRequestTest, RequiredBuildsAnArrayOfCallsSchema) {
   ASSERT_TRUE(schema.ok());
   EXPECT_EQ((*schema)["type"], "array");
   EXPECT_EQ((*schema)["minItems"], 1);
-  EXPECT_FALSE(schema->contains("maxItems"));
+  EXPECT_EQ((*schema)["maxItems"], kMaxParallelToolCalls);
   const json::Value& alt = (*schema)["items"]["anyOf"][1];
   EXPECT_EQ(alt["properties"]["name"]["const"], "get_time");
   EXPECT_EQ(alt["properties"]["arguments"]["$ref"], "#/$defs/tool_1");
@@ -87,8 +87,8 @@ TEST(ToolRequestTest, RequiredBuildsAnArrayOfCallsSchema) {
   EXPECT_EQ((*schema)["$defs"]["tool_1"]["properties"]["zone"]["$ref"],
             "#/$defs/tool_1/$defs/zone");
 
-  CompletionRequest one = Ok(Body(
-      R"(, "tool_choice": "required", "parallel_tool_calls": false)"));
+  CompletionRequest one =
+      Ok(Body(R"(, "tool_choice": "required", "parallel_tool_calls": false)"));
   EXPECT_FALSE(one.parallel_tool_calls);
   EXPECT_EQ((*json::Parse(one.constraint.text, "s"))["maxItems"], 1);
 }
@@ -105,7 +105,8 @@ TEST(ToolRequestTest, BadToolsAre400sNamingTheField) {
       {user + R"("tools": {}})", "tools", "must be an array"},
       {user + R"("tools": [{"type": "function", "function": {}}]})", "tools",
        "name' is required"},
-      {user + R"("tools": [{"type": "function", "function": {"name": "a b"}}]})",
+      {user +
+           R"("tools": [{"type": "function", "function": {"name": "a b"}}]})",
        "tools", "^[a-zA-Z0-9_-]{1,64}$"},
       {user + R"("tools": [{"type": "retrieval"}]})", "tools", "\"function\""},
       {user + R"("tools": [{"type": "function", "function": {"name": "f",
@@ -117,15 +118,15 @@ TEST(ToolRequestTest, BadToolsAre400sNamingTheField) {
       {user + R"("tools": [{"type": "function", "function": {"name": "f"}},
           {"type": "function", "function": {"name": "f"}}]})",
        "tools", "two tools are named 'f'"},
-      {Body(R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}})"),
+      {Body(
+           R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}})"),
        "tool_choice", "not in 'tools'"},
       {user + R"("tool_choice": "required"})", "tool_choice", "needs 'tools'"},
       {Body(R"(, "tool_choice": "sometimes")"), "tool_choice",
        "unknown tool_choice"},
       {Body(R"(, "tool_choice": "required", "guided_regex": "a")"),
        "tool_choice", "cannot be combined"},
-      {Body(R"(, "parallel_tool_calls": 1)"), "parallel_tool_calls",
-       "boolean"},
+      {Body(R"(, "parallel_tool_calls": 1)"), "parallel_tool_calls", "boolean"},
   };
   for (const Case& c : cases) {
     ApiError e = Bad(c.body);
