@@ -227,9 +227,8 @@ int Chat(const std::string& dir, const std::string& conversations_path,
     }
     auto messages = ParseChatMessages(
         (with_tools ? conversation["messages"] : conversation).dump());
-    auto got = messages.ok()
-                   ? ApplyChatTemplate(*chat, *messages, true, tools)
-                   : absl::StatusOr<std::string>(messages.status());
+    auto got = messages.ok() ? ApplyChatTemplate(*chat, *messages, true, tools)
+                             : absl::StatusOr<std::string>(messages.status());
     const std::string w = i < static_cast<int>(want.size()) ? want[i] : "";
     ++i;
     prompts.Check(got.ok() && *got == w, [&] {
