@@ -8,6 +8,11 @@
 //  so).
 // The family is recognised from the template text, falling back on the
 // architecture in config.json; anything else is an error that says so.
+// Tools, assistant tool calls and tool results are rendered in each family's
+// own format (Qwen2.5/Qwen3 "# Tools" + <tool_call>/<tool_response>,
+// Llama-3.1's JSON functions and ipython turns, Mistral v0.3's
+// [AVAILABLE_TOOLS]/[TOOL_CALLS]/[TOOL_RESULTS]); Qwen3's is checked byte for
+// byte against its Jinja template in tests/tokenizer.
 //
 // The rendered prompt already contains BOS where the family wants it, so it is
 // tokenized with add_special_tokens = false. Plain values; thread-safe.

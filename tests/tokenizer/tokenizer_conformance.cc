@@ -219,7 +219,8 @@ int Chat(const std::string& dir, const std::string& conversations_path,
       ReadFile(conversations_path), nullptr, /*allow_exceptions=*/false);
   for (const json::OrderedValue& conversation : ordered) {
     // A list of messages, or {"messages": [...], "tools": [...]}.
-    const bool with_tools = conversation.is_object();
+    const bool with_tools =
+        conversation.is_object() && conversation.contains("messages");
     std::vector<json::OrderedValue> tools;
     if (with_tools && conversation.contains("tools")) {
       for (const json::OrderedValue& t : conversation["tools"])
