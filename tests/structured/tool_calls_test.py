@@ -2,7 +2,8 @@
 """OpenAI tool calling end to end, with random weights: `tools` with a named
 function and with tool_choice "required" answered as message.tool_calls whose
 arguments validate (Debian's python3-jsonschema) against each tool's
-parameters, greedy and seeded, streamed equal to unstreamed, disaggregated
+parameters, greedy and seeded, "auto" parsing the model's native tool-call
+text, streamed equal to unstreamed, disaggregated
 equal to colocated; bad tools are 400s naming the field; the documented tools
 example is POSTed as written.
 
@@ -193,6 +194,39 @@ class ToolCallsTest(unittest.TestCase):
                 else:
                     self.assertIsInstance(choice["message"]["content"], str)
                     self.assertNotIn("tool_calls", choice["message"])
+
+    def test_auto_parses_the_native_format_on_every_path(self):
+        # Random weights never write a call by themselves: a regex makes them
+        # write one in the ChatML/Hermes format (the presets' template family),
+        # which tool_choice "auto" must then answer as tool_calls.
+        regex = (r'Sure\.<tool_call>\{"name": "get_weather", "arguments": '
+                 r'\{"city": "[a-z]{1,8}", "unit": "(celsius|fahrenheit)", '
+                 r'"days": [1-7]\}\}</tool_call>')
+        body = {"tool_choice": "auto", "guided_regex": regex, "max_tokens": 200,
+                "temperature": 0.9, "seed": 5}
+        answers = []
+        for where in cluster.CLUSTERS:
+            status, out = chat(where, tools=TOOLS, **body)
+            self.assertEqual(status, 200, out)
+            choice = out["choices"][0]
+            self.assertEqual(choice["finish_reason"], "tool_calls", choice)
+            message = choice["message"]
+            self.assertEqual(message["content"], "Sure.")
+            [call] = message["tool_calls"]
+            self.assertEqual(call["function"]["name"], "get_weather")
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                PARAMS["get_weather"])
+            answers.append(call["function"])
+            calls, content, finish = reassemble(self, stream(where, tools=TOOLS, **body))
+            self.assertEqual((calls, content, finish),
+                             ([call["function"]], "Sure.", "tool_calls"), where)
+        self.assertEqual(answers[0], answers[1])
+        # Cut short inside the call: plain content, finish_reason length.
+        status, out = chat("coloc", tools=TOOLS, **{**body, "max_tokens": 30})
+        choice = out["choices"][0]
+        self.assertEqual(choice["finish_reason"], "length")
+        self.assertTrue(choice["message"]["content"].startswith("Sure.<tool_call>"))
+        self.assertNotIn("tool_calls", choice["message"])
 
     def test_bad_tools_are_400_naming_the_field(self):
         cases = [({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools"),
