@@ -66,6 +66,19 @@ size_t PartialMarker(absl::string_view s, size_t from,
   return 0;
 }
 
+ToolCallDelta Content(std::string text) {
+  ToolCallDelta d;
+  d.content = std::move(text);
+  return d;
+}
+
+ToolCallDelta Arguments(int index, std::string arguments) {
+  ToolCallDelta d;
+  d.index = index;
+  d.arguments = std::move(arguments);
+  return d;
+}
+
 constexpr absl::string_view kHermesOpen = "<tool_call>";
 constexpr absl::string_view kHermesClose = "</tool_call>";
 constexpr absl::string_view kLlamaPythonTag = "<|python_tag|>";
@@ -115,7 +128,7 @@ std::vector<ToolCallDelta> ToolCallStream::Push(const std::string& text) {
   text_ += text;
   switch (mode_) {
     case Mode::kContent:
-      out.push_back(ToolCallDelta{text});
+      out.push_back(Content(text));
       break;
     case Mode::kNamed:
       if (calls_started_ == 0) {
@@ -125,7 +138,7 @@ std::vector<ToolCallDelta> ToolCallStream::Push(const std::string& text) {
         start.name = named_;
         out.push_back(std::move(start));
       }
-      out.push_back(ToolCallDelta{"", 0, "", "", text});
+      out.push_back(Arguments(0, text));
       break;
     case Mode::kRequired:
       ScanRequired(&out);
@@ -144,7 +157,7 @@ void ToolCallStream::ScanRequired(std::vector<ToolCallDelta>* out) {
   auto flush = [&] {
     if (fragment.empty()) return;
     if (s.name_sent) {
-      out->push_back(ToolCallDelta{"", calls_started_ - 1, "", "", fragment});
+      out->push_back(Arguments(calls_started_ - 1, fragment));
     } else {
       s.pending_arguments += fragment;  // not attributable yet
     }
@@ -235,8 +248,8 @@ void ToolCallStream::ScanRequired(std::vector<ToolCallDelta>* out) {
           out->push_back(std::move(start));
           s.name_sent = true;
           if (!s.pending_arguments.empty()) {
-            out->push_back(ToolCallDelta{"", calls_started_ - 1, "", "",
-                                         std::move(s.pending_arguments)});
+            out->push_back(
+                Arguments(calls_started_ - 1, std::move(s.pending_arguments)));
             s.pending_arguments.clear();
           }
           s.state = State::kBeforeKey;
@@ -327,7 +340,7 @@ void ToolCallStream::PushAuto(std::vector<ToolCallDelta>* out) {
     if (maybe) return;  // a marker's beginning: wait for more
   }
   if (send_to > sent_) {
-    out->push_back(ToolCallDelta{text_.substr(sent_, send_to - sent_)});
+    out->push_back(Content(text_.substr(sent_, send_to - sent_)));
     sent_ = send_to;
   }
 }
@@ -432,12 +445,12 @@ std::vector<ToolCallDelta> ToolCallStream::Finish(bool complete,
           start.id = NewId();
           start.name = call.name;
           out.push_back(std::move(start));
-          out.push_back(ToolCallDelta{"", calls_started_ - 1, "", "",
-                                      std::move(call.arguments)});
+          out.push_back(
+              Arguments(calls_started_ - 1, std::move(call.arguments)));
         }
       } else if (sent_ < text_.size()) {
         // Not a call after all (or cut short): the held text is content.
-        out.push_back(ToolCallDelta{text_.substr(sent_)});
+        out.push_back(Content(text_.substr(sent_)));
         sent_ = text_.size();
       }
       break;

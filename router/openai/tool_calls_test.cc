@@ -142,7 +142,7 @@ TEST(ToolCallStreamTest, AutoHermesParsesCallsAndStreamsContentBefore) {
 
 TEST(ToolCallStreamTest, AutoPlainTextAndBadCallsAreContent) {
   CompletionRequest r = Request(ToolChoice::kAuto);
-  for (const std::string text :
+  for (const std::string& text :
        {std::string("Just text, a < b."),
         std::string("<tool_call>{\"name\": \"nope\", \"arguments\": {}}"),
         std::string("<tool_call>{\"name\": \"get_time\", \"arguments\": 3}"),
