@@ -191,7 +191,8 @@ int32_t SampleToken(const float* logits, int64_t vocab,
   }
   // Softmax in double over the kept candidates, already sorted.
   const double mx = cand[0].first;
-  std::vector<double> probs(cand.size());
+  thread_local std::vector<double> probs;
+  probs.resize(cand.size());
   double total = 0;
   for (size_t i = 0; i < cand.size(); ++i)
     total += probs[i] = std::exp(cand[i].first - mx);
