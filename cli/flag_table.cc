@@ -488,8 +488,10 @@ int UpWorkerThreads(const std::string& role, int cores, int num_prefill,
   const int num_decode = num_workers - num_prefill;
   if (num_prefill <= 0 || num_decode <= 0)
     return std::max(1, cores / num_workers);
-  if (role == "prefill") return std::max(1, cores / num_prefill);
-  return std::max(1, cores / (2 * num_decode));
+  const int decode = std::max(1, cores / (4 * num_decode));
+  if (role == "prefill")
+    return std::max(1, (cores - decode * num_decode) / num_prefill);
+  return decode;
 }
 
 std::vector<std::string> UpChildArgs(const UpChild& child) {

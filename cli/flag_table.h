@@ -64,18 +64,17 @@ struct UpChild {
 // The kernel threads `up` gives a worker of `role` (prefill, decode, both)
 // on a host of `cores` when --threads is not given. Colocated workers split
 // the cores. With prefill and decode workers the split follows what each
-// does: decode steps read every weight per token and are bandwidth-bound,
-// which about half the cores already saturate (on 2 cores one thread read
-// as fast as two), so each decode worker gets cores / 2 over the decode
-// workers (at least 1); prefill is compute-bound and gets every core (over
-// the prefill workers) and runs at a lower CPU priority (kUpPrefillNice), so
-// it takes whatever the decode steps leave instead of a fixed half.
+// does: a decode step reads every weight once per token and is
+// bandwidth-bound, and a quarter of the cores saturate DRAM bandwidth on
+// common x86 hosts (on the 2-core development VM one thread read as fast as
+// two), so each decode worker gets cores / 4 over the decode workers (at
+// least 1); prefill is compute-bound and gets every core left (over the
+// prefill workers, at least 1). No core is shared: measured on 2 cores with
+// the 1B shape, a third thread (prefill on both cores) doubled decode's ITL
+// p99, and running prefill at a lower priority instead quadrupled its TTFT
+// on a host shared with other work.
 int UpWorkerThreads(const std::string& role, int cores, int num_prefill,
                     int num_workers);
-// The nice increment of `up`'s prefill workers when decode workers share
-// the host: decode steps then preempt prefill chunks, and prefill runs on
-// the cycles they leave.
-inline constexpr int kUpPrefillNice = 10;
 
 struct FlagSpec {
   const char* name;   // Abseil name (underscores); --help shows dashes

@@ -157,15 +157,17 @@ TEST(FlagTableTest, UpForwardsEveryWorkerAndRouterFlag) {
 }
 
 // up's thread split: colocated workers share the cores equally; with prefill
-// and decode workers, decode gets half the cores (bandwidth-bound) and
-// prefill all of them (compute-bound, at a lower priority).
+// and decode workers, decode gets a quarter of the cores (bandwidth-bound)
+// and prefill the rest (compute-bound); no core is given twice.
 TEST(FlagTableTest, UpSplitsThreadsByWhatEachWorkerDoes) {
   EXPECT_EQ(UpWorkerThreads("both", 2, 0, 1), 2);
   EXPECT_EQ(UpWorkerThreads("both", 8, 0, 2), 4);
-  EXPECT_EQ(UpWorkerThreads("prefill", 2, 1, 2), 2);
+  EXPECT_EQ(UpWorkerThreads("prefill", 2, 1, 2), 1);
   EXPECT_EQ(UpWorkerThreads("decode", 2, 1, 2), 1);
-  EXPECT_EQ(UpWorkerThreads("prefill", 16, 2, 4), 8);
-  EXPECT_EQ(UpWorkerThreads("decode", 16, 2, 4), 4);
+  EXPECT_EQ(UpWorkerThreads("prefill", 16, 1, 2), 12);
+  EXPECT_EQ(UpWorkerThreads("decode", 16, 1, 2), 4);
+  EXPECT_EQ(UpWorkerThreads("prefill", 16, 2, 4), 6);
+  EXPECT_EQ(UpWorkerThreads("decode", 16, 2, 4), 2);
   EXPECT_EQ(UpWorkerThreads("decode", 2, 1, 4), 1);
   EXPECT_EQ(UpWorkerThreads("prefill", 1, 1, 2), 1);
   UpChild prefill{false, "prefill", 0, 2, "/m", 1};

@@ -2,7 +2,6 @@
 // gRPC client behind `generate --router`.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -343,17 +342,13 @@ struct Child {
 };
 
 // Starts `pdserve ARGS...` and reads its "listening on ADDR metrics PORT" line.
-// nice_increment > 0 lowers the child's CPU priority (setpriority, before
-// exec; the worker's own re-exec keeps it).
 absl::StatusOr<Child> Spawn(const std::string& name,
-                            std::vector<std::string> args,
-                            int nice_increment = 0) {
+                            std::vector<std::string> args) {
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("pipe failed");
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
-    if (nice_increment > 0) setpriority(PRIO_PROCESS, 0, nice_increment);
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
     close(fds[1]);
@@ -444,9 +439,7 @@ int RunUp(const std::vector<std::string>&) {
     std::vector<std::string> args = {"worker"};
     for (std::string& a : UpChildArgs(up_child)) args.push_back(std::move(a));
     args.insert(args.end(), {"--role=" + role, "--port=0", "--metrics-port=0"});
-    // Prefill workers yield the cores to decode steps (UpWorkerThreads).
-    auto child = Spawn(absl::StrCat(role, "-", i), args,
-                       is_prefill ? kUpPrefillNice : 0);
+    auto child = Spawn(absl::StrCat(role, "-", i), args);
     if (!child.ok()) {
       stop_all();
       return ReportError(child.status());
