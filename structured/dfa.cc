@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/hash/hash.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 
 namespace pdserve::structured {
 
@@ -138,8 +139,45 @@ class NfaBuilder {
         Eps(cur, end);
         return {start, end};
       }
+      case ByteRegex::Kind::kAutomaton:
+        return BuildAutomaton(re_.automaton(n.automaton));
     }
     return {-1, -1};
+  }
+
+  // One hub state per DFA state, with one byte state per distinct target
+  // (its bytes the ones that lead there), and an epsilon edge from every
+  // accepting hub to the fragment's end.
+  Frag BuildAutomaton(const Dfa& d) {
+    const int n = d.num_states();
+    std::vector<int> hub(n);
+    for (int s = 0; s < n; ++s) hub[s] = NewState();
+    const int out = NewState();
+    if (!status_.ok()) return {-1, -1};
+    std::vector<std::pair<int, ByteSet>> targets;
+    for (int s = 0; s < n && status_.ok(); ++s) {
+      targets.clear();
+      for (int b = 0; b < 256; ++b) {
+        const int t = d.Next(s, static_cast<uint8_t>(b));
+        if (t == Dfa::kDead) continue;
+        auto it = std::find_if(targets.begin(), targets.end(),
+                               [t](const auto& e) { return e.first == t; });
+        if (it == targets.end()) {
+          targets.emplace_back(t, ByteSet());
+          it = targets.end() - 1;
+        }
+        it->second.set(b);
+      }
+      for (const auto& [t, set] : targets) {
+        const int x = NewState();
+        if (x < 0) break;
+        states[x].set = SetIndex(set);
+        states[x].next = hub[t];
+        Eps(hub[s], x);
+      }
+      if (d.accepting(s)) Eps(hub[s], out);
+    }
+    return {hub[0], out};
   }
 
   const ByteRegex& re_;
@@ -293,6 +331,60 @@ absl::StatusOr<Dfa> Dfa::Build(const ByteRegex& re, int root,
     }
   }
   return dfa;
+}
+
+absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
+  // Moore's partition refinement: start from accepting / not accepting and
+  // split blocks by the blocks their transitions reach until nothing splits.
+  // Blocks are numbered in order of their first state, so the start state
+  // (0) stays 0. kDead is its own implicit block.
+  const int n = num_states();
+  const int c = num_classes_;
+  std::vector<int> block(n);
+  for (int s = 0; s < n; ++s) block[s] = accepting_[s] ? 1 : 0;
+  int num_blocks = -1;
+  std::vector<int> sig(c + 1);
+  while (true) {
+    if (absl::Now() > deadline) {
+      return absl::ResourceExhaustedError(
+          "constraint compile exceeded its time limit while minimizing");
+    }
+    absl::flat_hash_map<std::vector<int>, int, VecHash> ids;
+    std::vector<int> next_block(n);
+    for (int s = 0; s < n; ++s) {
+      sig[0] = block[s];
+      for (int k = 0; k < c; ++k) {
+        const int t = next_[static_cast<size_t>(s) * c + k];
+        sig[k + 1] = t == kDead ? -1 : block[t];
+      }
+      next_block[s] =
+          ids.try_emplace(sig, static_cast<int>(ids.size())).first->second;
+    }
+    const int count = static_cast<int>(ids.size());
+    block = std::move(next_block);
+    if (count == num_blocks) break;
+    num_blocks = count;
+  }
+  Dfa out;
+  out.num_classes_ = c;
+  std::copy(std::begin(byte_class_), std::end(byte_class_),
+            std::begin(out.byte_class_));
+  out.next_.assign(static_cast<size_t>(num_blocks) * c, kDead);
+  out.accepting_.assign(num_blocks, false);
+  out.has_next_.assign(num_blocks, false);
+  std::vector<bool> done(num_blocks, false);
+  for (int s = 0; s < n; ++s) {
+    const int b = block[s];
+    if (done[b]) continue;
+    done[b] = true;
+    out.accepting_[b] = accepting_[s];
+    out.has_next_[b] = has_next_[s];
+    for (int k = 0; k < c; ++k) {
+      const int t = next_[static_cast<size_t>(s) * c + k];
+      out.next_[static_cast<size_t>(b) * c + k] = t == kDead ? kDead : block[t];
+    }
+  }
+  return out;
 }
 
 }  // namespace pdserve::structured

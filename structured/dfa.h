@@ -35,6 +35,10 @@ class Dfa {
   static absl::StatusOr<Dfa> Build(const ByteRegex& re, int root,
                                    const DfaLimits& limits);
 
+  // The same language with the fewest states (equivalent states merged);
+  // RESOURCE_EXHAUSTED past `deadline`.
+  absl::StatusOr<Dfa> Minimized(absl::Time deadline) const;
+
   int start() const { return 0; }
   // The state after `byte`, or kDead.
   int Next(int state, uint8_t byte) const {
