@@ -127,10 +127,11 @@ absl::StatusOr<std::shared_ptr<const Dfa>> CompileConstraint(
       break;
     }
     case ConstraintSpec::Kind::kJsonSchema:
-      root = CompileJsonSchema(spec.text, config.json, &re);
+      root = CompileJsonSchema(spec.text, config.json, &re, &config.limits,
+                               deadline);
       break;
     case ConstraintSpec::Kind::kJsonObject:
-      root = CompileJsonObject(config.json, &re);
+      root = CompileJsonObject(config.json, &re, &config.limits, deadline);
       break;
     case ConstraintSpec::Kind::kGrammar:
       root = CompileGrammar(spec.text, config.grammar, config.limits, deadline,

@@ -1,6 +1,7 @@
 #include "structured/dfa.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <functional>
 #include <string>
@@ -64,7 +65,7 @@ class NfaBuilder {
     return static_cast<int>(states.size()) - 1;
   }
   int SetIndex(const ByteSet& s) {
-    auto [it, inserted] = set_index_.try_emplace(s.to_string(), 0);
+    auto [it, inserted] = set_index_.try_emplace(s, 0);
     if (inserted) {
       it->second = static_cast<int>(sets.size());
       sets.push_back(s);
@@ -183,7 +184,7 @@ class NfaBuilder {
   const ByteRegex& re_;
   int max_states_;
   absl::Status status_;
-  absl::flat_hash_map<std::string, int> set_index_;
+  absl::flat_hash_map<ByteSet, int, std::hash<ByteSet>> set_index_;
 };
 
 // Sorted NFA states reachable from `seeds` by epsilon edges, keeping only
@@ -330,7 +331,26 @@ absl::StatusOr<Dfa> Dfa::Build(const ByteRegex& re, int root,
       if (t >= 0) dfa.has_next_[s] = true;
     }
   }
+  dfa.ComputeSelfLoops();
   return dfa;
+}
+
+void Dfa::ComputeSelfLoops() {
+  std::vector<std::array<uint64_t, 4>> class_bytes(num_classes_);
+  for (auto& c : class_bytes) c.fill(0);
+  for (int b = 0; b < 256; ++b) {
+    class_bytes[byte_class_[b]][b >> 6] |= uint64_t{1} << (b & 63);
+  }
+  const int n = num_states();
+  self_loops_.assign(static_cast<size_t>(n) * 4, 0);
+  for (int s = 0; s < n; ++s) {
+    for (int c = 0; c < num_classes_; ++c) {
+      if (next_[static_cast<size_t>(s) * num_classes_ + c] != s) continue;
+      for (int w = 0; w < 4; ++w) {
+        self_loops_[static_cast<size_t>(s) * 4 + w] |= class_bytes[c][w];
+      }
+    }
+  }
 }
 
 absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
@@ -384,6 +404,7 @@ absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
       out.next_[static_cast<size_t>(b) * c + k] = t == kDead ? kDead : block[t];
     }
   }
+  out.ComputeSelfLoops();
   return out;
 }
 
