@@ -83,6 +83,12 @@ number ::= "-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1
 ws     ::= [ \t\n]{0,4}
 )g")},
       {"gbnf_list",
+       ConstraintSpec::Grammar(R"g(root ::= "- " item ("\n- " item)*
+item ::= [A-Z] [a-z]+ (" " [a-z]+)* ("." | "!")?
+)g")},
+      // The same with counted repetitions: each count is its own states, so
+      // a walk meets new states (mask misses) far more often.
+      {"gbnf_list_counted",
        ConstraintSpec::Grammar(R"g(root ::= "- " item ("\n- " item){0,19}
 item ::= [A-Z] [a-z]{1,12} (" " [a-z]{1,12}){0,5} ("." | "!")?
 )g")},
