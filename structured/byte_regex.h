@@ -101,6 +101,9 @@ class ByteRegex {
 
   const Node& node(int id) const { return nodes_[id]; }
   const Dfa& automaton(int index) const { return *automata_[index]; }
+  const std::shared_ptr<const Dfa>& shared_automaton(int index) const {
+    return automata_[index];
+  }
   int size() const { return static_cast<int>(nodes_.size()); }
   const absl::Status& status() const { return status_; }
   void Fail(absl::Status status) {

@@ -142,6 +142,12 @@ absl::StatusOr<std::shared_ptr<const Dfa>> CompileConstraint(
   // constraint: INVALID_ARGUMENT (HTTP 400), not RESOURCE_EXHAUSTED (which
   // the fronts report as a retryable 429).
   if (!root.ok()) return absl::InvalidArgumentError(root.status().message());
+  // A grammar whose root is one embedded automaton (a recursive rule, built
+  // and minimized already) needs no second build.
+  if (spec.kind == ConstraintSpec::Kind::kGrammar &&
+      re.node(*root).kind == ByteRegex::Kind::kAutomaton) {
+    return re.shared_automaton(re.node(*root).automaton);
+  }
   // The whole compile shares one time limit.
   DfaLimits limits = config.limits;
   limits.max_build_time =
