@@ -363,25 +363,53 @@ absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
   std::vector<int> block(n);
   for (int s = 0; s < n; ++s) block[s] = accepting_[s] ? 1 : 0;
   int num_blocks = -1;
-  std::vector<int> sig(c + 1);
+  // States keyed by their signature (own block, then the blocks their
+  // transitions reach), computed from `block` on the fly: no copies.
+  struct SigHash {
+    const Dfa* d;
+    const std::vector<int>* block;
+    size_t operator()(int s) const {
+      uint64_t h = static_cast<uint64_t>((*block)[s]) + 1;
+      const int32_t* row = &d->next_[static_cast<size_t>(s) * d->num_classes_];
+      for (int k = 0; k < d->num_classes_; ++k) {
+        const int t = row[k];
+        h = (h ^ static_cast<uint64_t>(t == kDead ? 0 : (*block)[t] + 1)) *
+            0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+      }
+      return static_cast<size_t>(h);
+    }
+  };
+  struct SigEq {
+    const Dfa* d;
+    const std::vector<int>* block;
+    bool operator()(int a, int b) const {
+      if ((*block)[a] != (*block)[b]) return false;
+      const int32_t* ra = &d->next_[static_cast<size_t>(a) * d->num_classes_];
+      const int32_t* rb = &d->next_[static_cast<size_t>(b) * d->num_classes_];
+      for (int k = 0; k < d->num_classes_; ++k) {
+        const int ta = ra[k] == kDead ? -1 : (*block)[ra[k]];
+        const int tb = rb[k] == kDead ? -1 : (*block)[rb[k]];
+        if (ta != tb) return false;
+      }
+      return true;
+    }
+  };
+  std::vector<int> next_block(n);
   while (true) {
     if (absl::Now() > deadline) {
       return absl::ResourceExhaustedError(
           "constraint compile exceeded its time limit while minimizing");
     }
-    absl::flat_hash_map<std::vector<int>, int, VecHash> ids;
-    std::vector<int> next_block(n);
+    absl::flat_hash_map<int, int, SigHash, SigEq> ids(
+        static_cast<size_t>(n), SigHash{this, &block}, SigEq{this, &block});
     for (int s = 0; s < n; ++s) {
-      sig[0] = block[s];
-      for (int k = 0; k < c; ++k) {
-        const int t = next_[static_cast<size_t>(s) * c + k];
-        sig[k + 1] = t == kDead ? -1 : block[t];
-      }
       next_block[s] =
-          ids.try_emplace(sig, static_cast<int>(ids.size())).first->second;
+          ids.try_emplace(s, static_cast<int>(ids.size())).first->second;
     }
     const int count = static_cast<int>(ids.size());
-    block = std::move(next_block);
+    ids.clear();
+    block.swap(next_block);
     if (count == num_blocks) break;
     num_blocks = count;
   }
