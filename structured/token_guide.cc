@@ -111,6 +111,11 @@ void ApplyTokenMask(const TokenMask& mask, float* logits, int64_t n) {
   for (int64_t w = 0; w < words; ++w) {
     uint64_t off = ~mask.bits[w];
     const int64_t base = w * 64;
+    // 64 disallowed in a row: one fill instead of 64 single writes.
+    if (off == ~uint64_t{0} && base + 64 <= n) {
+      std::fill(logits + base, logits + base + 64, kNegInf);
+      continue;
+    }
     while (off != 0) {
       const int64_t t = base + __builtin_ctzll(off);
       if (t >= n) break;
