@@ -184,6 +184,44 @@ tail ::= "!"
   EXPECT_FALSE(DfaMatches(**dfa, "b!"));
 }
 
+TEST(GrammarTest, EmptyAlternativesCrlfAndNames) {
+  auto dfa = Grammar("root ::= \"a\" opt_tail\r\nopt_tail ::= \"b\" | \r\n");
+  ASSERT_TRUE(dfa.ok()) << dfa.status();
+  EXPECT_TRUE(DfaMatches(**dfa, "a"));
+  EXPECT_TRUE(DfaMatches(**dfa, "ab"));
+  EXPECT_FALSE(DfaMatches(**dfa, "abb"));
+  auto empty = Grammar("root ::= ( ) \"x\" ( \"\" )*");
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(DfaMatches(**empty, "x"));
+  // Only the empty string: a valid (if useless) language.
+  auto nothing_but_end = Grammar("root ::= \"\"");
+  ASSERT_TRUE(nothing_but_end.ok()) << nothing_but_end.status();
+  EXPECT_TRUE(DfaMatches(**nothing_but_end, ""));
+}
+
+TEST(GrammarTest, DeepNestingIsRefusedNotACrash) {
+  auto groups = Grammar("root ::= " + std::string(500, '(') + "\"a\"" +
+                        std::string(500, ')'));
+  ASSERT_FALSE(groups.ok());
+  EXPECT_NE(groups.status().message().find("nested more than"),
+            std::string::npos)
+      << groups.status();
+  // A chain of 2000 rules, each referring to the next.
+  std::string chain = "root ::= r0\n";
+  for (int i = 0; i < 1999; ++i) {
+    chain +=
+        "r" + std::to_string(i) + " ::= \"a\" r" + std::to_string(i + 1) + "\n";
+  }
+  chain += "r1999 ::= \"z\"\n";
+  ConstraintConfig config;
+  config.grammar.max_rules = 4096;
+  config.grammar.max_expansions = 100000;
+  auto deep = Grammar(chain, config);
+  ASSERT_FALSE(deep.ok());
+  EXPECT_NE(deep.status().message().find("nest more than"), std::string::npos)
+      << deep.status();
+}
+
 TEST(GrammarTest, ErrorsNameTheProblem) {
   struct Case {
     const char* grammar;
