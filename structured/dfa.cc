@@ -354,64 +354,138 @@ void Dfa::ComputeSelfLoops() {
 }
 
 absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
-  // Moore's partition refinement: start from accepting / not accepting and
-  // split blocks by the blocks their transitions reach until nothing splits.
-  // Blocks are numbered in order of their first state, so the start state
-  // (0) stays 0. kDead is its own implicit block.
+  // Hopcroft's partition refinement over the states plus an explicit sink
+  // (state n, for kDead), O(n * classes * log n): split blocks by which of
+  // their states reach a splitter block on a class, queueing the smaller
+  // half of every split.
   const int n = num_states();
   const int c = num_classes_;
-  std::vector<int> block(n);
-  for (int s = 0; s < n; ++s) block[s] = accepting_[s] ? 1 : 0;
-  int num_blocks = -1;
-  // States keyed by their signature (own block, then the blocks their
-  // transitions reach), computed from `block` on the fly: no copies.
-  struct SigHash {
-    const Dfa* d;
-    const std::vector<int>* block;
-    size_t operator()(int s) const {
-      uint64_t h = static_cast<uint64_t>((*block)[s]) + 1;
-      const int32_t* row = &d->next_[static_cast<size_t>(s) * d->num_classes_];
-      for (int k = 0; k < d->num_classes_; ++k) {
-        const int t = row[k];
-        h = (h ^ static_cast<uint64_t>(t == kDead ? 0 : (*block)[t] + 1)) *
-            0x9E3779B97F4A7C15ull;
-        h ^= h >> 29;
+  const int total = n + 1;
+  const int sink = n;
+  auto target = [&](int s, int k) {
+    if (s == sink) return sink;
+    const int t = next_[static_cast<size_t>(s) * c + k];
+    return t == kDead ? sink : t;
+  };
+  // Inverse transitions per class, as CSR: sources of (class k, target t).
+  std::vector<int> inv_start(static_cast<size_t>(c) * total + 1, 0);
+  for (int s = 0; s < total; ++s) {
+    for (int k = 0; k < c; ++k) {
+      ++inv_start[static_cast<size_t>(k) * total + target(s, k) + 1];
+    }
+  }
+  for (size_t i = 1; i < inv_start.size(); ++i)
+    inv_start[i] += inv_start[i - 1];
+  std::vector<int> inv(inv_start.back());
+  {
+    std::vector<int> fill(inv_start.begin(), inv_start.end() - 1);
+    for (int s = 0; s < total; ++s) {
+      for (int k = 0; k < c; ++k) {
+        inv[fill[static_cast<size_t>(k) * total + target(s, k)]++] = s;
       }
-      return static_cast<size_t>(h);
+    }
+  }
+  // Refinable partition: elems holds each block's states contiguously.
+  std::vector<int> elems(total), loc(total), block_of(total);
+  std::vector<int> first, end, marked;
+  {
+    int pos = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int begin = pos;
+      for (int s = 0; s < total; ++s) {
+        const bool acc = s != sink && accepting_[s];
+        if (acc != (pass == 0)) continue;
+        elems[pos] = s;
+        loc[s] = pos++;
+        block_of[s] = static_cast<int>(first.size());
+      }
+      if (pos > begin) {
+        first.push_back(begin);
+        end.push_back(pos);
+        marked.push_back(0);
+      }
+    }
+  }
+  std::vector<std::pair<int, int>> work;  // (block, class)
+  std::vector<bool> queued;
+  auto enqueue = [&](int b, int k) {
+    const size_t i = static_cast<size_t>(b) * c + k;
+    if (queued.size() <= i) queued.resize((b + 1) * static_cast<size_t>(c));
+    if (!queued[i]) {
+      queued[i] = true;
+      work.emplace_back(b, k);
     }
   };
-  struct SigEq {
-    const Dfa* d;
-    const std::vector<int>* block;
-    bool operator()(int a, int b) const {
-      if ((*block)[a] != (*block)[b]) return false;
-      const int32_t* ra = &d->next_[static_cast<size_t>(a) * d->num_classes_];
-      const int32_t* rb = &d->next_[static_cast<size_t>(b) * d->num_classes_];
-      for (int k = 0; k < d->num_classes_; ++k) {
-        const int ta = ra[k] == kDead ? -1 : (*block)[ra[k]];
-        const int tb = rb[k] == kDead ? -1 : (*block)[rb[k]];
-        if (ta != tb) return false;
-      }
-      return true;
-    }
-  };
-  std::vector<int> next_block(n);
-  while (true) {
-    if (absl::Now() > deadline) {
+  for (int b = 0; b < static_cast<int>(first.size()); ++b) {
+    for (int k = 0; k < c; ++k) enqueue(b, k);
+  }
+  std::vector<int> splitter, touched;
+  int64_t steps = 0;
+  while (!work.empty()) {
+    if ((++steps & 1023) == 0 && absl::Now() > deadline) {
       return absl::ResourceExhaustedError(
           "constraint compile exceeded its time limit while minimizing");
     }
-    absl::flat_hash_map<int, int, SigHash, SigEq> ids(
-        static_cast<size_t>(n), SigHash{this, &block}, SigEq{this, &block});
-    for (int s = 0; s < n; ++s) {
-      next_block[s] =
-          ids.try_emplace(s, static_cast<int>(ids.size())).first->second;
+    const auto [a, k] = work.back();
+    work.pop_back();
+    queued[static_cast<size_t>(a) * c + k] = false;
+    // The states that reach block a on class k.
+    splitter.clear();
+    for (int i = first[a]; i < end[a]; ++i) {
+      const int t = elems[i];
+      const size_t key = static_cast<size_t>(k) * total + t;
+      for (int j = inv_start[key]; j < inv_start[key + 1]; ++j)
+        splitter.push_back(inv[j]);
     }
-    const int count = static_cast<int>(ids.size());
-    ids.clear();
-    block.swap(next_block);
-    if (count == num_blocks) break;
-    num_blocks = count;
+    touched.clear();
+    for (int s : splitter) {
+      const int b = block_of[s];
+      const int m = first[b] + marked[b];
+      if (loc[s] >= m) {  // not yet marked: swap it into the marked prefix
+        const int other = elems[m];
+        std::swap(elems[loc[s]], elems[m]);
+        loc[other] = loc[s];
+        loc[s] = m;
+        if (marked[b]++ == 0) touched.push_back(b);
+      }
+    }
+    for (int b : touched) {
+      const int count = marked[b];
+      marked[b] = 0;
+      if (count == end[b] - first[b]) continue;  // all of it: no split
+      // The marked prefix becomes a new block.
+      const int nb = static_cast<int>(first.size());
+      first.push_back(first[b]);
+      end.push_back(first[b] + count);
+      marked.push_back(0);
+      first[b] += count;
+      for (int i = first[nb]; i < end[nb]; ++i) block_of[elems[i]] = nb;
+      const bool smaller_new = count <= end[b] - first[b];
+      for (int d = 0; d < c; ++d) {
+        const size_t i = static_cast<size_t>(b) * c + d;
+        if (i < queued.size() && queued[i]) {
+          enqueue(nb, d);
+        } else {
+          enqueue(smaller_new ? nb : b, d);
+        }
+      }
+    }
+  }
+  // Blocks numbered in order of their first state, so the start state (0)
+  // stays 0; the sink's block is kDead.
+  std::vector<int> id(first.size(), -1);
+  int num_blocks = 0;
+  const int sink_block = block_of[sink];
+  for (int s = 0; s < n; ++s) {
+    const int b = block_of[s];
+    if (b != sink_block && id[b] < 0) id[b] = num_blocks++;
+  }
+  std::vector<int> block(n);
+  for (int s = 0; s < n; ++s) {
+    block[s] = block_of[s] == sink_block ? kDead : id[block_of[s]];
+  }
+  if (n == 0 || block[0] == kDead) {
+    return absl::InvalidArgumentError("constraint matches no string");
   }
   Dfa out;
   out.num_classes_ = c;
@@ -423,7 +497,7 @@ absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
   std::vector<bool> done(num_blocks, false);
   for (int s = 0; s < n; ++s) {
     const int b = block[s];
-    if (done[b]) continue;
+    if (b == kDead || done[b]) continue;
     done[b] = true;
     out.accepting_[b] = accepting_[s];
     out.has_next_[b] = has_next_[s];
