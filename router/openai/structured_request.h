@@ -6,8 +6,8 @@
 //    completions;
 //  - vLLM's extras: guided_json (a schema), guided_regex, guided_choice,
 //    guided_grammar (GBNF). guided_whitespace_pattern and
-//    guided_decoding_backend are
-//    known but not implemented, so they are refused (HTTP 400 naming them),
+//    guided_decoding_backend are known but not implemented, so they are
+//    refused (HTTP 400 naming them),
 //    as are OpenAI's own known-but-unimplemented fields (tool_choice other
 //    than "none", functions, audio, ...): never silently dropped.
 //  - Any other key is unknown: ignored (SDKs send fields a server may not
