@@ -13,7 +13,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>

@@ -31,7 +31,8 @@
 // a multiple of 16 and k to a multiple of 2 (block int8: 32) with zeros.
 //
 // WeightMatrix is immutable after Pack and cheap to copy (shared storage);
-// GemmNT is stateless and thread-safe (OpenMP over column panels).
+// GemmNT is stateless and thread-safe (column panels over the kernel helper
+// pool of task_pool.h; the int8dot kernels use OpenMP).
 #pragma once
 
 #include <cstdint>
