@@ -158,6 +158,9 @@ WeightMatrix WeightMatrix::Pack(const float* w, int64_t n, int64_t k,
   if (fmt == Fmt::kI8 || fmt == Fmt::kI8Dot) {
     m.scales_ = std::shared_ptr<float[]>(new float[panels * kPanel]());
     m.bytes_ += n * static_cast<int64_t>(sizeof(float));
+    if (fmt == Fmt::kI8Dot)
+      m.dot_offsets_ =
+          std::shared_ptr<int32_t[]>(new int32_t[panels * kPanel]());
   } else if (fmt == Fmt::kI8B32) {
     m.bytes_ += n * ((k + kInt8Block - 1) / kInt8Block) * 2;
   }
@@ -195,11 +198,14 @@ WeightMatrix WeightMatrix::Pack(const float* w, int64_t n, int64_t k,
         const float s = amax / 127.0f;
         m.scales_[r] = s;
         const float inv = s > 0 ? 1.0f / s : 0.0f;
+        int64_t sum = 0;
         for (int64_t q = 0; q < k; ++q) {
           const float v = std::nearbyint(row[q] * inv);
-          panel[PanelOffset(fmt, q, c)] = static_cast<uint8_t>(
-              static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f)));
+          const int8_t b = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          panel[PanelOffset(fmt, q, c)] = static_cast<uint8_t>(b);
+          sum += b;
         }
+        if (m.dot_offsets_) m.dot_offsets_[r] = static_cast<int32_t>(128 * sum);
         break;
       }
       case Fmt::kI8B32:
