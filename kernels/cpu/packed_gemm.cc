@@ -44,11 +44,14 @@ using packed_gemm_internal::GemmRowDot;
 using packed_gemm_internal::kAvx2Rows;
 using packed_gemm_internal::kAvx512Panels;
 using packed_gemm_internal::kAvx512Rows;
+using packed_gemm_internal::kBf16DotRows;
 using packed_gemm_internal::kBlockBytes;
 using packed_gemm_internal::kPanel;
 using packed_gemm_internal::kPortableRows;
 using packed_gemm_internal::kStageK;
 using packed_gemm_internal::LoadWidened;
+using packed_gemm_internal::PackBf16PairsAvx512;
+using packed_gemm_internal::PackBf16PairsPortable;
 using packed_gemm_internal::PanelOffset;
 using packed_gemm_internal::PortableWidener;
 using packed_gemm_internal::TileBf16DotPortable;
@@ -74,6 +77,9 @@ std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
 }
 
 // The widening of the batched path (null for fp32, which needs none).
+// Rows of the largest register tile (the io scratch of the direct path).
+constexpr int kTileRowsMax = std::max(kAvx512Rows, kBf16DotRows);
+
 WidenFn Widener(GemmIsa isa, Fmt t) {
   switch (isa) {
     case GemmIsa::kAvx512:
@@ -348,7 +354,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // else the scalar emulation of the same chain.
   const bool bf16dot_hw =
       bf16dot && isa == GemmIsa::kAvx512 && DetectCpuFeatures().avx512bf16;
-  const int max_rows = bf16dot ? (bf16dot_hw ? kAvx512Rows : kPortableRows)
+  const int max_rows = bf16dot ? (bf16dot_hw ? kBf16DotRows : kPortableRows)
                        : isa == GemmIsa::kAvx512 ? kAvx512Rows
                        : isa == GemmIsa::kAvx2   ? kAvx2Rows
                                                  : kPortableRows;
@@ -409,7 +415,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
     // Direct path: one row tile's accumulators. Widening path: every row's
     // (m x width), and the widened stage.
     std::vector<float>& io_all = IoBuffer();
-    io_all.resize(widen ? m * width_max : kAvx512Rows * width_max);
+    io_all.resize(widen ? m * width_max : kTileRowsMax * width_max);
     float* const io = io_all.data();
     alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
     // This thread's copy of x[:, k0:k1], packed per row tile (see the tiles).
@@ -426,13 +432,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           const int64_t i0 = m * rt / row_tiles;
           const int64_t rows = m * (rt + 1) / row_tiles - i0;
           uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
-          for (int64_t q = k0; q < k1; q += 2)
-            for (int64_t i = 0; i < rows; ++i) {
-              const float* xr = x + (i0 + i) * k;
-              const uint32_t lo = FloatToBf16(xr[q]);
-              const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
-              dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
-            }
+          (isa == GemmIsa::kAvx512
+               ? PackBf16PairsAvx512
+               : PackBf16PairsPortable)(x, k, i0, rows, k0, k1, dst);
         }
       } else {
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
