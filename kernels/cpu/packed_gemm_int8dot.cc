@@ -278,7 +278,12 @@ void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
   const int threads =
       static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
+  // Small claims (about 8 per thread) so that a matrix of few tiles (11 of
+  // 3 panels at n = 512) still splits evenly, and a preempted thread's share
+  // is taken over; which thread computes a tile never changes its numbers.
+  const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
+#pragma omp parallel for num_threads(threads) \
+    schedule(dynamic, chunk) if (parallel)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     alignas(64) float io[kTileRowsMax * kTilePanelsMax * kPanel];
     const int64_t p0 = tile * max_nv;
