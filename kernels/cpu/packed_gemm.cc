@@ -76,10 +76,10 @@ std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
                                     [](uint8_t* q) { std::free(q); });
 }
 
-// The widening of the batched path (null for fp32, which needs none).
 // Rows of the largest register tile (the io scratch of the direct path).
 constexpr int kTileRowsMax = std::max(kAvx512Rows, kBf16DotRows);
 
+// The widening of the batched path (null for fp32, which needs none).
 WidenFn Widener(GemmIsa isa, Fmt t) {
   switch (isa) {
     case GemmIsa::kAvx512:

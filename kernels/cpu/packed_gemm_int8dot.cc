@@ -39,7 +39,7 @@ namespace {
 // the integers and scales are the same, so are the bits.
 constexpr int64_t PrepBlockBytes(int nv) { return (512 + 64 + 64) * nv; }
 
-// acc += Σ u8(u) * s8(w) per dword, in place. GCC 12 compiles
+// acc + Σ u8(u) * s8(w) per dword (4 bytes each). GCC 12 compiles
 // _mm512_dpbusd_epi32 on an array of accumulators into a register copy and
 // a stack store per instruction (measured: the 8 x 3 tile ran slower than a
 // 4 x 2 one); the asm keeps every accumulator in its register.
@@ -172,7 +172,9 @@ constexpr int kInt8DotRows = 4, kInt8DotPanels = 2;
 // Per group 3 loads and 8 broadcasts feed 24 VPDPBUSD, so a batch of 32
 // takes 4 row tiles over weights held in L1/L2 after the first.
 constexpr int kRowDotRows = 8, kRowDotPanels = 3;
-constexpr int kTileRowsMax = kRowDotRows, kTilePanelsMax = kRowDotPanels;
+// The io scratch of RunInt8DotTiles holds the larger of the two tiles.
+constexpr int kTileRowsMax = std::max(kInt8DotRows, kRowDotRows);
+constexpr int kTilePanelsMax = std::max(kInt8DotPanels, kRowDotPanels);
 
 Int8DotFn Int8DotVnniTile(int rows, int nv) {
   static constexpr Int8DotFn kFns[kInt8DotPanels][kInt8DotRows] = {
