@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kv_cache/block_manager.h"
+#include "router/huge_page_allocator.h"
 
 namespace pdserve::router {
 
@@ -283,8 +284,11 @@ class PrefixIndex {
   // at once re-takes the lock can otherwise starve routing for the whole
   // clear of a large worker.
   mutable std::atomic<int> routing_waiters_{0};
-  absl::flat_hash_map<engine::BlockHash, Entry, engine::BlockHashHasher> index_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<
+      engine::BlockHash, Entry, engine::BlockHashHasher,
+      std::equal_to<engine::BlockHash>,
+      HugePageAllocator<std::pair<const engine::BlockHash, Entry>>>
+      index_ ABSL_GUARDED_BY(mu_);
   // Workers a ClearWorker is erasing (the sum of their `clearing`): while
   // any, holders may be stale and counts cover them, so probes read lists.
   int clearing_workers_ ABSL_GUARDED_BY(mu_) = 0;
