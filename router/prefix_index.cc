@@ -293,7 +293,7 @@ size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
   // A count of the pool alone that the entry's counts answer: the holder
   // list, on the heap for a block many workers hold, stays unread.
   if (out == nullptr && tiers == kPoolTier && !maybe_stale) {
-    const int64_t n = entry.PoolHolders(now);
+    const int64_t n = entry.PoolHolders(absl::ToUnixNanos(now));
     if (n >= 0) return static_cast<size_t>(n);
   }
   size_t n = 0;
