@@ -3,12 +3,21 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_cause.h"
 #include "common/status_macros.h"
 
 namespace pdserve::engine {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+}  // namespace
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
@@ -499,12 +508,22 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
     const int64_t position = static_cast<int64_t>(seq->tokens.size());
     float* row = &logits_[logit_row * mc.vocab_size];
     // Constrained rows only: other rows are sampled from untouched logits.
-    if (seq->matcher) seq->matcher->MaskLogits(row, mc.vocab_size);
+    std::chrono::steady_clock::time_point mask_start;
+    if (seq->matcher) {
+      mask_start = std::chrono::steady_clock::now();
+      seq->matcher->MaskLogits(row, mc.vocab_size);
+      constraint_seconds_ += SecondsSince(mask_start);
+    }
     const int32_t token = SampleToken(row, mc.vocab_size, seq->req.sampling,
                                       position, &sample_scratch_);
     // The mask allowed `token`, and a trimmed automaton never leaves a row
     // without an allowed token (a completed match ends the request first).
-    if (seq->matcher) seq->matcher->Accept(token).IgnoreError();
+    if (seq->matcher) {
+      mask_start = std::chrono::steady_clock::now();
+      seq->matcher->Accept(token).IgnoreError();
+      constraint_seconds_ += SecondsSince(mask_start);
+      ++constrained_rows_;
+    }
     ++logit_row;
     if (token == kInvalidLogitsToken) {
       // No token can come from NaN logits: end this request alone (retired
@@ -688,6 +707,8 @@ EngineStats Engine::Stats() const {
   s.prefix_queried_tokens = prefix_queried_;
   s.prefix_hit_tokens = prefix_hit_;
   s.preemptions = preemptions_;
+  s.constrained_rows = constrained_rows_;
+  s.constraint_seconds = constraint_seconds_;
   s.steps = steps_;
   s.num_reserved = static_cast<int64_t>(reserved_.size());
   if (tier_) {

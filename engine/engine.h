@@ -156,6 +156,10 @@ struct EngineStats {
       0;  // prompt tokens admitted but not yet computed
   bool has_kv_tier = false;
   KvTierStats kv_tier;  // with has_kv_tier; its hits are in prefix_hit_tokens
+  // Structured output: logits rows masked, and the engine-thread seconds spent
+  // masking them and advancing their matchers.
+  int64_t constrained_rows = 0;
+  double constraint_seconds = 0;
 };
 
 class Engine {
@@ -294,6 +298,8 @@ class Engine {
   std::vector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
   int64_t prefix_queried_ = 0, prefix_hit_ = 0, preemptions_ = 0, steps_ = 0;
+  int64_t constrained_rows_ = 0;
+  double constraint_seconds_ = 0;
 };
 
 }  // namespace pdserve::engine

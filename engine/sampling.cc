@@ -1,7 +1,11 @@
 #include "engine/sampling.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -119,6 +123,38 @@ int32_t Argmax(const float* logits, int64_t vocab) {
   return 0;  // not reached: mx is one of the logits
 }
 
+// Sort keys of the candidates: the (logit desc, id asc) order is the
+// ascending order of (DescendingKey(v) << 32 | id).
+uint32_t DescendingKey(float v) {
+  if (v == 0.0f) v = 0.0f;  // -0 ties with +0, as the comparison has it
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t ascending = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ~ascending;
+}
+
+// Stable LSD radix sort of `keys` by their high 32 bits, 11 bits a pass;
+// entries come in ascending id order, so ties stay by id. A pass whose digit
+// is the same for every key is skipped.
+void SortByHighWord(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  tmp.resize(keys.size());
+  for (int shift = 32; shift < 64; shift += kBits) {
+    std::array<uint32_t, kBuckets> count{};
+    for (uint64_t k : keys) ++count[(k >> shift) & (kBuckets - 1)];
+    if (count[(keys[0] >> shift) & (kBuckets - 1)] == keys.size()) continue;
+    uint32_t pos = 0;
+    for (uint32_t& c : count) {
+      const uint32_t n = c;
+      c = pos;
+      pos += n;
+    }
+    for (uint64_t k : keys) tmp[count[(k >> shift) & (kBuckets - 1)]++] = k;
+    keys.swap(tmp);
+  }
+}
+
 }  // namespace
 
 int32_t SampleToken(const float* logits, int64_t vocab,
@@ -127,29 +163,36 @@ int32_t SampleToken(const float* logits, int64_t vocab,
   const int32_t best = Argmax(logits, vocab);
   if (params.temperature <= 0.0f || best == kInvalidLogitsToken) return best;
 
-  auto& cand = *scratch;
-  cand.clear();
+  // The candidates in (logit desc, id asc) order. -inf logits (masked by a
+  // structured-output constraint) have probability 0 and are left out. The
+  // order comes from a radix sort of integer keys, which gives exactly the
+  // comparison sort's order (ties by id) at a fraction of its cost over a
+  // 128k vocabulary.
+  thread_local std::vector<uint64_t> keys, tmp;
+  keys.clear();
   const float inv_t = 1.0f / params.temperature;
   for (int64_t i = 0; i < vocab; ++i) {
     const float v = logits[i] * inv_t;
-    if (!std::isnan(v)) cand.emplace_back(v, static_cast<int32_t>(i));
+    if (v == -std::numeric_limits<float>::infinity()) continue;
+    keys.push_back(uint64_t{DescendingKey(v)} << 32 | static_cast<uint32_t>(i));
   }
-  if (cand.empty()) return best;
-  auto order = [](const std::pair<float, int32_t>& a,
-                  const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  size_t keep = cand.size();
-  if (params.top_k > 0 && params.top_k < keep) {
-    keep = params.top_k;
-    std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), order);
-    cand.resize(keep);
+  if (keys.empty()) return best;
+  if (params.top_k > 0 && params.top_k < keys.size()) {
+    std::partial_sort(keys.begin(), keys.begin() + params.top_k, keys.end());
+    keys.resize(params.top_k);
   } else {
-    std::sort(cand.begin(), cand.end(), order);
+    SortByHighWord(keys, tmp);
+  }
+  auto& cand = *scratch;
+  cand.clear();
+  for (uint64_t k : keys) {
+    const auto id = static_cast<int32_t>(k & 0xffffffffu);
+    cand.emplace_back(logits[id] * inv_t, id);
   }
   // Softmax in double over the kept candidates, already sorted.
   const double mx = cand[0].first;
-  std::vector<double> probs(cand.size());
+  thread_local std::vector<double> probs;
+  probs.resize(cand.size());
   double total = 0;
   for (size_t i = 0; i < cand.size(); ++i)
     total += probs[i] = std::exp(cand[i].first - mx);

@@ -68,6 +68,7 @@ inline constexpr int32_t kInvalidLogitsToken = -1;
 // maximum. Otherwise: logits / temperature, keep the top_k largest (ties by
 // lower id), softmax, keep the smallest prefix in (prob desc, id asc) order
 // whose mass reaches top_p, and invert the CDF at UniformForPosition.
+// -inf logits (masked tokens) have probability 0 and are never chosen.
 // `scratch` avoids allocation per call.
 int32_t SampleToken(const float* logits, int64_t vocab,
                     const SamplingParams& params, int64_t position,

@@ -2,10 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "engine/backend.h"
@@ -119,6 +121,125 @@ TEST_F(SamplingTest,
   for (int64_t pos = 0; pos < 200; ++pos)
     differ += Sample(logits, p, pos) != Sample(logits, q, pos);
   EXPECT_GT(differ, 20);
+}
+
+// The sampler as a comparison sort over every non-NaN candidate, as it was
+// written before the radix sort: the reference the fast path must equal.
+int32_t ComparisonSortSample(const std::vector<float>& logits,
+                             const SamplingParams& params, int64_t position) {
+  std::vector<std::pair<float, int32_t>> cand;
+  const float inv_t = 1.0f / params.temperature;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float v = logits[i] * inv_t;
+    if (!std::isnan(v)) cand.emplace_back(v, static_cast<int32_t>(i));
+  }
+  auto order = [](const std::pair<float, int32_t>& a,
+                  const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  if (params.top_k > 0 && params.top_k < cand.size()) {
+    std::partial_sort(cand.begin(), cand.begin() + params.top_k, cand.end(),
+                      order);
+    cand.resize(params.top_k);
+  } else {
+    std::sort(cand.begin(), cand.end(), order);
+  }
+  const double mx = cand[0].first;
+  std::vector<double> probs(cand.size());
+  double total = 0;
+  for (size_t i = 0; i < cand.size(); ++i)
+    total += probs[i] = std::exp(cand[i].first - mx);
+  const double top_p = params.top_p <= 0.0f ? 1.0 : params.top_p;
+  if (top_p < 1.0) {
+    double mass = 0;
+    size_t n = 0;
+    while (n < cand.size()) {
+      mass += probs[n++] / total;
+      if (mass >= top_p) break;
+    }
+    cand.resize(n);
+    probs.resize(n);
+    total = 0;
+    for (double p : probs) total += p;
+  }
+  const double u =
+      static_cast<double>(UniformForPosition(params.seed, position)) * total;
+  double cdf = 0;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    cdf += probs[i];
+    if (u < cdf) return cand[i].second;
+  }
+  return cand.back().second;
+}
+
+// The radix-sorted sampler picks the comparison sort's token on rows built to
+// stress the order: many exact ties, +0 and -0, denormals, +-inf, wide and
+// narrow ranges, masked (-inf) rows, with and without top_k / top_p, at
+// vocabularies around the radix passes' sizes.
+TEST_F(SamplingTest, SeededSamplingEqualsTheComparisonSortOnHardRows) {
+  std::mt19937 rng(7);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float denorm = std::numeric_limits<float>::denorm_min();
+  int checked = 0;
+  for (int64_t vocab : {1, 2, 3, 17, 258, 2047, 2049, 4096, 32000, 128256}) {
+    for (int kind = 0; kind < 7; ++kind) {
+      std::vector<float> l(static_cast<size_t>(vocab));
+      std::uniform_real_distribution<float> wide(-30.0f, 30.0f);
+      std::uniform_int_distribution<int> few(-3, 3);
+      for (float& v : l) {
+        switch (kind) {
+          case 0:
+            v = wide(rng);
+            break;
+          case 1:
+            v = static_cast<float>(few(rng));
+            break;  // ties
+          case 2:
+            v = (few(rng) & 1) ? 0.0f : -0.0f;
+            break;
+          case 3:
+            v = few(rng) * denorm;
+            break;
+          case 4:
+            v = few(rng) > 1 ? wide(rng) : -inf;
+            break;  // a mask
+          case 5:
+            v = wide(rng) * 1e-3f;
+            break;  // nearly flat
+          default:
+            v = few(rng) == 3 ? inf : wide(rng);
+            break;
+        }
+      }
+      if (kind == 4) l[static_cast<size_t>(vocab - 1)] = 1.0f;  // one allowed
+      for (const auto& [t, k, p] :
+           std::vector<std::tuple<float, uint32_t, float>>{{1.0f, 0, 1.0f},
+                                                           {0.7f, 0, 0.9f},
+                                                           {1.3f, 40, 1.0f},
+                                                           {0.5f, 3, 0.5f},
+                                                           {2.0f, 0, 0.3f}}) {
+        SamplingParams params;
+        params.temperature = t;
+        params.top_k = k;
+        params.top_p = p;
+        for (int64_t pos = 0; pos < 6; ++pos) {
+          params.seed = rng();
+          const int32_t got = Sample(l, params, pos);
+          ASSERT_GE(got, 0);
+          // A masked token is never chosen; the reference may fall back on
+          // one only when u rounds up to the total, which these rows avoid.
+          EXPECT_NE(l[static_cast<size_t>(got)], -inf)
+              << "vocab " << vocab << " kind " << kind;
+          if (kind == 6) continue;  // +inf rows: the softmax is NaN in both
+          EXPECT_EQ(got, ComparisonSortSample(l, params, pos))
+              << "vocab " << vocab << " kind " << kind << " t " << t
+              << " top_k " << k << " top_p " << p << " pos " << pos;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 1500);
 }
 
 TEST_F(SamplingTest, ValidateRejectsOutOfRangeParameters) {

@@ -112,6 +112,13 @@ TEST_F(StructuredOutputTest, UnconstrainedRowsAreBitIdentical) {
           .ok());
   const auto got = testing::DrainEngine(mixed.get());
   EXPECT_EQ(got.at("plain"), expected);
+  // Every constrained token was masked (the prefill's first token
+  // included); the unconstrained one never.
+  const EngineStats stats = mixed->Stats();
+  EXPECT_EQ(stats.constrained_rows,
+            static_cast<int64_t>(got.at("c1").size() + got.at("c2").size()));
+  EXPECT_GT(stats.constraint_seconds, 0.0);
+  EXPECT_EQ(alone->Stats().constrained_rows, 0);
   // And without a guide cache at all.
   auto bare = Make(/*with_guides=*/false);
   ASSERT_TRUE(bare->AddRequest(plain).ok());

@@ -90,9 +90,83 @@ absl::Status BadRole(const ChatTemplate& t, const std::string& role) {
                    " chat template does not support role \"", role, "\""));
 }
 
+void AppendJinjaJson(const json::OrderedValue& v, int indent, int level,
+                     std::string* out) {
+  const auto newline = [&](int lvl) {
+    out->push_back('\n');
+    out->append(static_cast<size_t>(indent * lvl), ' ');
+  };
+  if (v.is_string()) {
+    out->push_back('"');
+    for (unsigned char c : v.get_ref<const std::string&>()) {
+      switch (c) {
+        case '"':
+          out->append("\\\"");
+          break;
+        case '\\':
+          out->append("\\\\");
+          break;
+        case '\n':
+          out->append("\\n");
+          break;
+        case '\r':
+          out->append("\\r");
+          break;
+        case '\t':
+          out->append("\\t");
+          break;
+        case '\b':
+          out->append("\\b");
+          break;
+        case '\f':
+          out->append("\\f");
+          break;
+        default:
+          if (c < 0x20) {
+            absl::StrAppend(out, "\\u00", c < 0x10 ? "0" : "", absl::Hex(c));
+          } else {
+            out->push_back(static_cast<char>(c));
+          }
+      }
+    }
+    out->push_back('"');
+  } else if (v.is_array() || v.is_object()) {
+    const bool object = v.is_object();
+    if (v.empty()) {
+      out->append(object ? "{}" : "[]");
+      return;
+    }
+    out->push_back(object ? '{' : '[');
+    bool first = true;
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      if (!first) out->append(indent >= 0 ? "," : ", ");
+      first = false;
+      if (indent >= 0) newline(level + 1);
+      if (object) {
+        AppendJinjaJson(json::OrderedValue(it.key()), indent, level + 1, out);
+        out->append(": ");
+      }
+      AppendJinjaJson(*it, indent, level + 1, out);
+    }
+    if (indent >= 0) newline(level);
+    out->push_back(object ? '}' : ']');
+  } else {
+    out->append(v.dump());
+  }
+}
+
+// A tool call's arguments as templates see them: the parsed JSON
+// re-serialized by `tojson` (a text that does not parse stays a string).
+std::string ArgumentsJson(const ChatToolCall& call) {
+  json::OrderedValue args = json::OrderedValue::parse(
+      call.arguments, nullptr, /*allow_exceptions=*/false);
+  if (args.is_discarded()) args = call.arguments;
+  return JinjaToJson(args);
+}
+
 absl::StatusOr<std::string> RenderLlama3(
     const ChatTemplate& t, const std::vector<ChatMessage>& messages,
-    bool add_generation_prompt) {
+    bool add_generation_prompt, const std::vector<json::OrderedValue>& tools) {
   auto turn = [](const std::string& role, const std::string& content) {
     return absl::StrCat("<|start_header_id|>", role, "<|end_header_id|>\n\n",
                         content, "<|eot_id|>");
@@ -105,16 +179,51 @@ absl::StatusOr<std::string> RenderLlama3(
       system = Trim(messages[0].content);
       first = 1;
     }
+    const bool with_tools = t.tools && !tools.empty();
     absl::StrAppend(
         &out, t.bos_token,
         turn("system",
-             absl::StrCat("Cutting Knowledge Date: December 2023\nToday Date: ",
+             absl::StrCat(with_tools ? "Environment: ipython\n" : "",
+                          "Cutting Knowledge Date: December 2023\nToday Date: ",
                           t.today, "\n\n", system)));
+    if (with_tools) {
+      // 3.1 puts the function list into the first (user) turn.
+      if (first == messages.size()) {
+        return absl::InvalidArgumentError(
+            "the llama3 chat template puts tools into the first user message, "
+            "and there is none");
+      }
+      std::string list;
+      for (const json::OrderedValue& tool : tools)
+        absl::StrAppend(&list, JinjaToJson(tool, 4), "\n\n");
+      out += turn("user",
+                  absl::StrCat("Given the following functions, please respond "
+                               "with a JSON for a function call with its "
+                               "proper arguments that best answers the given "
+                               "prompt.\n\nRespond in the format {\"name\": "
+                               "function name, \"parameters\": dictionary of "
+                               "argument name and its value}.Do not use "
+                               "variables.\n\n",
+                               list, Trim(messages[first].content)));
+      ++first;
+    }
   }
   for (size_t i = first; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];
     if (i == 0) out += t.bos_token;
-    if (t.llama31_date_header && (m.role == "tool" || m.role == "ipython")) {
+    if (t.llama31_date_header && !m.tool_calls.empty()) {
+      if (m.tool_calls.size() != 1) {
+        return absl::InvalidArgumentError(
+            "the llama3 chat template supports one tool call per assistant "
+            "turn");
+      }
+      const ChatToolCall& call = m.tool_calls[0];
+      absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                      "{\"name\": \"", call.name,
+                      "\", \"parameters\": ", ArgumentsJson(call),
+                      "}<|eot_id|>");
+    } else if (t.llama31_date_header &&
+               (m.role == "tool" || m.role == "ipython")) {
       // 3.1 writes tool output as JSON (a string is "iterable" to its
       // template).
       out += turn("ipython", json::Quote(m.content));
@@ -132,9 +241,27 @@ absl::StatusOr<std::string> RenderLlama3(
 
 absl::StatusOr<std::string> RenderChatMl(
     const ChatTemplate& t, const std::vector<ChatMessage>& messages,
-    bool add_generation_prompt) {
+    bool add_generation_prompt, const std::vector<json::OrderedValue>& tools) {
   std::string out;
-  if (messages[0].role == "system") {
+  if (t.tools && !tools.empty()) {
+    // Qwen2.5 / Qwen3: the system prompt (or Qwen2.5's default), then the
+    // tools' signatures and how to call them.
+    const std::string& system =
+        messages[0].role == "system" ? messages[0].content : t.default_system;
+    out = "<|im_start|>system\n";
+    if (!system.empty()) absl::StrAppend(&out, system, "\n\n");
+    out +=
+        "# Tools\n\nYou may call one or more functions to assist with the "
+        "user query.\n\nYou are provided with function signatures within "
+        "<tools></tools> XML tags:\n<tools>";
+    for (const json::OrderedValue& tool : tools)
+      absl::StrAppend(&out, "\n", JinjaToJson(tool));
+    out +=
+        "\n</tools>\n\nFor each function call, return a json object with "
+        "function name and arguments within <tool_call></tool_call> XML "
+        "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+        "<args-json-object>}\n</tool_call><|im_end|>\n";
+  } else if (messages[0].role == "system") {
     absl::StrAppend(&out, "<|im_start|>system\n", messages[0].content,
                     "<|im_end|>\n");
   } else if (!t.default_system.empty()) {
@@ -163,6 +290,9 @@ absl::StatusOr<std::string> RenderChatMl(
       continue;  // written above
     } else if (m.role == "assistant") {
       std::string content = m.content;
+      // The content without the <think> block this turn may get: whether a
+      // tool call starts on a line of its own depends on it.
+      std::string bare_content = content;
       if (t.reasoning) {
         std::string reasoning;
         const size_t close = content.find("</think>");
@@ -174,13 +304,35 @@ absl::StatusOr<std::string> RenderChatMl(
               '\n');
           content = LStrip(content.substr(content.rfind("</think>") + 8), '\n');
         }
+        bare_content = content;
         if (i > last_query && (last || !reasoning.empty())) {
           content =
               absl::StrCat("<think>\n", RStrip(LStrip(reasoning, '\n'), '\n'),
                            "\n</think>\n\n", LStrip(content, '\n'));
         }
       }
-      absl::StrAppend(&out, "<|im_start|>assistant\n", content, "<|im_end|>\n");
+      if (!t.reasoning && !t.default_system.empty() && !m.tool_calls.empty()) {
+        // Qwen2.5: content (if any) and each call on lines of their own.
+        out += "<|im_start|>assistant";
+        if (!content.empty()) absl::StrAppend(&out, "\n", content);
+        for (const ChatToolCall& call : m.tool_calls) {
+          absl::StrAppend(&out, "\n<tool_call>\n{\"name\": \"", call.name,
+                          "\", \"arguments\": ", ArgumentsJson(call),
+                          "}\n</tool_call>");
+        }
+        out += "<|im_end|>\n";
+        continue;
+      }
+      // Qwen3 (and ChatML without a tool format of its own).
+      absl::StrAppend(&out, "<|im_start|>assistant\n", content);
+      for (size_t k = 0; k < m.tool_calls.size(); ++k) {
+        if (k > 0 || !bare_content.empty()) out += "\n";
+        absl::StrAppend(&out, "<tool_call>\n{\"name\": \"",
+                        m.tool_calls[k].name,
+                        "\", \"arguments\": ", ArgumentsJson(m.tool_calls[k]),
+                        "}\n</tool_call>");
+      }
+      out += "<|im_end|>\n";
     } else if (m.role == "tool") {
       if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
       absl::StrAppend(&out, "\n<tool_response>\n", m.content,
@@ -197,8 +349,55 @@ absl::StatusOr<std::string> RenderChatMl(
   return out;
 }
 
+// Mistral's tool-call ids are 9 alphanumeric characters; longer ids (such as
+// OpenAI's "call_...") keep their last 9, as vLLM does.
+absl::StatusOr<std::string> MistralCallId(const std::string& id) {
+  std::string tail = id.size() > 9 ? id.substr(id.size() - 9) : id;
+  bool alnum = tail.size() == 9;
+  for (char c : tail) {
+    alnum = alnum && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                      (c >= '0' && c <= '9'));
+  }
+  if (!alnum) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the mistral chat template needs tool call ids of at least 9 "
+        "characters ending in 9 letters or digits, not \"",
+        id, "\""));
+  }
+  return tail;
+}
+
+// [AVAILABLE_TOOLS] [...][/AVAILABLE_TOOLS]: each function's fields in
+// order, string values written as they are (the template does not escape
+// them), the rest as JSON; "return" is left out.
+std::string MistralTools(const std::vector<json::OrderedValue>& tools) {
+  std::string out = "[AVAILABLE_TOOLS] [";
+  for (size_t k = 0; k < tools.size(); ++k) {
+    out += "{\"type\": \"function\", \"function\": {";
+    bool first = true;
+    if (auto fn = tools[k].find("function");
+        fn != tools[k].end() && fn->is_object()) {
+      for (auto it = fn->begin(); it != fn->end(); ++it) {
+        if (it.key() == "return") continue;
+        if (!first) out += ", ";
+        first = false;
+        if (it->is_string()) {
+          absl::StrAppend(&out, "\"", it.key(), "\": \"",
+                          it->get_ref<const std::string&>(), "\"");
+        } else {
+          absl::StrAppend(&out, "\"", it.key(), "\": ", JinjaToJson(*it));
+        }
+      }
+    }
+    out += "}}";
+    out += k + 1 < tools.size() ? ", " : "]";
+  }
+  return out + "[/AVAILABLE_TOOLS]";
+}
+
 absl::StatusOr<std::string> RenderMistral(
-    const ChatTemplate& t, const std::vector<ChatMessage>& messages) {
+    const ChatTemplate& t, const std::vector<ChatMessage>& messages,
+    const std::vector<json::OrderedValue>& tools) {
   size_t first = 0;
   const std::string* system = nullptr;
   if (messages[0].role == "system") {
@@ -209,18 +408,28 @@ absl::StatusOr<std::string> RenderMistral(
     system = &messages[0].content;
     first = 1;
   }
-  std::string out = t.bos_token;
+  // User and assistant turns alternate; tool calls and their results sit
+  // between them and do not count.
+  size_t turn = 0, last_user = messages.size();
   for (size_t i = first; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];
-    if ((m.role == "user") != ((i - first) % 2 == 0) ||
+    if (m.role == "user") last_user = i;
+    if (m.role == "tool" || !m.tool_calls.empty()) continue;
+    if ((m.role == "user") != (turn++ % 2 == 0) ||
         (m.role != "user" && m.role != "assistant")) {
       return absl::InvalidArgumentError(
           "the mistral chat template needs an optional system message, then "
           "alternating "
           "user/assistant messages starting with user");
     }
+  }
+  const bool with_tools = t.tools && !tools.empty();
+  std::string out = t.bos_token;
+  for (size_t i = first; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
     const bool last = i + 1 == messages.size();
     if (m.role == "user") {
+      if (with_tools && i == last_user) out += MistralTools(tools);
       if (t.mistral_v1_spacing) {
         absl::StrAppend(&out, "[INST] ", m.content, " [/INST]");
       } else if (last && system != nullptr) {
@@ -228,6 +437,20 @@ absl::StatusOr<std::string> RenderMistral(
       } else {
         absl::StrAppend(&out, "[INST] ", m.content, "[/INST]");
       }
+    } else if (!m.tool_calls.empty()) {
+      out += "[TOOL_CALLS] [";
+      for (size_t k = 0; k < m.tool_calls.size(); ++k) {
+        const ChatToolCall& call = m.tool_calls[k];
+        ASSIGN_OR_RETURN(const std::string id, MistralCallId(call.id));
+        absl::StrAppend(&out, "{\"name\": \"", call.name,
+                        "\", \"arguments\": ", ArgumentsJson(call),
+                        ", \"id\": \"", id, "\"}");
+        out += k + 1 < m.tool_calls.size() ? ", " : "]" + t.eos_token;
+      }
+    } else if (m.role == "tool") {
+      ASSIGN_OR_RETURN(const std::string id, MistralCallId(m.tool_call_id));
+      absl::StrAppend(&out, "[TOOL_RESULTS] {\"content\": ", m.content,
+                      ", \"call_id\": \"", id, "\"}[/TOOL_RESULTS]");
     } else if (t.mistral_v1_spacing) {
       absl::StrAppend(&out, m.content, t.eos_token);
     } else {
@@ -257,9 +480,11 @@ absl::StatusOr<ChatTemplate> ChatTemplateFromJinja(const std::string& jinja) {
     t.family = Family::kLlama3;
     t.bos_token = "<|begin_of_text|>";
     t.llama31_date_header = absl::StrContains(jinja, "Cutting Knowledge Date");
+    t.tools = absl::StrContains(jinja, "Environment: ipython");
   } else if (absl::StrContains(jinja, "<|im_start|>")) {
     t.family = Family::kChatMl;
     t.reasoning = absl::StrContains(jinja, "</think>");
+    t.tools = absl::StrContains(jinja, "<tools>");
     for (const char* system : {"You are Qwen, created by Alibaba Cloud. You "
                                "are a helpful assistant.",
                                "You are a helpful assistant."}) {
@@ -274,6 +499,7 @@ absl::StatusOr<ChatTemplate> ChatTemplateFromJinja(const std::string& jinja) {
     t.bos_token = "<s>";
     t.eos_token = "</s>";
     t.mistral_v1_spacing = absl::StrContains(jinja, "' [/INST]'");
+    t.tools = absl::StrContains(jinja, "[AVAILABLE_TOOLS]");
   } else {
     return absl::NotFoundError(
         "the chat template is not one pdserve implements (Llama-3, ChatML as "
@@ -329,8 +555,10 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
     if (arch == "Qwen3ForCausalLM") {
       t.family = Family::kChatMl;
       t.reasoning = true;
+      t.tools = true;
     } else if (arch == "Qwen2ForCausalLM") {
       t.family = Family::kChatMl;
+      t.tools = true;
       t.default_system =
           "You are Qwen, created by Alibaba Cloud. You are a helpful "
           "assistant.";
@@ -360,35 +588,81 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir) {
   return t;
 }
 
+std::string JinjaToJson(const json::OrderedValue& value, int indent) {
+  std::string out;
+  AppendJinjaJson(value, indent, 0, &out);
+  return out;
+}
+
 absl::StatusOr<std::string> ApplyChatTemplate(
     const ChatTemplate& chat_template, const std::vector<ChatMessage>& messages,
-    bool add_generation_prompt) {
+    bool add_generation_prompt, const std::vector<json::OrderedValue>& tools) {
   if (messages.empty())
     return absl::InvalidArgumentError("a chat needs at least one message");
   switch (chat_template.family) {
     case Family::kLlama3:
-      return RenderLlama3(chat_template, messages, add_generation_prompt);
+      return RenderLlama3(chat_template, messages, add_generation_prompt,
+                          tools);
     case Family::kChatMl:
-      return RenderChatMl(chat_template, messages, add_generation_prompt);
+      return RenderChatMl(chat_template, messages, add_generation_prompt,
+                          tools);
     case Family::kMistral:
-      return RenderMistral(chat_template, messages);
+      return RenderMistral(chat_template, messages, tools);
   }
   return absl::InternalError("unknown chat template family");
 }
 
 absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(
     const std::string& json_text) {
-  ASSIGN_OR_RETURN(json::Value root, json::Parse(json_text, "messages"));
+  // Checked (depth, syntax) by the common parser, then read again keeping
+  // key order: tool-call arguments are rendered in the order they were given.
+  RETURN_IF_ERROR(json::Parse(json_text, "messages").status());
+  const json::OrderedValue root =
+      json::OrderedValue::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (!root.is_array()) {
     return absl::InvalidArgumentError(
         "messages: expected a JSON list of {\"role\", \"content\"} objects");
   }
+  const auto string_field = [](const json::OrderedValue& m, const char* key,
+                               std::string* out) {
+    auto it = m.find(key);
+    if (it == m.end() || it->is_null()) return true;
+    if (!it->is_string()) return false;
+    *out = it->get<std::string>();
+    return true;
+  };
   std::vector<ChatMessage> out;
-  for (const json::Value& m : root) {
+  for (const json::OrderedValue& m : root) {
     ChatMessage msg;
-    ASSIGN_OR_RETURN(msg.role, json::GetString(m, "role", "messages"));
-    ASSIGN_OR_RETURN(msg.content,
-                     json::GetString(m, "content", "messages", ""));
+    if (!m.is_object() || !m.contains("role") ||
+        !string_field(m, "role", &msg.role) ||
+        !string_field(m, "content", &msg.content) ||
+        !string_field(m, "tool_call_id", &msg.tool_call_id) ||
+        !string_field(m, "name", &msg.name)) {
+      return absl::InvalidArgumentError(
+          "messages: every message needs a string \"role\"; \"content\", "
+          "\"tool_call_id\" and \"name\" are strings");
+    }
+    if (auto calls = m.find("tool_calls");
+        calls != m.end() && calls->is_array()) {
+      for (const json::OrderedValue& call : *calls) {
+        ChatToolCall c;
+        auto fn = call.find("function");
+        if (!call.is_object() || fn == call.end() || !fn->is_object() ||
+            !string_field(call, "id", &c.id) ||
+            !string_field(*fn, "name", &c.name)) {
+          return absl::InvalidArgumentError(
+              "messages: a tool call is {\"id\", \"function\": {\"name\", "
+              "\"arguments\"}}");
+        }
+        // Arguments as OpenAI sends them (a JSON text) or as an object.
+        if (auto args = fn->find("arguments"); args != fn->end()) {
+          c.arguments =
+              args->is_string() ? args->get<std::string>() : args->dump();
+        }
+        msg.tool_calls.push_back(std::move(c));
+      }
+    }
     out.push_back(std::move(msg));
   }
   return out;

