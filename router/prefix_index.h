@@ -165,7 +165,6 @@ class PrefixIndex {
   struct Holder;
   static constexpr size_t kInlineHolders = 2;
   using Holders = absl::InlinedVector<Holder, kInlineHolders>;
-  struct Entry;
   struct Holder {
     WorkerIndex worker;
     TierMask lower = 0;  // the lower tiers (kLowerTiers bits) that hold it
