@@ -290,6 +290,7 @@ const std::vector<FlagSpec>& AllFlags() {
       {"top_logprobs", kGenerate},
       {"json_schema", kGenerate},
       {"regex", kGenerate},
+      {"grammar", kGenerate},
       {"timeout_ms", kGenerate},
       {"tls", kGenerate},
       {"tls_server_name", kGenerate},

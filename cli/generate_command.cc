@@ -33,6 +33,9 @@ ABSL_FLAG(std::string, json_schema, "",
           "file");
 ABSL_FLAG(std::string, regex, "",
           "constrain the output to match this regular expression");
+ABSL_FLAG(std::string, grammar, "",
+          "constrain the output to the GBNF grammar in this file (from its "
+          "rule 'root')");
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, router);
 
@@ -57,11 +60,20 @@ engine::SamplingParams SamplingParamsFromFlags() {
 absl::StatusOr<structured::ConstraintSpec> ConstraintFromFlags() {
   const std::string schema_file = absl::GetFlag(FLAGS_json_schema);
   const std::string regex = absl::GetFlag(FLAGS_regex);
-  if (!schema_file.empty() && !regex.empty()) {
+  const std::string grammar_file = absl::GetFlag(FLAGS_grammar);
+  if (!schema_file.empty() + !regex.empty() + !grammar_file.empty() > 1) {
     return absl::InvalidArgumentError(
-        "--json-schema and --regex are mutually exclusive");
+        "--json-schema, --regex and --grammar are mutually exclusive");
   }
   if (!regex.empty()) return structured::ConstraintSpec::Regex(regex);
+  if (!grammar_file.empty()) {
+    ASSIGN_OR_RETURN(std::string grammar, ReadFileIfExists(grammar_file));
+    if (grammar.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--grammar: cannot read ", grammar_file));
+    }
+    return structured::ConstraintSpec::Grammar(std::move(grammar));
+  }
   if (schema_file.empty()) return structured::ConstraintSpec();
   ASSIGN_OR_RETURN(std::string schema, ReadFileIfExists(schema_file));
   if (schema.empty()) {

@@ -198,6 +198,15 @@ int ByteRegex::Repeat(int kid, int min, int max) {
   return Add(std::move(n));
 }
 
+int ByteRegex::Automaton(std::shared_ptr<const Dfa> dfa) {
+  if (!status_.ok() || dfa == nullptr) return -1;
+  Node n = MakeNode(Kind::kAutomaton);
+  n.automaton = static_cast<int>(automata_.size());
+  const int id = Add(std::move(n));
+  if (id >= 0) automata_.push_back(std::move(dfa));
+  return id;
+}
+
 int ByteRegex::Codepoints(const CodepointSet& set) {
   std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
   for (auto [lo, hi] : set.ranges()) {

@@ -11,6 +11,7 @@
 
 #include <bitset>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -21,6 +22,8 @@
 #include "common/utf8.h"
 
 namespace pdserve::structured {
+
+class Dfa;  // structured/dfa.h
 
 using ByteSet = std::bitset<256>;
 
@@ -47,13 +50,26 @@ class CodepointSet {
 
 class ByteRegex {
  public:
-  enum class Kind { kNothing, kEmpty, kBytes, kConcat, kAlt, kRepeat };
+  // kAutomaton: the language of an already built DFA, so a part that many
+  // places share (a grammar rule at one nesting depth) is compiled and
+  // minimized once and embedded at each place as its few states, instead of
+  // as copies of its whole regex.
+  enum class Kind {
+    kNothing,
+    kEmpty,
+    kBytes,
+    kConcat,
+    kAlt,
+    kRepeat,
+    kAutomaton
+  };
   struct Node {
     Kind kind = Kind::kEmpty;
     ByteSet bytes;          // kBytes
     std::vector<int> kids;  // kConcat, kAlt: the parts; kRepeat: one
     int min = 0;            // kRepeat: at least min copies
     int max = 0;            // kRepeat: at most max copies; -1 unbounded
+    int automaton = -1;     // kAutomaton: index into automata
   };
 
   explicit ByteRegex(int max_nodes = 200000) : max_nodes_(max_nodes) {}
@@ -71,6 +87,8 @@ class ByteRegex {
   // max < min or a bound exceeds kMaxRepeat.
   int Repeat(int kid, int min, int max);
   int Optional(int kid) { return Repeat(kid, 0, 1); }
+  // The strings `dfa` accepts (a trimmed DFA, as Dfa::Build makes).
+  int Automaton(std::shared_ptr<const Dfa> dfa);
   // The UTF-8 encodings of `set`'s code points (surrogates excluded).
   int Codepoints(const CodepointSet& set);
   // The same characters as they appear inside a JSON string literal: plain
@@ -82,6 +100,10 @@ class ByteRegex {
   static constexpr int kMaxRepeat = 10000;
 
   const Node& node(int id) const { return nodes_[id]; }
+  const Dfa& automaton(int index) const { return *automata_[index]; }
+  const std::shared_ptr<const Dfa>& shared_automaton(int index) const {
+    return automata_[index];
+  }
   int size() const { return static_cast<int>(nodes_.size()); }
   const absl::Status& status() const { return status_; }
   void Fail(absl::Status status) {
@@ -94,6 +116,7 @@ class ByteRegex {
 
   int max_nodes_;
   std::vector<Node> nodes_;
+  std::vector<std::shared_ptr<const Dfa>> automata_;
   absl::Status status_;
 };
 

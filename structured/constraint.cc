@@ -1,7 +1,10 @@
 #include "structured/constraint.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "structured/regex_parser.h"
 
 namespace pdserve::structured {
@@ -33,6 +36,13 @@ ConstraintSpec ConstraintSpec::JsonObject() {
   return spec;
 }
 
+ConstraintSpec ConstraintSpec::Grammar(std::string grammar) {
+  ConstraintSpec spec;
+  spec.kind = Kind::kGrammar;
+  spec.text = std::move(grammar);
+  return spec;
+}
+
 std::string ConstraintSpec::Key() const {
   std::string key = absl::StrCat(static_cast<int>(kind), ":");
   if (kind == Kind::kChoice) {
@@ -57,6 +67,8 @@ const char* ConstraintSpec::KindName() const {
       return "json_schema";
     case Kind::kJsonObject:
       return "json_object";
+    case Kind::kGrammar:
+      return "grammar";
   }
   return "none";
 }
@@ -70,6 +82,7 @@ absl::Status ConstraintConfig::Validate() const {
     return absl::InvalidArgumentError(
         "ConstraintConfig: json.max_recursion must be in [0, 8]");
   }
+  if (auto s = grammar.Validate(); !s.ok()) return s;
   return limits.Validate();
 }
 
@@ -80,6 +93,7 @@ absl::StatusOr<std::shared_ptr<const Dfa>> CompileConstraint(
         "%s constraint is %d bytes, above the limit of %d", spec.KindName(),
         spec.text.size(), config.max_text_bytes));
   }
+  const absl::Time deadline = absl::Now() + config.limits.max_build_time;
   ByteRegex re(config.limits.max_nfa_states);
   absl::StatusOr<int> root;
   switch (spec.kind) {
@@ -113,17 +127,38 @@ absl::StatusOr<std::shared_ptr<const Dfa>> CompileConstraint(
       break;
     }
     case ConstraintSpec::Kind::kJsonSchema:
-      root = CompileJsonSchema(spec.text, config.json, &re);
+      root = CompileJsonSchema(spec.text, config.json, &re, &config.limits,
+                               deadline);
       break;
     case ConstraintSpec::Kind::kJsonObject:
-      root = CompileJsonObject(config.json, &re);
+      root = CompileJsonObject(config.json, &re, &config.limits, deadline);
+      break;
+    case ConstraintSpec::Kind::kGrammar:
+      root = CompileGrammar(spec.text, config.grammar, config.limits, deadline,
+                            &re);
       break;
   }
   // A constraint over a cap is the client's error, like any other bad
   // constraint: INVALID_ARGUMENT (HTTP 400), not RESOURCE_EXHAUSTED (which
   // the fronts report as a retryable 429).
   if (!root.ok()) return absl::InvalidArgumentError(root.status().message());
-  auto dfa = Dfa::Build(re, *root, config.limits);
+  // A grammar whose root is one embedded automaton (a recursive rule, built
+  // and minimized already) needs no second build.
+  if (spec.kind == ConstraintSpec::Kind::kGrammar &&
+      re.node(*root).kind == ByteRegex::Kind::kAutomaton) {
+    return re.shared_automaton(re.node(*root).automaton);
+  }
+  // The whole compile shares one time limit.
+  DfaLimits limits = config.limits;
+  limits.max_build_time =
+      std::max(deadline - absl::Now(), absl::Nanoseconds(1));
+  auto dfa = Dfa::Build(re, *root, limits);
+  // A grammar's automaton is minimized: its nesting levels repeat states
+  // that only the minimization merges, and fewer states mean fewer first
+  // visits (trie walks) when masking.
+  if (dfa.ok() && spec.kind == ConstraintSpec::Kind::kGrammar) {
+    dfa = dfa->Minimized(deadline);
+  }
   if (!dfa.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(spec.KindName(), " constraint: ", dfa.status().message()));

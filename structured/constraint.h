@@ -6,8 +6,9 @@
 // into a Dfa (structured/dfa.h) within DfaLimits, and ConstraintCache keeps
 // the compiled automata so a schema that many requests share is compiled
 // once. Errors: INVALID_ARGUMENT naming the problem (bad regex, unsupported
-// schema keyword, an empty language, a constraint over the state or time
-// caps). ConstraintCache is thread-safe.
+// schema keyword, a grammar syntax error or undefined rule, an empty
+// language, a constraint over the state or time caps). ConstraintCache is
+// thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "structured/dfa.h"
+#include "structured/grammar.h"
 #include "structured/json_schema.h"
 #include "structured/lru_map.h"
 
@@ -29,6 +31,7 @@ struct ConstraintSpec {
     kChoice,      // the output is exactly one of `choices`
     kJsonSchema,  // `text` is a JSON schema the output validates against
     kJsonObject,  // the output is any JSON object
+    kGrammar,     // `text` is a GBNF grammar (structured/grammar.h)
   };
   Kind kind = Kind::kNone;
   std::string text;
@@ -38,17 +41,19 @@ struct ConstraintSpec {
   static ConstraintSpec Choice(std::vector<std::string> choices);
   static ConstraintSpec JsonSchema(std::string schema);
   static ConstraintSpec JsonObject();
+  static ConstraintSpec Grammar(std::string grammar);
 
   bool active() const { return kind != Kind::kNone; }
   // A byte string that identifies the constraint (the cache key).
   std::string Key() const;
-  // "regex", "choice", "json_schema", "json_object" or "none".
+  // "regex", "choice", "json_schema", "json_object", "grammar" or "none".
   const char* KindName() const;
 };
 
 struct ConstraintConfig {
   DfaLimits limits;
   JsonSchemaOptions json;
+  GrammarOptions grammar;
   // Longest constraint text accepted (bytes).
   size_t max_text_bytes = 256 * 1024;
   size_t max_choices = 4096;

@@ -1,6 +1,7 @@
 #include "structured/dfa.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <functional>
 #include <string>
@@ -9,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/hash/hash.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 
 namespace pdserve::structured {
 
@@ -63,7 +65,7 @@ class NfaBuilder {
     return static_cast<int>(states.size()) - 1;
   }
   int SetIndex(const ByteSet& s) {
-    auto [it, inserted] = set_index_.try_emplace(s.to_string(), 0);
+    auto [it, inserted] = set_index_.try_emplace(s, 0);
     if (inserted) {
       it->second = static_cast<int>(sets.size());
       sets.push_back(s);
@@ -138,14 +140,51 @@ class NfaBuilder {
         Eps(cur, end);
         return {start, end};
       }
+      case ByteRegex::Kind::kAutomaton:
+        return BuildAutomaton(re_.automaton(n.automaton));
     }
     return {-1, -1};
+  }
+
+  // One hub state per DFA state, with one byte state per distinct target
+  // (its bytes the ones that lead there), and an epsilon edge from every
+  // accepting hub to the fragment's end.
+  Frag BuildAutomaton(const Dfa& d) {
+    const int n = d.num_states();
+    std::vector<int> hub(n);
+    for (int s = 0; s < n; ++s) hub[s] = NewState();
+    const int out = NewState();
+    if (!status_.ok()) return {-1, -1};
+    std::vector<std::pair<int, ByteSet>> targets;
+    for (int s = 0; s < n && status_.ok(); ++s) {
+      targets.clear();
+      for (int b = 0; b < 256; ++b) {
+        const int t = d.Next(s, static_cast<uint8_t>(b));
+        if (t == Dfa::kDead) continue;
+        auto it = std::find_if(targets.begin(), targets.end(),
+                               [t](const auto& e) { return e.first == t; });
+        if (it == targets.end()) {
+          targets.emplace_back(t, ByteSet());
+          it = targets.end() - 1;
+        }
+        it->second.set(b);
+      }
+      for (const auto& [t, set] : targets) {
+        const int x = NewState();
+        if (x < 0) break;
+        states[x].set = SetIndex(set);
+        states[x].next = hub[t];
+        Eps(hub[s], x);
+      }
+      if (d.accepting(s)) Eps(hub[s], out);
+    }
+    return {hub[0], out};
   }
 
   const ByteRegex& re_;
   int max_states_;
   absl::Status status_;
-  absl::flat_hash_map<std::string, int> set_index_;
+  absl::flat_hash_map<ByteSet, int, std::hash<ByteSet>> set_index_;
 };
 
 // Sorted NFA states reachable from `seeds` by epsilon edges, keeping only
@@ -292,7 +331,183 @@ absl::StatusOr<Dfa> Dfa::Build(const ByteRegex& re, int root,
       if (t >= 0) dfa.has_next_[s] = true;
     }
   }
+  dfa.ComputeSelfLoops();
   return dfa;
+}
+
+void Dfa::ComputeSelfLoops() {
+  std::vector<std::array<uint64_t, 4>> class_bytes(num_classes_);
+  for (auto& c : class_bytes) c.fill(0);
+  for (int b = 0; b < 256; ++b) {
+    class_bytes[byte_class_[b]][b >> 6] |= uint64_t{1} << (b & 63);
+  }
+  const int n = num_states();
+  self_loops_.assign(static_cast<size_t>(n) * 4, 0);
+  for (int s = 0; s < n; ++s) {
+    for (int c = 0; c < num_classes_; ++c) {
+      if (next_[static_cast<size_t>(s) * num_classes_ + c] != s) continue;
+      for (int w = 0; w < 4; ++w) {
+        self_loops_[static_cast<size_t>(s) * 4 + w] |= class_bytes[c][w];
+      }
+    }
+  }
+}
+
+absl::StatusOr<Dfa> Dfa::Minimized(absl::Time deadline) const {
+  // Hopcroft's partition refinement over the states plus an explicit sink
+  // (state n, for kDead), O(n * classes * log n): split blocks by which of
+  // their states reach a splitter block on a class, queueing the smaller
+  // half of every split.
+  const int n = num_states();
+  const int c = num_classes_;
+  const int total = n + 1;
+  const int sink = n;
+  auto target = [&](int s, int k) {
+    if (s == sink) return sink;
+    const int t = next_[static_cast<size_t>(s) * c + k];
+    return t == kDead ? sink : t;
+  };
+  // Inverse transitions per class, as CSR: sources of (class k, target t).
+  std::vector<int> inv_start(static_cast<size_t>(c) * total + 1, 0);
+  for (int s = 0; s < total; ++s) {
+    for (int k = 0; k < c; ++k) {
+      ++inv_start[static_cast<size_t>(k) * total + target(s, k) + 1];
+    }
+  }
+  for (size_t i = 1; i < inv_start.size(); ++i)
+    inv_start[i] += inv_start[i - 1];
+  std::vector<int> inv(inv_start.back());
+  {
+    std::vector<int> fill(inv_start.begin(), inv_start.end() - 1);
+    for (int s = 0; s < total; ++s) {
+      for (int k = 0; k < c; ++k) {
+        inv[fill[static_cast<size_t>(k) * total + target(s, k)]++] = s;
+      }
+    }
+  }
+  // Refinable partition: elems holds each block's states contiguously.
+  std::vector<int> elems(total), loc(total), block_of(total);
+  std::vector<int> first, end, marked;
+  {
+    int pos = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int begin = pos;
+      for (int s = 0; s < total; ++s) {
+        const bool acc = s != sink && accepting_[s];
+        if (acc != (pass == 0)) continue;
+        elems[pos] = s;
+        loc[s] = pos++;
+        block_of[s] = static_cast<int>(first.size());
+      }
+      if (pos > begin) {
+        first.push_back(begin);
+        end.push_back(pos);
+        marked.push_back(0);
+      }
+    }
+  }
+  std::vector<std::pair<int, int>> work;  // (block, class)
+  std::vector<bool> queued;
+  auto enqueue = [&](int b, int k) {
+    const size_t i = static_cast<size_t>(b) * c + k;
+    if (queued.size() <= i) queued.resize((b + 1) * static_cast<size_t>(c));
+    if (!queued[i]) {
+      queued[i] = true;
+      work.emplace_back(b, k);
+    }
+  };
+  for (int b = 0; b < static_cast<int>(first.size()); ++b) {
+    for (int k = 0; k < c; ++k) enqueue(b, k);
+  }
+  std::vector<int> splitter, touched;
+  int64_t steps = 0;
+  while (!work.empty()) {
+    if ((++steps & 1023) == 0 && absl::Now() > deadline) {
+      return absl::ResourceExhaustedError(
+          "constraint compile exceeded its time limit while minimizing");
+    }
+    const auto [a, k] = work.back();
+    work.pop_back();
+    queued[static_cast<size_t>(a) * c + k] = false;
+    // The states that reach block a on class k.
+    splitter.clear();
+    for (int i = first[a]; i < end[a]; ++i) {
+      const int t = elems[i];
+      const size_t key = static_cast<size_t>(k) * total + t;
+      for (int j = inv_start[key]; j < inv_start[key + 1]; ++j)
+        splitter.push_back(inv[j]);
+    }
+    touched.clear();
+    for (int s : splitter) {
+      const int b = block_of[s];
+      const int m = first[b] + marked[b];
+      if (loc[s] >= m) {  // not yet marked: swap it into the marked prefix
+        const int other = elems[m];
+        std::swap(elems[loc[s]], elems[m]);
+        loc[other] = loc[s];
+        loc[s] = m;
+        if (marked[b]++ == 0) touched.push_back(b);
+      }
+    }
+    for (int b : touched) {
+      const int count = marked[b];
+      marked[b] = 0;
+      if (count == end[b] - first[b]) continue;  // all of it: no split
+      // The marked prefix becomes a new block.
+      const int nb = static_cast<int>(first.size());
+      first.push_back(first[b]);
+      end.push_back(first[b] + count);
+      marked.push_back(0);
+      first[b] += count;
+      for (int i = first[nb]; i < end[nb]; ++i) block_of[elems[i]] = nb;
+      const bool smaller_new = count <= end[b] - first[b];
+      for (int d = 0; d < c; ++d) {
+        const size_t i = static_cast<size_t>(b) * c + d;
+        if (i < queued.size() && queued[i]) {
+          enqueue(nb, d);
+        } else {
+          enqueue(smaller_new ? nb : b, d);
+        }
+      }
+    }
+  }
+  // Blocks numbered in order of their first state, so the start state (0)
+  // stays 0; the sink's block is kDead.
+  std::vector<int> id(first.size(), -1);
+  int num_blocks = 0;
+  const int sink_block = block_of[sink];
+  for (int s = 0; s < n; ++s) {
+    const int b = block_of[s];
+    if (b != sink_block && id[b] < 0) id[b] = num_blocks++;
+  }
+  std::vector<int> block(n);
+  for (int s = 0; s < n; ++s) {
+    block[s] = block_of[s] == sink_block ? kDead : id[block_of[s]];
+  }
+  if (n == 0 || block[0] == kDead) {
+    return absl::InvalidArgumentError("constraint matches no string");
+  }
+  Dfa out;
+  out.num_classes_ = c;
+  std::copy(std::begin(byte_class_), std::end(byte_class_),
+            std::begin(out.byte_class_));
+  out.next_.assign(static_cast<size_t>(num_blocks) * c, kDead);
+  out.accepting_.assign(num_blocks, false);
+  out.has_next_.assign(num_blocks, false);
+  std::vector<bool> done(num_blocks, false);
+  for (int s = 0; s < n; ++s) {
+    const int b = block[s];
+    if (b == kDead || done[b]) continue;
+    done[b] = true;
+    out.accepting_[b] = accepting_[s];
+    out.has_next_[b] = has_next_[s];
+    for (int k = 0; k < c; ++k) {
+      const int t = next_[static_cast<size_t>(s) * c + k];
+      out.next_[static_cast<size_t>(b) * c + k] = t == kDead ? kDead : block[t];
+    }
+  }
+  out.ComputeSelfLoops();
+  return out;
 }
 
 }  // namespace pdserve::structured

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "structured/regex_parser.h"
 
 namespace pdserve::structured {
@@ -82,8 +84,12 @@ int NestingDepth(std::string_view text) {
 class SchemaCompiler {
  public:
   SchemaCompiler(const OJson* root, const JsonSchemaOptions& options,
-                 ByteRegex* re)
-      : root_(root), options_(options), re_(re) {}
+                 ByteRegex* re, const DfaLimits* limits, absl::Time deadline)
+      : root_(root),
+        options_(options),
+        re_(re),
+        limits_(limits),
+        deadline_(deadline) {}
 
   absl::StatusOr<int> Run(const OJson& schema) {
     int node = Compile(schema, "#", 0);
@@ -468,7 +474,7 @@ class SchemaCompiler {
     std::vector<int> alts = {re_->Literal("null"), re_->Literal("true"),
                              re_->Literal("false"), Number(true), StringAny()};
     if (depth > 0) {
-      int inner = AnyValue(depth - 1);
+      int inner = Embed(AnyValue(depth - 1));
       alts.push_back(re_->Concat(
           {re_->Byte('['),
            re_->Optional(re_->Concat(
@@ -479,6 +485,20 @@ class SchemaCompiler {
     const int node = re_->Alt(std::move(alts));
     any_[depth] = node;
     return node;
+  }
+
+  // `node` as an embedded minimized automaton (see CompileJsonSchema), or
+  // `node` itself when there are no limits or it cannot be built within
+  // them (then the final build reports the cap it meets).
+  int Embed(int node) {
+    if (limits_ == nullptr || node < 0 || failed()) return node;
+    DfaLimits limits = *limits_;
+    limits.max_build_time = deadline_ - absl::Now();
+    if (limits.max_build_time <= absl::ZeroDuration()) return node;
+    auto dfa = Dfa::Build(*re_, node, limits);
+    if (dfa.ok()) dfa = dfa->Minimized(deadline_);
+    if (!dfa.ok()) return node;
+    return re_->Automaton(std::make_shared<const Dfa>(*std::move(dfa)));
   }
 
   const OJson* Resolve(const std::string& ref) {
@@ -623,6 +643,8 @@ class SchemaCompiler {
   const JsonSchemaOptions& options_;
   ByteRegex* re_;
   absl::Status status_;
+  const DfaLimits* limits_;
+  absl::Time deadline_;
   int string_char_ = -1;
   std::vector<int> any_;  // AnyValue node per depth
   absl::flat_hash_map<std::string, int> active_refs_;
@@ -632,7 +654,8 @@ class SchemaCompiler {
 
 absl::StatusOr<int> CompileJsonSchema(std::string_view schema_text,
                                       const JsonSchemaOptions& options,
-                                      ByteRegex* re) {
+                                      ByteRegex* re, const DfaLimits* limits,
+                                      absl::Time deadline) {
   if (NestingDepth(schema_text) > kMaxDocumentDepth) {
     return absl::InvalidArgumentError("json schema: nested too deeply");
   }
@@ -640,13 +663,14 @@ absl::StatusOr<int> CompileJsonSchema(std::string_view schema_text,
   if (schema.is_discarded()) {
     return absl::InvalidArgumentError("json schema: not valid JSON");
   }
-  SchemaCompiler compiler(&schema, options, re);
+  SchemaCompiler compiler(&schema, options, re, limits, deadline);
   return compiler.Run(schema);
 }
 
 absl::StatusOr<int> CompileJsonObject(const JsonSchemaOptions& options,
-                                      ByteRegex* re) {
-  SchemaCompiler compiler(nullptr, options, re);
+                                      ByteRegex* re, const DfaLimits* limits,
+                                      absl::Time deadline) {
+  SchemaCompiler compiler(nullptr, options, re, limits, deadline);
   int node = compiler.AnyObject(options.any_value_depth);
   if (!re->status().ok()) return re->status();
   return node;

@@ -21,7 +21,9 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "structured/byte_regex.h"
+#include "structured/dfa.h"
 
 namespace pdserve::structured {
 
@@ -35,12 +37,20 @@ struct JsonSchemaOptions {
 };
 
 // The node matching JSON texts valid under `schema_text` (a JSON document).
+// With `limits`, each nesting level of an open value (the same few nodes
+// used many times) is built and minimized once as an automaton, within
+// `limits` and before `deadline`, and embedded (ByteRegex::Automaton), which
+// keeps the final automaton's NFA small; without, it is inlined.
 absl::StatusOr<int> CompileJsonSchema(std::string_view schema_text,
                                       const JsonSchemaOptions& options,
-                                      ByteRegex* re);
+                                      ByteRegex* re,
+                                      const DfaLimits* limits = nullptr,
+                                      absl::Time deadline = absl::Time());
 
 // Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
 absl::StatusOr<int> CompileJsonObject(const JsonSchemaOptions& options,
-                                      ByteRegex* re);
+                                      ByteRegex* re,
+                                      const DfaLimits* limits = nullptr,
+                                      absl::Time deadline = absl::Time());
 
 }  // namespace pdserve::structured

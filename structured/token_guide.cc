@@ -69,6 +69,18 @@ std::shared_ptr<const TokenTrie> TokenTrie::Build(
   for (int i = 0; i < n; ++i)
     trie->token_offset_[i + 1] += trie->token_offset_[i];
   trie->token_ids_ = order;  // already grouped by node, in node order
+  // Children before parents (reverse preorder): a node's set is its
+  // children's bytes and their sets.
+  trie->subtree_bytes_.assign(static_cast<size_t>(n) * 4, 0);
+  for (int i = n - 1; i >= 0; --i) {
+    uint64_t* set = &trie->subtree_bytes_[static_cast<size_t>(i) * 4];
+    for (int c = i + 1; c < trie->subtree_end_[i]; c = trie->subtree_end_[c]) {
+      const uint64_t* kid = &trie->subtree_bytes_[static_cast<size_t>(c) * 4];
+      for (int w = 0; w < 4; ++w) set[w] |= kid[w];
+      const uint8_t b = trie->byte_[c];
+      set[b >> 6] |= uint64_t{1} << (b & 63);
+    }
+  }
   return trie;
 }
 
@@ -99,6 +111,11 @@ void ApplyTokenMask(const TokenMask& mask, float* logits, int64_t n) {
   for (int64_t w = 0; w < words; ++w) {
     uint64_t off = ~mask.bits[w];
     const int64_t base = w * 64;
+    // 64 disallowed in a row: one fill instead of 64 single writes.
+    if (off == ~uint64_t{0} && base + 64 <= n) {
+      std::fill(logits + base, logits + base + 64, kNegInf);
+      continue;
+    }
     while (off != 0) {
       const int64_t t = base + __builtin_ctzll(off);
       if (t >= n) break;
@@ -126,14 +143,9 @@ std::shared_ptr<TokenMask> Guide::Compute(int state) const {
   const TokenTrie& t = *trie_;
   auto mask = std::make_shared<TokenMask>();
   mask->bits.assign((t.vocab_size_ + 63) / 64, 0);
-  auto set = [&](int32_t id) {
-    uint64_t& word = mask->bits[id >> 6];
-    const uint64_t bit = uint64_t{1} << (id & 63);
-    if (!(word & bit)) {
-      word |= bit;
-      ++mask->count;
-    }
-  };
+  // Bits only; the count is taken once at the end.
+  uint64_t* bits = mask->bits.data();
+  auto set = [bits](int32_t id) { bits[id >> 6] |= uint64_t{1} << (id & 63); };
   if (state >= 0) {
     // states[d]: the DFA state after the first d bytes of the current path.
     std::vector<int> states(t.max_depth_ + 1);
@@ -147,15 +159,23 @@ std::shared_ptr<TokenMask> Guide::Compute(int state) const {
         continue;
       }
       states[d] = next;
-      for (int32_t k = t.token_offset_[i]; k < t.token_offset_[i + 1]; ++k) {
+      const int end = t.subtree_end_[i];
+      // Every byte below loops on `next`: the whole subtree is allowed.
+      const bool whole =
+          end > i + 1 &&
+          dfa_->LoopsOn(next, &t.subtree_bytes_[static_cast<size_t>(i) * 4]);
+      const int32_t last =
+          whole ? t.token_offset_[end] : t.token_offset_[i + 1];
+      for (int32_t k = t.token_offset_[i]; k < last; ++k) {
         set(t.token_ids_[k]);
       }
-      ++i;
+      i = whole ? end : i + 1;
     }
   }
   if (CanEnd(state) && t.eos_id_ >= 0 && t.eos_id_ < t.vocab_size_) {
     set(t.eos_id_);
   }
+  for (uint64_t w : mask->bits) mask->count += __builtin_popcountll(w);
   if (mask->count <= t.vocab_size_ / 32) {
     mask->sparse.reserve(mask->count);
     for (size_t w = 0; w < mask->bits.size(); ++w) {

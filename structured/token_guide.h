@@ -7,7 +7,9 @@
 //    of bytes here.
 //  - Guide: one constraint's DFA over one TokenTrie. Mask(state) walks the
 //    trie against the DFA, skipping every subtree whose prefix the DFA
-//    rejects, and caches the result per DFA state, so a state seen before
+//    rejects and taking whole every subtree whose bytes all loop on the
+//    current DFA state (text inside a string literal), and caches the
+//    result per DFA state, so a state seen before
 //    (by this or any other request with the same constraint) costs a lookup.
 //    EOS is allowed exactly in accepting states; other special tokens never.
 //  - TokenMatcher: one request's position in a Guide.
@@ -56,6 +58,9 @@ class TokenTrie {
   std::vector<int32_t> subtree_end_;   // first node after the subtree
   std::vector<int32_t> token_offset_;  // [node, node+1) in token_ids_
   std::vector<int32_t> token_ids_;     // tokens whose bytes end at the node
+  // [node][4]: the bytes on the edges below the node (a 256-bit set), so a
+  // subtree whose bytes all loop on the DFA state is taken whole.
+  std::vector<uint64_t> subtree_bytes_;
 };
 
 // Tokens allowed at one step: bit t of `bits` is token t.

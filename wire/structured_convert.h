@@ -35,6 +35,10 @@ inline structured::ConstraintSpec ConstraintFromProto(
       if (s.json_object())
         spec.kind = structured::ConstraintSpec::Kind::kJsonObject;
       break;
+    case v1::StructuredOutput::kGrammar:
+      spec.kind = structured::ConstraintSpec::Kind::kGrammar;
+      spec.text = s.grammar();
+      break;
     case v1::StructuredOutput::KIND_NOT_SET:
       break;
   }
@@ -60,6 +64,9 @@ inline void ConstraintToProto(const structured::ConstraintSpec& spec,
       break;
     case structured::ConstraintSpec::Kind::kJsonObject:
       s->set_json_object(true);
+      break;
+    case structured::ConstraintSpec::Kind::kGrammar:
+      s->set_grammar(spec.text);
       break;
   }
 }

@@ -74,14 +74,14 @@ ApiError Error(std::string param, std::string message) {
 // they carry the value that means "off".
 std::optional<ApiError> RejectUnimplemented(Endpoint endpoint,
                                             const Value& root) {
-  for (const char* key : {"guided_grammar", "guided_whitespace_pattern",
-                          "guided_decoding_backend"}) {
+  for (const char* key :
+       {"guided_whitespace_pattern", "guided_decoding_backend"}) {
     if (json::Find(root, key) != nullptr) {
       return Error(key, absl::StrCat("'", key,
                                      "' is not supported: pdserve constrains "
                                      "output with response_format, "
-                                     "guided_json, guided_regex or "
-                                     "guided_choice"));
+                                     "guided_json, guided_regex, "
+                                     "guided_choice or guided_grammar"));
     }
   }
   if (endpoint != Endpoint::kChatCompletions) return std::nullopt;
@@ -207,6 +207,15 @@ std::optional<ApiError> ParseStructuredOutput(Endpoint endpoint,
     }
     c.kind = Kind::kChoice;
     given.push_back("guided_choice");
+  }
+  if (const Value* gg = json::Find(root, "guided_grammar")) {
+    if (!gg->is_string()) {
+      return Error("guided_grammar",
+                   "'guided_grammar' must be a string (a GBNF grammar)");
+    }
+    c.kind = Kind::kGrammar;
+    c.text = gg->get<std::string>();
+    given.push_back("guided_grammar");
   }
   if (given.size() > 1) {
     return Error(given[1], absl::StrCat("only one output constraint may be "

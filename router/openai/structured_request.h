@@ -4,9 +4,10 @@
 //  - response_format: {"type": "text" | "json_object" | "json_schema",
 //    "json_schema": {"name", "schema", "strict", "description"}}, on chat and
 //    completions;
-//  - vLLM's extras: guided_json (a schema), guided_regex, guided_choice.
-//    guided_grammar, guided_whitespace_pattern and guided_decoding_backend are
-//    known but not implemented, so they are refused (HTTP 400 naming them),
+//  - vLLM's extras: guided_json (a schema), guided_regex, guided_choice,
+//    guided_grammar (GBNF). guided_whitespace_pattern and
+//    guided_decoding_backend are known but not implemented, so they are
+//    refused (HTTP 400 naming them),
 //    as are OpenAI's own known-but-unimplemented fields (tool_choice other
 //    than "none", functions, audio, ...): never silently dropped.
 //  - Any other key is unknown: ignored (SDKs send fields a server may not

@@ -79,7 +79,9 @@ TEST(StructuredRequestTest, KnownButUnimplementedFieldsAreRefusedByName) {
     const char* field;
     const char* param;
   } cases[] = {
-      {R"("guided_grammar": "root ::= \"a\"")", "guided_grammar"},
+      {R"("guided_grammar": ["root ::= \"a\""])", "guided_grammar"},
+      {R"("guided_grammar": "root ::= \"a\"", "guided_regex": "a")",
+       "guided_grammar"},
       {R"("guided_whitespace_pattern": " ")", "guided_whitespace_pattern"},
       {R"("guided_decoding_backend": "xgrammar")", "guided_decoding_backend"},
       {R"("tool_choice": "required")", "tool_choice"},
@@ -104,10 +106,11 @@ TEST(StructuredRequestTest, KnownButUnimplementedFieldsAreRefusedByName) {
         std::string::npos)
         << e.message;
   }
-  EXPECT_EQ(
-      Bad(kCmpl, R"({"model": "m", "prompt": "x", "guided_grammar": "g"})")
-          .param,
-      "guided_grammar");
+  const CompletionRequest grammar = Ok(
+      kCmpl,
+      R"({"model": "m", "prompt": "x", "guided_grammar": "root ::= \"a\""})");
+  EXPECT_EQ(grammar.constraint.kind, Kind::kGrammar);
+  EXPECT_EQ(grammar.constraint.text, "root ::= \"a\"");
   // The values that mean "off" are accepted.
   Ok(kChat, head + R"("tool_choice": "none", "modalities": ["text"]})");
 }

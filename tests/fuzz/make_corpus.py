@@ -226,7 +226,8 @@ write("openai_header_fuzz", "tab", b"\x00Bearer a\tb")
 write("openai_header_fuzz", "del", b"\x01Bearer a\x7f")
 write("openai_header_fuzz", "latin1", b"\x02Bearer caf\xe9")
 # --- structured_constraint_fuzz: a kind byte (0 regex, 1 JSON schema, 2 choice
-# list as JSON, 3 json_object), then the constraint's text ---------------------
+# list as JSON, 3 json_object, 4 GBNF grammar text, 5 bytes that drive a
+# random-grammar generator), then the constraint's text ------------------------
 write("structured_constraint_fuzz", "regex", b"\x00" + r"[a-z]{2,5}(\.\d+)?|é+|(?:x|y)*z".encode())
 write("structured_constraint_fuzz", "regex_bad", b"\x00(a|b{3,2}")
 write("structured_constraint_fuzz", "schema", b"\x01" + json.dumps({
@@ -243,4 +244,20 @@ write("structured_constraint_fuzz", "schema_ref", b"\x01" + json.dumps({
     "anyOf": [{"$ref": "#/$defs/t"}, {"const": [1, {"a": None}]}]}).encode())
 write("structured_constraint_fuzz", "choice", b"\x02" + json.dumps(["yes", "no", "n\u00e9"]).encode())
 write("structured_constraint_fuzz", "json_object", b"\x03")
+write("structured_constraint_fuzz", "grammar_arith", b"\x04" + b"""# arithmetic
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")" | "-" factor
+""")
+write("structured_constraint_fuzz", "grammar_json", b"\x04" + br"""root ::= value
+value ::= object | array | string | "null"
+object ::= "{" (string ":" value ("," string ":" value)*)? "}"
+array ::= "[" (value ("," value){0,3})? "]"
+string ::= "\"" [^"\\\x00-\x1f]{0,4} "\""
+""")
+write("structured_constraint_fuzz", "grammar_left", b"\x04" +
+      "root ::= list\nlist ::= list \",\" item | item\nitem ::= [a-cé\\u00e8]{1,2} .?\n".encode())
+write("structured_constraint_fuzz", "grammar_bad", b"\x04root ::= a\na ::= \"(\" a")
+write("structured_constraint_fuzz", "grammar_gen", bytes([5]) + bytes(range(7, 250, 3)))
 print("wrote seeds under", OUT)

@@ -1,10 +1,13 @@
 // Fuzzes the constraint compiler (structured/constraint.h): regexes, JSON
-// schemas, choice lists and json_object mode, under small caps. Input: a kind
-// byte (0 regex, 1 JSON schema, 2 choice list as a JSON array of strings, 3
-// json_object), then the constraint's text. Bad input must be a Status, never
-// a crash or a hang; a constraint that compiles must accept the strings its
-// DFA generates, and its token masks over a byte vocabulary must allow
-// exactly the bytes that keep the automaton alive.
+// schemas, choice lists, json_object mode and GBNF grammars, under small
+// caps. Input: a kind byte (0 regex, 1 JSON schema, 2 choice list as a JSON
+// array of strings, 3 json_object, 4 grammar text, 5 bytes that drive a
+// generator of random well-formed grammars: rules referring to each other,
+// recursion, groups, classes, quantifiers), then the constraint's text. Bad
+// input must be a Status, never a crash, a hang or a compile far past its
+// time cap; a constraint that compiles must give token masks over a byte
+// vocabulary that allow exactly the bytes that keep the automaton alive, and
+// EOS exactly where it can end.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -13,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "structured/constraint.h"
 #include "structured/token_guide.h"
 #include "tokenizer/tokenizer.h"
@@ -22,9 +26,83 @@ namespace {
 using pdserve::structured::ConstraintSpec;
 using pdserve::structured::Dfa;
 
+// A random grammar whose shape the bytes choose: up to 6 rules, each a few
+// alternatives of a few elements (literals, classes, '.', references to any
+// rule, so recursion of every kind, groups, and quantifiers).
+class GrammarGen {
+ public:
+  GrammarGen(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  std::string Generate() {
+    rules_ = 1 + Next() % 6;
+    std::string out;
+    for (int r = 0; r < rules_; ++r) {
+      out += Name(r) + " ::= " + Alt(0) + "\n";
+    }
+    return out;
+  }
+
+ private:
+  uint8_t Next() { return pos_ < size_ ? data_[pos_++] : 0; }
+  static std::string Name(int r) {
+    return r == 0 ? "root" : "r" + std::to_string(r);
+  }
+  std::string Alt(int depth) {
+    std::string out = Seq(depth);
+    for (int n = Next() % 3; n > 0; --n) out += " | " + Seq(depth);
+    return out;
+  }
+  std::string Seq(int depth) {
+    std::string out;
+    for (int n = 1 + Next() % 4; n > 0; --n) {
+      out += " " + Element(depth) + Quantifier();
+    }
+    return out;
+  }
+  std::string Element(int depth) {
+    static constexpr char kChars[] = "ab(),[]{}\"\\-z";
+    switch (Next() % 6) {
+      case 0:
+      case 1: {
+        std::string lit = "\"";
+        for (int n = Next() % 3; n > 0; --n) {
+          const char c = kChars[Next() % (sizeof(kChars) - 1)];
+          if (c == '"' || c == '\\') lit += '\\';
+          lit += c;
+        }
+        return lit + "\"";
+      }
+      case 2:
+        return Next() % 2 ? "[a-c]" : "[^ab\\]]";
+      case 3:
+        return depth < 3 ? "(" + Alt(depth + 1) + ")" : ".";
+      default:
+        return Name(Next() % rules_);
+    }
+  }
+  std::string Quantifier() {
+    switch (Next() % 8) {
+      case 0:
+        return "*";
+      case 1:
+        return "+";
+      case 2:
+        return "?";
+      case 3:
+        return "{" + std::to_string(Next() % 4) + "," +
+               std::to_string(4 + Next() % 4) + "}";
+      default:
+        return "";
+    }
+  }
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  int rules_ = 1;
+};
+
 ConstraintSpec SpecOf(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 4) {
+  switch (data[0] % 6) {
     case 0:
       return ConstraintSpec::Regex(text);
     case 1:
@@ -39,8 +117,12 @@ ConstraintSpec SpecOf(const uint8_t* data, size_t size) {
       }
       return ConstraintSpec::Choice(std::move(choices));
     }
-    default:
+    case 3:
       return ConstraintSpec::JsonObject();
+    case 4:
+      return ConstraintSpec::Grammar(text);
+    default:
+      return ConstraintSpec::Grammar(GrammarGen(data + 1, size - 1).Generate());
   }
 }
 
@@ -52,7 +134,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.limits.max_nfa_states = 20000;
   config.limits.max_dfa_states = 2000;
   config.limits.max_build_time = absl::Milliseconds(500);
-  auto dfa = pdserve::structured::CompileConstraint(SpecOf(data, size), config);
+  config.grammar.max_expansions = 512;
+  const ConstraintSpec spec = SpecOf(data, size);
+  const absl::Time start = absl::Now();
+  auto dfa = pdserve::structured::CompileConstraint(spec, config);
+  // The time cap holds (with slack for a loaded machine and the sanitizers).
+  if (absl::Now() - start > absl::Seconds(5)) std::abort();
   if (!dfa.ok()) {
     if (dfa.status().message().empty()) std::abort();
     return 0;

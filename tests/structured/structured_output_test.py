@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Structured output end to end, with random weights: outputs of real pdserve
-processes validated by an independent validator (Debian's python3-jsonschema)
-and by Python's re, greedy and seeded, disaggregated, colocated and the local
+processes validated by an independent validator (Debian's python3-jsonschema),
+by Python's re, and for GBNF grammars by recognisers written here, greedy and
+seeded, disaggregated, colocated and the local
 `pdserve generate`, with equal outputs across paths.
 
 usage: structured_output_test.py PDSERVE_BIN DOC_FILE WORK_DIR [unittest args]
@@ -59,6 +60,122 @@ SCHEMAS = {
         "anyOf": [{"$ref": "#/$defs/node"},
                   {"type": "string", "format": "date"}]},
 }
+# GBNF grammars, each with an independent recogniser built from the
+# combinators below (recursive descent over Python values, not pdserve code).
+GRAMMARS = {
+    "arithmetic": """# integer arithmetic
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor ("*" factor)*
+factor ::= [0-9]{1,3} | "(" expr ")"
+""",
+    "jsonish": """root   ::= object | array
+value  ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ( pair ( "," pair )* )? "}"
+pair   ::= string ":" value
+array  ::= "[" ( value ( "," value )* )? "]"
+string ::= "\\"" [a-z]{0,6} "\\""
+number ::= "-"? ( "0" | [1-9] [0-9]{0,3} )
+""",
+    "list": """root ::= "[" items "]"
+items ::= items ", " item | item   # left recursion, expanded to the bound
+item ::= [a-z]{1,5} | "'" [A-Z]{1,3} "'"
+""",
+    "nest": """root ::= "(" inner ")"
+inner ::= root | "x"
+""",
+}
+END = -1  # "the text ended inside a match": a viable prefix
+MANY = 10 ** 6  # an open repetition (the texts are far shorter)
+
+
+def lit(s):
+    def f(t, i):
+        if t.startswith(s, i):
+            return {i + len(s)}
+        return {END} if s.startswith(t[i:]) and len(t) - i < len(s) else set()
+    return f
+
+
+def cls(pred):
+    return lambda t, i: {END} if i == len(t) else ({i + 1} if pred(t[i]) else set())
+
+
+def seq(*parts):
+    def f(t, i):
+        cur = {i}
+        for p in parts:
+            cur = {k for j in cur for k in ({END} if j == END else p(t, j))}
+        return cur
+    return f
+
+
+def alt(*parts):
+    return lambda t, i: set().union(*(p(t, i) for p in parts))
+
+
+def rep(p, lo, hi):
+    def f(t, i):
+        out, cur, seen = ({i} if lo == 0 else set()), {i}, {i}
+        for k in range(1, hi + 1):
+            cur = {e for j in cur for e in ({END} if j == END else p(t, j))} - (seen - {END})
+            seen |= cur
+            if k >= lo:
+                out |= cur
+            if not cur:
+                break
+        return out
+    return f
+
+
+def ref(rules, name):
+    return lambda t, i: rules[name](t, i)
+
+
+def digit(c):
+    return c.isdigit()
+
+
+def lower(c):
+    return "a" <= c <= "z"
+
+
+def recognisers():
+    a = {}
+    a["expr"] = seq(ref(a, "term"), rep(seq(alt(lit("+"), lit("-")), ref(a, "term")), 0, MANY))
+    a["term"] = seq(ref(a, "factor"), rep(seq(lit("*"), ref(a, "factor")), 0, MANY))
+    a["factor"] = alt(rep(cls(digit), 1, 3), seq(lit("("), ref(a, "expr"), lit(")")))
+    j = {}
+    string = seq(lit('"'), rep(cls(lower), 0, 6), lit('"'))
+    j["value"] = alt(ref(j, "object"), ref(j, "array"), string,
+                     seq(rep(lit("-"), 0, 1), alt(lit("0"), seq(cls(lambda c: "1" <= c <= "9"),
+                                                                rep(cls(digit), 0, 3)))),
+                     lit("true"), lit("false"), lit("null"))
+    pair = seq(string, lit(":"), ref(j, "value"))
+    j["object"] = seq(lit("{"), rep(seq(pair, rep(seq(lit(","), pair), 0, MANY)), 0, 1), lit("}"))
+    j["array"] = seq(lit("["), rep(seq(ref(j, "value"),
+                                       rep(seq(lit(","), ref(j, "value")), 0, MANY)), 0, 1), lit("]"))
+    item = alt(rep(cls(lower), 1, 5), seq(lit("'"), rep(cls(lambda c: "A" <= c <= "Z"), 1, 3),
+                                          lit("'")))
+    lst = seq(lit("["), item, rep(seq(lit(", "), item), 0, MANY), lit("]"))
+    n = {}
+    n["root"] = seq(lit("("), alt(ref(n, "root"), lit("x")), lit(")"))
+    return {"arithmetic": a["expr"], "jsonish": alt(ref(j, "object"), ref(j, "array")),
+            "list": lst, "nest": n["root"]}
+
+
+RECOGNISERS = recognisers()
+
+
+def nesting(text, opens):
+    depth = deepest = 0
+    for c in text:
+        depth += c in opens
+        depth -= c in ")]}"
+        deepest = max(deepest, depth)
+    return deepest
+
+
 REGEXES = [r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])", r"[A-Z][a-z]{2,6}( [A-Z][a-z]{2,6}){0,2}\.",
            r"(yes|no|maybe)!?"]
 
@@ -238,6 +355,65 @@ class StructuredOutputTest(unittest.TestCase):
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("lookaround", bad.stderr)
 
+    def check_grammar_output(self, name, choice):
+        """A finished text is in the grammar's language; a cut one a prefix."""
+        text = choice["text"]
+        ends = RECOGNISERS[name](text, 0)
+        if choice["finish_reason"] in ("stop", "eos"):  # eos: `generate`'s name
+            self.assertIn(len(text), ends, (name, text))
+        else:
+            self.assertEqual(choice["finish_reason"], "length")
+            self.assertTrue(ends & {END, len(text)}, (name, text))
+        # Recursion is expanded to 6 levels (the default): at most 7
+        # brackets deep for the nesting grammars.
+        self.assertLessEqual(nesting(text, "([{"), 7, text)
+
+    def test_grammars_match_on_every_path(self):
+        for name, grammar in GRAMMARS.items():
+            path = os.path.join(WORK, name + ".gbnf")
+            with open(path, "w") as f:
+                f.write(grammar)
+            for mode, (body, flags) in SAMPLINGS.items():
+                with self.subTest(grammar=name, sampling=mode):
+                    want = local("Write: ", 300, "--grammar=" + path, *flags)
+                    self.check_grammar_output(name, want)
+                    for cluster in CLUSTERS:
+                        choice = completion(cluster, prompt="Write: ", max_tokens=300,
+                                            guided_grammar=grammar, **body)
+                        self.assertEqual(choice["text"], want["text"], cluster)
+                        self.assertEqual(choice["finish_reason"] == "length",
+                                         want["finish_reason"] == "length", cluster)
+        # Many seeds: every finished output is in the language.
+        finished = 0
+        for seed in range(12):
+            for name, grammar in GRAMMARS.items():
+                choice = completion("coloc", prompt="Go ", max_tokens=200,
+                                    guided_grammar=grammar, temperature=1.0, seed=seed)
+                self.check_grammar_output(name, choice)
+                finished += choice["finish_reason"] == "stop"
+        self.assertGreater(finished, 0)
+
+    def test_grammar_through_the_cli_client_equals_local(self):
+        path = os.path.join(WORK, "cli.gbnf")
+        with open(path, "w") as f:
+            f.write(GRAMMARS["jsonish"])
+        want = local("Q: ", 200, "--grammar=" + path, "--temperature=0.9", "--seed=5")
+        self.check_grammar_output("jsonish", want)
+        for cluster in CLUSTERS:
+            out = subprocess.run(
+                [BIN, "generate", "--router", CLUSTERS[cluster]["addr"], "--prompt", "Q: ",
+                 "--max-tokens", "200", "--json", "--temperature=0.9", "--seed=5",
+                 "--grammar=" + path], check=True, capture_output=True, text=True).stdout
+            self.assertEqual(json.loads(out)["text"], want["text"], cluster)
+        bad_path = os.path.join(WORK, "bad.gbnf")
+        with open(bad_path, "w") as f:
+            f.write('root ::= "a" rest\n')
+        bad = subprocess.run([BIN, "generate", "--router", CLUSTERS["coloc"]["addr"],
+                              "--prompt", "Q", "--grammar=" + bad_path],
+                             capture_output=True, text=True)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("undefined rule 'rest'", bad.stderr)
+
     def test_json_object_mode_is_an_object(self):
         for cluster in CLUSTERS:
             choice = completion(cluster, prompt="{", max_tokens=400, temperature=0,
@@ -261,7 +437,9 @@ class StructuredOutputTest(unittest.TestCase):
                      "name": "x", "schema": {"type": "object", "oneOf": []}}}},
                   "unsupported keyword 'oneOf'"),
                  ({"guided_regex": "(a|b)*a(a|b){20}"}, "DFA states"),
-                 ({"guided_grammar": "root ::= \"a\""}, "guided_grammar")]
+                 ({"guided_grammar": "root ::= item"}, "undefined rule 'item'"),
+                 ({"guided_grammar": "root ::= root \"a\""}, "derives no finite string"),
+                 ({"guided_grammar": "root ::= \"a\" ; \"b\""}, "unexpected ';' at offset 13")]
         for extra, message in cases:
             for cluster in CLUSTERS:
                 status, out = post(cluster, "/v1/completions",
