@@ -9,7 +9,8 @@ usage: structured_output_test.py PDSERVE_BIN DOC_FILE WORK_DIR [unittest args]
 
 Clusters (plaintext on 127.0.0.1): disagg (1 prefill + 1 decode worker,
 remote prefill for every prompt) and coloc (1 `worker --role both`), each
-behind a router with --http-port.
+behind a router with --http-port, and up (`pdserve up`: 1 prefill + 1 decode
+worker and a router with its OpenAI front).
 """
 import json
 import os
@@ -233,8 +234,37 @@ def start():
         "--decode-workers=" + dec, "--local-prefill-threshold=0"])
     CLUSTERS["coloc"] = spawn("router_coloc", router + [
         "--http-port=%d" % free_port(), "--both-workers=" + both])
+    # The same model behind `pdserve up` (1 prefill + 1 decode worker over
+    # its default KV transport, and its router's OpenAI front).
+    CLUSTERS["up"] = spawn_up(["up", "--model=" + MODEL, "--port=0", "--metrics-port=0",
+                               "--http-port=%d" % free_port(), "--threads=1"])
     for c in CLUSTERS.values():
         wait_healthy(c["http"])
+
+
+def spawn_up(args, timeout=90):
+    log = open(os.path.join(WORK, "up.log"), "w")
+    LOGS.append(log)
+    proc = subprocess.Popen([BIN] + args, stdout=subprocess.PIPE, stderr=log, text=True)
+    PROCS.append(proc)
+    found, event = {}, threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if not log.closed:
+                log.write(line)
+            m = re.match(r"\s+router\s+grpc (\S+)\s+metrics http://[^:]+:(\d+)/", line)
+            if m:
+                found.update(addr=m.group(1), metrics=int(m.group(2)))
+            m = re.match(r"\s+openai\s+http://[^:]+:(\d+)/v1", line)
+            if m and "addr" in found and not event.is_set():
+                found["http"] = int(m.group(1))
+                event.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not event.wait(timeout):
+        raise RuntimeError("pdserve up did not start (see up.log)")
+    return found
 
 
 def wait_healthy(port, timeout=30):
