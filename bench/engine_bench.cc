@@ -140,19 +140,23 @@ absl::StatusOr<std::vector<AccuracyFigure>> MeasureAccuracy(
   ASSIGN_OR_RETURN(std::vector<float> ref, AllLogits(ref_w, tokens));
   ref_w.reset();
   std::vector<AccuracyFigure> out;
-  // The last two are int8-b32 and per-row int8 weights with --matmul int8dot
-  // (int8 activations too).
+  // The last three are bf16 weights with --matmul bf16dot (bf16
+  // activations), and int8-b32 and per-row int8 weights with --matmul
+  // int8dot (int8 activations too).
   const std::pair<engine::WeightDtype, kernels::MatMulMode> variants[] = {
       {engine::WeightDtype::kBF16, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kF16, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kI8, kernels::MatMulMode::kDeterministic},
       {engine::WeightDtype::kI8B32, kernels::MatMulMode::kDeterministic},
+      {engine::WeightDtype::kBF16, kernels::MatMulMode::kBf16Dot},
       {engine::WeightDtype::kI8B32, kernels::MatMulMode::kInt8Dot},
       {engine::WeightDtype::kI8, kernels::MatMulMode::kInt8Dot}};
   for (const auto& [d, mode] : variants) {
     const std::string name =
         absl::StrCat(engine::WeightDtypeName(d),
-                     mode == kernels::MatMulMode::kInt8Dot ? "/int8dot" : "");
+                     mode == kernels::MatMulMode::kInt8Dot   ? "/int8dot"
+                     : mode == kernels::MatMulMode::kBf16Dot ? "/bf16dot"
+                                                             : "");
     std::fprintf(stderr, "[bench] accuracy: %s...\n", name.c_str());
     ASSIGN_OR_RETURN(engine::ModelWeights loaded,
                      engine::ModelWeights::Load(dir, d, mode));

@@ -116,12 +116,10 @@ void Simulation::DecidePull(int32_t r) {
   const size_t usable =
       std::min<size_t>(chain.size(), static_cast<size_t>((Input(r) - 1) / bs_));
   std::vector<int32_t> counts, all_counts;
-  index_.LeadingBlocksOfPrompt(
-      usable, [&](size_t i) { return chain[i]; }, &counts);
+  const std::span<const BlockHash> prefix = std::span(chain).first(usable);
+  index_.LeadingBlocksOfPrompt(prefix, &counts);
   if (tier_ || decode_tier_) {
-    index_.LeadingBlocksOfPrompt(
-        usable, [&](size_t i) { return chain[i]; }, &all_counts,
-        router::kAllTiers);
+    index_.LeadingBlocksOfPrompt(prefix, &all_counts, router::kAllTiers);
   }
   auto held = [&](int32_t w) {
     return static_cast<size_t>(w) < counts.size() ? counts[w] : 0;

@@ -74,6 +74,42 @@ TEST_F(BlockManagerTest, HashFollowsTheContractLayoutForShortAndLongInputs) {
   }
 }
 
+// ExtendBlockHashes reuses one buffer for the whole chain (and the header's
+// inline XXH3): its chain must be the contract's, block by block, whether it
+// is computed at once or extended a few tokens at a time (lazy hashing,
+// decode), on both the one-shot and the streaming path.
+TEST_F(BlockManagerTest, ExtendedChainIsTheContractChainAtOnceOrPiecewise) {
+  for (int block_size : {1, 16, 64, 200}) {
+    for (size_t salt_len : {size_t{0}, size_t{5}, size_t{300}, size_t{2000}}) {
+      std::vector<int32_t> toks(block_size * 9 + block_size / 2);
+      std::iota(toks.begin(), toks.end(), 7);
+      const std::string salt(salt_len, 'x');
+      std::vector<BlockHash> expected;
+      BlockHash parent{};
+      for (size_t b = 0; b + 1 <= toks.size() / block_size; ++b) {
+        parent = ContractHash(
+            parent, fp_, salt,
+            std::vector<int32_t>(toks.begin() + b * block_size,
+                                 toks.begin() + (b + 1) * block_size));
+        expected.push_back(parent);
+      }
+      std::vector<BlockHash> at_once;
+      ExtendBlockHashes(fp_, salt, toks, block_size, &at_once);
+      EXPECT_EQ(at_once, expected)
+          << "block_size " << block_size << ", salt " << salt_len;
+      std::vector<BlockHash> piecewise;
+      for (size_t n = 0; n <= toks.size(); n += 3) {
+        ExtendBlockHashes(fp_, salt, std::span(toks).first(n), block_size,
+                          &piecewise);
+        ASSERT_EQ(piecewise.size(), n / block_size);
+      }
+      ExtendBlockHashes(fp_, salt, toks, block_size, &piecewise);
+      EXPECT_EQ(piecewise, expected)
+          << "block_size " << block_size << ", salt " << salt_len;
+    }
+  }
+}
+
 TEST_F(BlockManagerTest, CachedBlocksSurviveReleaseAndAreFoundAgain) {
   std::vector<int32_t> blocks;
   ASSERT_TRUE(bm_.Allocate(2, &blocks));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <span>
 
@@ -31,14 +32,67 @@ double DecodeLoad(const WorkerView& w) {
                              w.routed_requests);
 }
 
+// Per-thread buffers that routing decisions reuse: once grown to the
+// cluster's size, a decision allocates nothing (an allocation on a fragmented
+// heap is the slowest step of a decision at the tail). Lent to one decision
+// at a time; a nested one (none today) gets its own.
+struct Scratch {
+  std::vector<const WorkerView*> decoders, prefillers;
+  struct Option {
+    const WorkerView* w;
+    int64_t cached;  // pool + tier
+    int64_t tier;
+    double cost;
+  };
+  std::vector<Option> options;
+  // Leading blocks by WorkerIndex, lent in order to PrefixMatches' queries
+  // (a deque: lending another leaves those lent in place).
+  std::deque<std::vector<int32_t>> counts;
+  size_t counts_lent = 0;
+  bool busy = false;
+};
+
+class ScratchLease {
+ public:
+  ScratchLease() {
+    thread_local Scratch mine;
+    if (mine.busy) {
+      own_ = std::make_unique<Scratch>();
+      s_ = own_.get();
+    } else {
+      s_ = &mine;
+    }
+    s_->busy = true;
+    s_->counts_lent = 0;
+  }
+  ~ScratchLease() { s_->busy = false; }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  Scratch& operator*() const { return *s_; }
+  Scratch* operator->() const { return s_; }
+
+  // An empty counts vector, with the capacity of its earlier uses.
+  std::vector<int32_t>* Counts() {
+    if (s_->counts_lent == s_->counts.size()) s_->counts.emplace_back();
+    std::vector<int32_t>* c = &s_->counts[s_->counts_lent++];
+    c->clear();
+    return c;
+  }
+
+ private:
+  std::unique_ptr<Scratch> own_;
+  Scratch* s_;
+};
+
 // Cached leading tokens per worker for one request, from one index query per
 // cache fingerprint (workers with another KV dtype or block size hash
 // differently). Blocks are hashed lazily, only as far as the query probes:
 // hashing a long prompt costs more than the query.
 class PrefixMatches {
  public:
-  PrefixMatches(const RouteRequest& r, const PrefixIndex* index)
-      : r_(r), index_(index) {}
+  PrefixMatches(const RouteRequest& r, const PrefixIndex* index,
+                ScratchLease* scratch)
+      : r_(r), index_(index), scratch_(scratch) {}
 
   // Leading prompt tokens in `w`'s pool.
   int64_t CachedTokens(const WorkerView& w) { return Tokens(w, false); }
@@ -71,17 +125,14 @@ class PrefixMatches {
       g = &groups_.emplace_back();
       g->fingerprint = fp;
     }
-    bool& done = with_tier ? g->tier_done : g->pool_done;
-    std::vector<int32_t>& counts = with_tier ? g->tier_counts : g->counts;
-    if (done) return counts;
-    done = true;
+    std::vector<int32_t>*& counts = with_tier ? g->tier_counts : g->counts;
+    if (counts != nullptr) return *counts;
+    counts = scratch_->Counts();
     const TierMask tiers = with_tier ? kAllTiers : kPoolTier;
     const std::span<const int32_t> tokens(*r_.tokens);
     if (r_.hashes != nullptr) {
-      const std::vector<engine::BlockHash>& all = r_.hashes->For(fp, bs);
-      index_->LeadingBlocksOfPrompt(
-          all.size(), [&](size_t i) { return all[i]; }, &counts, tiers);
-      return counts;
+      index_->LeadingBlocksOfPrompt(r_.hashes->For(fp, bs), counts, tiers);
+      return *counts;
     }
     index_->LeadingBlocksOfPrompt(
         tokens.size() / bs,
@@ -92,34 +143,41 @@ class PrefixMatches {
           }
           return g->hashes[i];
         },
-        &counts, tiers);
-    return counts;
+        counts, tiers);
+    return *counts;
   }
 
   struct Group {
     engine::ModelFingerprint fingerprint{};
-    std::vector<engine::BlockHash> hashes;
-    bool pool_done = false, tier_done = false;
-    std::vector<int32_t> counts;       // by WorkerIndex: pool
-    std::vector<int32_t> tier_counts;  // by WorkerIndex: pool + lower tiers
+    std::vector<engine::BlockHash> hashes;  // lazy hashing only
+    // By WorkerIndex, from the scratch; null until queried.
+    std::vector<int32_t>* counts = nullptr;       // pool
+    std::vector<int32_t>* tier_counts = nullptr;  // pool + lower tiers
   };
   const RouteRequest& r_;
   const PrefixIndex* index_;
+  ScratchLease* scratch_;
   absl::InlinedVector<Group, 1> groups_;
 };
 
 // The eligible workers of one role, in an order rotated by `start` so that a
 // strict "<" scan breaks ties round-robin instead of always favouring the
 // first worker (which would pile new prompts onto it whenever loads tie).
+void Candidates(const RouteRequest& r, const std::vector<WorkerView>& workers,
+                bool (*role)(const WorkerView&), uint64_t start,
+                std::vector<const WorkerView*>* out) {
+  out->clear();
+  for (const WorkerView& w : workers) {
+    if (role(w) && !Excluded(r, w)) out->push_back(&w);
+  }
+  if (!out->empty())
+    std::rotate(out->begin(), out->begin() + start % out->size(), out->end());
+}
 std::vector<const WorkerView*> Candidates(
     const RouteRequest& r, const std::vector<WorkerView>& workers,
     bool (*role)(const WorkerView&), uint64_t start) {
   std::vector<const WorkerView*> out;
-  for (const WorkerView& w : workers) {
-    if (role(w) && !Excluded(r, w)) out.push_back(&w);
-  }
-  if (!out.empty())
-    std::rotate(out.begin(), out.begin() + start % out.size(), out.end());
+  Candidates(r, workers, role, start, &out);
   return out;
 }
 
@@ -190,21 +248,30 @@ class CacheAwarePolicy : public Policy {
   absl::StatusOr<RouteDecision> Choose(
       const RouteRequest& request,
       const std::vector<WorkerView>& workers) override {
-    PrefixMatches matches(request, index_);
+    // Each worker's block size lives in its status's layout, a message of
+    // its own elsewhere on the heap, read once per worker below: requested
+    // now, its misses overlap with the index walk's instead of following it.
+    for (const WorkerView& w : workers) __builtin_prefetch(&w.status.layout());
+    ScratchLease scratch;
+    PrefixMatches matches(request, index_, &scratch);
     const uint64_t start = next_++;
     RouteDecision d;
     double best_decode = std::numeric_limits<double>::infinity();
-    for (const WorkerView* w : Candidates(request, workers, CanDecode, start)) {
+    Candidates(request, workers, CanDecode, start, &scratch->decoders);
+    for (const WorkerView* w : scratch->decoders) {
       const int64_t cached = matches.CachedTokens(*w);
       const int64_t tier = matches.TierTokens(*w);
       // Fewer running sequences, more free blocks, more of the prompt cached
-      // (a tier token saves its recompute less its load).
+      // (a tier token saves its recompute less its load; TierLoadCost is
+      // finite, so with no tier tokens the term is 0 and is not priced).
+      const double tier_saving =
+          tier == 0
+              ? 0
+              : static_cast<double>(tier) * (1 - TierLoadCost(*w, config_));
       const double cost =
           config_.w_decode * DecodeLoad(*w) -
           config_.w_decode * FreeFraction(*w) -
-          config_.w_prefill *
-              (static_cast<double>(cached) +
-               static_cast<double>(tier) * (1 - TierLoadCost(*w, config_)));
+          config_.w_prefill * (static_cast<double>(cached) + tier_saving);
       if (cost < best_decode) {
         best_decode = cost;
         d.decode = w;
@@ -216,24 +283,21 @@ class CacheAwarePolicy : public Policy {
       return absl::UnavailableError("no decode worker is up");
     const int64_t uncached_at_decode =
         request.num_tokens - d.decode_cached_tokens;
-    struct Option {
-      const WorkerView* w;
-      int64_t cached;  // pool + tier
-      int64_t tier;
-      double cost;
-    };
-    std::vector<Option> options;
+    using Option = Scratch::Option;
+    std::vector<Option>& options = scratch->options;
+    options.clear();
     double best_prefill = std::numeric_limits<double>::infinity();
-    for (const WorkerView* w :
-         Candidates(request, workers, CanPrefill, start)) {
+    Candidates(request, workers, CanPrefill, start, &scratch->prefillers);
+    for (const WorkerView* w : scratch->prefillers) {
       const int64_t pool = matches.CachedTokens(*w);
       const int64_t tier = matches.TierTokens(*w);
       // Pool hits are free, tier hits cost their load, the rest recompute.
+      const double tier_load =
+          tier == 0 ? 0 : static_cast<double>(tier) * TierLoadCost(*w, config_);
       const double cost =
           config_.w_prefill *
               (static_cast<double>(request.num_tokens - pool - tier) +
-               static_cast<double>(tier) * TierLoadCost(*w, config_) +
-               QueuedPrefill(*w)) +
+               tier_load + QueuedPrefill(*w)) +
           config_.w_decode * DecodeLoad(*w);
       options.push_back({w, pool + tier, tier, cost});
       best_prefill = std::min(best_prefill, cost);
@@ -346,7 +410,8 @@ class CacheThresholdPolicy : public Policy {
       return absl::UnavailableError("no decode worker is up");
     const std::vector<const WorkerView*> prefillers =
         Candidates(request, workers, CanPrefill, start);
-    PrefixMatches matches(request, index_);
+    ScratchLease scratch;
+    PrefixMatches matches(request, index_, &scratch);
     const WorkerView* best = nullptr;
     int64_t best_cached = 0;
     for (const WorkerView* w : prefillers) {

@@ -363,3 +363,55 @@ TEST_F(PolicyTierTest, TierEntriesOfAWorkerWithoutATierAreNotCounted) {
 
 }  // namespace
 }  // namespace pdserve::router
+
+namespace pdserve::router {
+namespace {
+
+TEST_F(PolicyTest, CacheAwareDecidesTheSameWithTheChainHashedOrHashedLazily) {
+  // The service hashes the prompt at intake (PromptHashes), and the index
+  // walk then prefetches; without hashes the policy hashes lazily. Both
+  // must decide alike, request after request (the decisions reuse
+  // per-thread buffers), at more workers than one 64-bit word covers.
+  auto hashed = Make("cache_aware");
+  auto lazy = Make("cache_aware");
+  std::vector<WorkerView> workers;
+  for (WorkerIndex w = 0; w < 70; ++w)
+    workers.push_back(Worker(w, v1::WORKER_ROLE_PREFILL));
+  for (WorkerIndex w = 70; w < 80; ++w)
+    workers.push_back(Worker(w, v1::WORKER_ROLE_DECODE));
+  std::vector<std::vector<int32_t>> prompts;
+  for (int c = 0; c < 12; ++c) prompts.push_back(Tokens(16 * (20 + 9 * c), c));
+  for (WorkerIndex w = 0; w < 80; ++w) {
+    Cache(w, prompts[w % prompts.size()],
+          static_cast<size_t>(w * 7 % 19));  // prefixes of several lengths
+    workers[w].status.set_queued_prefill_tokens(static_cast<uint64_t>(w % 5) *
+                                                100);
+    workers[w].status.set_num_running(static_cast<uint32_t>(w % 3));
+  }
+  for (int i = 0; i < 60; ++i) {
+    const std::vector<int32_t>& tokens = prompts[(i * 5) % prompts.size()];
+    PromptHashes hashes(&tokens, "");
+    const RouteRequest with{
+        static_cast<int64_t>(tokens.size()), "", &tokens, {}, &hashes};
+    const RouteRequest without{
+        static_cast<int64_t>(tokens.size()), "", &tokens, {}, nullptr};
+    auto a = hashed->Choose(with, workers);
+    auto b = lazy->Choose(without, workers);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(a->prefill, b->prefill) << "request " << i;
+    ASSERT_EQ(a->decode, b->decode) << "request " << i;
+    EXPECT_EQ(a->prefill_cached_tokens, b->prefill_cached_tokens);
+    EXPECT_EQ(a->decode_cached_tokens, b->decode_cached_tokens);
+    EXPECT_EQ(a->reason, b->reason);
+    // What the service does after routing: the chosen workers count it.
+    if (a->prefill != nullptr) {
+      const auto index = static_cast<size_t>(a->prefill->index);
+      workers[index].routed_prefill_tokens +=
+          static_cast<int64_t>(tokens.size()) - a->prefill_cached_tokens;
+    }
+    workers[static_cast<size_t>(a->decode->index)].routed_requests += 1;
+  }
+}
+
+}  // namespace
+}  // namespace pdserve::router

@@ -48,21 +48,21 @@ PrefixIndex::Holder* PrefixIndex::FindLive(Holders& holders, WorkerIndex worker,
   return nullptr;
 }
 
-PrefixIndex::Holder& PrefixIndex::Touch(Holders& holders, WorkerIndex worker,
+PrefixIndex::Holder& PrefixIndex::Touch(Entry& entry, WorkerIndex worker,
                                         const engine::BlockHash& h) {
   WorkerState* w = State(worker);
-  for (Holder& x : holders) {
+  for (Holder& x : entry.holders) {
     if (x.worker != worker) continue;
     if (Stale(x, h)) {
       x.lower = 0;
-      x.expires = absl::InfinitePast();
+      entry.SetExpires(x, absl::InfinitePast());
       w->hashes.insert(h);
     }
     return x;
   }
   w->hashes.insert(h);
-  holders.push_back({worker, 0, absl::InfinitePast()});
-  return holders.back();
+  entry.holders.push_back({worker, 0, absl::InfinitePast()});
+  return entry.holders.back();
 }
 
 void PrefixIndex::Account(WorkerIndex worker, const engine::BlockHash& h,
@@ -98,10 +98,11 @@ void PrefixIndex::StoredLocked(WorkerIndex worker,
   if (!KnownTier(tier) || worker < 0) return;
   const bool pool = tier == engine::KvTierKind::kPool;
   for (const auto& h : hashes) {
-    Holder& x = Touch(index_[h], worker, h);
+    Entry& entry = index_[h];
+    Holder& x = Touch(entry, worker, h);
     const Holder before = x;
     if (pool) {
-      x.expires = absl::InfiniteFuture();  // new, or speculation confirmed
+      entry.SetExpires(x, absl::InfiniteFuture());  // new, or confirmed
     } else {
       x.lower |= TierBit(tier);
     }
@@ -119,18 +120,18 @@ void PrefixIndex::RemovedLocked(WorkerIndex worker,
   for (const auto& h : hashes) {
     auto it = index_.find(h);
     if (it == index_.end()) continue;
-    Holders& holders = it->second;
-    Holder* x = FindLive(holders, worker, h);
+    Entry& entry = it->second;
+    Holder* x = FindLive(entry.holders, worker, h);
     if (x == nullptr) continue;
     const Holder before = *x;
     if (pool) {
-      x->expires = absl::InfinitePast();
+      entry.SetExpires(*x, absl::InfinitePast());
     } else {
       x->lower &= static_cast<TierMask>(~TierBit(tier));
     }
     Account(worker, h, before, *x);
-    if (x->Empty()) holders.erase(holders.begin() + (x - holders.data()));
-    if (holders.empty()) index_.erase(it);
+    if (x->Empty()) entry.Erase(x);
+    if (entry.holders.empty()) index_.erase(it);
   }
 }
 
@@ -168,6 +169,7 @@ void PrefixIndex::ClearWorker(WorkerIndex worker) {
     old.swap(w.hashes);
     w.summary = {};
     ++w.clearing;
+    ++clearing_workers_;
   }
   for (auto it = old.begin(); it != old.end();) {
     // Routing first: a waiting routing call takes the lock before the next
@@ -180,16 +182,19 @@ void PrefixIndex::ClearWorker(WorkerIndex worker) {
       if (w.hashes.contains(*it)) continue;  // stored again since: live
       auto e = index_.find(*it);
       if (e == index_.end()) continue;
-      Holders& holders = e->second;
-      holders.erase(
-          std::remove_if(holders.begin(), holders.end(),
-                         [&](const Holder& x) { return x.worker == worker; }),
-          holders.end());
-      if (holders.empty()) index_.erase(e);
+      Entry& entry = e->second;
+      for (Holder& x : entry.holders) {
+        if (x.worker == worker) {
+          entry.Erase(&x);  // a worker has at most one holder per hash
+          break;
+        }
+      }
+      if (entry.holders.empty()) index_.erase(e);
     }
   }
   absl::MutexLock l(&mu_);
   --workers_[static_cast<size_t>(worker)].clearing;
+  --clearing_workers_;
 }
 
 namespace {
@@ -208,17 +213,17 @@ void PrefixIndex::PurgeExpired(absl::Time now, size_t budget) {
     expiries_.pop_back();
     auto it = index_.find(e.hash);
     if (it == index_.end()) continue;  // removed or cleared meanwhile
-    Holders& holders = it->second;
+    Entry& entry = it->second;
     // Confirmed entries expire at InfiniteFuture, renewed ones later than
     // now: both stay. An expired one leaves the pool's set; it stays for
     // the lower tiers that hold the block. (A stale one is ClearWorker's.)
-    Holder* x = FindLive(holders, e.worker, e.hash);
+    Holder* x = FindLive(entry.holders, e.worker, e.hash);
     if (x == nullptr || x->expires > now) continue;
     const Holder before = *x;
-    x->expires = absl::InfinitePast();
+    entry.SetExpires(*x, absl::InfinitePast());
     Account(e.worker, e.hash, before, *x);
-    if (x->Empty()) holders.erase(holders.begin() + (x - holders.data()));
-    if (holders.empty()) index_.erase(it);
+    if (x->Empty()) entry.Erase(x);
+    if (entry.holders.empty()) index_.erase(it);
   }
 }
 
@@ -232,10 +237,11 @@ void PrefixIndex::Speculate(WorkerIndex worker,
   PurgeExpired(now, 2 * hashes.size() + 16);
   if (expires <= now || worker < 0) return;  // nothing to record
   for (const auto& h : hashes) {
-    Holder& x = Touch(index_[h], worker, h);
+    Entry& entry = index_[h];
+    Holder& x = Touch(entry, worker, h);
     if (x.expires == absl::InfiniteFuture() || expires <= x.expires)
-      continue;           // confirmed, or already expiring later
-    x.expires = expires;  // not confirmed: no summary changes
+      continue;                    // confirmed, or already expiring later
+    entry.SetExpires(x, expires);  // not confirmed: no summary changes
     expiries_.push_back({expires, h, worker});
     std::push_heap(expiries_.begin(), expiries_.end(), LaterExpiry<Expiry>);
   }
@@ -257,7 +263,7 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
       if (!alive[w]) continue;
       bool has = false;
       if (it != index_.end()) {
-        for (const Holder& x : it->second) {
+        for (const Holder& x : it->second.holders) {
           if (x.worker == workers[w] && x.Holds(tiers, now) &&
               !Stale(x, hashes[b])) {
             has = true;
@@ -277,14 +283,22 @@ std::vector<int32_t> PrefixIndex::LeadingBlocks(
 }
 
 size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
-                                TierMask tiers,
-                                std::vector<WorkerIndex>* out) const {
+                                TierMask tiers, WorkerList* out) const {
   if (out != nullptr) out->clear();
   auto it = index_.find(h);
   if (it == index_.end()) return 0;
+  const Entry& entry = it->second;
+  // No holder is stale unless a ClearWorker is running.
+  const bool maybe_stale = clearing_workers_ > 0;
+  // A count of the pool alone that the entry's counts answer: the holder
+  // list, on the heap for a block many workers hold, stays unread.
+  if (out == nullptr && tiers == kPoolTier && !maybe_stale) {
+    const int64_t n = entry.PoolHolders(absl::ToUnixNanos(now));
+    if (n >= 0) return static_cast<size_t>(n);
+  }
   size_t n = 0;
-  for (const Holder& x : it->second) {
-    if (!x.Holds(tiers, now) || Stale(x, h)) continue;
+  for (const Holder& x : entry.holders) {
+    if (!x.Holds(tiers, now) || (maybe_stale && Stale(x, h))) continue;
     ++n;
     if (out != nullptr) out->push_back(x.worker);
   }
@@ -294,6 +308,20 @@ size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
 void PrefixIndex::LeadingBlocksOfPrompt(
     size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
     std::vector<int32_t>* counts, TierMask tiers) const {
+  LeadingBlocksWalk(num_blocks, hash_at, /*prefetch=*/false, counts, tiers);
+}
+
+void PrefixIndex::LeadingBlocksOfPrompt(
+    std::span<const engine::BlockHash> hashes, std::vector<int32_t>* counts,
+    TierMask tiers) const {
+  LeadingBlocksWalk(
+      hashes.size(), [&](size_t i) { return hashes[i]; }, /*prefetch=*/true,
+      counts, tiers);
+}
+
+void PrefixIndex::LeadingBlocksWalk(
+    size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
+    bool prefetch, std::vector<int32_t>* counts, TierMask tiers) const {
   if (num_blocks == 0) return;
   // A probe is a block position and how many live holders it has; a list
   // of holders is fetched only where a count drops between neighbours.
@@ -301,12 +329,23 @@ void PrefixIndex::LeadingBlocksOfPrompt(
     size_t pos;
     size_t holders;
   };
-  std::vector<WorkerIndex> here, next;
-  std::vector<uint8_t> in_next;  // by WorkerIndex
+  // Scratch sized for the usual case, so that a walk does not allocate: a
+  // gallop has at most 64 probes, the bisection stack at most two entries
+  // per gallop interval and level, and the bitset covers 256 workers inline.
+  WorkerList here, next;
+  absl::InlinedVector<uint64_t, 4> in_next;  // bit per WorkerIndex
+  absl::InlinedVector<Probe, 32> probes;
+  absl::InlinedVector<std::pair<Probe, Probe>, 64> work;
   const absl::Time now = clock_();
   RoutingWait wait(&routing_waiters_);
   absl::ReaderMutexLock l(&mu_);
   wait.Acquired();
+  // Index memory is far larger than the caches and every probe a miss; the
+  // walk's next probes are known ahead (the gallop's positions, the mids of
+  // the intervals it will bisect), so their slots are requested early.
+  auto fetch = [&](size_t pos) {
+    if (prefetch) index_.prefetch(hash_at(pos));
+  };
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
   auto credit = [&](size_t pos) {
@@ -314,19 +353,27 @@ void PrefixIndex::LeadingBlocksOfPrompt(
     next.clear();
     if (pos + 1 < num_blocks) LiveHolders(hash_at(pos + 1), now, tiers, &next);
     for (WorkerIndex w : next) {
-      if (static_cast<size_t>(w) >= in_next.size()) in_next.resize(w + 1, 0);
-      in_next[w] = 1;
+      const size_t word = static_cast<size_t>(w) / 64;
+      if (word >= in_next.size()) in_next.resize(word + 1, 0);
+      in_next[word] |= uint64_t{1} << (w % 64);
     }
     for (WorkerIndex w : here) {
-      if (static_cast<size_t>(w) < in_next.size() && in_next[w]) continue;
+      const size_t word = static_cast<size_t>(w) / 64;
+      if (word < in_next.size() && (in_next[word] >> (w % 64) & 1)) continue;
       if (static_cast<size_t>(w) >= counts->size()) counts->resize(w + 1, 0);
       (*counts)[w] = static_cast<int32_t>(pos + 1);
     }
-    for (WorkerIndex w : next) in_next[w] = 0;
+    for (WorkerIndex w : next) in_next[static_cast<size_t>(w) / 64] = 0;
   };
   // Gallop: probes at 0, 1, 3, 7, ... until no worker holds the block (or
   // the prompt ends), so hashing stops within twice the longest match.
-  std::vector<Probe> probes;
+  if (prefetch) {
+    fetch(0);
+    for (size_t pos = 0, step = 1; pos + 1 < num_blocks; step *= 2) {
+      pos = std::min(num_blocks - 1, pos + step);
+      fetch(pos);
+    }
+  }
   probes.push_back({0, LiveHolders(hash_at(0), now, tiers, nullptr)});
   for (size_t step = 1; probes.back().holders > 0;) {
     const size_t pos = std::min(num_blocks - 1, probes.back().pos + step);
@@ -340,9 +387,17 @@ void PrefixIndex::LeadingBlocksOfPrompt(
   // Bisect each gallop interval whose holder count drops. Prefix-closed
   // sets: a later block's holders are a subset of an earlier one's, so equal
   // counts mean nobody's match ends in between.
-  std::vector<std::pair<Probe, Probe>> work;
-  for (size_t i = 0; i + 1 < probes.size(); ++i)
+  auto mid_of = [](const Probe& lo, const Probe& hi) {
+    return lo.pos + (hi.pos - lo.pos) / 2;
+  };
+  // The next probe of interval (lo, hi), if it will be bisected.
+  auto fetch_mid = [&](const Probe& lo, const Probe& hi) {
+    if (lo.holders != hi.holders && hi.pos > lo.pos + 1) fetch(mid_of(lo, hi));
+  };
+  for (size_t i = 0; i + 1 < probes.size(); ++i) {
     work.emplace_back(probes[i], probes[i + 1]);
+    fetch_mid(probes[i], probes[i + 1]);
+  }
   while (!work.empty()) {
     const auto [lo, hi] = work.back();
     work.pop_back();
@@ -351,8 +406,10 @@ void PrefixIndex::LeadingBlocksOfPrompt(
       credit(lo.pos);
       continue;
     }
-    const size_t mid = lo.pos + (hi.pos - lo.pos) / 2;
+    const size_t mid = mid_of(lo, hi);
     const Probe m{mid, LiveHolders(hash_at(mid), now, tiers, nullptr)};
+    fetch_mid(lo, m);
+    fetch_mid(m, hi);
     work.emplace_back(m, hi);
     work.emplace_back(lo, m);
   }
@@ -367,7 +424,8 @@ PrefixIndex::MemoryUsage PrefixIndex::Memory() const {
   m.bytes = index_.capacity() * (sizeof(decltype(index_)::value_type) + 1);
   m.pending_expiries = expiries_.size();
   m.bytes += expiries_.capacity() * sizeof(Expiry);
-  for (const auto& [h, holders] : index_) {
+  for (const auto& [h, entry] : index_) {
+    const Holders& holders = entry.holders;
     m.holders += holders.size();
     if (holders.capacity() > kInlineHolders)
       m.bytes += holders.capacity() * sizeof(Holder);

@@ -28,10 +28,12 @@
 // releasing the lock between batches so routing goes on meanwhile.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -42,6 +44,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kv_cache/block_manager.h"
+#include "router/huge_page_allocator.h"
 
 namespace pdserve::router {
 
@@ -120,6 +123,14 @@ class PrefixIndex {
       size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
       std::vector<int32_t>* counts, TierMask tiers = kPoolTier) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The same, given the whole chain already hashed (as the router does at
+  // intake): then the walk can also prefetch the index slots of the blocks
+  // it will probe next, so that its lookups overlap instead of waiting on
+  // memory one after the other. Same result as the lazy form.
+  void LeadingBlocksOfPrompt(std::span<const engine::BlockHash> hashes,
+                             std::vector<int32_t>* counts,
+                             TierMask tiers = kPoolTier) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   size_t num_hashes() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // What the index holds for one worker in one tier, to compare with the
@@ -166,6 +177,57 @@ class PrefixIndex {
     // Nothing left: neither in the pool (nor expecting it) nor below.
     bool Empty() const { return lower == 0 && expires == absl::InfinitePast(); }
   };
+  // One block hash's holders, with counts of their pool states kept by every
+  // update (over all holders, stale ones included), so that the routing
+  // walk's count-only probes read this slot and not the holder list, which
+  // for a prefix every prompt shares has one holder per worker on the heap.
+  struct Entry {
+    uint32_t confirmed = 0;    // holders confirmed in the pool
+    uint32_t speculative = 0;  // speculative pool expiry, passed or not
+    // Bounds on the speculative holders' expiries, in Unix nanoseconds
+    // (rounded down; 16 bytes where two absl::Time take 32): every one set
+    // since `speculative` was last 0 lies within them. All later than now:
+    // all live; none later: none live. Either way the list need not be read.
+    int64_t speculative_min_ns = std::numeric_limits<int64_t>::max();
+    int64_t speculative_max_ns = std::numeric_limits<int64_t>::min();
+    Holders holders;
+    // Adds `d` to the count of `x`'s pool state (none when not in the pool).
+    void Count(const Holder& x, int d) {
+      if (x.expires == absl::InfiniteFuture()) {
+        confirmed += d;
+      } else if (x.expires != absl::InfinitePast()) {
+        speculative += d;
+        if (d > 0) {
+          const int64_t ns = absl::ToUnixNanos(x.expires);
+          speculative_min_ns = std::min(speculative_min_ns, ns);
+          speculative_max_ns = std::max(speculative_max_ns, ns);
+        } else if (speculative == 0) {
+          speculative_min_ns = std::numeric_limits<int64_t>::max();
+          speculative_max_ns = std::numeric_limits<int64_t>::min();
+        }
+      }
+    }
+    // Live pool holders if the counts alone tell (no holder stale), else -1.
+    // `now_ns` is now in Unix nanoseconds, rounded down: the comparisons are
+    // strict so that rounding never counts a holder wrongly (a tie reads the
+    // list).
+    int64_t PoolHolders(int64_t now_ns) const {
+      if (speculative == 0 || speculative_max_ns < now_ns) return confirmed;
+      if (speculative_min_ns > now_ns) return int64_t{confirmed} + speculative;
+      return -1;
+    }
+    // Every change of a holder's `expires` goes through here.
+    void SetExpires(Holder& x, absl::Time t) {
+      Count(x, -1);
+      x.expires = t;
+      Count(x, 1);
+    }
+    // Drops holder `x` (one of `holders`).
+    void Erase(Holder* x) {
+      Count(*x, -1);
+      holders.erase(holders.begin() + (x - holders.data()));
+    }
+  };
   // One worker's reverse index and running summaries.
   struct WorkerState {
     // Hashes this worker has a live holder for.
@@ -185,8 +247,8 @@ class PrefixIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `worker`'s live holder of `h`, created (holding nothing) if there is
   // none; a stale one is reset and reused.
-  Holder& Touch(Holders& holders, WorkerIndex worker,
-                const engine::BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Holder& Touch(Entry& entry, WorkerIndex worker, const engine::BlockHash& h)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Updates the worker's summaries for a holder that went from `before` to
   // `after`, and drops it from the reverse index when it holds nothing.
   void Account(WorkerIndex worker, const engine::BlockHash& h,
@@ -194,9 +256,15 @@ class PrefixIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How many live holders `h` has in `tiers`; lists them in `out` unless it
   // is null.
+  using WorkerList = absl::InlinedVector<WorkerIndex, 16>;
   size_t LiveHolders(const engine::BlockHash& h, absl::Time now, TierMask tiers,
-                     std::vector<WorkerIndex>* out) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+                     WorkerList* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Both forms of LeadingBlocksOfPrompt; `prefetch`: hash_at is cheap for
+  // any position (the chain is hashed), so upcoming probes may be fetched.
+  void LeadingBlocksWalk(size_t num_blocks,
+                         absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
+                         bool prefetch, std::vector<int32_t>* counts,
+                         TierMask tiers) const ABSL_LOCKS_EXCLUDED(mu_);
   void StoredLocked(WorkerIndex worker, std::span<const engine::BlockHash> h,
                     engine::KvTierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemovedLocked(WorkerIndex worker, std::span<const engine::BlockHash> h,
@@ -221,8 +289,14 @@ class PrefixIndex {
   // at once re-takes the lock can otherwise starve routing for the whole
   // clear of a large worker.
   mutable std::atomic<int> routing_waiters_{0};
-  absl::flat_hash_map<engine::BlockHash, Holders, engine::BlockHashHasher>
+  absl::flat_hash_map<
+      engine::BlockHash, Entry, engine::BlockHashHasher,
+      std::equal_to<engine::BlockHash>,
+      HugePageAllocator<std::pair<const engine::BlockHash, Entry>>>
       index_ ABSL_GUARDED_BY(mu_);
+  // Workers a ClearWorker is erasing (the sum of their `clearing`): while
+  // any, holders may be stale and counts cover them, so probes read lists.
+  int clearing_workers_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Expiry> expiries_ ABSL_GUARDED_BY(mu_);      // a heap
   std::vector<WorkerState> workers_ ABSL_GUARDED_BY(mu_);  // by WorkerIndex
 };

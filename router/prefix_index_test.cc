@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <random>
 #include <set>
 #include <thread>
@@ -171,6 +172,106 @@ TEST(PrefixIndexTest, PromptQueryAgreesWithTheExactWalkOnPrefixClosedSets) {
     EXPECT_LE(hashed, std::min<size_t>(n, 2 * longest + 1))
         << "trial " << trial;
   }
+}
+
+TEST(PrefixIndexTest, CountedProbesAgreeWithTheListsThroughEveryUpdate) {
+  // The prompt query answers most probes from each entry's pool counts and
+  // speculative-expiry bounds, and the hashed-chain form prefetches. Through
+  // random stores, speculation (live, expiring, renewed), tail removals,
+  // moves to a lower tier, clears and time passing, with worker ids past 64
+  // (the walk's bitset spans several words), both forms must equal the
+  // block-by-block walk, for the pool and for pool + tiers.
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
+  std::mt19937 rng(11);
+  const int n = 120;
+  const auto h = Chain(n, 77);
+  constexpr int kWorkers = 150;
+  std::vector<WorkerIndex> ids(kWorkers);
+  for (WorkerIndex w = 0; w < kWorkers; ++w) ids[w] = w;
+  // Each worker's pool and tier sets stay prefix-closed, as workers keep them:
+  // `held` bounds what its pool holds or expects (stored or speculated).
+  std::vector<int> held(kWorkers, 0);
+  for (int step = 0; step < 3000; ++step) {
+    const WorkerIndex w = static_cast<WorkerIndex>(rng() % kWorkers);
+    const int len = static_cast<int>(rng() % (n + 1));
+    switch (rng() % 8) {
+      case 0:
+      case 1:
+        index.Stored(w, std::span(h).first(len));
+        held[w] = std::max(held[w], len);
+        break;
+      case 2:
+      case 3:
+        index.Speculate(w, std::span(h).first(len),
+                        absl::Milliseconds(1 + rng() % 400));
+        held[w] = std::max(held[w], len);
+        break;
+      case 4:  // the pool drops a tail, confirmed or speculative
+        index.Removed(w, std::span(h).subspan(len));
+        held[w] = std::min(held[w], len);
+        break;
+      case 5:  // the whole pool goes down to the host-memory tier
+        index.Moved(w, std::span(h).first(held[w]), engine::KvTierKind::kPool,
+                    engine::KvTierKind::kHostMemory);
+        held[w] = 0;
+        break;
+      case 6:
+        if (rng() % 8 == 0) {
+          index.ClearWorker(w);
+          held[w] = 0;
+        }
+        break;
+      default:
+        clock.now += absl::Milliseconds(rng() % 150);
+    }
+    if (step % 10 != 0) continue;
+    for (TierMask tiers : {kPoolTier, kAllTiers}) {
+      std::vector<int32_t> counted, lazy;
+      index.LeadingBlocksOfPrompt(h, &counted, tiers);
+      index.LeadingBlocksOfPrompt(
+          h.size(), [&](size_t i) { return h[i]; }, &lazy, tiers);
+      counted.resize(kWorkers, 0);
+      lazy.resize(kWorkers, 0);
+      const std::vector<int32_t> exact = index.LeadingBlocks(h, ids, tiers);
+      ASSERT_EQ(counted, exact) << "step " << step << " tiers " << int{tiers};
+      ASSERT_EQ(lazy, exact) << "step " << step << " tiers " << int{tiers};
+    }
+  }
+}
+
+TEST(PrefixIndexTest, PromptQueriesDuringAClearCountTheOtherWorkersExactly) {
+  // While a large clear erases worker 0's entries in batches, its old holders
+  // are stale and the counts that cover them cannot answer a probe: queries
+  // read the lists, and see worker 0 with nothing and the others exactly.
+  PrefixIndex index;
+  const auto h = Chain(200'000, 6);
+  index.Stored(0, h);
+  index.Stored(1, std::span(h).first(300));
+  index.Stored(2, std::span(h).first(40));
+  std::atomic<bool> done{false};
+  std::thread clear([&] {
+    index.ClearWorker(0);
+    done = true;
+  });
+  const std::span<const engine::BlockHash> prompt = std::span(h).first(5000);
+  int during = 0;
+  do {
+    std::vector<int32_t> counts;
+    index.LeadingBlocksOfPrompt(prompt, &counts);
+    counts.resize(3, 0);
+    // Before the clear takes the set worker 0 holds all 5,000; after, none.
+    EXPECT_TRUE(counts[0] == 5000 || counts[0] == 0) << counts[0];
+    EXPECT_EQ(counts[1], 300);
+    EXPECT_EQ(counts[2], 40);
+    ++during;
+  } while (!done.load());
+  clear.join();
+  std::vector<int32_t> counts;
+  index.LeadingBlocksOfPrompt(prompt, &counts);
+  counts.resize(3, 0);
+  EXPECT_EQ(counts, (std::vector<int32_t>{0, 300, 40}));
+  EXPECT_GT(during, 0);
 }
 
 TEST(PrefixIndexTest, PromptQueryOfALongPromptAt256WorkersProbesFewBlocks) {

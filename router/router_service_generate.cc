@@ -250,10 +250,8 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
   // Per tier: the pool's counts, and the pool's plus the lower tiers' (a
   // holder reads its tier's blocks back for the pull).
   std::vector<int32_t> counts, all_counts;
-  index.LeadingBlocksOfPrompt(
-      chain.size(), [&](size_t i) { return chain[i]; }, &counts);
-  index.LeadingBlocksOfPrompt(
-      chain.size(), [&](size_t i) { return chain[i]; }, &all_counts, kAllTiers);
+  index.LeadingBlocksOfPrompt(chain, &counts);
+  index.LeadingBlocksOfPrompt(chain, &all_counts, kAllTiers);
   auto held = [&](WorkerIndex w) {
     return w >= 0 && static_cast<size_t>(w) < counts.size() ? counts[w] : 0;
   };

@@ -1,6 +1,9 @@
 #include "structured/token_guide.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -84,6 +87,71 @@ std::shared_ptr<const TokenTrie> TokenTrie::Build(
   return trie;
 }
 
+namespace {
+
+// Dense masks, 64 logits per mask word: words with every token allowed are
+// skipped, words with none are filled, and the rest written without a branch
+// per token (AVX-512: four masked stores of -inf; otherwise a select the
+// compiler vectorizes).
+void ApplyDenseWordsPortable(const uint64_t* bits, int64_t words,
+                             float* logits) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  uint32_t neg_inf;
+  std::memcpy(&neg_inf, &kNegInf, sizeof(neg_inf));
+  for (int64_t w = 0; w < words; ++w) {
+    const uint64_t on = bits[w];
+    float* row = logits + w * 64;
+    if (on == ~uint64_t{0}) continue;
+    if (on == 0) {
+      std::fill(row, row + 64, kNegInf);
+      continue;
+    }
+    uint32_t v[64];
+    std::memcpy(v, row, sizeof(v));
+    for (int j = 0; j < 64; ++j) {
+      const uint32_t keep = 0u - static_cast<uint32_t>((on >> j) & 1);
+      v[j] = (v[j] & keep) | (neg_inf & ~keep);
+    }
+    std::memcpy(row, v, sizeof(v));
+  }
+}
+
+__attribute__((target("avx512f"))) void ApplyDenseWordsAvx512(
+    const uint64_t* bits, int64_t words, float* logits) {
+  const __m512 neg_inf =
+      _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t w = 0; w < words; ++w) {
+    const uint64_t off = ~bits[w];
+    if (off == 0) continue;
+    float* row = logits + w * 64;
+    for (int q = 0; q < 4; ++q) {
+      _mm512_mask_storeu_ps(row + 16 * q,
+                            static_cast<__mmask16>(off >> (16 * q)), neg_inf);
+    }
+  }
+}
+
+bool HasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+void ApplyDenseWords(const uint64_t* bits, int64_t words, float* logits) {
+  if (HasAvx512()) {
+    ApplyDenseWordsAvx512(bits, words, logits);
+  } else {
+    ApplyDenseWordsPortable(bits, words, logits);
+  }
+}
+
+}  // namespace
+
+void ApplyTokenMaskPortableForTest(const TokenMask& mask, float* logits,
+                                   int64_t n) {
+  const int64_t words = std::min<int64_t>(mask.bits.size(), n / 64);
+  ApplyDenseWordsPortable(mask.bits.data(), words, logits);
+}
+
 void ApplyTokenMask(const TokenMask& mask, float* logits, int64_t n) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t mask_vocab = static_cast<int64_t>(mask.bits.size()) * 64;
@@ -107,20 +175,12 @@ void ApplyTokenMask(const TokenMask& mask, float* logits, int64_t n) {
     }
     return;
   }
-  const int64_t words = std::min<int64_t>(mask.bits.size(), (n + 63) / 64);
-  for (int64_t w = 0; w < words; ++w) {
-    uint64_t off = ~mask.bits[w];
-    const int64_t base = w * 64;
-    // 64 disallowed in a row: one fill instead of 64 single writes.
-    if (off == ~uint64_t{0} && base + 64 <= n) {
-      std::fill(logits + base, logits + base + 64, kNegInf);
-      continue;
-    }
-    while (off != 0) {
-      const int64_t t = base + __builtin_ctzll(off);
-      if (t >= n) break;
-      logits[t] = kNegInf;
-      off &= off - 1;
+  const int64_t words = std::min<int64_t>(mask.bits.size(), n / 64);
+  ApplyDenseWords(mask.bits.data(), words, logits);
+  // The last partial word, if the row ends inside one.
+  if (words < static_cast<int64_t>(mask.bits.size())) {
+    for (int64_t t = words * 64; t < std::min(n, mask_vocab); ++t) {
+      if (!((mask.bits[t >> 6] >> (t & 63)) & 1)) logits[t] = kNegInf;
     }
   }
   for (int64_t t = std::max<int64_t>(mask_vocab, 0); t < n; ++t) {

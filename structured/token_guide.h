@@ -79,6 +79,10 @@ struct TokenMask {
 // Sets logits[t] to -inf for every token the mask disallows, for t < n
 // (ids at or past the mask's vocabulary are disallowed).
 void ApplyTokenMask(const TokenMask& mask, float* logits, int64_t n);
+// The portable dense path alone, on the whole 64-token words below n (the
+// dense path's other kernel is picked at run time): for tests.
+void ApplyTokenMaskPortableForTest(const TokenMask& mask, float* logits,
+                                   int64_t n);
 
 class Guide {
  public:

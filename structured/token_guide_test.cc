@@ -172,6 +172,43 @@ TEST(TokenGuideTest, ApplyMaskKeepsAllowedLogitsUntouched) {
   }
 }
 
+// Dense masks: the run-time-picked kernel and the portable one both leave
+// allowed logits bit-for-bit untouched and set the rest to -inf, for rows
+// that end inside a word, past the mask, and words all on, all off or mixed.
+TEST(TokenGuideTest, DenseMaskKernelsAgreeWithTheBitTest) {
+  std::mt19937_64 rng(3);
+  for (int64_t vocab : {64, 100, 1000, 4096, 128256}) {
+    TokenMask mask;
+    mask.bits.resize(static_cast<size_t>((vocab + 63) / 64));
+    for (size_t w = 0; w < mask.bits.size(); ++w) {
+      const int kind = static_cast<int>(w % 4);
+      mask.bits[w] = kind == 0 ? 0 : kind == 1 ? ~uint64_t{0} : rng();
+    }
+    for (uint64_t b : mask.bits) mask.count += __builtin_popcountll(b);
+    for (int64_t n : {vocab, vocab - 1, vocab + 70}) {
+      if (n <= 0) continue;
+      std::vector<float> row(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) row[i] = 0.5f * static_cast<float>(i) - 7;
+      std::vector<float> fast = row, portable = row;
+      ApplyTokenMask(mask, fast.data(), n);
+      ApplyTokenMaskPortableForTest(mask, portable.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const bool on = mask.allowed(static_cast<int32_t>(i));
+        if (on) {
+          ASSERT_EQ(fast[i], row[i]) << vocab << " " << n << " " << i;
+        } else {
+          ASSERT_TRUE(std::isinf(fast[i]) && fast[i] < 0) << n << " " << i;
+        }
+        // The portable kernel covers the whole words below n.
+        if (i < n / 64 * 64 &&
+            i < static_cast<int64_t>(mask.bits.size()) * 64) {
+          ASSERT_EQ(portable[i], fast[i]) << vocab << " " << n << " " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(TokenGuideTest, CacheSharesGuidesAndMasks) {
   ListTokenizer tok(TestVocab());
   GuideCache cache({}, TokenTrie::Build(tok));

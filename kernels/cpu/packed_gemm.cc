@@ -45,11 +45,14 @@ using packed_gemm_internal::GemmRowDot;
 using packed_gemm_internal::kAvx2Rows;
 using packed_gemm_internal::kAvx512Panels;
 using packed_gemm_internal::kAvx512Rows;
+using packed_gemm_internal::kBf16DotRows;
 using packed_gemm_internal::kBlockBytes;
 using packed_gemm_internal::kPanel;
 using packed_gemm_internal::kPortableRows;
 using packed_gemm_internal::kStageK;
 using packed_gemm_internal::LoadWidened;
+using packed_gemm_internal::PackBf16PairsAvx512;
+using packed_gemm_internal::PackBf16PairsPortable;
 using packed_gemm_internal::PanelOffset;
 using packed_gemm_internal::PortableWidener;
 using packed_gemm_internal::TileBf16DotPortable;
@@ -73,6 +76,9 @@ std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
   return std::shared_ptr<uint8_t[]>(static_cast<uint8_t*>(p),
                                     [](uint8_t* q) { std::free(q); });
 }
+
+// Rows of the largest register tile (the io scratch of the direct path).
+constexpr int kTileRowsMax = std::max(kAvx512Rows, kBf16DotRows);
 
 // The widening of the batched path (null for fp32, which needs none).
 WidenFn Widener(GemmIsa isa, Fmt t) {
@@ -159,6 +165,9 @@ WeightMatrix WeightMatrix::Pack(const float* w, int64_t n, int64_t k,
   if (fmt == Fmt::kI8 || fmt == Fmt::kI8Dot) {
     m.scales_ = std::shared_ptr<float[]>(new float[panels * kPanel]());
     m.bytes_ += n * static_cast<int64_t>(sizeof(float));
+    if (fmt == Fmt::kI8Dot)
+      m.dot_offsets_ =
+          std::shared_ptr<int32_t[]>(new int32_t[panels * kPanel]());
   } else if (fmt == Fmt::kI8B32) {
     m.bytes_ += n * ((k + kInt8Block - 1) / kInt8Block) * 2;
   }
@@ -196,11 +205,14 @@ WeightMatrix WeightMatrix::Pack(const float* w, int64_t n, int64_t k,
         const float s = amax / 127.0f;
         m.scales_[r] = s;
         const float inv = s > 0 ? 1.0f / s : 0.0f;
+        int64_t sum = 0;
         for (int64_t q = 0; q < k; ++q) {
           const float v = std::nearbyint(row[q] * inv);
-          panel[PanelOffset(fmt, q, c)] = static_cast<uint8_t>(
-              static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f)));
+          const int8_t b = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          panel[PanelOffset(fmt, q, c)] = static_cast<uint8_t>(b);
+          sum += b;
         }
+        if (m.dot_offsets_) m.dot_offsets_[r] = static_cast<int32_t>(128 * sum);
         break;
       }
       case Fmt::kI8B32:
@@ -345,7 +357,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // else the scalar emulation of the same chain.
   const bool bf16dot_hw =
       bf16dot && isa == GemmIsa::kAvx512 && DetectCpuFeatures().avx512bf16;
-  const int max_rows = bf16dot ? (bf16dot_hw ? kAvx512Rows : kPortableRows)
+  const int max_rows = bf16dot ? (bf16dot_hw ? kBf16DotRows : kPortableRows)
                        : isa == GemmIsa::kAvx512 ? kAvx512Rows
                        : isa == GemmIsa::kAvx2   ? kAvx2Rows
                                                  : kPortableRows;
@@ -408,20 +420,16 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         // Only the calling thread has a profile installed.
         StepProfile* const tprof = ActiveProfile();
         const int64_t pack_start = tprof != nullptr ? ProfileNowNs() : 0;
-        io_all.resize(widen ? m * width_max : kAvx512Rows * width_max);
+        io_all.resize(widen ? m * width_max : kTileRowsMax * width_max);
         xp.resize(m * kc + 2 * max_rows);
         if (bf16dot) {  // bf16 pairs, the odd tail padded with 0
           for (int64_t rt = 0; rt < row_tiles; ++rt) {
             const int64_t i0 = m * rt / row_tiles;
             const int64_t rows = m * (rt + 1) / row_tiles - i0;
             uint32_t* dst = reinterpret_cast<uint32_t*>(xp.data() + i0 * kc);
-            for (int64_t q = k0; q < k1; q += 2)
-              for (int64_t i = 0; i < rows; ++i) {
-                const float* xr = x + (i0 + i) * k;
-                const uint32_t lo = FloatToBf16(xr[q]);
-                const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
-                dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
-              }
+            (isa == GemmIsa::kAvx512
+                 ? PackBf16PairsAvx512
+                 : PackBf16PairsPortable)(x, k, i0, rows, k0, k1, dst);
           }
         } else {
           for (int64_t rt = 0; rt < row_tiles; ++rt) {

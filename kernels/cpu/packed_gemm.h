@@ -109,6 +109,10 @@ class WeightMatrix {
   // Per-row int8: [n padded]; null for every other format (block int8
   // keeps its scales inside the panels).
   const float* scales() const { return scales_.get(); }
+  // kPanel16Dot only (else null): [n padded] of 128 * Σ_p q(j, p), what
+  // VPDPBUSD's +128 offset on the activations adds to row j's integer sum
+  // (the kernels subtract it; computed once here instead of per GEMM).
+  const int32_t* dot_offsets() const { return dot_offsets_.get(); }
   int64_t padded_k() const { return kp_; }
   int64_t panel_bytes() const;  // one panel: padded_k * 16 * element bytes
   const float* row_major() const {
@@ -125,6 +129,7 @@ class WeightMatrix {
   int64_t n_ = 0, k_ = 0, kp_ = 0, bytes_ = 0;
   std::shared_ptr<uint8_t[]> data_;
   std::shared_ptr<float[]> scales_;
+  std::shared_ptr<int32_t[]> dot_offsets_;
 };
 
 // What a GEMM computes. kFp32Chain is the order contract above. kBf16Dot

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/packed_gemm_internal.h"
 
@@ -246,6 +247,23 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
   }
 }
 
+// 16 floats to bf16, nearest even, as FloatToBf16: u + 0x7fff + (bit 16),
+// high half; NaN keeps its sign and high payload with the quiet bit set.
+PDSERVE_AVX512 inline __m256i Bf16Round16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb =
+      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+      16);
+  const __m512i quiet =
+      _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+      _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
 template <Fmt W, int NV, int... R>
 constexpr std::array<TileFn, sizeof...(R)> Avx512Rows(
     std::integer_sequence<int, R...>) {
@@ -271,10 +289,39 @@ constexpr std::array<TileFn, sizeof...(R)> Bf16DotRows(
 }  // namespace
 
 TileFn Bf16DotTile(int rows, int nv) {
-  static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
-  static constexpr std::array<std::array<TileFn, kAvx512Rows>, kAvx512Panels>
+  static constexpr auto kSeq = std::make_integer_sequence<int, kBf16DotRows>{};
+  static constexpr std::array<std::array<TileFn, kBf16DotRows>, kAvx512Panels>
       kFns = {Bf16DotRows<1>(kSeq), Bf16DotRows<2>(kSeq), Bf16DotRows<3>(kSeq)};
   return kFns[nv - 1][rows - 1];
+}
+
+// Each row's [k0, k1) is rounded 16 at a time into a row-major scratch of
+// bf16 (whose 32-bit words are the pairs, low half first), then its words
+// are spread at stride `rows`.
+PDSERVE_AVX512 void PackBf16PairsAvx512(const float* x, int64_t k, int64_t i0,
+                                        int64_t rows, int64_t k0, int64_t k1,
+                                        uint32_t* dst) {
+  thread_local std::vector<uint16_t> scratch;
+  const int64_t len = k1 - k0, words = (len + 1) / 2;
+  scratch.resize(static_cast<size_t>(words * 2 + 16));
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + (i0 + i) * k + k0;
+    uint16_t* h = scratch.data();
+    int64_t q = 0;
+    for (; q + 16 <= len; q += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + q),
+                          Bf16Round16(_mm512_loadu_ps(xr + q)));
+    }
+    if (q < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - q)) - 1);
+      // Masked-off lanes load 0.0f, whose bf16 is 0: the odd tail's pad.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + q),
+                          Bf16Round16(_mm512_maskz_loadu_ps(tail, xr + q)));
+    }
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(h);
+    uint32_t* d = dst + i;
+    for (int64_t t = 0; t < words; ++t) d[t * rows] = pairs[t];
+  }
 }
 
 TileFn Avx512Tile(Fmt t, int rows, int nv) {

@@ -14,9 +14,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_features.h"
@@ -36,6 +38,17 @@ namespace {
 // bytes). The kernel then reads these instead of permuting and summing again;
 // the integers and scales are the same, so are the bits.
 constexpr int64_t PrepBlockBytes(int nv) { return (512 + 64 + 64) * nv; }
+
+// acc + Σ u8(u) * s8(w) per dword (4 bytes each). GCC 12 compiles
+// _mm512_dpbusd_epi32 on an array of accumulators into a register copy and
+// a stack store per instruction (measured: the 8 x 3 tile ran slower than a
+// 4 x 2 one); the asm keeps every accumulator in its register.
+PDSERVE_VNNI inline __m512i DpBusd(__m512i acc, __m512i u, __m512i w) {
+  __asm__("vpdpbusd %[w], %[u], %[acc]"
+          : [acc] "+v"(acc)
+          : [u] "v"(u), [w] "v"(w));
+  return acc;
+}
 
 PDSERVE_VNNI void PrepareInt8DotTile(const uint8_t* w, int64_t panel_bytes,
                                      int nv, int64_t blocks, uint8_t* out) {
@@ -82,8 +95,7 @@ PDSERVE_VNNI void Int8DotVnniPrepared(const uint8_t* ux, const float* sx,
         uint32_t u4;
         std::memcpy(&u4, ux + i * kp + b * kInt8Block + g * 4, 4);
         const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
-        for (int v = 0; v < NV; ++v)
-          isum[i][v] = _mm512_dpbusd_epi32(isum[i][v], u, wg[v]);
+        for (int v = 0; v < NV; ++v) isum[i][v] = DpBusd(isum[i][v], u, wg[v]);
       }
     }
     for (int v = 0; v < NV; ++v) {
@@ -131,8 +143,7 @@ PDSERVE_VNNI void Int8DotVnni(const uint8_t* ux, const float* sx, int64_t kp,
         uint32_t u4;
         std::memcpy(&u4, ux + i * kp + b * kInt8Block + g * 4, 4);
         const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
-        for (int v = 0; v < NV; ++v)
-          isum[i][v] = _mm512_dpbusd_epi32(isum[i][v], u, wg[v]);
+        for (int v = 0; v < NV; ++v) isum[i][v] = DpBusd(isum[i][v], u, wg[v]);
       }
     }
     for (int v = 0; v < NV; ++v) {
@@ -156,6 +167,14 @@ PDSERVE_VNNI void Int8DotVnni(const uint8_t* ux, const float* sx, int64_t kp,
 using Int8DotFn = void (*)(const uint8_t*, const float*, int64_t, int64_t,
                            const uint8_t*, int64_t, float*);
 constexpr int kInt8DotRows = 4, kInt8DotPanels = 2;
+// Per-row int8 on VNNI: 8 rows x 3 panels = 24 int32 accumulators, the 3
+// weight vectors of a 4-k group and one broadcast: 28 of the 32 registers.
+// Per group 3 loads and 8 broadcasts feed 24 VPDPBUSD, so a batch of 32
+// takes 4 row tiles over weights held in L1/L2 after the first.
+constexpr int kRowDotRows = 8, kRowDotPanels = 3;
+// The io scratch of RunInt8DotTiles holds the larger of the two tiles.
+constexpr int kTileRowsMax = std::max(kInt8DotRows, kRowDotRows);
+constexpr int kTilePanelsMax = std::max(kInt8DotPanels, kRowDotPanels);
 
 Int8DotFn Int8DotVnniTile(int rows, int nv) {
   static constexpr Int8DotFn kFns[kInt8DotPanels][kInt8DotRows] = {
@@ -248,21 +267,27 @@ void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
 
 // The VNNI / portable int8dot loop: tiles of `max_nv` panels over the threads
 // (which thread takes a tile never changes its numbers); per tile
-// begin(panels, nv), then for each of ceil(m / 4) equal row tiles
+// begin(panels, nv), then for each of ceil(m / max_rows) equal row tiles
 // compute(i0, rows, panels, nv, io) fills io [rows][nv * 16], copied to y.
 template <typename Begin, typename Compute>
-void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_nv,
-                     float* __restrict__ y, Begin&& begin, Compute&& compute) {
+void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
+                     int max_nv, float* __restrict__ y, Begin&& begin,
+                     Compute&& compute) {
   const int64_t n = w.rows(), pb = w.panel_bytes();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
-  const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
+  const int64_t row_tiles = (m + max_rows - 1) / max_rows;
   const int threads =
       static_cast<int>(std::min<int64_t>(KernelThreads(), tiles));
   const bool parallel = threads > 1 && m * n * k > (int64_t{1} << 16);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
+  // Small claims (about 8 per thread) so that a matrix of few tiles (11 of
+  // 3 panels at n = 512) still splits evenly, and a preempted thread's share
+  // is taken over; which thread computes a tile never changes its numbers.
+  const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
+#pragma omp parallel for num_threads(threads) \
+    schedule(dynamic, chunk) if (parallel)
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    alignas(64) float io[kInt8DotRows * kInt8DotPanels * kPanel];
+    alignas(64) float io[kTileRowsMax * kTilePanelsMax * kPanel];
     const int64_t p0 = tile * max_nv;
     const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
     const int64_t c0 = p0 * kPanel;
@@ -320,55 +345,62 @@ void QuantizeActivationsPerRow(const float* x, int64_t m, int64_t k, int8_t* q,
 }
 
 // MR rows (ux: q + 128, stride kq) x NV kPanel16Dot panels on VPDPBUSD; the
-// stored 64 bytes per 4 k are the instruction's operand as they are (small
-// batches: the weight stream is the limit).
+// stored 64 bytes per 4 k are the instruction's operand as they are, and the
+// +128 offset comes off with the matrix's dot_offsets() (corr, 16 per panel).
+// One tile runs all of k: the int32 sums need no partial stores, and a
+// panel's k in one pass streams it from memory once (small batches: the
+// weight stream is the limit, hence the prefetch 1 KiB ahead).
 template <int MR, int NV>
 PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx, int64_t kq,
                              const uint8_t* w, int64_t panel_bytes,
-                             const float* sw, float* io) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i isum[MR][NV], wsum[NV];
-  for (int v = 0; v < NV; ++v) {
-    wsum[v] = _mm512_setzero_si512();
-    for (int i = 0; i < MR; ++i) isum[i][v] = _mm512_setzero_si512();
-  }
+                             const float* sw, const int32_t* corr, float* io) {
+  __m512i isum[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) isum[i][v] = _mm512_setzero_si512();
+  const uint8_t* wp[NV];
+  for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
   for (int64_t g = 0; g < kq / 4; ++g) {
     __m512i wg[NV];
     for (int v = 0; v < NV; ++v) {
-      const uint8_t* p = w + v * panel_bytes + g * 64;
-      wg[v] = _mm512_loadu_si512(p);
-      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
-      wsum[v] = _mm512_dpbusd_epi32(wsum[v], ones, wg[v]);
+      wg[v] = _mm512_loadu_si512(wp[v] + g * 64);
+      if (MR <= 2)
+        _mm_prefetch(reinterpret_cast<const char*>(wp[v] + g * 64 + 1024),
+                     _MM_HINT_T0);
     }
     for (int i = 0; i < MR; ++i) {
       uint32_t u4;
       std::memcpy(&u4, ux + i * kq + g * 4, 4);
       const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
-      for (int v = 0; v < NV; ++v)
-        isum[i][v] = _mm512_dpbusd_epi32(isum[i][v], u, wg[v]);
+      for (int v = 0; v < NV; ++v) isum[i][v] = DpBusd(isum[i][v], u, wg[v]);
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const __m512i corr = _mm512_slli_epi32(wsum[v], 7);
+    const __m512i cv = _mm512_loadu_si512(corr + v * kPanel);
     const __m512 swv = _mm512_loadu_ps(sw + v * kPanel);
     for (int i = 0; i < MR; ++i) {
       const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sx[i]), swv);
       _mm512_storeu_ps(
           io + (i * NV + v) * kPanel,
-          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], corr)),
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], cv)),
                         scale));
     }
   }
 }
 
 using RowDotVnniFn = void (*)(const uint8_t*, const float*, int64_t,
-                              const uint8_t*, int64_t, const float*, float*);
+                              const uint8_t*, int64_t, const float*,
+                              const int32_t*, float*);
+template <int NV, int... R>
+constexpr std::array<RowDotVnniFn, sizeof...(R)> RowDotVnniRows(
+    std::integer_sequence<int, R...>) {
+  return {&RowDotVnni<R + 1, NV>...};
+}
 RowDotVnniFn RowDotVnniTile(int rows, int nv) {
-  static constexpr RowDotVnniFn kFns[kInt8DotPanels][kInt8DotRows] = {
-      {&RowDotVnni<1, 1>, &RowDotVnni<2, 1>, &RowDotVnni<3, 1>,
-       &RowDotVnni<4, 1>},
-      {&RowDotVnni<1, 2>, &RowDotVnni<2, 2>, &RowDotVnni<3, 2>,
-       &RowDotVnni<4, 2>}};
+  static constexpr auto kSeq = std::make_integer_sequence<int, kRowDotRows>{};
+  static constexpr std::array<std::array<RowDotVnniFn, kRowDotRows>,
+                              kRowDotPanels>
+      kFns = {RowDotVnniRows<1>(kSeq), RowDotVnniRows<2>(kSeq),
+              RowDotVnniRows<3>(kSeq)};
   return kFns[nv - 1][rows - 1];
 }
 
@@ -401,7 +433,7 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
   const bool prepared = hw && row_tiles > 1;
   RunInt8DotTiles(
-      m, k, w, hw ? kInt8DotPanels : 1, y,
+      m, k, w, kInt8DotRows, hw ? kInt8DotPanels : 1, y,
       [&](const uint8_t* wp, int nv) {
         if (!prepared) return;
         std::vector<uint8_t>& prep = Int8DotPrepBuffer();
@@ -454,13 +486,15 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   const int8_t* const qxp = qx.data();
   const float* const sxp = sx.data();
   RunInt8DotTiles(
-      m, k, w, hw ? kInt8DotPanels : 1, y, [](const uint8_t*, int) {},
+      m, k, w, hw ? kRowDotRows : kInt8DotRows, hw ? kRowDotPanels : 1, y,
+      [](const uint8_t*, int) {},
       [&](int64_t i0, int rows, const uint8_t* wp, int nv, float* io) {
-        const float* sw = w.scales() + (wp - w.data()) / pb * kPanel;
+        const int64_t c0 = (wp - w.data()) / pb * kPanel;
+        const float* sw = w.scales() + c0;
         if (hw) {
           RowDotVnniTile(rows, nv)(
               reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, kq, wp,
-              pb, sw, io);
+              pb, sw, w.dot_offsets() + c0, io);
         } else {
           RowDotPortable(fmt, qxp + i0 * kq, sxp + i0, kq, k, rows, nv, wp, pb,
                          sw, io);

@@ -163,8 +163,19 @@ TileFn Avx512Tile(Fmt t, int rows, int nv);
 void TileBf16DotPortable(int rows, int nv, const uint32_t* xp, const uint8_t* w,
                          int64_t panel_bytes, int64_t k0, int64_t k1, float* io,
                          bool zero);
-// AVX512-BF16 VDPBF16PS, the same chain (xp as floats holding the pairs).
+// AVX512-BF16 VDPBF16PS, the same chain (xp as floats holding the pairs),
+// up to kBf16DotRows rows x kAvx512Panels panels: 8 x 3 = 24 accumulators,
+// the 3 panels' words and one broadcast, so a batch of 32 is 4 row tiles.
+constexpr int kBf16DotRows = 8;
 TileFn Bf16DotTile(int rows, int nv);
+// Rows [i0, i0 + rows) of x ([m][k]), k in [k0, k1), rounded to bf16 (nearest
+// even, FloatToBf16) and packed as the tiles read them: dst[(q - k0) / 2 *
+// rows + i] = x[q] | x[q + 1] << 16, an odd tail's second half 0. The
+// AVX-512 one gives the same words, 16 at a time.
+void PackBf16PairsPortable(const float* x, int64_t k, int64_t i0, int64_t rows,
+                           int64_t k0, int64_t k1, uint32_t* dst);
+void PackBf16PairsAvx512(const float* x, int64_t k, int64_t i0, int64_t rows,
+                         int64_t k0, int64_t k1, uint32_t* dst);
 
 // --- int8 activations x block-int8 weights (GemmNumerics::kInt8Dot) --------
 // qx: [rows][kp] int8 (this row tile's rows), sx: [rows][blocks]; io:

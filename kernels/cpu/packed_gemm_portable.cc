@@ -95,6 +95,18 @@ void TileBf16DotPortable(int rows, int nv, const uint32_t* xp, const uint8_t* w,
   }
 }
 
+void PackBf16PairsPortable(const float* x, int64_t k, int64_t i0, int64_t rows,
+                           int64_t k0, int64_t k1, uint32_t* dst) {
+  for (int64_t q = k0; q < k1; q += 2) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* xr = x + (i0 + i) * k;
+      const uint32_t lo = FloatToBf16(xr[q]);
+      const uint32_t hi = q + 1 < k1 ? FloatToBf16(xr[q + 1]) : 0;
+      dst[(q - k0) / 2 * rows + i] = lo | (hi << 16);
+    }
+  }
+}
+
 void Int8DotPortable(const int8_t* qx, const float* sx, int64_t kp,
                      int64_t blocks, int rows, int nv, const uint8_t* w,
                      int64_t panel_bytes, float* io) {

@@ -225,6 +225,82 @@ TEST_F(Bf16DotTest, InstructionEqualsEmulationAndRowsAreBatchInvariant) {
   }
 }
 
+// The 8-row tiles at the batch sizes that fill them (8, 16, 32) and their
+// tails, panel tails of the 3-panel tiles, k tails of the 16-wide rounding
+// of the activations, and k blocking (k > 4096 at m = 32), with activations
+// whose bf16 rounding is a tie, denormal or large: the
+// instruction with the vector rounding equals the emulation with the scalar
+// FloatToBf16, and every row equals the row alone.
+TEST_F(Bf16DotTest, EightRowTilesAndVectorRoundingEqualTheEmulation) {
+  if (!DetectCpuFeatures().avx512bf16 || !GemmIsaSupported(GemmIsa::kAvx512)) {
+    GTEST_SKIP() << "no AVX512-BF16 here (" << DetectCpuFeatures().ToString()
+                 << "); the emulation is checked by "
+                    "InstructionEqualsEmulationAndRowsAreBatchInvariant";
+  }
+  struct Shape {
+    int64_t m, n, k;
+  };
+  const float specials[] = {
+      1.00390625f,      // 0x3f808000: a tie, rounds to even (down)
+      1.01171875f,      // 0x3f818000: a tie, rounds up
+      -2.0f - 0x1p-8f,  // another tie
+      1e-39f,           // fp32 denormal: a bf16 denormal, read as 0
+      -1.1754942e-38f,  // rounds up to the smallest normal
+      3.3e30f,          // large: rounds in a high binade
+      -0.0f,
+  };
+  for (const Shape s :
+       {Shape{8, 48, 16}, Shape{9, 53, 17}, Shape{16, 64, 31}, Shape{24, 35, 1},
+        Shape{31, 96, 47}, Shape{32, 53, 4099}, Shape{40, 17, 130},
+        Shape{64, 49, 33}}) {
+    auto x = Random(s.m * s.k, 1.0f);
+    for (size_t i = 0; i < x.size(); i += 7)
+      x[i] = specials[(i / 7) % std::size(specials)] * 1e-3f *
+                 static_cast<float>(i % 3) +
+             (i % 3 == 0 ? specials[(i / 7) % std::size(specials)] : 0.0f);
+    const auto wf = Random(s.n * s.k, 0.05f);
+    const WeightMatrix w =
+        WeightMatrix::Pack(wf.data(), s.n, s.k, DType::kBF16);
+    const auto emulated = Run(GemmIsa::kPortable, x, s.m, s.k, w);
+    const auto fast = Run(GemmIsa::kAvx512, x, s.m, s.k, w);
+    ASSERT_EQ(0, std::memcmp(fast.data(), emulated.data(),
+                             fast.size() * sizeof(float)))
+        << "m=" << s.m << " n=" << s.n << " k=" << s.k;
+    for (int64_t i = 0; i < s.m; ++i) {
+      std::vector<float> xi(x.begin() + i * s.k, x.begin() + (i + 1) * s.k);
+      const auto one = Run(GemmIsa::kAvx512, xi, 1, s.k, w);
+      ASSERT_EQ(0, std::memcmp(one.data(), fast.data() + i * s.n,
+                               s.n * sizeof(float)))
+          << "row " << i << " of m=" << s.m;
+    }
+  }
+}
+
+// A NaN activation stays a NaN through the vector rounding (a wrong rounding
+// would carry into the sign and give -0) and touches only its own row.
+TEST_F(Bf16DotTest, NanActivationsStayNanInTheirRowOnly) {
+  const int64_t m = 9, n = 20, k = 37;
+  auto x = Random(m * k, 1.0f);
+  const auto wf = Random(n * k, 0.05f);
+  const WeightMatrix w = WeightMatrix::Pack(wf.data(), n, k, DType::kBF16);
+  uint32_t nan_bits = 0x7fffffffu;  // all-ones payload: + 0x7fff overflows
+  std::memcpy(&x[4 * k + 20], &nan_bits, 4);
+  const auto clean_rows = Run(GemmIsa::kPortable, x, m, k, w);
+  for (GemmIsa isa : {GemmIsa::kPortable, GemmIsa::kAvx512}) {
+    if (!GemmIsaSupported(isa)) continue;
+    const auto y = Run(isa, x, m, k, w);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (i == 4) {
+          EXPECT_TRUE(std::isnan(y[i * n + j])) << GemmIsaName(isa);
+        } else {
+          EXPECT_EQ(y[i * n + j], clean_rows[i * n + j]) << GemmIsaName(isa);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(Bf16DotTest, OtherDtypesIgnoreIt) {
   const int64_t m = 3, n = 20, k = 40;
   const auto x = Random(m * k, 1.0f), wf = Random(n * k, 0.05f);
@@ -640,7 +716,10 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
        {Shape{1, 1, 1}, Shape{2, 17, 2}, Shape{3, 33, 66}, Shape{7, 45, 129},
         Shape{15, 50, 64}, Shape{16, 16, 63}, Shape{17, 97, 515},
         Shape{31, 33, 300}, Shape{32, 1000, 96}, Shape{33, 611, 2049},
-        Shape{48, 40, 130}, Shape{70, 130, 161}}) {
+        Shape{48, 40, 130}, Shape{70, 130, 161},
+        // The VNNI tile's 8 rows and 3 panels: full, and one past.
+        Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255},
+        Shape{25, 96, 1}}) {
     auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
     AddOutliersAndZeros(s.m, s.n, s.k, /*zero_block=*/false, &x, &wf);
     const WeightMatrix w = PackRow(wf, s.n, s.k);
@@ -673,6 +752,27 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
       }
     }
   }
+}
+
+// The VNNI kernel subtracts the activations' +128 offset with the sums the
+// matrix stores: 128 * Σ q per output row, zero in the padding rows, and
+// only in the dot-product layout.
+TEST_F(RowInt8DotTest, DotOffsetsAre128TimesEachRowsIntegerSum) {
+  const int64_t n = 37, k = 131;
+  const auto wf = Random(n * k, 0.05f);
+  const WeightMatrix w = PackRow(wf, n, k);
+  ASSERT_NE(w.dot_offsets(), nullptr);
+  const std::vector<float> q = w.Widened();
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t sum = 0;
+    for (int64_t p = 0; p < k; ++p) sum += static_cast<int64_t>(q[j * k + p]);
+    EXPECT_EQ(w.dot_offsets()[j], 128 * sum) << "row " << j;
+  }
+  for (int64_t j = n; j < 48; ++j) EXPECT_EQ(w.dot_offsets()[j], 0);
+  EXPECT_EQ(WeightMatrix::Pack(wf.data(), n, k, DType::kI8).dot_offsets(),
+            nullptr);
+  EXPECT_EQ(WeightMatrix::Pack(wf.data(), n, k, DType::kBF16).dot_offsets(),
+            nullptr);
 }
 
 TEST_F(RowInt8DotTest, RowsDoNotDependOnBatchSizeOffsetsThreadsOrKernel) {

@@ -9,7 +9,8 @@ usage: structured_output_test.py PDSERVE_BIN DOC_FILE WORK_DIR [unittest args]
 
 Clusters (plaintext on 127.0.0.1): disagg (1 prefill + 1 decode worker,
 remote prefill for every prompt) and coloc (1 `worker --role both`), each
-behind a router with --http-port.
+behind a router with --http-port, and up (`pdserve up`: 1 prefill + 1 decode
+worker and a router with its OpenAI front).
 """
 import json
 import os
@@ -26,7 +27,7 @@ import urllib.request
 import jsonschema
 
 BIN = DOC = WORK = MODEL = None
-PROCS, LOGS, CLUSTERS = [], [], {}
+PROCS, LOGS, CLUSTERS, WORKERS = [], [], {}, {}
 MODEL_NAME = "model"
 
 SCHEMAS = {
@@ -223,9 +224,9 @@ def start():
     subprocess.run([BIN, "model", "init", "--preset", "tiny", "--out", MODEL],
                    check=True, capture_output=True)
     worker = ["--model=" + MODEL, "--insecure", "--port=0", "--metrics-port=0", "--threads=1"]
-    pre = spawn("prefill", ["worker", "--role=prefill"] + worker)["addr"]
-    dec = spawn("decode", ["worker", "--role=decode"] + worker)["addr"]
-    both = spawn("both", ["worker", "--role=both"] + worker)["addr"]
+    for role in ("prefill", "decode", "both"):
+        WORKERS[role] = spawn(role, ["worker", "--role=" + role] + worker)
+    pre, dec, both = (WORKERS[r]["addr"] for r in ("prefill", "decode", "both"))
     router = ["router", "--model=" + MODEL, "--insecure", "--port=0", "--metrics-port=0",
               "--served-model-name=" + MODEL_NAME]
     CLUSTERS["disagg"] = spawn("router_disagg", router + [
@@ -233,8 +234,37 @@ def start():
         "--decode-workers=" + dec, "--local-prefill-threshold=0"])
     CLUSTERS["coloc"] = spawn("router_coloc", router + [
         "--http-port=%d" % free_port(), "--both-workers=" + both])
+    # The same model behind `pdserve up` (1 prefill + 1 decode worker over
+    # its default KV transport, and its router's OpenAI front).
+    CLUSTERS["up"] = spawn_up(["up", "--model=" + MODEL, "--port=0", "--metrics-port=0",
+                               "--http-port=%d" % free_port(), "--threads=1"])
     for c in CLUSTERS.values():
         wait_healthy(c["http"])
+
+
+def spawn_up(args, timeout=90):
+    log = open(os.path.join(WORK, "up.log"), "w")
+    LOGS.append(log)
+    proc = subprocess.Popen([BIN] + args, stdout=subprocess.PIPE, stderr=log, text=True)
+    PROCS.append(proc)
+    found, event = {}, threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if not log.closed:
+                log.write(line)
+            m = re.match(r"\s+router\s+grpc (\S+)\s+metrics http://[^:]+:(\d+)/", line)
+            if m:
+                found.update(addr=m.group(1), metrics=int(m.group(2)))
+            m = re.match(r"\s+openai\s+http://[^:]+:(\d+)/v1", line)
+            if m and "addr" in found and not event.is_set():
+                found["http"] = int(m.group(1))
+                event.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not event.wait(timeout):
+        raise RuntimeError("pdserve up did not start (see up.log)")
+    return found
 
 
 def wait_healthy(port, timeout=30):
@@ -292,6 +322,13 @@ def metric(port, name, labels):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     m = re.search(r"^%s\{%s\} (\S+)$" % (re.escape(name), re.escape(labels)), text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def plain_metric(port, name):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -446,6 +483,23 @@ class StructuredOutputTest(unittest.TestCase):
                                    {"model": MODEL_NAME, "prompt": "x", **extra})
                 self.assertEqual(status, 400, out)
                 self.assertIn(message, out["error"]["message"])
+
+    def test_workers_count_the_rows_they_mask(self):
+        # Every worker that samples a constrained token counts its masked
+        # rows and the time spent: the prefill worker the first token, the
+        # decode worker the rest, the colocated worker all of them.
+        name = "pdserve_structured_masked_rows_total"
+        secs = "pdserve_structured_mask_seconds_total"
+        before = {r: plain_metric(w["metrics"], name) for r, w in WORKERS.items()}
+        for cluster in ("disagg", "coloc"):
+            out = completion(cluster, prompt="Digits: ", max_tokens=6, temperature=0,
+                             guided_regex="[0-9]{6}")
+            self.assertRegex(out["text"], r"^[0-9]{6}$")
+        rows = {r: plain_metric(w["metrics"], name) - before[r] for r, w in WORKERS.items()}
+        self.assertEqual(rows["prefill"], 1, rows)
+        self.assertEqual(rows["decode"], 5, rows)
+        self.assertEqual(rows["both"], 6, rows)
+        self.assertGreater(plain_metric(WORKERS["both"]["metrics"], secs), 0)
 
     def test_unknown_fields_are_ignored_and_counted(self):
         c = CLUSTERS["coloc"]
