@@ -524,8 +524,15 @@ class OpenAiErrorsTest(unittest.TestCase):
         before = metric(port, "pdserve_http_requests_total",
                         'endpoint="/v1/completions",status="404"') or 0
         post("coloc", "/v1/completions", {"model": "nope", "prompt": "x"})
-        after = metric(port, "pdserve_http_requests_total",
-                       'endpoint="/v1/completions",status="404"')
+        # The front counts a request once its response is written, so the
+        # count can trail the client's read of that response by a moment.
+        deadline = time.time() + 10
+        while True:
+            after = metric(port, "pdserve_http_requests_total",
+                           'endpoint="/v1/completions",status="404"')
+            if after != before or time.time() > deadline:
+                break
+            time.sleep(0.02)
         self.assertEqual(after, before + 1)
 
 

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import unittest
 import urllib.error
 import urllib.request
@@ -495,7 +496,16 @@ class StructuredOutputTest(unittest.TestCase):
             out = completion(cluster, prompt="Digits: ", max_tokens=6, temperature=0,
                              guided_regex="[0-9]{6}")
             self.assertRegex(out["text"], r"^[0-9]{6}$")
-        rows = {r: plain_metric(w["metrics"], name) - before[r] for r, w in WORKERS.items()}
+        # A worker publishes its engine's counts after the step's tokens are
+        # sent, so they can trail the answer by a moment.
+        want = {"prefill": 1, "decode": 5, "both": 6}
+        deadline = time.time() + 10
+        while True:
+            rows = {r: plain_metric(w["metrics"], name) - before[r]
+                    for r, w in WORKERS.items()}
+            if rows == want or time.time() > deadline:
+                break
+            time.sleep(0.02)
         self.assertEqual(rows["prefill"], 1, rows)
         self.assertEqual(rows["decode"], 5, rows)
         self.assertEqual(rows["both"], 6, rows)
