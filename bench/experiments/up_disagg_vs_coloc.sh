@@ -5,7 +5,9 @@
 # usage: bench/experiments/up_disagg_vs_coloc.sh [PDSERVE_BIN] [MODEL_DIR] [REPS]
 #   extra binaries to compare (e.g. an older build) in $OTHER_BINS, each run
 #   disaggregated in the same rounds; $NUM_REQUESTS (24) and $CONCURRENCY (4)
-#   size the closed-loop `mixed` workload.
+#   size the closed-loop `mixed` workload; $SPLIT_UP_ARGS adds arguments to
+#   the 1P+1D runs' `pdserve up` command line, and with '|' between sets
+#   (e.g. "|--threads 1") runs 1P+1D once per set in every round.
 set -euo pipefail
 B=${1:-build/bin/pdserve}
 WORK=$(mktemp -d)
@@ -19,10 +21,11 @@ trap cleanup EXIT
 WORKLOAD=(--workload mixed --num-requests "${NUM_REQUESTS:-24}" --input-len 64 --output-len 32
   --concurrency "${CONCURRENCY:-4}" --seed 7)
 
-run() {  # run NAME BIN PREFILL_WORKERS
+run() {  # run NAME BIN PREFILL_WORKERS [UP_ARGS...]
   local name=$1 bin=$2 prefill=$3 log=$WORK/up.log
+  shift 3
   "$bin" up --model "$MODEL" --prefill "$prefill" --decode 1 --port 0 --metrics-port 0 \
-    --http-port 0 --kv-cache-memory 512MiB > "$log" 2>&1 &
+    --http-port 0 --kv-cache-memory 512MiB "$@" > "$log" 2>&1 &
   UP_PID=$!
   local addr=
   for _ in $(seq 1 600); do
@@ -46,6 +49,12 @@ print("%s load=%s out_tok/s=%.2f itl_p50_ms=%.1f itl_p99_ms=%.1f ttft_p50_ms=%.0
 
 for rep in $(seq 1 "$REPS"); do
   run "round $rep colocated" "$B" 0
-  run "round $rep 1P+1D" "$B" 1
-  for other in ${OTHER_BINS:-}; do run "round $rep 1P+1D ($other)" "$other" 1; done
+  IFS='|' read -r -a split_sets <<< "${SPLIT_UP_ARGS:-}"
+  [ ${#split_sets[@]} -eq 0 ] && split_sets=("")
+  for args in "${split_sets[@]}"; do
+    # shellcheck disable=SC2086
+    run "round $rep 1P+1D${args:+ ($args)}" "$B" 1 $args
+    # shellcheck disable=SC2086
+    for other in ${OTHER_BINS:-}; do run "round $rep 1P+1D${args:+ ($args)} ($other)" "$other" 1 $args; done
+  done
 done

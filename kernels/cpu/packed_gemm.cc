@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm_internal.h"
@@ -61,20 +63,61 @@ using packed_gemm_internal::WidenFn;
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 
-// Large matrices are 2 MiB aligned and asked for transparent huge pages: a
-// decode step streams gigabytes of weights, and 4 KiB pages would miss the
-// TLB on nearly every panel.
-std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
-  const size_t align = bytes >= (int64_t{4} << 20) ? (size_t{2} << 20) : 64;
-  const size_t size = (static_cast<size_t>(bytes) + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, std::max<size_t>(size, align));
+// Weights live in 2 MiB-aligned memory advised for transparent huge pages:
+// a decode step streams every weight once, and with 4 KiB pages each page
+// costs a TLB miss whose page walk follows a triad-cold page table, and the
+// hardware prefetchers stop at every 4 KiB boundary. Matrices of 4 MiB and
+// more get their own allocation; smaller ones (every matrix of a small model)
+// are packed back to back into shared 32 MiB chunks, so they sit on huge
+// pages too without rounding each one up to 2 MiB. A chunk is freed when the
+// last matrix in it is (the returned pointers share the chunk's ownership).
+std::shared_ptr<uint8_t[]> AllocateHugeAligned(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t size = std::max<size_t>((bytes + kHuge - 1) / kHuge * kHuge,
+                                       kHuge);
+  void* p = std::aligned_alloc(kHuge, size);
   if (p == nullptr) std::abort();
 #ifdef MADV_HUGEPAGE
-  if (align > 64) madvise(p, size, MADV_HUGEPAGE);
+  madvise(p, size, MADV_HUGEPAGE);
 #endif
-  std::memset(p, 0, size);
   return std::shared_ptr<uint8_t[]>(static_cast<uint8_t*>(p),
                                     [](uint8_t* q) { std::free(q); });
+}
+
+class SmallWeightArena {
+ public:
+  static SmallWeightArena& Get() {
+    static SmallWeightArena* arena = new SmallWeightArena();  // never freed
+    return *arena;
+  }
+  // bytes (> 0, < kChunkBytes) of zeroed, 64-byte-aligned memory.
+  std::shared_ptr<uint8_t[]> Allocate(size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    absl::MutexLock lock(&mu_);
+    if (chunk_ == nullptr || used_ + bytes > kChunkBytes) {
+      chunk_ = AllocateHugeAligned(kChunkBytes);
+      used_ = 0;
+    }
+    uint8_t* p = chunk_.get() + used_;
+    used_ += bytes;
+    std::memset(p, 0, bytes);
+    return std::shared_ptr<uint8_t[]>(chunk_, p);
+  }
+
+  static constexpr size_t kChunkBytes = size_t{32} << 20;
+
+ private:
+  absl::Mutex mu_;
+  std::shared_ptr<uint8_t[]> chunk_ ABSL_GUARDED_BY(mu_);
+  size_t used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+std::shared_ptr<uint8_t[]> AllocateWeights(int64_t bytes) {
+  const size_t size = static_cast<size_t>(std::max<int64_t>(bytes, 1));
+  if (size < (size_t{4} << 20)) return SmallWeightArena::Get().Allocate(size);
+  std::shared_ptr<uint8_t[]> p = AllocateHugeAligned(size);
+  std::memset(p.get(), 0, size);
+  return p;
 }
 
 // Rows of the largest register tile (the io scratch of the direct path).

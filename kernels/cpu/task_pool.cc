@@ -28,7 +28,41 @@ int64_t NowNs() {
 constexpr int64_t kHelperSpinNs = 200'000;
 constexpr int64_t kCallerSpinNs = 20'000;
 
+// Jobs run on the caller alone after a job that helpers slowed down: the
+// first backoff, and the most it doubles to.
+constexpr int kMinBackoffJobs = 4;
+constexpr int kMaxBackoffJobs = 512;
+
 thread_local ChunkRunStats last_stats;
+
+}  // namespace
+
+bool HelpPolicy::UseHelpers() {
+  if (solo_left_ == 0) return true;
+  --solo_left_;
+  return false;
+}
+
+void HelpPolicy::Record(int64_t own_ns, int64_t own_tasks, int64_t tasks,
+                        int64_t wait_ns) {
+  if (own_tasks <= 0 || own_tasks >= tasks) return;  // no helper ran
+  // The helpers' tasks at the caller's own pace: what running them here
+  // would have cost, against what waiting for them did cost.
+  const double alone_ns = static_cast<double>(own_ns) *
+                          static_cast<double>(tasks - own_tasks) /
+                          static_cast<double>(own_tasks);
+  if (static_cast<double>(wait_ns) > alone_ns) {
+    solo_left_ = backoff_;
+    backoff_ = std::min(backoff_ * 2, kMaxBackoffJobs);
+    ++losses_;
+  } else {
+    backoff_ = kMinBackoffJobs;
+  }
+}
+
+HelpPolicy::HelpPolicy() : backoff_(kMinBackoffJobs) {}
+
+namespace {
 
 class TaskPool {
  public:
@@ -37,16 +71,32 @@ class TaskPool {
     return *pool;                            // process: never destroyed
   }
 
+  // Waits until no job runs, then forgets the policy's history.
+  void ResetPolicy() {
+    while (busy_.exchange(true)) std::this_thread::yield();
+    policy_ = HelpPolicy();
+    busy_.store(false, std::memory_order_release);
+  }
+
   void Run(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
     ChunkRunStats& stats = last_stats;
     stats = ChunkRunStats();
     const int64_t start = NowNs();
     chunk = std::max<int64_t>(chunk, 1);
     if (tasks <= 0) return;
-    if (threads <= 1 || tasks <= chunk || busy_.exchange(true)) {
-      // Alone, in the same chunks (the results do not depend on it).
-      for (int64_t begin = 0; begin < tasks; begin += chunk)
+    auto run_alone = [&] {  // in the same chunks: the results do not
+      for (int64_t begin = 0; begin < tasks; begin += chunk)  // depend on it
         fn(begin, std::min(tasks, begin + chunk), begin == 0);
+    };
+    if (threads <= 1 || tasks <= chunk || busy_.exchange(true)) {
+      run_alone();
+      return;
+    }
+    // busy_ is ours: the policy is only read and written under it.
+    if (!policy_.UseHelpers()) {
+      busy_.store(false, std::memory_order_release);
+      stats.backed_off = true;
+      run_alone();
       return;
     }
     EnsureHelpers(threads - 1);
@@ -61,9 +111,12 @@ class TaskPool {
       if (sleepers_ > 0) cv_.SignalAll();
     }
     bool first = true;
-    int64_t begin, end, own = 0;
+    int64_t begin, end, own = 0, own_start = 0;
     while (Claim(gen, tasks, chunk, &begin, &end)) {
-      if (first) stats.publish_ns = NowNs() - start;
+      if (first) {
+        own_start = NowNs();
+        stats.publish_ns = own_start - start;
+      }
       fn(begin, end, first);
       first = false;
       own += end - begin;
@@ -79,6 +132,8 @@ class TaskPool {
     }
     stats.wait_ns = NowNs() - wait_start;
     stats.helped = own < tasks;
+    if (own > 0 && own < tasks)
+      policy_.Record(wait_start - own_start, own, tasks, stats.wait_ns);
     busy_.store(false, std::memory_order_release);
   }
 
@@ -155,6 +210,7 @@ class TaskPool {
     }
   }
 
+  HelpPolicy policy_;  // only touched by the thread that holds busy_
   absl::Mutex mu_;
   absl::CondVar cv_;
   uint32_t gen_counter_ ABSL_GUARDED_BY(mu_) = 0;
@@ -175,5 +231,7 @@ void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
 }
 
 const ChunkRunStats& LastChunkRunStats() { return last_stats; }
+
+void ResetHelpPolicyForTesting() { TaskPool::Get().ResetPolicy(); }
 
 }  // namespace pdserve::kernels

@@ -12,6 +12,13 @@
 // 9-19 ms of a 14-37 ms step in region starts, `bench engine --profile`).
 // Here a descheduled helper costs nothing unless it holds a claimed chunk.
 //
+// Helpers that cost more than they give are left out for a while
+// (HelpPolicy): on a shared host a helper preempted while it holds a chunk
+// makes the caller wait a whole scheduling slice, and a short GEMM then runs
+// slower on two threads than on one (measured: all GEMMs of a `small` bf16
+// decode step, 1 thread 1.5 ms, 2 threads 4-5 ms median, with another process
+// busy on the second core).
+//
 // Helpers spin briefly after a job (consecutive GEMMs of a step are
 // microseconds apart), then sleep until the next one is published.
 // Which thread runs a chunk must not change any result (the kernels' order
@@ -44,7 +51,35 @@ struct ChunkRunStats {
   int64_t publish_ns = 0;
   int64_t wait_ns = 0;
   bool helped = false;
+  bool backed_off = false;  // ran alone because HelpPolicy said so
 };
 const ChunkRunStats& LastChunkRunStats();
+
+// Decides, job by job, whether helpers may join. After each helped job the
+// caller compares its wait for the helpers' chunks with what those chunks
+// would have cost it at its own pace (its time per task in that job); when
+// waiting cost more, the next `backoff` jobs run on the caller alone, and the
+// backoff doubles on every further loss (4 up to 512 jobs) and falls back to 4
+// after a job the helpers sped up. Not thread-safe: the pool calls it only
+// from the thread that currently owns the helpers.
+class HelpPolicy {
+ public:
+  HelpPolicy();
+  // Whether the next job may publish to helpers.
+  bool UseHelpers();
+  // One helped job: the caller ran own_tasks of tasks in own_ns, then waited
+  // wait_ns for the rest.
+  void Record(int64_t own_ns, int64_t own_tasks, int64_t tasks,
+              int64_t wait_ns);
+  int64_t losses() const { return losses_; }
+
+ private:
+  int backoff_;
+  int solo_left_ = 0;
+  int64_t losses_ = 0;
+};
+
+// Forgets the pool's HelpPolicy history (tests that need helpers to join).
+void ResetHelpPolicyForTesting();
 
 }  // namespace pdserve::kernels

@@ -82,6 +82,7 @@ TEST(TaskPoolTest, ConcurrentCallersEachCompleteTheirTasks) {
 }
 
 TEST(TaskPoolTest, StatsSayWhetherAHelperRan) {
+  ResetHelpPolicyForTesting();
   RunChunks(4, 1, 1, [](int64_t, int64_t, bool) {});
   EXPECT_FALSE(LastChunkRunStats().helped);
   // A helper takes part once it is awake: with chunks that each take a
@@ -94,6 +95,83 @@ TEST(TaskPoolTest, StatsSayWhetherAHelperRan) {
     helped = LastChunkRunStats().helped;
   }
   EXPECT_TRUE(helped);
+}
+
+TEST(HelpPolicyTest, KeepsHelpersWhileTheySpeedJobsUp) {
+  HelpPolicy policy;
+  for (int job = 0; job < 100; ++job) {
+    ASSERT_TRUE(policy.UseHelpers());
+    // Half the tasks each, and a short wait for the helper's last chunk.
+    policy.Record(/*own_ns=*/1000, /*own_tasks=*/8, /*tasks=*/16,
+                  /*wait_ns=*/100);
+  }
+  EXPECT_EQ(policy.losses(), 0);
+}
+
+TEST(HelpPolicyTest, AStalledHelperSendsJobsToTheCallerWithGrowingBackoff) {
+  HelpPolicy policy;
+  ASSERT_TRUE(policy.UseHelpers());
+  // The helper took one chunk and was descheduled: the caller ran 15 of 16
+  // tasks in 15 us, then waited 3 ms for the last.
+  policy.Record(15000, 15, 16, 3'000'000);
+  EXPECT_EQ(policy.losses(), 1);
+  auto solo_jobs = [&] {
+    int n = 0;
+    while (!policy.UseHelpers()) ++n;
+    return n;
+  };
+  EXPECT_EQ(solo_jobs(), 4);
+  policy.Record(15000, 15, 16, 3'000'000);  // the probe loses again
+  EXPECT_EQ(solo_jobs(), 8);
+  policy.Record(15000, 15, 16, 3'000'000);
+  EXPECT_EQ(solo_jobs(), 16);
+  for (int i = 0; i < 10; ++i) {
+    policy.Record(15000, 15, 16, 3'000'000);
+    solo_jobs();
+  }
+  policy.Record(15000, 15, 16, 3'000'000);
+  EXPECT_EQ(solo_jobs(), 512);  // capped
+  // A probe that the helpers sped up resets the backoff.
+  policy.Record(1000, 8, 16, 100);
+  EXPECT_TRUE(policy.UseHelpers());
+  policy.Record(15000, 15, 16, 3'000'000);
+  EXPECT_EQ(solo_jobs(), 4);
+}
+
+TEST(HelpPolicyTest, AWaitShorterThanTheHelpersShareIsAGain) {
+  HelpPolicy policy;
+  // The caller ran 12 of 16 tasks in 12 us (1 us each): the helper's 4 would
+  // have cost it 4 us, so a 3 us wait is a gain and a 5 us wait a loss.
+  policy.Record(12000, 12, 16, 3000);
+  EXPECT_EQ(policy.losses(), 0);
+  EXPECT_TRUE(policy.UseHelpers());
+  policy.Record(12000, 12, 16, 5000);
+  EXPECT_EQ(policy.losses(), 1);
+  EXPECT_FALSE(policy.UseHelpers());
+}
+
+// A helper that is descheduled while it holds chunks: the pool backs off and
+// runs the following jobs on the caller, and every task still runs once.
+TEST(TaskPoolTest, BacksOffFromAHelperThatStallsTheCaller) {
+  ResetHelpPolicyForTesting();
+  bool backed_off = false;
+  int rep = 0;
+  for (; rep < 200 && !backed_off; ++rep) {
+    std::vector<std::atomic<int>> hits(32);
+    const std::thread::id caller = std::this_thread::get_id();
+    RunChunks(32, 1, 2, [&](int64_t begin, int64_t end, bool) {
+      // The helper's chunks take 5 ms, the caller's 50 us.
+      std::this_thread::sleep_for(std::this_thread::get_id() != caller
+                                      ? std::chrono::microseconds(5000)
+                                      : std::chrono::microseconds(50));
+      for (int64_t t = begin; t < end; ++t) hits[t]++;
+    });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+    RunChunks(32, 1, 2, [&](int64_t, int64_t, bool) {});
+    backed_off = LastChunkRunStats().backed_off;
+  }
+  EXPECT_TRUE(backed_off) << "no back-off after " << rep << " jobs";
+  ResetHelpPolicyForTesting();
 }
 
 }  // namespace
