@@ -721,8 +721,10 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
         Shape{31, 33, 300}, Shape{32, 1000, 96}, Shape{33, 611, 2049},
         Shape{48, 40, 130}, Shape{70, 130, 161},
         // The VNNI tile's 8 rows and 3 panels: full, and one past.
-        Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255},
-        Shape{25, 96, 1}}) {
+        Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255}, Shape{25, 96, 1},
+        // Many row tiles (the activations are laid out per row tile, and
+        // each row tile prefetches part of the next weight tile) at longer k.
+        Shape{64, 48, 512}, Shape{64, 100, 1030}, Shape{77, 49, 2049}}) {
     auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
     AddOutliersAndZeros(s.m, s.n, s.k, /*zero_block=*/false, &x, &wf);
     const WeightMatrix w = PackRow(wf, s.n, s.k);
