@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 namespace pdserve::kernels {
 namespace {
@@ -79,11 +81,45 @@ std::string CpuFeatures::ToString() const {
   add(amx_bf16, "amx-bf16");
   add(amx_int8, "amx-int8");
   add(amx_usable, "amx-permitted");
+  add(cap == Cap::kAvx512, "cap=avx512");
+  add(cap == Cap::kAvx2, "cap=avx2");
   return s.empty() ? "none" : s;
 }
 
+std::optional<CpuFeatures::Cap> ParseCpuIsaCap(std::string_view name) {
+  if (name == "native") return CpuFeatures::Cap::kNative;
+  if (name == "avx512") return CpuFeatures::Cap::kAvx512;
+  if (name == "avx2") return CpuFeatures::Cap::kAvx2;
+  return std::nullopt;
+}
+
+CpuFeatures CapCpuFeatures(CpuFeatures f, CpuFeatures::Cap cap) {
+  if (cap == CpuFeatures::Cap::kNative) return f;
+  f.cap = cap;
+  f.amx_bf16 = f.amx_int8 = f.amx_usable = false;
+  if (cap == CpuFeatures::Cap::kAvx2) {
+    f.avx512f = f.avx512bw = f.avx512vl = f.avx512bf16 = f.avx512vnni =
+        f.avx512vbmi = f.avx512fp16 = false;
+  }
+  return f;
+}
+
 const CpuFeatures& DetectCpuFeatures() {
-  static const CpuFeatures features = Detect();
+  static const CpuFeatures features = [] {
+    CpuFeatures::Cap cap = CpuFeatures::Cap::kNative;
+    if (const char* env = std::getenv("PDSERVE_CPU_ISA"); env != nullptr) {
+      const std::optional<CpuFeatures::Cap> parsed = ParseCpuIsaCap(env);
+      if (parsed.has_value()) {
+        cap = *parsed;
+      } else {
+        std::fprintf(stderr,
+                     "PDSERVE_CPU_ISA=%s is not avx2, avx512 or native; "
+                     "using the CPU's own features\n",
+                     env);
+      }
+    }
+    return CapCpuFeatures(Detect(), cap);
+  }();
   return features;
 }
 

@@ -11,8 +11,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -24,6 +22,7 @@
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm_internal.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::kernels::packed_gemm_internal {
 namespace {
@@ -249,26 +248,40 @@ void OffsetToUnsigned(int8_t* q, int64_t n) {
     q[p] = static_cast<int8_t>(static_cast<uint8_t>(q[p]) ^ 0x80);
 }
 
+// item(i) for every i < count (activation rows, or row tiles), each about
+// `elements` activations, on the kernel helpers (task_pool.h) where there is
+// enough work: no OpenMP region, whose start and end would wait for a
+// descheduled partner thread.
+template <typename Item>
+void RunActivationRows(int64_t count, int64_t elements, Item&& item) {
+  const int threads =
+      static_cast<int>(std::min<int64_t>(KernelThreads(), count));
+  const bool parallel = threads > 1 && count * elements > (int64_t{1} << 16);
+  RunChunks(count, std::max<int64_t>(1, count / (threads * 4)),
+            parallel ? threads : 1, [&](int64_t begin, int64_t end, bool) {
+              for (int64_t i = begin; i < end; ++i) item(i);
+            });
+}
+
 void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
                          float* scales, bool unsigned_bytes) {
   const int64_t kp = (k + kInt8Block - 1) / kInt8Block * kInt8Block;
   const int64_t blocks = kp / kInt8Block;
   const bool hw = ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
   // Rows are independent; a prefill chunk has thousands of blocks per row.
-  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), m));
-#pragma omp parallel for num_threads(threads) if (threads > 1 && \
-                                                  m * k > (int64_t{1} << 16))
-  for (int64_t i = 0; i < m; ++i) {
+  RunActivationRows(m, k, [&](int64_t i) {
     (hw ? QuantizeRowAvx512 : QuantizeRowPortable)(x + i * k, k, kp, q + i * kp,
                                                    scales + i * blocks);
     if (unsigned_bytes) OffsetToUnsigned(q + i * kp, kp);
-  }
+  });
 }
 
-// The VNNI / portable int8dot loop: tiles of `max_nv` panels over the threads
-// (which thread takes a tile never changes its numbers); per tile
-// begin(panels, nv), then for each of ceil(m / max_rows) equal row tiles
-// compute(i0, rows, panels, nv, io) fills io [rows][nv * 16], copied to y.
+// The VNNI / portable int8dot loop: tiles of `max_nv` panels over the calling
+// thread and the kernel helpers (task_pool.h; which thread takes a tile never
+// changes its numbers); per tile begin(panels, nv), then for each of
+// row_tiles = ceil(m / max_rows) equal row tiles
+// compute(i0, rows, rt, row_tiles, panels, nv, io) fills io [rows][nv * 16],
+// copied to y.
 template <typename Begin, typename Compute>
 void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
                      int max_nv, float* __restrict__ y, Begin&& begin,
@@ -284,26 +297,27 @@ void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
   // 3 panels at n = 512) still splits evenly, and a preempted thread's share
   // is taken over; which thread computes a tile never changes its numbers.
   const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
-#pragma omp parallel for num_threads(threads) \
-    schedule(dynamic, chunk) if (parallel)
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    alignas(64) float io[kTileRowsMax * kTilePanelsMax * kPanel];
-    const int64_t p0 = tile * max_nv;
-    const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
-    const int64_t c0 = p0 * kPanel;
-    const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
-    const uint8_t* wp = w.data() + p0 * pb;
-    begin(wp, nv);
-    for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      const int64_t i0 = m * rt / row_tiles;
-      const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-      compute(i0, rows, wp, nv, io);
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
-                    cols * sizeof(float));
+  auto run_tiles = [&](int64_t t_begin, int64_t t_end, bool) {
+    for (int64_t tile = t_begin; tile < t_end; ++tile) {
+      alignas(64) float io[kTileRowsMax * kTilePanelsMax * kPanel];
+      const int64_t p0 = tile * max_nv;
+      const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
+      const int64_t c0 = p0 * kPanel;
+      const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
+      const uint8_t* wp = w.data() + p0 * pb;
+      begin(wp, nv);
+      for (int64_t rt = 0; rt < row_tiles; ++rt) {
+        const int64_t i0 = m * rt / row_tiles;
+        const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
+        compute(i0, rows, rt, row_tiles, wp, nv, io);
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
+                      cols * sizeof(float));
+        }
       }
     }
-  }
+  };
+  RunChunks(tiles, chunk, parallel ? threads : 1, run_tiles);
 }
 
 PDSERVE_VNNI void QuantizeRowPerRowAvx512(const float* x, int64_t k, int64_t kq,
@@ -331,35 +345,93 @@ PDSERVE_VNNI void QuantizeRowPerRowAvx512(const float* x, int64_t k, int64_t kq,
 // x [m, k] -> q [m, kq] (kq = RowDotPaddedK(k)), scales [m]; unsigned_bytes:
 // q + 128 as unsigned bytes (VPDPBUSD), padding included.
 void QuantizeActivationsPerRow(const float* x, int64_t m, int64_t k, int8_t* q,
-                               float* scales, bool unsigned_bytes) {
+                               float* scales) {
   const int64_t kq = RowDotPaddedK(k);
   const bool hw = ActiveGemmIsa() == GemmIsa::kAvx512 && VnniUsable();
-  const int threads = static_cast<int>(std::min<int64_t>(KernelThreads(), m));
-#pragma omp parallel for num_threads(threads) if (threads > 1 && \
-                                                  m * k > (int64_t{1} << 16))
-  for (int64_t i = 0; i < m; ++i) {
+  RunActivationRows(m, k, [&](int64_t i) {
     (hw ? QuantizeRowPerRowAvx512 : QuantizeRowPerRowPortable)(
         x + i * k, k, kq, q + i * kq, scales + i);
-    if (unsigned_bytes) OffsetToUnsigned(q + i * kq, kq);
+  });
+}
+
+// One row rounded as QuantizeRowPerRowAvx512 does (the same q), stored as
+// VPDPBUSD reads it: q + 128 as unsigned bytes, padding to kq included, one
+// 4-k group every group_stride bytes.
+PDSERVE_VNNI void QuantizeRowPerRowVnni(const float* x, int64_t k, int64_t kq,
+                                        int64_t group_stride, uint8_t* u,
+                                        float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 16) {
+    const __mmask16 mk = k - p >= 16 ? 0xffff : (1u << (k - p)) - 1;
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + p)));
+  }
+  const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m128i offset = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t p = 0; p < kq; p += 16) {
+    const int64_t len = std::clamp<int64_t>(k - p, 0, 16);
+    const __mmask16 mk = len >= 16 ? 0xffff : (1u << len) - 1;
+    const __m128i q = s > 0
+                          ? QuantizeAvx512(_mm512_maskz_loadu_ps(mk, x + p), sv)
+                          : _mm_setzero_si128();
+    const __m128i b = _mm_xor_si128(q, offset);
+    uint8_t* dst = u + p / 4 * group_stride;
+    if (group_stride == 4) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
+    } else {
+      _mm_storeu_si32(dst, b);
+      _mm_storeu_si32(dst + group_stride, _mm_bsrli_si128(b, 4));
+      _mm_storeu_si32(dst + 2 * group_stride, _mm_bsrli_si128(b, 8));
+      _mm_storeu_si32(dst + 3 * group_stride, _mm_bsrli_si128(b, 12));
+    }
   }
 }
 
-// MR rows (ux: q + 128, stride kq) x NV kPanel16Dot panels on VPDPBUSD; the
+// The VNNI tiles' activations: x [m, k] rounded per row (scales [m]), in the
+// row tiles RunInt8DotTiles makes of kRowDotRows at most (row_tiles equal
+// ones). The tile of rows [i0, i0 + rows) holds u [i0 * kq, (i0 + rows) *
+// kq) as [kq / 4 groups][rows][4 bytes]: per group its rows' 4 bytes side by
+// side, so the tile's broadcasts read one contiguous stream.
+void QuantizeActivationsVnniTiles(const float* x, int64_t m, int64_t k,
+                                  int64_t row_tiles, uint8_t* u,
+                                  float* scales) {
+  const int64_t kq = RowDotPaddedK(k);
+  RunActivationRows(row_tiles, k * kRowDotRows, [&](int64_t rt) {
+    const int64_t i0 = m * rt / row_tiles;
+    const int64_t rows = m * (rt + 1) / row_tiles - i0;
+    for (int64_t i = i0; i < i0 + rows; ++i) {
+      QuantizeRowPerRowVnni(x + i * k, k, kq, rows * 4,
+                            u + i0 * kq + (i - i0) * 4, scales + i);
+    }
+  });
+}
+
+// MR rows (ux: q + 128 as QuantizeActivationsVnniTiles lays out one row
+// tile, [kq / 4][MR][4]) x NV kPanel16Dot panels on VPDPBUSD; the
 // stored 64 bytes per 4 k are the instruction's operand as they are, and the
 // +128 offset comes off with the matrix's dot_offsets() (corr, 16 per panel).
 // One tile runs all of k: the int32 sums need no partial stores, and a
 // panel's k in one pass streams it from memory once (small batches: the
 // weight stream is the limit, hence the prefetch 1 KiB ahead).
+// With several row tiles per weight tile, the first streams the weights and
+// the rest read them from L2; each row tile then also pulls its share of the
+// next weight tile into L2 (pf_lines 64-byte lines from pf, spread over k),
+// so that the memory stream overlaps the arithmetic instead of stalling the
+// next tile's first pass.
 template <int MR, int NV>
-PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx, int64_t kq,
+PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx,
                              const uint8_t* w, int64_t panel_bytes,
-                             const float* sw, const int32_t* corr, float* io) {
+                             const float* sw, const int32_t* corr,
+                             int64_t groups, const uint8_t* pf,
+                             int64_t pf_lines, float* io) {
   __m512i isum[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) isum[i][v] = _mm512_setzero_si512();
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
-  for (int64_t g = 0; g < kq / 4; ++g) {
+  int64_t pf_done = 0;
+  for (int64_t g = 0; g < groups; ++g) {
     __m512i wg[NV];
     for (int v = 0; v < NV; ++v) {
       wg[v] = _mm512_loadu_si512(wp[v] + g * 64);
@@ -367,9 +439,12 @@ PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx, int64_t kq,
         _mm_prefetch(reinterpret_cast<const char*>(wp[v] + g * 64 + 1024),
                      _MM_HINT_T0);
     }
+    for (; pf_done < pf_lines && pf_done * groups <= g * pf_lines; ++pf_done)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
+                   _MM_HINT_T1);
     for (int i = 0; i < MR; ++i) {
       uint32_t u4;
-      std::memcpy(&u4, ux + i * kq + g * 4, 4);
+      std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
       const __m512i u = _mm512_set1_epi32(static_cast<int>(u4));
       for (int v = 0; v < NV; ++v) isum[i][v] = DpBusd(isum[i][v], u, wg[v]);
     }
@@ -387,9 +462,9 @@ PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx, int64_t kq,
   }
 }
 
-using RowDotVnniFn = void (*)(const uint8_t*, const float*, int64_t,
-                              const uint8_t*, int64_t, const float*,
-                              const int32_t*, float*);
+using RowDotVnniFn = void (*)(const uint8_t*, const float*, const uint8_t*,
+                              int64_t, const float*, const int32_t*, int64_t,
+                              const uint8_t*, int64_t, float*);
 template <int NV, int... R>
 constexpr std::array<RowDotVnniFn, sizeof...(R)> RowDotVnniRows(
     std::integer_sequence<int, R...>) {
@@ -440,7 +515,8 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
         prep.resize(blocks * PrepBlockBytes(nv));
         PrepareInt8DotTile(wp, pb, nv, blocks, prep.data());
       },
-      [&](int64_t i0, int rows, const uint8_t* wp, int nv, float* io) {
+      [&](int64_t i0, int rows, int64_t, int64_t, const uint8_t* wp, int nv,
+          float* io) {
         const std::vector<uint8_t>& prep = Int8DotPrepBuffer();
         if (prepared) {
           Int8DotVnniPreparedTile(rows, nv)(
@@ -475,8 +551,14 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t m_pad = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
   qx.resize(m_pad * kq);
   sx.resize(m_pad);
-  QuantizeActivationsPerRow(x, m, k, qx.data(), sx.data(),
-                            /*unsigned_bytes=*/hw);
+  const int64_t vnni_row_tiles = (m + kRowDotRows - 1) / kRowDotRows;
+  if (hw) {
+    QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles,
+                                 reinterpret_cast<uint8_t*>(qx.data()),
+                                 sx.data());
+  } else {
+    QuantizeActivationsPerRow(x, m, k, qx.data(), sx.data());
+  }
   if (amx) {
     std::memset(qx.data() + m * kq, 0, (m_pad - m) * kq);
     std::fill(sx.begin() + m, sx.end(), 0.0f);
@@ -485,16 +567,26 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   }
   const int8_t* const qxp = qx.data();
   const float* const sxp = sx.data();
+  // The tiles are consecutive in memory, one after the other.
+  const uint8_t* const w_end = w.data() + (w.rows() + kPanel - 1) / kPanel * pb;
   RunInt8DotTiles(
       m, k, w, hw ? kRowDotRows : kInt8DotRows, hw ? kRowDotPanels : 1, y,
       [](const uint8_t*, int) {},
-      [&](int64_t i0, int rows, const uint8_t* wp, int nv, float* io) {
+      [&](int64_t i0, int rows, int64_t rt, int64_t row_tiles,
+          const uint8_t* wp, int nv, float* io) {
         const int64_t c0 = (wp - w.data()) / pb * kPanel;
         const float* sw = w.scales() + c0;
         if (hw) {
+          // Row tile rt of row_tiles prefetches that share of the next tile.
+          const uint8_t* next = wp + nv * pb;
+          const int64_t next_bytes =
+              row_tiles > 1 ? std::min<int64_t>(w_end - next, nv * pb) : 0;
+          const int64_t lines = (next_bytes + 63) / 64;
+          const int64_t l0 = lines * rt / row_tiles;
+          const int64_t l1 = lines * (rt + 1) / row_tiles;
           RowDotVnniTile(rows, nv)(
-              reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, kq, wp,
-              pb, sw, w.dot_offsets() + c0, io);
+              reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, wp, pb,
+              sw, w.dot_offsets() + c0, kq / 4, next + l0 * 64, l1 - l0, io);
         } else {
           RowDotPortable(fmt, qxp + i0 * kq, sxp + i0, kq, k, rows, nv, wp, pb,
                          sw, io);

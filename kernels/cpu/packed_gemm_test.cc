@@ -1,8 +1,11 @@
 #include "kernels/cpu/packed_gemm.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <random>
@@ -718,8 +721,10 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
         Shape{31, 33, 300}, Shape{32, 1000, 96}, Shape{33, 611, 2049},
         Shape{48, 40, 130}, Shape{70, 130, 161},
         // The VNNI tile's 8 rows and 3 panels: full, and one past.
-        Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255},
-        Shape{25, 96, 1}}) {
+        Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255}, Shape{25, 96, 1},
+        // Many row tiles (the activations are laid out per row tile, and
+        // each row tile prefetches part of the next weight tile) at longer k.
+        Shape{64, 48, 512}, Shape{64, 100, 1030}, Shape{77, 49, 2049}}) {
     auto x = Random(s.m * s.k, 1.0f), wf = Random(s.n * s.k, 0.05f);
     AddOutliersAndZeros(s.m, s.n, s.k, /*zero_block=*/false, &x, &wf);
     const WeightMatrix w = PackRow(wf, s.n, s.k);
@@ -961,6 +966,116 @@ TEST(CpuFeaturesTest, BestPathIsSupportedAndPortableAlwaysIs) {
   EXPECT_TRUE(GemmIsaSupported(ActiveGemmIsa()));
   EXPECT_EQ(GemmIsaSupported(GemmIsa::kAvx512),
             DetectCpuFeatures().avx512f && DetectCpuFeatures().fma);
+}
+
+TEST(CpuFeaturesTest, Avx2CapClearsEveryAvx512AndAmxBit) {
+  CpuFeatures all;
+  all.avx2 = all.fma = all.f16c = all.avx512f = all.avx512bw = all.avx512vl =
+      all.avx512bf16 = all.avx512vnni = all.avx512vbmi = all.avx512fp16 =
+          all.amx_bf16 = all.amx_int8 = all.amx_usable = true;
+  const CpuFeatures avx2 = CapCpuFeatures(all, CpuFeatures::Cap::kAvx2);
+  EXPECT_EQ(avx2.ToString(), "avx2 fma f16c cap=avx2");
+  const CpuFeatures avx512 = CapCpuFeatures(all, CpuFeatures::Cap::kAvx512);
+  EXPECT_EQ(avx512.ToString(),
+            "avx2 fma f16c avx512f avx512bw avx512vl avx512bf16 avx512vnni "
+            "avx512vbmi avx512fp16 cap=avx512");
+  const CpuFeatures native = CapCpuFeatures(all, CpuFeatures::Cap::kNative);
+  EXPECT_EQ(native.ToString(), all.ToString());
+  EXPECT_EQ(ParseCpuIsaCap("avx2"), CpuFeatures::Cap::kAvx2);
+  EXPECT_EQ(ParseCpuIsaCap("avx512"), CpuFeatures::Cap::kAvx512);
+  EXPECT_EQ(ParseCpuIsaCap("native"), CpuFeatures::Cap::kNative);
+  EXPECT_FALSE(ParseCpuIsaCap("AVX2").has_value());
+  EXPECT_FALSE(ParseCpuIsaCap("").has_value());
+}
+
+// FNV-1a over the output bits of GEMMs on every weight format and numerics
+// that the engine runs, batch 1, 7 and 32: equal hashes, equal bits.
+uint64_t GemmBitsHash() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  constexpr int64_t kN = 100, kK = 300, kMaxM = 32;
+  std::vector<float> x(kMaxM * kK), wf(kN * kK);
+  for (float& v : x) v = dist(rng);
+  for (float& v : wf) v = 0.05f * dist(rng);
+  struct Case {
+    DType dtype;
+    Int8Scaling scaling;
+    WeightMatrix::Layout layout;
+    GemmNumerics numerics;
+  };
+  const WeightMatrix::Layout kPanel = WeightMatrix::Layout::kPanel16;
+  const WeightMatrix::Layout kDot = WeightMatrix::Layout::kPanel16Dot;
+  uint64_t h = 1469598103934665603ull;
+  for (const Case c :
+       {Case{DType::kF32, Int8Scaling::kPerRow, kPanel,
+             GemmNumerics::kFp32Chain},
+        Case{DType::kBF16, Int8Scaling::kPerRow, kPanel,
+             GemmNumerics::kFp32Chain},
+        Case{DType::kBF16, Int8Scaling::kPerRow, kPanel,
+             GemmNumerics::kBf16Dot},
+        Case{DType::kI8, Int8Scaling::kPerRow, kPanel,
+             GemmNumerics::kFp32Chain},
+        Case{DType::kI8, Int8Scaling::kPerRow, kDot, GemmNumerics::kInt8Dot},
+        Case{DType::kI8, Int8Scaling::kBlock32, kPanel,
+             GemmNumerics::kInt8Dot}}) {
+    const WeightMatrix w =
+        WeightMatrix::Pack(wf.data(), kN, kK, c.dtype, c.scaling, c.layout);
+    for (const int64_t m : {1, 7, 32}) {
+      std::vector<float> y(m * kN);
+      GemmNT(x.data(), m, kK, w, y.data(), c.numerics);
+      std::vector<unsigned char> bytes(y.size() * sizeof(float));
+      std::memcpy(bytes.data(), y.data(), bytes.size());
+      for (const unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// Run by CpuIsaCapTest in a child process with PDSERVE_CPU_ISA set (the cap
+// is read once per process); skipped otherwise.
+TEST(CpuIsaCapChild, PrintsFeaturesPathAndGemmBits) {
+  if (std::getenv("PDSERVE_CPU_ISA_CHILD") == nullptr)
+    GTEST_SKIP() << "run by CpuIsaCapTest";
+  std::printf("child: features=[%s] path=%s hash=%016llx\n",
+              DetectCpuFeatures().ToString().c_str(),
+              GemmIsaName(ActiveGemmIsa()),
+              static_cast<unsigned long long>(GemmBitsHash()));
+}
+
+TEST(CpuIsaCapTest, Avx2CapRunsTheAvx2PathWithTheSameBits) {
+  // This process's path as it is; whichever it is, the bits must be the same.
+  const uint64_t here = GemmBitsHash();
+  // This test binary (the shell popen starts would read its own).
+  char exe[4096];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  ASSERT_GT(len, 0);
+  exe[len] = '\0';
+  const std::string command =
+      std::string("PDSERVE_CPU_ISA=avx2 PDSERVE_CPU_ISA_CHILD=1 '") + exe +
+      "' --gtest_filter='CpuIsaCapChild.*' 2>&1";
+  FILE* child = popen(command.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, child) != nullptr) out += buf;
+  ASSERT_EQ(pclose(child), 0) << out;
+  const size_t at = out.find("child: features=[");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::string line = out.substr(at, out.find('\n', at) - at);
+  std::printf("%s (this process: %s, hash=%016llx)\n", line.c_str(),
+              GemmIsaName(ActiveGemmIsa()),
+              static_cast<unsigned long long>(here));
+  EXPECT_EQ(line.find("avx512"), std::string::npos) << line;
+  EXPECT_EQ(line.find("amx"), std::string::npos) << line;
+  EXPECT_NE(line.find("cap=avx2"), std::string::npos) << line;
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (f.avx2 && f.fma && f.f16c) {
+    EXPECT_NE(line.find("path=avx2 "), std::string::npos) << line;
+  }
+  char want[32];
+  std::snprintf(want, sizeof want, "hash=%016llx",
+                static_cast<unsigned long long>(here));
+  EXPECT_NE(line.find(want), std::string::npos) << line;
 }
 
 }  // namespace
