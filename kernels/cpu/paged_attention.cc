@@ -194,6 +194,62 @@ AttnIsa& ActiveAttnIsa() {
 // Scores of `ns` query states (q rows qs[s]) against a block's keys held
 // transposed, kt[i * ldk + t] = k_t[i], t < ldk (a multiple of 16, zero past
 // the block's keys): out[s * ldk + t] for every t < ldk.
+// kt[i * ldk + t] = k[t * d + i] for t < count, and 0 for count <= t < ldk:
+// a block's keys, one row per dimension, so that 16 keys' scores are 16
+// lanes of one FMA chain. A pure data move: every ISA gives the same kt.
+void TransposeKeysPortable(const float* k, int count, int d, int ldk,
+                           float* kt) {
+  for (int t = 0; t < count; ++t) {
+    for (int i = 0; i < d; ++i) kt[int64_t{i} * ldk + t] = k[int64_t{t} * d + i];
+  }
+  for (int i = 0; count < ldk && i < d; ++i)
+    std::fill_n(kt + int64_t{i} * ldk + count, ldk - count, 0.0f);
+}
+
+// The same for ldk == 16 and d % 16 == 0, one 16 x 16 register transpose per
+// 16 dimensions (missing keys are zero rows).
+PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const float* k, int count,
+                                               int d, float* kt) {
+  for (int j = 0; j < d; j += 16) {
+    __m512 r[16], t[16], u[16];
+    for (int row = 0; row < 16; ++row) {
+      r[row] = row < count ? _mm512_loadu_ps(k + int64_t{row} * d + j)
+                           : _mm512_setzero_ps();
+    }
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + c], 128-bit lane L: rows 4i..4i+3 of column 4L + c.
+    for (int i = 0; i < 4; ++i) {
+      u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+      u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 p = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+      const __m512 q = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+      const __m512 rr = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512 s = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+      float* out = kt + int64_t{j} * 16;
+      _mm512_storeu_ps(out + (c) * 16, _mm512_shuffle_f32x4(p, rr, 0x88));
+      _mm512_storeu_ps(out + (8 + c) * 16, _mm512_shuffle_f32x4(p, rr, 0xdd));
+      _mm512_storeu_ps(out + (4 + c) * 16, _mm512_shuffle_f32x4(q, s, 0x88));
+      _mm512_storeu_ps(out + (12 + c) * 16, _mm512_shuffle_f32x4(q, s, 0xdd));
+    }
+  }
+}
+
+void TransposeKeys(AttnIsa isa, const float* k, int count, int d, int ldk,
+                   float* kt) {
+  if (isa == AttnIsa::kAvx512 && ldk == 16 && d % 16 == 0) {
+    TransposeKeys16Avx512(k, count, d, kt);
+    return;
+  }
+  TransposeKeysPortable(k, count, d, ldk, kt);
+}
+
 void ScoresPortable(const float* const* qs, int ns, const float* kt, int d,
                     int ldk, float scale, float* out) {
   for (int s = 0; s < ns; ++s) {
@@ -496,14 +552,18 @@ void PagedAttention(const float* q, int32_t num_heads,
         const int64_t block = seq.block_table[b];
         const int block_start = b * bs;
         const int count = std::min(bs, last_pos - block_start + 1);
-        ReadKvBlock(cache, block, 0, task.kv_head, count, kbuf.data());
-        ReadKvBlock(cache, block, 1, task.kv_head, count, vbuf.data());
-        for (int t = 0; t < count; ++t) {
-          for (int i = 0; i < d; ++i)
-            kt[int64_t{i} * ldk + t] = kbuf[int64_t{t} * d + i];
+        // fp32 blocks are read in place; other dtypes are widened first.
+        const float* kb = kbuf.data();
+        const float* vb = vbuf.data();
+        if (cache.dtype == DType::kF32) {
+          const float* data = static_cast<const float*>(cache.data);
+          kb = data + cache.Offset(block, 0, task.kv_head);
+          vb = data + cache.Offset(block, 1, task.kv_head);
+        } else {
+          ReadKvBlock(cache, block, 0, task.kv_head, count, kbuf.data());
+          ReadKvBlock(cache, block, 1, task.kv_head, count, vbuf.data());
         }
-        for (int i = 0; count < ldk && i < d; ++i)
-          std::fill_n(kt.data() + int64_t{i} * ldk + count, ldk - count, 0.0f);
+        TransposeKeys(isa, kb, count, d, ldk, kt.data());
         // Queries before this block (causal) see none of it.
         const int first_q =
             std::max(0, block_start - seq.start_pos - task.q_begin);
@@ -519,7 +579,7 @@ void PagedAttention(const float* q, int32_t num_heads,
             float correction;
             ScoresToWeights(isa, scores.data() + int64_t{st} * ldk, valid,
                             &m[st], &l[st], weights.data(), &correction);
-            Accumulate(isa, weights.data(), valid, correction, vbuf.data(), d,
+            Accumulate(isa, weights.data(), valid, correction, vb, d,
                        acc.data() + int64_t{st} * d);
           }
         }
