@@ -32,6 +32,7 @@ constexpr int64_t kCallerSpinNs = 20'000;
 // first backoff, and the most it doubles to.
 constexpr int kMinBackoffJobs = 4;
 constexpr int kMaxBackoffJobs = 512;
+constexpr double kLossSlackNs = 50'000;
 
 thread_local ChunkRunStats last_stats;
 
@@ -51,7 +52,10 @@ void HelpPolicy::Record(int64_t own_ns, int64_t own_tasks, int64_t tasks,
   const double alone_ns = static_cast<double>(own_ns) *
                           static_cast<double>(tasks - own_tasks) /
                           static_cast<double>(own_tasks);
-  if (static_cast<double>(wait_ns) > alone_ns) {
+  // A helper that joined late and holds the last chunk makes the wait about
+  // equal to that estimate; only a wait well beyond it (a helper that was
+  // descheduled: milliseconds) counts as a loss.
+  if (static_cast<double>(wait_ns) > 2 * alone_ns + kLossSlackNs) {
     solo_left_ = backoff_;
     backoff_ = std::min(backoff_ * 2, kMaxBackoffJobs);
     ++losses_;

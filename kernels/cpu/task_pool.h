@@ -58,7 +58,8 @@ const ChunkRunStats& LastChunkRunStats();
 // Decides, job by job, whether helpers may join. After each helped job the
 // caller compares its wait for the helpers' chunks with what those chunks
 // would have cost it at its own pace (its time per task in that job); when
-// waiting cost more, the next `backoff` jobs run on the caller alone, and the
+// the wait exceeded twice that plus 50 us (a preempted helper, not one that
+// joined late), the next `backoff` jobs run on the caller alone, and the
 // backoff doubles on every further loss (4 up to 512 jobs) and falls back to 4
 // after a job the helpers sped up. Not thread-safe: the pool calls it only
 // from the thread that currently owns the helpers.

@@ -138,14 +138,18 @@ TEST(HelpPolicyTest, AStalledHelperSendsJobsToTheCallerWithGrowingBackoff) {
   EXPECT_EQ(solo_jobs(), 4);
 }
 
-TEST(HelpPolicyTest, AWaitShorterThanTheHelpersShareIsAGain) {
+TEST(HelpPolicyTest, OnlyAWaitWellBeyondTheHelpersShareIsALoss) {
   HelpPolicy policy;
-  // The caller ran 12 of 16 tasks in 12 us (1 us each): the helper's 4 would
-  // have cost it 4 us, so a 3 us wait is a gain and a 5 us wait a loss.
-  policy.Record(12000, 12, 16, 3000);
+  // The caller ran 12 of 16 tasks in 120 us (10 us each): the helpers' 4
+  // would have cost it 40 us. A late helper finishing its last chunk (a 45 us
+  // wait) is no loss; a wait beyond 2 x 40 + 50 us is.
+  policy.Record(120000, 12, 16, 45000);
   EXPECT_EQ(policy.losses(), 0);
   EXPECT_TRUE(policy.UseHelpers());
-  policy.Record(12000, 12, 16, 5000);
+  policy.Record(120000, 12, 16, 129000);
+  EXPECT_EQ(policy.losses(), 0);
+  EXPECT_TRUE(policy.UseHelpers());
+  policy.Record(120000, 12, 16, 131000);
   EXPECT_EQ(policy.losses(), 1);
   EXPECT_FALSE(policy.UseHelpers());
 }
