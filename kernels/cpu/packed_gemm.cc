@@ -73,8 +73,8 @@ int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 // last matrix in it is (the returned pointers share the chunk's ownership).
 std::shared_ptr<uint8_t[]> AllocateHugeAligned(size_t bytes) {
   constexpr size_t kHuge = size_t{2} << 20;
-  const size_t size = std::max<size_t>((bytes + kHuge - 1) / kHuge * kHuge,
-                                       kHuge);
+  const size_t size =
+      std::max<size_t>((bytes + kHuge - 1) / kHuge * kHuge, kHuge);
   void* p = std::aligned_alloc(kHuge, size);
   if (p == nullptr) std::abort();
 #ifdef MADV_HUGEPAGE

@@ -191,16 +191,14 @@ AttnIsa& ActiveAttnIsa() {
   return isa;
 }
 
-// Scores of `ns` query states (q rows qs[s]) against a block's keys held
-// transposed, kt[i * ldk + t] = k_t[i], t < ldk (a multiple of 16, zero past
-// the block's keys): out[s * ldk + t] for every t < ldk.
 // kt[i * ldk + t] = k[t * d + i] for t < count, and 0 for count <= t < ldk:
 // a block's keys, one row per dimension, so that 16 keys' scores are 16
 // lanes of one FMA chain. A pure data move: every ISA gives the same kt.
 void TransposeKeysPortable(const float* k, int count, int d, int ldk,
                            float* kt) {
   for (int t = 0; t < count; ++t) {
-    for (int i = 0; i < d; ++i) kt[int64_t{i} * ldk + t] = k[int64_t{t} * d + i];
+    for (int i = 0; i < d; ++i)
+      kt[int64_t{i} * ldk + t] = k[int64_t{t} * d + i];
   }
   for (int i = 0; count < ldk && i < d; ++i)
     std::fill_n(kt + int64_t{i} * ldk + count, ldk - count, 0.0f);
@@ -208,8 +206,8 @@ void TransposeKeysPortable(const float* k, int count, int d, int ldk,
 
 // The same for ldk == 16 and d % 16 == 0, one 16 x 16 register transpose per
 // 16 dimensions (missing keys are zero rows).
-PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const float* k, int count,
-                                               int d, float* kt) {
+PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const float* k, int count, int d,
+                                               float* kt) {
   for (int j = 0; j < d; j += 16) {
     __m512 r[16], t[16], u[16];
     for (int row = 0; row < 16; ++row) {
@@ -233,7 +231,7 @@ PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const float* k, int count,
       const __m512 rr = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
       const __m512 s = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
       float* out = kt + int64_t{j} * 16;
-      _mm512_storeu_ps(out + (c) * 16, _mm512_shuffle_f32x4(p, rr, 0x88));
+      _mm512_storeu_ps(out + c * 16, _mm512_shuffle_f32x4(p, rr, 0x88));
       _mm512_storeu_ps(out + (8 + c) * 16, _mm512_shuffle_f32x4(p, rr, 0xdd));
       _mm512_storeu_ps(out + (4 + c) * 16, _mm512_shuffle_f32x4(q, s, 0x88));
       _mm512_storeu_ps(out + (12 + c) * 16, _mm512_shuffle_f32x4(q, s, 0xdd));
@@ -250,6 +248,9 @@ void TransposeKeys(AttnIsa isa, const float* k, int count, int d, int ldk,
   TransposeKeysPortable(k, count, d, ldk, kt);
 }
 
+// Scores of `ns` query states (q rows qs[s]) against a block's keys held
+// transposed, kt[i * ldk + t] = k_t[i], t < ldk (a multiple of 16, zero past
+// the block's keys): out[s * ldk + t] for every t < ldk.
 void ScoresPortable(const float* const* qs, int ns, const float* kt, int d,
                     int ldk, float scale, float* out) {
   for (int s = 0; s < ns; ++s) {

@@ -136,8 +136,7 @@ class TaskPool {
     }
     stats.wait_ns = NowNs() - wait_start;
     stats.helped = own < tasks;
-    if (own > 0 && own < tasks)
-      policy_.Record(wait_start - own_start, own, tasks, stats.wait_ns);
+    policy_.Record(wait_start - own_start, own, tasks, stats.wait_ns);
     busy_.store(false, std::memory_order_release);
   }
 
