@@ -24,6 +24,12 @@ void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
 // up.
 void SiluAndMul(const float* gate_up, int64_t rows, int64_t inter, float* out);
 
+// The instruction set SiluAndMul uses (kBest: the best this CPU has, the
+// default); all give the same bits. False if the CPU lacks it. For tests and
+// benchmarks; not synchronised with running SiluAndMul calls.
+enum class SiluIsa { kBest, kPortable, kAvx2, kAvx512 };
+bool SetSiluIsa(SiluIsa isa);
+
 // In-place numerically stable softmax over n values.
 void SoftmaxInPlace(float* x, int64_t n);
 

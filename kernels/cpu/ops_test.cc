@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <limits>
 #include <numbers>
 #include <random>
 #include <vector>
@@ -91,6 +95,61 @@ TEST_F(OpsTest, SiluAndMulAndSoftmax) {
   SoftmaxInPlace(p.data(), 3);
   EXPECT_FLOAT_EQ(p[0], 0.5f);
   EXPECT_FLOAT_EQ(p[2], 0.0f);
+}
+
+TEST_F(OpsTest, SiluEveryInstructionSetGivesTheSameBitsNearExactSilu) {
+  // Rows of 37 (tails for 16 and 8 lanes) over [-100, 100], plus the edges.
+  const int64_t rows = 40, inter = 37;
+  std::vector<float> gu(rows * 2 * inter);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> wide(-100.0f, 100.0f);
+  std::normal_distribution<float> narrow(0.0f, 3.0f);
+  for (size_t i = 0; i < gu.size(); ++i)
+    gu[i] = i % 3 ? narrow(rng) : wide(rng);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float edges[] = {0.0f,  -0.0f,  1e-30f, -1e-30f, 87.5f, -87.5f,
+                         88.0f, -88.0f, inf,    -inf,    1e30f, -1e30f};
+  for (size_t i = 0; i < std::size(edges); ++i) gu[i] = edges[i];
+  gu[20] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(SetSiluIsa(SiluIsa::kPortable));
+  std::vector<float> portable(rows * inter);
+  SiluAndMul(gu.data(), rows, inter, portable.data());
+  for (SiluIsa isa : {SiluIsa::kAvx2, SiluIsa::kAvx512}) {
+    if (!SetSiluIsa(isa)) {
+      std::printf("[ note ] this CPU lacks %s: not compared\n",
+                  isa == SiluIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
+      continue;
+    }
+    std::vector<float> out(rows * inter);
+    SiluAndMul(gu.data(), rows, inter, out.data());
+    for (size_t i = 0; i < out.size(); ++i) {
+      // Same bits, except that a NaN's sign is not kept.
+      if (std::isnan(out[i]) && std::isnan(portable[i])) continue;
+      ASSERT_EQ(0, std::memcmp(&out[i], &portable[i], 4))
+          << "isa " << static_cast<int>(isa) << " element " << i << ": "
+          << out[i] << " vs " << portable[i] << " (gate "
+          << gu[i / inter * 2 * inter + i % inter] << ")";
+    }
+  }
+  ASSERT_TRUE(SetSiluIsa(SiluIsa::kBest));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const double g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+      const float got = portable[r * inter + i];
+      if (std::isnan(g) || std::isinf(g) || std::isinf(u)) continue;
+      const double want = g / (1.0 + std::exp(-g)) * u;
+      EXPECT_NEAR(got, want, 6e-7 * std::fabs(want) + 1e-32)
+          << "g=" << g << " u=" << u;
+    }
+  }
+  // NaN in, NaN out; silu(+inf) * 1 = inf, silu(-inf) = -inf * 0 = NaN, as
+  // g / (1 + exp(-g)) gives.
+  EXPECT_TRUE(std::isnan(portable[20]));
+  const float probe[] = {inf, -inf, 1.0f, 1.0f};
+  float two[2];
+  SiluAndMul(probe, 1, 2, two);
+  EXPECT_EQ(two[0], inf);
+  EXPECT_TRUE(std::isnan(two[1]));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/task_pool.h"
+#include "kernels/cpu/vec_exp.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -90,92 +91,20 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
 //   m'       = max(m, max_t score_t);  c = Exp(m - m');  l = l * c
 //   p_t      = Exp(score_t - m');      l += p_t for t in order
 //   acc[i]   = acc[i] * c, then acc[i] += p_t * v_t[i] for t in order
-// Exp(x), x <= 0: 0 below -87; else n = nearest-even(x * log2 e),
-// r = x - n ln2 (two FMAs, ln2 split in hi + lo), a degree-7 Taylor
-// polynomial in r by Horner with FMAs (|r| <= 0.35: truncation < 1e-8), times
-// 2^n built from its exponent bits. Within 2 ulp of exp; not libm's bits.
-
-constexpr float kExpMin = -87.0f;
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693145751953125f;
-constexpr float kLn2Lo = 1.42860682030941723212e-6f;
-constexpr float kExpC[6] = {1.0f / 5040, 1.0f / 720, 1.0f / 120,
-                            1.0f / 24,   1.0f / 6,   0.5f};
-
-// NaN stays NaN (a NaN score poisons the softmax, so the output and then
-// the logits carry it and the engine ends the request, instead of dropping
-// that key silently); below kExpMin the result is 0.
-inline float ExpPortable(float x) {
-  if (x != x) return x;
-  if (!(x >= kExpMin)) return 0.0f;
-  x = std::min(x, 0.0f);
-  const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(-n, kLn2Hi, x);
-  r = std::fma(-n, kLn2Lo, r);
-  float p = kExpC[0];
-  for (int c = 1; c < 6; ++c) p = std::fma(p, r, kExpC[c]);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127)
-                        << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
+// Exp is vec_exp.h's.
 
 // GCC 12 warns that its own AVX-512 intrinsics read an uninitialised
 // "undefined" pass-through operand (a false positive, GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #define PDSERVE_ATTN_AVX512 __attribute__((target("avx512f")))
 #define PDSERVE_ATTN_AVX2 __attribute__((target("avx2,fma")))
 
-PDSERVE_ATTN_AVX512 inline __m512 Exp16(__m512 x) {
-  const __m512 in = x;
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __mmask16 ok =
-      _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_setzero_ps()),
-                    _mm512_set1_ps(kExpMin));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c)
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[c]));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_mov_ps(
-      _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(bits))), nan,
-      in);
-}
-
-PDSERVE_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
-  const __m256 in = x;
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_setzero_ps()),
-                    _mm256_set1_ps(kExpMin));
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c)
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[c]));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_blendv_ps(
-      _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(bits))), in, nan);
-}
+using vec_exp::Exp16;
+using vec_exp::Exp8;
+using vec_exp::ExpPortable;
 
 enum class AttnIsa { kPortable, kAvx2, kAvx512 };
 
@@ -304,6 +233,14 @@ void Scores(AttnIsa isa, const float* const* qs, int ns, const float* kt, int d,
     return ScoresPortable(qs, ns, kt, d, ldk, scale, out);
   int s = 0;
   const bool wide = isa == AttnIsa::kAvx512;
+  // Eight states keep both FMA pipes busy through the 4-cycle FMA latency.
+  for (; s + 8 <= ns; s += 8) {
+    if (wide) {
+      ScoresAvx512Tile<8>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    } else {
+      ScoresAvx2Tile<8>(qs + s, kt, d, ldk, scale, out + s * ldk);
+    }
+  }
   for (; s + 4 <= ns; s += 4) {
     if (wide) {
       ScoresAvx512Tile<4>(qs + s, kt, d, ldk, scale, out + s * ldk);
@@ -374,10 +311,35 @@ float ExpOne(AttnIsa isa, float x) {
 
 // One state's online-softmax step over a block's `valid` scores: m and l
 // updated, p[t] the weights, *correction the factor for acc.
-void ScoresToWeights(AttnIsa isa, const float* scores, int valid, float* m,
-                     float* l, float* p, float* correction) {
+// The largest of scores[0, valid), NaNs left out (as std::max(max, s) leaves
+// them), -inf if none. Maximum is exact, so every ISA gives the same value.
+float BlockMaxPortable(const float* scores, int valid) {
   float block_max = -std::numeric_limits<float>::infinity();
   for (int t = 0; t < valid; ++t) block_max = std::max(block_max, scores[t]);
+  return block_max;
+}
+
+PDSERVE_ATTN_AVX512 float BlockMaxAvx512(const float* scores, int valid) {
+  const __m512 neg_inf =
+      _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = neg_inf;
+  for (int t = 0; t < valid; t += 16) {
+    const __mmask16 in = valid - t >= 16
+                             ? static_cast<__mmask16>(0xffff)
+                             : static_cast<__mmask16>((1u << (valid - t)) - 1);
+    __m512 x = _mm512_mask_loadu_ps(neg_inf, in, scores + t);
+    // NaN lanes become -inf, so they never win.
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), neg_inf);
+    mx = _mm512_max_ps(mx, x);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
+void ScoresToWeights(AttnIsa isa, const float* scores, int valid, float* m,
+                     float* l, float* p, float* correction) {
+  const float block_max = isa == AttnIsa::kAvx512
+                              ? BlockMaxAvx512(scores, valid)
+                              : BlockMaxPortable(scores, valid);
   const float new_m = std::max(*m, block_max);
   *correction = ExpOne(isa, *m - new_m);
   *l *= *correction;
@@ -416,6 +378,59 @@ PDSERVE_ATTN_AVX512 void AccumulateAvx512(const float* p, int valid,
   }
 }
 
+// AccumulateAvx512 for NS states at once (weights p[s * ldp + t], factors
+// c[s], accumulators a + s * d) over SEG 16-wide segments from dimension i:
+// each V row segment is loaded once for all NS states. Every element sees the
+// same operations in the same order as in AccumulateAvx512.
+template <int NS, int SEG>
+PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
+                                              int valid, const float* c,
+                                              const float* v, int d, float* a,
+                                              int i) {
+  __m512 acc[NS][SEG];
+  for (int s = 0; s < NS; ++s) {
+    const __m512 cs = _mm512_set1_ps(c[s]);
+    for (int j = 0; j < SEG; ++j)
+      acc[s][j] =
+          _mm512_mul_ps(_mm512_loadu_ps(a + int64_t{s} * d + i + 16 * j), cs);
+  }
+  for (int t = 0; t < valid; ++t) {
+    __m512 vv[SEG];
+    for (int j = 0; j < SEG; ++j)
+      vv[j] = _mm512_loadu_ps(v + int64_t{t} * d + i + 16 * j);
+    for (int s = 0; s < NS; ++s) {
+      const __m512 ps = _mm512_set1_ps(p[s * ldp + t]);
+      for (int j = 0; j < SEG; ++j)
+        acc[s][j] = _mm512_add_ps(acc[s][j], _mm512_mul_ps(ps, vv[j]));
+    }
+  }
+  for (int s = 0; s < NS; ++s) {
+    for (int j = 0; j < SEG; ++j)
+      _mm512_storeu_ps(a + int64_t{s} * d + i + 16 * j, acc[s][j]);
+  }
+}
+
+template <int NS>
+PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
+                                                int valid, const float* c,
+                                                const float* v, int d,
+                                                float* a) {
+  int i = 0;
+  for (; i + 64 <= d; i += 64)
+    AccumulateStatesTile<NS, 4>(p, ldp, valid, c, v, d, a, i);
+  for (; i + 16 <= d; i += 16)
+    AccumulateStatesTile<NS, 1>(p, ldp, valid, c, v, d, a, i);
+  for (int s = 0; s < NS; ++s) {
+    float* as = a + int64_t{s} * d;
+    for (int k = i; k < d; ++k) {
+      float x = as[k] * c[s];
+      for (int t = 0; t < valid; ++t)
+        x += p[s * ldp + t] * v[int64_t{t} * d + k];
+      as[k] = x;
+    }
+  }
+}
+
 #pragma GCC diagnostic pop
 
 void Accumulate(AttnIsa isa, const float* p, int valid, float correction,
@@ -425,6 +440,27 @@ void Accumulate(AttnIsa isa, const float* p, int valid, float correction,
   } else {
     AccumulatePortable(p, valid, correction, v, d, a);
   }
+}
+
+// Accumulate for ns consecutive states (accumulators a + s * d) that share
+// `valid`: weights p[s * ldp + t], factors c[s].
+constexpr int kAccStates = 4;  // most states per AccumulateStates call
+void AccumulateStates(AttnIsa isa, const float* p, int ldp, int ns, int valid,
+                      const float* c, const float* v, int d, float* a) {
+  if (isa == AttnIsa::kAvx512) {
+    switch (ns) {
+      case 4:
+        return AccumulateStatesAvx512<4>(p, ldp, valid, c, v, d, a);
+      case 3:
+        return AccumulateStatesAvx512<3>(p, ldp, valid, c, v, d, a);
+      case 2:
+        return AccumulateStatesAvx512<2>(p, ldp, valid, c, v, d, a);
+      default:
+        break;
+    }
+  }
+  for (int s = 0; s < ns; ++s)
+    Accumulate(isa, p + s * ldp, valid, c[s], v, d, a + int64_t{s} * d);
 }
 
 }  // namespace
@@ -519,12 +555,13 @@ void PagedAttention(const float* q, int32_t num_heads,
   const AttnIsa isa = ActiveAttnIsa();
   auto run = [&](int64_t t_begin, int64_t t_end, bool) {
     // Keys of a block transposed and zero-padded to ldk (a multiple of 16),
-    // the task's states' scores [states][ldk], one state's weights.
+    // the task's states' scores [states][ldk], the weights of up to
+    // kAccStates states.
     thread_local Scratch sc;
     sc.kbuf.resize(int64_t{bs} * d);
     sc.vbuf.resize(int64_t{bs} * d);
     sc.kt.resize(int64_t{d} * ldk);
-    sc.weights.resize(ldk);
+    sc.weights.resize(int64_t{kAccStates} * ldk);
     std::vector<float>&kbuf = sc.kbuf, &vbuf = sc.vbuf, &kt = sc.kt,
     &acc = sc.acc, &m = sc.m, &l = sc.l, &scores = sc.scores,
     &weights = sc.weights;
@@ -572,17 +609,28 @@ void PagedAttention(const float* q, int32_t num_heads,
         const int first_state = first_q * group;
         Scores(isa, qs.data() + first_state, states - first_state, kt.data(), d,
                ldk, scale, scores.data() + int64_t{first_state} * ldk);
-        for (int qi = first_q; qi < nq; ++qi) {
-          const int pos = seq.start_pos + task.q_begin + qi;
-          const int valid = std::min(count, pos - block_start + 1);
-          for (int g = 0; g < group; ++g) {
-            const int st = qi * group + g;
-            float correction;
-            ScoresToWeights(isa, scores.data() + int64_t{st} * ldk, valid,
-                            &m[st], &l[st], weights.data(), &correction);
-            Accumulate(isa, weights.data(), valid, correction, vb, d,
-                       acc.data() + int64_t{st} * d);
+        // States in runs of up to kAccStates that see the same keys of the
+        // block (a query's group, or whole queries once the block is
+        // behind them), accumulated together.
+        auto valid_of = [&](int st) {
+          const int pos = seq.start_pos + task.q_begin + st / group;
+          return std::min(count, pos - block_start + 1);
+        };
+        for (int st = first_state; st < states;) {
+          const int valid = valid_of(st);
+          int ns = 1;
+          while (ns < kAccStates && st + ns < states &&
+                 valid_of(st + ns) == valid)
+            ++ns;
+          float corrections[kAccStates];
+          for (int j = 0; j < ns; ++j) {
+            ScoresToWeights(isa, scores.data() + int64_t{st + j} * ldk, valid,
+                            &m[st + j], &l[st + j],
+                            weights.data() + int64_t{j} * ldk, &corrections[j]);
           }
+          AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections, vb,
+                           d, acc.data() + int64_t{st} * d);
+          st += ns;
         }
       }
       for (int qi = 0; qi < nq; ++qi) {
