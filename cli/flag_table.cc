@@ -179,6 +179,7 @@ const std::vector<FlagSpec>& AllFlags() {
       {"kv_cache_memory", kEngineCommands, U::kWorkers},
       {"max_num_seqs", kEngineCommands, U::kWorkers},
       {"max_num_batched_tokens", kEngineCommands, U::kWorkers},
+      {"long_prefill_chunk", kEngineCommands, U::kWorkers},
       {"max_model_len", kEngineCommands, U::kWorkers},
       {"enable_prefix_caching", kEngineCommands, U::kWorkers},
       {"kv_offload_dir",

@@ -12,11 +12,13 @@
 #include <thread>
 
 #include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "model/model_init.h"
 
 namespace pdserve::cli {
@@ -179,6 +181,23 @@ TEST(FlagTableTest, UpSplitsThreadsByWhatEachWorkerDoes) {
   EXPECT_THAT(absl::StrJoin(UpChildArgs(decode), " ") + " ",
               HasSubstr(absl::StrCat(
                   "--threads=", UpWorkerThreads("decode", cores, 1, 2), " ")));
+}
+
+TEST(EngineFlagsTest, LongPrefillChunkAutoIsSetOnPrefillWorkersOnly) {
+  absl::FlagSaver saver;
+  auto worker = EngineConfigFromFlags(/*prefill_worker=*/true);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(worker->long_prefill_chunk, kPrefillWorkerChunk);
+  auto other = EngineConfigFromFlags();
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->long_prefill_chunk, 0);
+  absl::SetFlag(&FLAGS_long_prefill_chunk, 0);
+  EXPECT_EQ(EngineConfigFromFlags(true)->long_prefill_chunk, 0);
+  absl::SetFlag(&FLAGS_long_prefill_chunk, 48);
+  EXPECT_EQ(EngineConfigFromFlags()->long_prefill_chunk, 48);
+  absl::SetFlag(&FLAGS_long_prefill_chunk, -2);
+  EXPECT_EQ(EngineConfigFromFlags().status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

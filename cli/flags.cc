@@ -24,6 +24,10 @@ ABSL_FLAG(std::string, kv_cache_memory, "256MiB",
 ABSL_FLAG(int32_t, max_num_seqs, 64, "maximum running sequences per step");
 ABSL_FLAG(int32_t, max_num_batched_tokens, 512,
           "token budget per engine step (chunked prefill)");
+ABSL_FLAG(int32_t, long_prefill_chunk, -1,
+          "most prompt tokens one sequence computes per engine step, so that "
+          "short prompts are admitted beside a long one's chunks (0: the step "
+          "budget; -1: 128 on prefill workers, 0 elsewhere)");
 ABSL_FLAG(int32_t, max_model_len, 0,
           "maximum prompt + output tokens (0: model's limit)");
 ABSL_FLAG(bool, enable_prefix_caching, true,
@@ -95,7 +99,8 @@ absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
   return static_cast<int64_t>(value * factor);
 }
 
-absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
+absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags(
+    bool prefill_worker) {
   engine::EngineConfig c;
   auto dtype = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!dtype) {
@@ -109,6 +114,15 @@ absl::StatusOr<engine::EngineConfig> EngineConfigFromFlags() {
                    ParseBytes(absl::GetFlag(FLAGS_kv_cache_memory)));
   c.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   c.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  const int32_t chunk = absl::GetFlag(FLAGS_long_prefill_chunk);
+  if (chunk < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--long-prefill-chunk must be -1 (auto), 0 (no limit) or a token "
+        "count, got ",
+        chunk));
+  }
+  c.long_prefill_chunk =
+      chunk >= 0 ? chunk : (prefill_worker ? kPrefillWorkerChunk : 0);
   c.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   c.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   c.kv_offload.dir = absl::GetFlag(FLAGS_kv_offload_dir);

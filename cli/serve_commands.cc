@@ -159,7 +159,7 @@ int RunWorkerWithRole(const std::string& role_name, uint32_t command) {
   worker::WorkerConfig config;
   config.role = *role;
   config.model_dir = absl::GetFlag(FLAGS_model);
-  auto engine = EngineConfigFromFlags();
+  auto engine = EngineConfigFromFlags(*role == v1::WORKER_ROLE_PREFILL);
   if (!engine.ok()) return ReportError(engine.status());
   config.engine = *engine;
   config.listen_host = absl::GetFlag(FLAGS_host);

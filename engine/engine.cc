@@ -79,6 +79,10 @@ absl::Status EngineConfig::Validate() const {
   }
   if (max_model_len < 0)
     return absl::InvalidArgumentError("max_model_len must not be negative");
+  if (long_prefill_chunk < 0) {
+    return absl::InvalidArgumentError(
+        "long_prefill_chunk must not be negative (0: no limit)");
+  }
   if (max_waiting_requests < 1 || max_queued_calls < 1 ||
       max_pending_reservations < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -434,13 +438,19 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   aborted_.clear();
 
   int32_t budget = config_.max_num_batched_tokens;
+  // One sequence's share of the budget: long_prefill_chunk where set (a
+  // decode step's one token always fits).
+  const int32_t seq_cap = config_.long_prefill_chunk > 0
+                              ? config_.long_prefill_chunk
+                              : config_.max_num_batched_tokens;
   std::vector<Scheduled> batch;
   bool preempted = false;
   // Running sequences first, oldest first; preempt from the newest end.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* seq = running_[i];
     const int32_t n = std::min<int32_t>(
-        static_cast<int32_t>(seq->tokens.size()) - seq->num_computed, budget);
+        {static_cast<int32_t>(seq->tokens.size()) - seq->num_computed, budget,
+         seq_cap});
     const int64_t need = BlocksFor(seq->num_computed + n) -
                          static_cast<int64_t>(seq->blocks.size());
     while (need > blocks_.num_free() && running_.back() != seq) {
@@ -466,7 +476,7 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
     int32_t n = 0;
-    if (!TryAdmit(seq, budget, &n)) break;
+    if (!TryAdmit(seq, std::min(budget, seq_cap), &n)) break;
     waiting_.pop_front();
     running_.push_back(seq);
     batch.push_back({seq, n});

@@ -41,7 +41,12 @@ struct EngineConfig {
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int32_t max_num_seqs = 64;  // running sequences at once
   int32_t max_num_batched_tokens =
-      512;                    // token budget per step (chunked prefill)
+      512;  // token budget per step (chunked prefill)
+  // Most prompt tokens one sequence computes in a step (0: up to the step's
+  // budget). A long prompt then takes several steps, and prompts that arrive
+  // meanwhile are admitted beside its chunks instead of waiting for all of
+  // it: their first token comes sooner on a busy prefill worker.
+  int32_t long_prefill_chunk = 0;
   int32_t max_model_len = 0;  // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
   kernels::MatMulMode matmul = kernels::MatMulMode::kDeterministic;

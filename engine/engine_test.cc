@@ -66,6 +66,68 @@ TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
   ExpectNoLeaks(e.get());
 }
 
+TEST_F(EngineTest, LongPrefillChunkLetsAShortPromptFinishFirst) {
+  // A 100-token prompt, then a 5-token one. Without a chunk limit the long
+  // prompt takes the whole first step and the short one waits; with a limit
+  // of 16 the short one is admitted beside the long one's first chunk and
+  // produces its first token in step 1, while the long one needs 7 steps.
+  // Tokens do not change.
+  auto run = [&](int32_t chunk, std::map<std::string, int>* first_step) {
+    EngineConfig cfg;
+    cfg.max_num_batched_tokens = 128;
+    cfg.long_prefill_chunk = chunk;
+    auto e = Make(cfg);
+    EXPECT_TRUE(e->AddRequest(Req("long", 100, 1, 4)).ok());
+    EXPECT_TRUE(e->AddRequest(Req("short", 5, 2, 4)).ok());
+    std::map<std::string, std::vector<int32_t>> out;
+    for (int step = 1; e->HasWork() && step < 1000; ++step) {
+      auto outputs = e->Step();
+      EXPECT_TRUE(outputs.ok()) << outputs.status();
+      if (!outputs.ok()) break;
+      for (const StepOutput& o : *outputs) {
+        if (!o.new_tokens.empty() && !first_step->count(o.id))
+          (*first_step)[o.id] = step;
+        out[o.id].insert(out[o.id].end(), o.new_tokens.begin(),
+                         o.new_tokens.end());
+      }
+    }
+    ExpectNoLeaks(e.get());
+    return out;
+  };
+  std::map<std::string, int> whole, chunked;
+  const auto expected = run(0, &whole);
+  EXPECT_EQ(whole["long"], 1);
+  EXPECT_EQ(whole["short"], 1);  // same step: 105 tokens fit the budget
+  EXPECT_EQ(run(16, &chunked), expected);
+  EXPECT_EQ(chunked["short"], 1);
+  EXPECT_EQ(chunked["long"], 7);  // ceil(100 / 16) steps of prefill
+
+  // With a budget the long prompt fills, the short one waits a whole step
+  // without a limit and none with one.
+  auto tight = [&](int32_t chunk) {
+    EngineConfig cfg;
+    cfg.max_num_batched_tokens = 100;
+    cfg.long_prefill_chunk = chunk;
+    auto e = Make(cfg);
+    EXPECT_TRUE(e->AddRequest(Req("long", 100, 1, 4)).ok());
+    EXPECT_TRUE(e->AddRequest(Req("short", 5, 2, 4)).ok());
+    auto first = e->Step();
+    EXPECT_TRUE(first.ok());
+    bool short_started = false;
+    for (const StepOutput& o : *first)
+      short_started |= o.id == "short" && !o.new_tokens.empty();
+    testing::DrainEngine(e.get());
+    ExpectNoLeaks(e.get());
+    return short_started;
+  };
+  EXPECT_FALSE(tight(0));
+  EXPECT_TRUE(tight(32));
+
+  EngineConfig bad;
+  bad.long_prefill_chunk = -1;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(EngineTest, PreemptionUnderMemoryPressureKeepsOutputsAndLeaksNothing) {
   auto reference = Make();
   for (int i = 0; i < 6; ++i)

@@ -1,6 +1,7 @@
 #include "kernels/cpu/task_pool.h"
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -178,6 +179,8 @@ class TaskPool {
   }
 
   void HelperLoop(int index) {
+    // Named for ps/top and for tools that set helpers' priority.
+    pthread_setname_np(pthread_self(), "pdserve-kernel");
     uint32_t seen = published_.load(std::memory_order_acquire);
     for (;;) {
       // Poll for a new job for a while, then sleep until one is published.
