@@ -229,15 +229,27 @@ absl::Status EngineBenchConfig::Validate() const {
   return engine.Validate();
 }
 
-double MeasureTriadBandwidth(int64_t bytes, int passes) {
-  const int64_t n = std::max<int64_t>(bytes / 12, 1 << 16);
-  std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
+TriadArrays::TriadArrays(int64_t bytes)
+    : n_(std::max<int64_t>(bytes / 12, 1 << 16)),
+      a_(new float[n_]),
+      b_(new float[n_]),
+      c_(new float[n_]) {
+  float* a = a_.get();
+  float* b = b_.get();
+  float* c = c_.get();
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n_; ++i) {
     a[i] = 0;
     b[i] = 1;
     c[i] = 2;
   }
+}
+
+double TriadArrays::Measure(int passes) {
+  float* a = a_.get();
+  const float* b = b_.get();
+  const float* c = c_.get();
+  const int64_t n = n_;
   double best = 1e30;
   for (int pass = 0; pass < passes; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -249,6 +261,10 @@ double MeasureTriadBandwidth(int64_t bytes, int passes) {
   volatile float sink = a[n / 2];
   (void)sink;
   return 3.0 * 4.0 * static_cast<double>(n) / best / 1e9;
+}
+
+double MeasureTriadBandwidth(int64_t bytes, int passes) {
+  return TriadArrays(bytes).Measure(passes);
 }
 
 absl::StatusOr<EngineBenchResult> RunEngineBench(
@@ -297,7 +313,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   std::fprintf(stderr, "[bench] STREAM triad over %lld MiB (LLC %lld MiB)...\n",
                static_cast<long long>(result.stream_bytes >> 20),
                static_cast<long long>(result.llc_bytes >> 20));
-  result.stream_gb_per_s = MeasureTriadBandwidth(result.stream_bytes);
+  TriadArrays triad(result.stream_bytes);
+  result.stream_gb_per_s = triad.Measure(6);
   // The peak of the path the matrices run on (blas: the best vector ISA).
   // (--matmul bf16dot: the VDPBF16PS peak; int8dot: VPDPBUSD's, in G int8
   // ops/s, against which a GEMM's multiply-adds count 2 as for fp32.)
@@ -430,7 +447,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     if (amx) {
       vnni_peak_sum += kernels::MeasureInt8DotPeakGops(result.threads, 0.15);
     }
-    triad_sum += MeasureTriadBandwidth(result.stream_bytes, 3);
+    triad_sum += triad.Measure(3);
     for (Running& r : running) {
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(r.eng->Step().status());
@@ -445,7 +462,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     for (int32_t s = 0; s < config.decode_steps; ++s) {
       std::fprintf(stderr, "[bench] profiled decode round %d/%d\n", s + 1,
                    config.decode_steps);
-      MeasureTriadBandwidth(result.stream_bytes, 3);
+      triad.Measure(3);
       for (size_t i = 0; i < running.size(); ++i) {
         kernels::ProfileCollector collect(&profs[i]);
         const int64_t t0 = kernels::ProfileNowNs();

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,21 @@ struct EngineBenchResult {
 // Measures STREAM triad a = b + s*c with the kernel threads; returns GB/s
 // (3 arrays x 4 bytes per element per pass, best of several passes).
 double MeasureTriadBandwidth(int64_t bytes, int passes = 6);
+
+// The triad's three arrays, allocated and written once and measured as often
+// as needed (a triad before every decode round), so that the rounds neither
+// map nor unmap a GiB each time: on a virtual machine unmapping that much
+// can drop the guest's page mappings, and the next decode step then pays a
+// fault on the first touch of every KV and activation page it uses.
+class TriadArrays {
+ public:
+  explicit TriadArrays(int64_t bytes);
+  double Measure(int passes);  // GB/s, best of `passes`
+
+ private:
+  int64_t n_;
+  std::unique_ptr<float[]> a_, b_, c_;
+};
 
 // Size of the last-level (highest index level) CPU cache from
 // /sys/devices/system/cpu/cpu0/cache/index*/{level,size}; 0 if unreadable.
