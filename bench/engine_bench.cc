@@ -263,10 +263,6 @@ double TriadArrays::Measure(int passes) {
   return 3.0 * 4.0 * static_cast<double>(n) / best / 1e9;
 }
 
-double MeasureTriadBandwidth(int64_t bytes, int passes) {
-  return TriadArrays(bytes).Measure(passes);
-}
-
 absl::StatusOr<EngineBenchResult> RunEngineBench(
     const EngineBenchConfig& config) {
   RETURN_IF_ERROR(config.Validate());

@@ -117,14 +117,11 @@ struct EngineBenchResult {
   std::string ToTable() const;
 };
 
-// Measures STREAM triad a = b + s*c with the kernel threads; returns GB/s
-// (3 arrays x 4 bytes per element per pass, best of several passes).
-double MeasureTriadBandwidth(int64_t bytes, int passes = 6);
-
-// The triad's three arrays, allocated and written once and measured as often
-// as needed (a triad before every decode round), so that the rounds neither
-// map nor unmap a GiB each time: on a virtual machine unmapping that much
-// can drop the guest's page mappings, and the next decode step then pays a
+// STREAM triad a = b + s*c with the kernel threads (3 arrays x 4 bytes per
+// element per pass). The arrays are allocated and written once and measured as
+// often as needed (a triad before every decode round), so that the rounds
+// neither map nor unmap a GiB each time: on a virtual machine unmapping that
+// much can drop the guest's page mappings, and the next decode step then pays a
 // fault on the first touch of every KV and activation page it uses.
 class TriadArrays {
  public:

@@ -72,13 +72,17 @@ TEST_F(EngineTest, LongPrefillChunkLetsAShortPromptFinishFirst) {
   // of 16 the short one is admitted beside the long one's first chunk and
   // produces its first token in step 1, while the long one needs 7 steps.
   // Tokens do not change.
-  auto run = [&](int32_t chunk, std::map<std::string, int>* first_step) {
+  auto long_then_short = [&](int32_t budget, int32_t chunk) {
     EngineConfig cfg;
-    cfg.max_num_batched_tokens = 128;
+    cfg.max_num_batched_tokens = budget;
     cfg.long_prefill_chunk = chunk;
     auto e = Make(cfg);
     EXPECT_TRUE(e->AddRequest(Req("long", 100, 1, 4)).ok());
     EXPECT_TRUE(e->AddRequest(Req("short", 5, 2, 4)).ok());
+    return e;
+  };
+  auto run = [&](int32_t chunk, std::map<std::string, int>* first_step) {
+    auto e = long_then_short(128, chunk);
     std::map<std::string, std::vector<int32_t>> out;
     for (int step = 1; e->HasWork() && step < 1000; ++step) {
       auto outputs = e->Step();
@@ -105,12 +109,7 @@ TEST_F(EngineTest, LongPrefillChunkLetsAShortPromptFinishFirst) {
   // With a budget the long prompt fills, the short one waits a whole step
   // without a limit and none with one.
   auto tight = [&](int32_t chunk) {
-    EngineConfig cfg;
-    cfg.max_num_batched_tokens = 100;
-    cfg.long_prefill_chunk = chunk;
-    auto e = Make(cfg);
-    EXPECT_TRUE(e->AddRequest(Req("long", 100, 1, 4)).ok());
-    EXPECT_TRUE(e->AddRequest(Req("short", 5, 2, 4)).ok());
+    auto e = long_then_short(100, chunk);
     auto first = e->Step();
     EXPECT_TRUE(first.ok());
     bool short_started = false;

@@ -492,24 +492,21 @@ void WriteKv(const float* k, const float* v, int64_t num_tokens,
              const int64_t* slots, const KvLayerView& cache) {
   const int64_t stride = int64_t{cache.num_kv_heads} * cache.head_dim;
   // Over heads: tokens of one (block, head) stay in order. Large writes (a
-  // prefill chunk) go to the kernel helpers as well (task_pool.h).
+  // prefill chunk) go to the kernel helpers as well (task_pool.h); small ones
+  // run on the caller alone.
   auto heads = [&](int64_t h_begin, int64_t h_end, bool) {
     for (int64_t h = h_begin; h < h_end; ++h) {
       for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t block = slots[t] / cache.block_size;
         const int offset = static_cast<int>(slots[t] % cache.block_size);
-        const float* src = k + t * stride + h * cache.head_dim;
-        WriteOne(src, block, offset, 0, static_cast<int>(h), cache);
-        WriteOne(v + t * stride + h * cache.head_dim, block, offset, 1,
-                 static_cast<int>(h), cache);
+        const int64_t at = t * stride + h * cache.head_dim;
+        WriteOne(k + at, block, offset, 0, static_cast<int>(h), cache);
+        WriteOne(v + at, block, offset, 1, static_cast<int>(h), cache);
       }
     }
   };
-  if (num_tokens * stride <= 8192) {
-    heads(0, cache.num_kv_heads, false);
-    return;
-  }
-  RunChunks(cache.num_kv_heads, 1, KernelThreads(), heads);
+  RunChunks(cache.num_kv_heads, 1,
+            num_tokens * stride > 8192 ? KernelThreads() : 1, heads);
 }
 
 void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
