@@ -1,7 +1,5 @@
 #include "bench/engine_bench.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -24,6 +22,7 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/step_profile.h"
+#include "kernels/cpu/task_pool.h"
 #include "kv_cache/kv_cache.h"
 #include "model/llama_model.h"
 #include "model/weights.h"
@@ -237,12 +236,16 @@ TriadArrays::TriadArrays(int64_t bytes)
   float* a = a_.get();
   float* b = b_.get();
   float* c = c_.get();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n_; ++i) {
-    a[i] = 0;
-    b[i] = 1;
-    c[i] = 2;
-  }
+  const int64_t n = n_;
+  const int threads = std::max(1, kernels::KernelThreads());
+  // Each thread first touches the part it measures.
+  kernels::RunOnOwnThreads(threads, [&](int t) {
+    for (int64_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
+      a[i] = 0;
+      b[i] = 1;
+      c[i] = 2;
+    }
+  });
 }
 
 double TriadArrays::Measure(int passes) {
@@ -250,12 +253,17 @@ double TriadArrays::Measure(int passes) {
   const float* b = b_.get();
   const float* c = c_.get();
   const int64_t n = n_;
+  const int threads = std::max(1, kernels::KernelThreads());
   double best = 1e30;
   for (int pass = 0; pass < passes; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
     const float s = 0.5f + pass;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
+    // Threads started for the pass, not an OpenMP team: nothing is left
+    // polling for work when the timed step after the triad starts.
+    kernels::RunOnOwnThreads(threads, [&](int t) {
+      const int64_t end = n * (t + 1) / threads;
+      for (int64_t i = n * t / threads; i < end; ++i) a[i] = b[i] + s * c[i];
+    });
     best = std::min(best, Seconds(t0));
   }
   volatile float sink = a[n / 2];

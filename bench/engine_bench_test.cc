@@ -2,6 +2,7 @@
 // add up (timings themselves are not asserted).
 #include "bench/engine_bench.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -10,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/matmul.h"
 #include "model/model_init.h"
 
 namespace pdserve::bench {
@@ -44,6 +46,41 @@ class EngineBenchProfileTest : public ::testing::Test {
   static std::string* dir_;
 };
 std::string* EngineBenchProfileTest::dir_ = nullptr;
+
+double ProcessCpuMs() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) * 1e3 +
+         static_cast<double>(t.tv_nsec) / 1e6;
+}
+
+// CPU milliseconds this process burns while the calling thread sleeps 30 ms.
+double CpuMsDuringASleep() {
+  const double cpu0 = ProcessCpuMs();
+  ::usleep(30'000);
+  return ProcessCpuMs() - cpu0;
+}
+
+// Waits (up to 3 s) until nothing in the process runs while this thread
+// sleeps: OpenBLAS's threads poll for work for a while after the library
+// starts, before any measurement here.
+void WaitUntilQuiet() {
+  for (int i = 0; i < 100 && CpuMsDuringASleep() >= 1.0; ++i) {
+  }
+}
+
+// The triad runs right before every timed decode step: nothing it started
+// may still be running (an OpenMP team polls for several milliseconds after
+// its region, on the core the step's kernel helper needs).
+TEST(TriadArraysTest, NothingBurnsCpuAfterAMeasurement) {
+  kernels::SetKernelThreads(2);
+  TriadArrays triad(32 << 20);
+  WaitUntilQuiet();
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_GT(triad.Measure(2), 0);
+    EXPECT_LT(CpuMsDuringASleep(), 1.0) << "round " << round;
+  }
+}
 
 TEST_F(EngineBenchProfileTest, ReportsEveryPhaseOfPrefillAndEachDecodeBatch) {
   auto r = RunEngineBench(Config(true));

@@ -5,15 +5,16 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -216,9 +217,10 @@ double Measure(Run run, double flops_per_iter, int threads, double seconds) {
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();
+    std::vector<double> sums(threads, 0.0);
+    RunOnOwnThreads(threads, [&](int i) { sums[i] = run(iters); });
     double sum = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sum)
-    sum += run(iters);
+    for (double v : sums) sum += v;
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
             .count();

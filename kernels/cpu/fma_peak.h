@@ -1,6 +1,7 @@
 // The fp32 FMA throughput a GEMM path could reach on this machine, measured
 // by a microkernel of independent FMA chains (no memory traffic). Benchmarks
-// divide achieved FLOP/s by it. Thread-safe; runs `threads` OpenMP threads.
+// divide achieved FLOP/s by it. Thread-safe; runs on `threads` threads
+// started for the measurement (RunOnOwnThreads), none left running after it.
 #pragma once
 
 #include "kernels/cpu/packed_gemm.h"

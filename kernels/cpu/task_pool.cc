@@ -238,6 +238,14 @@ void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
 
 const ChunkRunStats& LastChunkRunStats() { return last_stats; }
 
+void RunOnOwnThreads(int threads, absl::FunctionRef<void(int index)> fn) {
+  std::vector<std::thread> others;
+  others.reserve(std::max(threads - 1, 0));
+  for (int i = 1; i < threads; ++i) others.emplace_back([fn, i] { fn(i); });
+  fn(0);
+  for (std::thread& t : others) t.join();
+}
+
 void ResetHelpPolicyForTesting() { TaskPool::Get().ResetPolicy(); }
 
 }  // namespace pdserve::kernels

@@ -80,6 +80,18 @@ class HelpPolicy {
   int64_t losses_ = 0;
 };
 
+// Runs fn(0) on the calling thread and fn(1) .. fn(threads - 1) on threads
+// started for this call, and returns when every one has returned; none of
+// them outlives the call. For measurements (a memory triad, an FMA peak) that
+// run just before timed kernels: an OpenMP team instead keeps polling for its
+// next region for a while after one ends, and on a 2-core machine that
+// poller takes the core the pool's helper needs in the first milliseconds of
+// whatever runs next (measured: the 32 GEMMs of a `small` bf16 decode step
+// right after a 1 GiB OpenMP triad ran at 0.27-0.75 of the triad's rate, and
+// at 0.76-0.77 with OMP_WAIT_POLICY=passive; an OpenMP team here burns 6-8
+// ms of CPU after each region).
+void RunOnOwnThreads(int threads, absl::FunctionRef<void(int index)> fn);
+
 // Forgets the pool's HelpPolicy history (tests that need helpers to join).
 void ResetHelpPolicyForTesting();
 
