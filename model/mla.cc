@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::engine {
 namespace {
@@ -324,14 +325,15 @@ void MlaAttention::Forward(
                       &ctx_[b * bs * width]);
     }
     // (query, head) tasks are independent and each runs the same fixed-order
-    // arithmetic on whichever thread takes it.
+    // arithmetic on whichever thread takes it: the calling thread and the
+    // kernel helpers that are awake (task_pool.h), which the layer's GEMMs
+    // use too (an OpenMP team here would keep polling for its next region
+    // for milliseconds, on the core those GEMMs' helper needs).
     const int64_t tasks = int64_t{s.num_q} * heads;
-#pragma omp parallel num_threads(kernels::KernelThreads()) if (tasks * ctx > \
-                                                               4096)
-    {
-      std::vector<float> scores(ctx);
-#pragma omp for schedule(static)
-      for (int64_t task = 0; task < tasks; ++task) {
+    auto run = [&](int64_t begin, int64_t end, bool) {
+      thread_local std::vector<float> scores;
+      scores.resize(ctx);
+      for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / heads, h = task % heads;
         const int64_t row = s.q_row + i, n = int64_t{s.start_pos} + i + 1;
         const float* qa = &qabs_[(row * heads + h) * width];
@@ -356,7 +358,9 @@ void MlaAttention::Forward(
         const float inv = 1.0f / sum;
         for (int64_t k = 0; k < r; ++k) o[k] *= inv;
       }
-    }
+    };
+    kernels::RunChunks(tasks, 1,
+                       tasks * ctx > 4096 ? kernels::KernelThreads() : 1, run);
   }
 
   // Values: out_h = W_UV_h out_lat_h, then o_proj over [heads * v].
