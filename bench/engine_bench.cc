@@ -1,5 +1,7 @@
 #include "bench/engine_bench.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -228,6 +230,62 @@ absl::Status EngineBenchConfig::Validate() const {
   return engine.Validate();
 }
 
+const char* ColdName(EngineBenchConfig::Cold cold) {
+  return cold == EngineBenchConfig::Cold::kAll ? "all" : "weights-kv";
+}
+
+std::optional<EngineBenchConfig::Cold> ParseCold(std::string_view name) {
+  if (name == "all") return EngineBenchConfig::Cold::kAll;
+  if (name == "weights-kv") return EngineBenchConfig::Cold::kWeightsKv;
+  return std::nullopt;
+}
+
+namespace {
+
+// Evicts [p, p + bytes) from every cache level (CLFLUSH is in every x86-64
+// CPU and writes dirty lines back first).
+void FlushFromCaches(const void* p, size_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+       line < end; line += 64) {
+    _mm_clflush(reinterpret_cast<const void*>(line));
+  }
+}
+
+// Every matrix a decode step streams, and every block of the engine's host
+// KV cache that a sequence holds, out of the caches. (Flushing the whole
+// pool instead walks every page of it, and the step then starts with its
+// TLB and page-walk caches refilled with the pool's pages.)
+void FlushWeightsAndKv(const engine::ModelWeights& weights,
+                       engine::Engine& eng) {
+  auto flush = [](const kernels::WeightMatrix& m) {
+    if (!m.empty()) FlushFromCaches(m.data(), static_cast<size_t>(m.bytes()));
+  };
+  for (const engine::LayerWeights& l : weights.layers) {
+    flush(l.qkv);
+    flush(l.o_proj);
+    flush(l.gate_up);
+    flush(l.down);
+  }
+  flush(weights.output_matrix());
+  engine::KvStorage& kv = eng.kv_storage();
+  if (kv.memory().kind == engine::MemoryKind::kHost) {
+    for (int32_t layer = 0; layer < kv.spec().num_layers; ++layer) {
+      for (int64_t b = 0; b < kv.num_blocks(); ++b) {
+        if (eng.block_manager().RefCount(static_cast<int32_t>(b)) == 0)
+          continue;
+        const engine::KvSpan span = kv.Span(layer, b);
+        FlushFromCaches(span.data, span.data_bytes);
+        if (span.scales != nullptr)
+          FlushFromCaches(span.scales, span.scale_bytes);
+      }
+    }
+  }
+  _mm_mfence();
+}
+
+}  // namespace
+
 TriadArrays::TriadArrays(int64_t bytes)
     : n_(std::max<int64_t>(bytes / 12, 1 << 16)),
       a_(new float[n_]),
@@ -308,6 +366,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   result.int8dot_amx_min_rows = amx ? kernels::Int8DotAmxMinRows() : 0;
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
   result.threads = kernels::KernelThreads();
+  result.cold = ColdName(config.cold);
   result.weight_bytes = weights->ParameterBytes();
   result.llc_bytes = LastLevelCacheBytes();
   result.stream_bytes =
@@ -416,6 +475,27 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     std::unique_ptr<engine::Engine> eng;
     double secs = 0;
   };
+  const bool cold_weights_kv =
+      config.cold == EngineBenchConfig::Cold::kWeightsKv;
+  if (cold_weights_kv) {
+    for (int64_t l = 0; l < mc.num_layers; ++l) {
+      if (mc.IsMla() || mc.IsMoeLayer(l)) {
+        return absl::InvalidArgumentError(
+            "--cold weights-kv flushes dense layers' matrices only; this "
+            "model has MLA or MoE layers (use --cold all)");
+      }
+    }
+  }
+  // Steps per decode round: with weights-kv an untimed one first.
+  const int32_t round_steps = cold_weights_kv ? 2 : 1;
+  // Before the timed step of `r`: the caches as config.cold says (the triad
+  // has just evicted every one).
+  auto prepare = [&](Running& r) -> absl::Status {
+    if (!cold_weights_kv) return absl::OkStatus();
+    RETURN_IF_ERROR(r.eng->Step().status());
+    FlushWeightsAndKv(*weights, *r.eng);
+    return absl::OkStatus();
+  };
   std::vector<Running> running;
   for (int32_t batch : config.batch_sizes) {
     engine::EngineConfig ec = config.engine;
@@ -426,9 +506,9 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     std::fprintf(stderr, "[bench] decode batch %d: warm-up...\n", batch);
     for (int32_t i = 0; i < batch; ++i) {
       // --profile runs decode_steps more steps after the timed ones.
-      RETURN_IF_ERROR(eng->AddRequest(
-          Request(absl::StrCat("d", i), config.decode_context, i,
-                  config.decode_steps * (config.profile ? 2 : 1) + 8)));
+      RETURN_IF_ERROR(eng->AddRequest(Request(
+          absl::StrCat("d", i), config.decode_context, i,
+          config.decode_steps * round_steps * (config.profile ? 2 : 1) + 8)));
     }
     // Warm up: prefill everything and run a few decode steps.
     for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(eng->Step().status());
@@ -453,6 +533,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     }
     triad_sum += triad.Measure(3);
     for (Running& r : running) {
+      RETURN_IF_ERROR(prepare(r));
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(r.eng->Step().status());
       r.secs += Seconds(t0);
@@ -460,7 +541,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   }
   if (config.profile) {
     // The same rounds again (a triad, which also evicts the caches as in the
-    // timed rounds, then one step of each batch size), with the timers on.
+    // timed rounds, then the caches as --cold says and one step of each batch
+    // size), with the timers on.
     std::vector<kernels::StepProfile> profs(running.size());
     std::vector<int64_t> step_ns(running.size(), 0);
     for (int32_t s = 0; s < config.decode_steps; ++s) {
@@ -468,6 +550,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                    config.decode_steps);
       triad.Measure(3);
       for (size_t i = 0; i < running.size(); ++i) {
+        RETURN_IF_ERROR(prepare(running[i]));
         kernels::ProfileCollector collect(&profs[i]);
         const int64_t t0 = kernels::ProfileNowNs();
         RETURN_IF_ERROR(running[i].eng->Step().status());
@@ -480,6 +563,15 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                         profs[i], config.decode_steps, step_ns[i]);
       f.unprofiled_step_ms = running[i].secs / config.decode_steps * 1e3;
       result.profile.push_back(std::move(f));
+    }
+  }
+  // Every timed step decoded the whole batch: no request ran out of tokens.
+  for (const Running& r : running) {
+    if (r.eng->Stats().num_running != r.batch) {
+      return absl::InternalError(absl::StrCat(
+          "decode batch ", r.batch, ": ", r.eng->Stats().num_running,
+          " sequences left after the timed steps; the figures would count "
+          "steps of a smaller batch"));
     }
   }
   result.decode_stream_gb_per_s = triad_sum / config.decode_steps;
@@ -495,7 +587,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     // Each step reads every weight once plus each sequence's KV so far
     // (average context over the timed window).
     const double avg_ctx =
-        config.decode_context + 3 + config.decode_steps / 2.0;
+        config.decode_context + 3 + round_steps * config.decode_steps / 2.0;
     f.bytes_per_step = static_cast<double>(result.weight_bytes) +
                        batch * avg_ctx * bytes_per_token;
     f.roofline_ratio = f.bytes_per_step / (secs / config.decode_steps) /
@@ -532,6 +624,7 @@ std::string EngineBenchResult::ToJson() const {
   out["gemm_path"] = gemm_path;
   out["cpu_features"] = cpu_features;
   out["threads"] = threads;
+  out["cold"] = cold;
   out["load_average_1m"] = load_average_1m;
   out["llc_bytes"] = llc_bytes;
   out["stream_bytes"] = stream_bytes;
@@ -609,14 +702,14 @@ std::string EngineBenchResult::ToTable() const {
       "peak of the path       : %8.1f G(FL)OP/s\n"
       "prefill (%d tokens)    : %8.1f tokens/s, %.1f GFLOP/s = %.2f of peak\n"
       "decode rounds          : triad %.2f GB/s, FMA peak %.1f GFLOP/s "
-      "(means)\n\n"
+      "(means); cold before each timed step: %s\n\n"
       "%6s %10s %10s %10s %9s %9s %9s %8s\n",
       weight_dtype, weight_bytes / 1e6, gemm_path, threads, cpu_features,
       load_average_1m, stream_gb_per_s,
       static_cast<long long>(stream_bytes >> 20),
       static_cast<long long>(llc_bytes >> 20), fma_peak_gflops, prefill_tokens,
       prefill_tokens_per_s, prefill_gflops, prefill_fma_peak_fraction,
-      decode_stream_gb_per_s, decode_fma_peak_gflops, "batch", "tokens/s",
+      decode_stream_gb_per_s, decode_fma_peak_gflops, cold, "batch", "tokens/s",
       "step ms", "GB/s", "roofline", "GFLOP/s", "of peak", "x b=1");
   for (const auto& d : decode) {
     absl::StrAppendFormat(

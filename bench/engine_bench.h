@@ -13,7 +13,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,8 +39,19 @@ struct EngineBenchConfig {
   // prefill and decode steps after the timed ones, under the same conditions:
   // kernels/cpu/step_profile.h), so the figures above carry no timers.
   bool profile = false;
+  // What is cold when a timed decode step starts. kAll: every cache, as the
+  // triad before it leaves them (weights, KV, and also code, page tables and
+  // activations). kWeightsKv: an untimed step runs after the triad, then the
+  // weights and the KV cache are flushed from every cache level, so the
+  // timed step streams those from memory with the rest warm, as
+  // back-to-back steps of a model larger than the last-level cache do.
+  enum class Cold { kAll, kWeightsKv };
+  Cold cold = Cold::kAll;
   absl::Status Validate() const;
 };
+// "all" | "weights-kv".
+const char* ColdName(EngineBenchConfig::Cold cold);
+std::optional<EngineBenchConfig::Cold> ParseCold(std::string_view name);
 
 struct DecodeFigure {
   int32_t batch = 0;
@@ -87,6 +100,7 @@ struct EngineBenchResult {
   std::string gemm_path;     // portable | avx2 | avx512
   std::string cpu_features;
   int threads = 0;
+  std::string cold;          // ColdName of the config
   int64_t llc_bytes = 0;     // from sysfs (0 if unknown)
   int64_t stream_bytes = 0;  // triad working set used
   double stream_gb_per_s = 0;

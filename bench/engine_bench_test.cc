@@ -137,5 +137,53 @@ TEST_F(EngineBenchProfileTest, NoProfileUnlessAsked) {
   ASSERT_EQ(r->decode.size(), 2u);
 }
 
+// With weights and KV flushed before each timed step (an untimed step
+// first), every timed and profiled step still decodes the whole batch (the
+// run fails otherwise), and the output names the mode.
+TEST_F(EngineBenchProfileTest, ColdWeightsKvRunsEveryStepOnTheWholeBatch) {
+  EngineBenchConfig c = Config(true);
+  c.cold = EngineBenchConfig::Cold::kWeightsKv;
+  auto r = RunEngineBench(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->decode.size(), 2u);
+  for (const DecodeFigure& d : r->decode) EXPECT_GT(d.tokens_per_s, 0);
+  EXPECT_EQ(r->cold, "weights-kv");
+  EXPECT_THAT(r->ToTable(), ::testing::HasSubstr("cold before each timed "
+                                                 "step: weights-kv"));
+  EXPECT_THAT(r->ToJson(), ::testing::HasSubstr("\"cold\": \"weights-kv\""));
+  EXPECT_EQ(RunEngineBench(Config(false))->cold, "all");
+}
+
+TEST(EngineBenchColdTest, NamesParseBothWaysAndOthersAreRefused) {
+  for (auto cold :
+       {EngineBenchConfig::Cold::kAll, EngineBenchConfig::Cold::kWeightsKv}) {
+    EXPECT_EQ(ParseCold(ColdName(cold)), cold);
+  }
+  EXPECT_FALSE(ParseCold("weights").has_value());
+  EXPECT_FALSE(ParseCold("").has_value());
+}
+
+TEST(EngineBenchColdTest, WeightsKvRefusesModelsWithMlaOrMoeLayers) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("engine_bench_mla_" + std::to_string(::getpid())))
+                              .string();
+  engine::ModelInitOptions opts;
+  opts.preset = "deepseek-v2";
+  opts.out_dir = dir;
+  ASSERT_TRUE(engine::WriteRandomModel(opts).ok());
+  EngineBenchConfig c;
+  c.model_dir = dir;
+  c.prefill_tokens = 8;
+  c.decode_context = 8;
+  c.batch_sizes = {1};
+  c.decode_steps = 2;
+  c.stream_bytes = 4 << 20;
+  c.cold = EngineBenchConfig::Cold::kWeightsKv;
+  auto r = RunEngineBench(c);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+      << r.status();
+}
+
 }  // namespace
 }  // namespace pdserve::bench

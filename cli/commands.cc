@@ -33,6 +33,13 @@ ABSL_FLAG(bool, profile, false,
           "norms, each GEMM, rope, KV write, attention, lm_head, sampling, "
           "scheduling; GEMMs' fork/join, barriers and packing) from extra "
           "profiled steps");
+ABSL_FLAG(std::string, cold, "all",
+          "bench engine: what is cold when a timed decode step starts: all "
+          "(every cache, as the triad before it leaves them) or weights-kv "
+          "(an untimed step runs after the triad, then the weights and the KV "
+          "cache are flushed from the caches: they stream from memory with "
+          "code, page tables and activations warm, as in back-to-back steps "
+          "of a model larger than the last-level cache)");
 ABSL_FLAG(std::string, workload, "synthetic",
           "bench serve: chat, multiturn, longdoc, mixed or synthetic");
 ABSL_FLAG(std::string, trace, "",
@@ -115,6 +122,13 @@ int RunBenchEngine(const std::vector<std::string>&) {
   config.decode_context = absl::GetFlag(FLAGS_decode_context);
   config.accuracy_positions = absl::GetFlag(FLAGS_accuracy_positions);
   config.profile = absl::GetFlag(FLAGS_profile);
+  const auto cold = bench::ParseCold(absl::GetFlag(FLAGS_cold));
+  if (!cold) {
+    return ReportError(absl::InvalidArgumentError(
+        absl::StrCat("--cold must be all or weights-kv, not \"",
+                     absl::GetFlag(FLAGS_cold), "\"")));
+  }
+  config.cold = *cold;
   config.batch_sizes.clear();
   for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes),
                                             ',', absl::SkipWhitespace())) {

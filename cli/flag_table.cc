@@ -336,6 +336,7 @@ const std::vector<FlagSpec>& AllFlags() {
       {"decode_context", kBenchEngine},
       {"accuracy_positions", kBenchEngine},
       {"profile", kBenchEngine},
+      {"cold", kBenchEngine},
       // bench serve.
       {"workload", kBenchServe},
       {"trace", kBenchServe | kSimRoute},
