@@ -2,7 +2,6 @@
 // add up (timings themselves are not asserted).
 #include "bench/engine_bench.h"
 
-#include <time.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -11,6 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/idle_cpu_testing.h"
 #include "kernels/cpu/matmul.h"
 #include "model/model_init.h"
 
@@ -47,27 +47,8 @@ class EngineBenchProfileTest : public ::testing::Test {
 };
 std::string* EngineBenchProfileTest::dir_ = nullptr;
 
-double ProcessCpuMs() {
-  timespec t;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) * 1e3 +
-         static_cast<double>(t.tv_nsec) / 1e6;
-}
-
-// CPU milliseconds this process burns while the calling thread sleeps 30 ms.
-double CpuMsDuringASleep() {
-  const double cpu0 = ProcessCpuMs();
-  ::usleep(30'000);
-  return ProcessCpuMs() - cpu0;
-}
-
-// Waits (up to 3 s) until nothing in the process runs while this thread
-// sleeps: OpenBLAS's threads poll for work for a while after the library
-// starts, before any measurement here.
-void WaitUntilQuiet() {
-  for (int i = 0; i < 100 && CpuMsDuringASleep() >= 1.0; ++i) {
-  }
-}
+using kernels::idle_cpu::CpuMsDuringASleep;
+using kernels::idle_cpu::WaitUntilQuiet;
 
 // The triad runs right before every timed decode step: nothing it started
 // may still be running (an OpenMP team polls for several milliseconds after
