@@ -88,7 +88,7 @@ class HelpPolicy {
 // poller takes the core the pool's helper needs in the first milliseconds of
 // whatever runs next (measured: the 32 GEMMs of a `small` bf16 decode step
 // right after a 1 GiB OpenMP triad ran at 0.27-0.75 of the triad's rate, and
-// at 0.76-0.77 with OMP_WAIT_POLICY=passive; an OpenMP team here burns 6-8
+// at 0.76-0.77 with OMP_WAIT_POLICY=passive; an OpenMP team here burns 5.7-7.7
 // ms of CPU after each region).
 void RunOnOwnThreads(int threads, absl::FunctionRef<void(int index)> fn);
 
