@@ -344,6 +344,16 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const engine::ModelConfig& mc = weights->config;
+  if (config.cold == EngineBenchConfig::Cold::kWeightsKv) {
+    bool dense = !mc.IsMla();
+    for (int64_t l = 0; l < mc.num_layers; ++l)
+      dense = dense && !mc.IsMoeLayer(l);
+    if (!dense) {
+      return absl::InvalidArgumentError(
+          "--cold weights-kv flushes dense layers' matrices only; this model "
+          "has MLA or MoE layers (use --cold all)");
+    }
+  }
   result.weight_dtype = weights->StorageName();
   const bool bf16dot = config.engine.matmul == kernels::MatMulMode::kBf16Dot &&
                        kernels::DetectCpuFeatures().avx512bf16;
@@ -477,15 +487,6 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   };
   const bool cold_weights_kv =
       config.cold == EngineBenchConfig::Cold::kWeightsKv;
-  if (cold_weights_kv) {
-    for (int64_t l = 0; l < mc.num_layers; ++l) {
-      if (mc.IsMla() || mc.IsMoeLayer(l)) {
-        return absl::InvalidArgumentError(
-            "--cold weights-kv flushes dense layers' matrices only; this "
-            "model has MLA or MoE layers (use --cold all)");
-      }
-    }
-  }
   // Steps per decode round: with weights-kv an untimed one first.
   const int32_t round_steps = cold_weights_kv ? 2 : 1;
   // Before the timed step of `r`: the caches as config.cold says (the triad
