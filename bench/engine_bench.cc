@@ -344,7 +344,9 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   auto weights =
       std::make_shared<const engine::ModelWeights>(std::move(loaded));
   const engine::ModelConfig& mc = weights->config;
-  if (config.cold == EngineBenchConfig::Cold::kWeightsKv) {
+  const bool cold_weights_kv =
+      config.cold == EngineBenchConfig::Cold::kWeightsKv;
+  if (cold_weights_kv) {
     bool dense = !mc.IsMla();
     for (int64_t l = 0; l < mc.num_layers; ++l)
       dense = dense && !mc.IsMoeLayer(l);
@@ -485,8 +487,6 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
     std::unique_ptr<engine::Engine> eng;
     double secs = 0;
   };
-  const bool cold_weights_kv =
-      config.cold == EngineBenchConfig::Cold::kWeightsKv;
   // Steps per decode round: with weights-kv an untimed one first.
   const int32_t round_steps = cold_weights_kv ? 2 : 1;
   // Before the timed step of `r`: the caches as config.cold says (the triad

@@ -63,6 +63,10 @@ using packed_gemm_internal::WidenFn;
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 
+// The least weight bytes a thread claims at once in a parallel GEMM (see
+// GemmNT's chunks).
+constexpr int64_t kChunkMinBytes = int64_t{512} << 10;
+
 // Weights live in 2 MiB-aligned memory advised for transparent huge pages:
 // a decode step streams every weight once, and with 4 KiB pages each page
 // costs a TLB miss whose page walk follows a triad-cold page table, and the
@@ -71,10 +75,6 @@ int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 // are packed back to back into shared 32 MiB chunks, so they sit on huge
 // pages too without rounding each one up to 2 MiB. A chunk is freed when the
 // last matrix in it is (the returned pointers share the chunk's ownership).
-// The least weight bytes a thread claims at once in a parallel GEMM (see
-// GemmNT's chunks).
-constexpr int64_t kChunkMinBytes = int64_t{512} << 10;
-
 std::shared_ptr<uint8_t[]> AllocateHugeAligned(size_t bytes) {
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t size =
