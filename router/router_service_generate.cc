@@ -420,6 +420,9 @@ RouterServer::Impl::Attempt RouterServer::Impl::RunAttempt(Call& call,
   bool outcome_noted = false;  // the pull's outcome comes with the first reply
   v1::WorkerGenerateResponse resp;
   v1::GenerateResponse& out = a.final;
+  // A write to the client failed: it is gone, whether or not the call
+  // already reads as cancelled (that flag can trail the failed write).
+  bool client_gone = false;
   while (reader->Read(&resp)) {
     if (call.ctx->IsCancelled()) {
       wctx.TryCancel();
@@ -481,11 +484,12 @@ RouterServer::Impl::Attempt RouterServer::Impl::RunAttempt(Call& call,
     out.set_text(piece);
     if (!a.finish.empty()) break;
     if (!call.writer->Write(out)) {
+      client_gone = true;
       wctx.TryCancel();
       break;
     }
   }
-  if (call.ctx->IsCancelled()) {
+  if (client_gone || call.ctx->IsCancelled()) {
     reader->Finish();
     a.outcome = Attempt::kClientCancelled;
   } else if (!a.finish.empty()) {
@@ -546,6 +550,10 @@ grpc::Status RouterServer::Impl::DecideRetry(Call& call, const Route& route,
                      " tokens"));
   }
   if (!Retryable(failure.error_code())) return failure;
+  // The client's cancellation reaches the worker call (FromServerContext)
+  // and can end it a moment before this call reads as cancelled.
+  if (call.ctx->IsCancelled())
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   PDSERVE_LOG(WARNING) << "request " << call.id << " on "
                        << route.decode.address << " failed after "
                        << call.generated.size()
@@ -557,7 +565,12 @@ grpc::Status RouterServer::Impl::DecideRetry(Call& call, const Route& route,
   const WorkerIndex failed =
       prefill_failed ? route.prefill->index : route.decode.index;
   call.exclude.push_back(failed);
-  registry->ReportFailure(failed);
+  // CANCELLED says this call was cancelled (a client that went away, a
+  // worker shutting down), not that the worker is unreachable: the call
+  // goes elsewhere, but only the heartbeat decides that the worker is down.
+  // Marking it down here refused every request until the next poll.
+  if (failure.error_code() != grpc::StatusCode::CANCELLED)
+    registry->ReportFailure(failed);
   return grpc::Status::OK;
 }
 

@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -65,7 +66,17 @@ class RecordingWorker final : public v1::Worker::Service {
 // A router on port 0 in front of one fake decode worker.
 class RouterServiceTest : public ::testing::Test {
  protected:
-  void StartRouter(v1::Worker::Service* worker) {
+  // Starts a worker of type W (owned by the fixture, so that it outlives
+  // the servers that call it) and a router in front of it.
+  template <typename W>
+  W& StartRouter() {
+    auto worker = std::make_unique<W>();
+    W& ref = *worker;
+    worker_ = std::move(worker);
+    StartRouterWith(&ref);
+    return ref;
+  }
+  void StartRouterWith(v1::Worker::Service* worker) {
     const std::string dir = ::testing::TempDir() + "/router_service_test";
     std::filesystem::create_directories(dir);
     std::ofstream(dir + "/tokenizer.json")
@@ -123,6 +134,7 @@ class RouterServiceTest : public ::testing::Test {
   }
 
   metrics::Registry metrics_;
+  std::unique_ptr<v1::Worker::Service> worker_;
   std::unique_ptr<grpc::Server> worker_server_;
   std::unique_ptr<RouterServer> router_;
   std::unique_ptr<v1::Router::Stub> stub_;
@@ -135,8 +147,7 @@ class RouterServiceTest : public ::testing::Test {
 // then "finished" with reason cancelled and no tokens). Client-chosen ids
 // collide the same way.
 TEST_F(RouterServiceTest, WorkersSeeADistinctIdForEveryRequest) {
-  RecordingWorker worker;
-  StartRouter(&worker);
+  auto& worker = StartRouter<RecordingWorker>();
   for (int i = 0; i < 2; ++i) {
     v1::GenerateRequest req = Request(1);
     req.set_request_id("same");
@@ -153,8 +164,7 @@ TEST_F(RouterServiceTest, WorkersSeeADistinctIdForEveryRequest) {
 // cache_salt is hashed into every block and request_id rides on every
 // message and log line: both are bounded.
 TEST_F(RouterServiceTest, OverlongCacheSaltAndRequestIdAreRefused) {
-  RecordingWorker worker;
-  StartRouter(&worker);
+  auto& worker = StartRouter<RecordingWorker>();
   v1::GenerateRequest req = Request(1);
   req.set_cache_salt(std::string(256, 's'));
   req.set_request_id(std::string(128, 'r'));
@@ -205,8 +215,7 @@ class OverrunningWorker final : public v1::Worker::Service {
 };
 
 TEST_F(RouterServiceTest, AWorkerThatOverrunsMaxTokensIsCutOff) {
-  OverrunningWorker worker;
-  StartRouter(&worker);
+  auto& worker = StartRouter<OverrunningWorker>();
   std::vector<v1::GenerateResponse> out;
   ASSERT_TRUE(Generate(Request(2), &out).ok());
   size_t tokens = 0;
@@ -243,8 +252,7 @@ class UnknownFinishWorker final : public v1::Worker::Service {
 };
 
 TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
-  UnknownFinishWorker worker;
-  StartRouter(&worker);
+  auto& worker = StartRouter<UnknownFinishWorker>();
   std::vector<v1::GenerateResponse> out;
   ASSERT_TRUE(Generate(Request(4), &out).ok());
   ASSERT_FALSE(out.empty());
@@ -258,8 +266,7 @@ TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
 
 TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
   // Before roles were enums such a worker registered and was never routed to.
-  RecordingWorker worker;
-  StartRouter(&worker);
+  auto& worker = StartRouter<RecordingWorker>();
   auto control = v1::RouterControl::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_),
                           grpc::InsecureChannelCredentials()));
@@ -280,6 +287,100 @@ TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
     EXPECT_THAT(st.error_message(), HasSubstr("unknown worker role"));
   }
   EXPECT_TRUE(register_as(v1::WORKER_ROLE_PREFILL).ok());
+}
+
+// A decode worker that streams one token a millisecond until its call is
+// cancelled, counting the calls it was given.
+class EndlessWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    status->set_id("endless");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    status->set_max_model_len(100000);
+    status->set_free_blocks(64);
+    status->set_total_blocks(64);
+    return grpc::Status::OK;
+  }
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const v1::WorkerGenerateRequest*,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
+    calls.fetch_add(1);
+    v1::WorkerGenerateResponse resp;
+    resp.add_token_ids('a');
+    while (!ctx->IsCancelled() && writer->Write(resp))
+      absl::SleepFor(absl::Milliseconds(1));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
+  }
+  std::atomic<int> calls{0};
+};
+
+// A client that goes away mid-stream ends its request. The worker did
+// nothing wrong: it is neither retried on (another call to it, or to any
+// worker) nor marked down. The router used to see its own write to the gone
+// client fail a moment before the call read as cancelled, took the worker's
+// resulting CANCELLED for a worker failure, marked the decode worker down
+// and retried; requests that came in before the next heartbeat were refused
+// with "no decode worker is up".
+TEST_F(RouterServiceTest, AClientThatGoesAwayMidStreamLeavesTheWorkerUp) {
+  auto& worker = StartRouter<EndlessWorker>();
+  constexpr int kRequests = 30;
+  for (int i = 0; i < kRequests; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(30));
+    auto reader = stub_->Generate(&ctx, Request(50000));
+    v1::GenerateResponse resp;
+    for (int read = 0; read < 3; ++read)
+      ASSERT_TRUE(reader->Read(&resp)) << reader->Finish().error_message();
+    ctx.TryCancel();
+    while (reader->Read(&resp)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    // Every request so far found the worker up.
+    EXPECT_EQ(router_->workers().UpWorkers().size(), 1u) << "request " << i;
+  }
+  // Each request's call has ended at the worker within a moment.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (worker.calls.load() < kRequests && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(worker.calls.load(), kRequests)
+      << "a cancelled request was retried";
+  const std::string text = metrics_.Render();
+  EXPECT_TRUE(absl::StrContains(text, "\npdserve_request_retries_total 0\n"))
+      << text;
+}
+
+// A decode worker that ends every call as cancelled, as one shutting down
+// does.
+class CancellingWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                         v1::WorkerStatus* status) override {
+    status->set_id("cancelling");
+    status->set_role(v1::WORKER_ROLE_DECODE);
+    status->set_max_model_len(1024);
+    status->set_free_blocks(64);
+    status->set_total_blocks(64);
+    return grpc::Status::OK;
+  }
+  grpc::Status Generate(
+      grpc::ServerContext*, const v1::WorkerGenerateRequest*,
+      grpc::ServerWriter<v1::WorkerGenerateResponse>*) override {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
+  }
+};
+
+// A worker's CANCELLED answer ends that attempt (here there is nowhere else
+// to go, so the client gets it), but only heartbeats mark a worker down: the
+// next request still finds it up.
+TEST_F(RouterServiceTest, AWorkerThatCancelsACallIsNotMarkedDown) {
+  StartRouter<CancellingWorker>();
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(Generate(Request(4)).error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_EQ(router_->workers().UpWorkers().size(), 1u) << "request " << i;
+  }
 }
 
 TEST(RouterConfigTest, DefaultTlsIsNotPlaintext) {
