@@ -16,6 +16,9 @@ namespace pdserve::kernels {
 namespace {
 
 constexpr int kQueryChunk = 32;  // queries per attention task
+// (sequence, query chunk) pairs per thread from which a task takes every KV
+// head.
+constexpr int kTasksPerThread = 4;
 
 inline float LoadElem(const void* base, DType t, int64_t idx) {
   switch (t) {
@@ -27,6 +30,8 @@ inline float LoadElem(const void* base, DType t, int64_t idx) {
       return Bf16ToFloat(static_cast<const uint16_t*>(base)[idx]);
     case DType::kI8:
       return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
+    case DType::kFp8E4M3:  // a CUDA-only KV dtype (engine/backend.cc)
+      break;
   }
   return 0;
 }
@@ -48,6 +53,8 @@ inline void StoreElem(void* base, DType t, int64_t idx, float v) {
           static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
       break;
     }
+    case DType::kFp8E4M3:  // a CUDA-only KV dtype (engine/backend.cc)
+      break;
   }
 }
 
@@ -525,6 +532,18 @@ void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
     out[i] = LoadElem(cache.data, cache.dtype, base + i) * scale;
 }
 
+// Brings a block's K and V of one head into L1.
+void PrefetchKv(const KvLayerView& cache, int64_t block, int head) {
+  const auto* data = static_cast<const char*>(cache.data);
+  const int64_t bytes = int64_t{cache.block_size} * cache.head_dim *
+                        static_cast<int64_t>(DTypeBytes(cache.dtype));
+  for (int kv = 0; kv < 2; ++kv) {
+    const char* p = data + cache.Offset(block, kv, head) *
+                               static_cast<int64_t>(DTypeBytes(cache.dtype));
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+}
+
 void PagedAttention(const float* q, int32_t num_heads,
                     std::span<const AttentionSeq> seqs,
                     const KvLayerView& cache, float scale, float* out) {
@@ -532,17 +551,31 @@ void PagedAttention(const float* q, int32_t num_heads,
   const int group = num_heads / kv_heads;
   const int d = cache.head_dim;
   const int bs = cache.block_size;
+  // A task is a sequence's query chunk over a range of KV heads. With enough
+  // (sequence, chunk) pairs to share out, a task takes every head, and walks
+  // a block's heads one after another: the block's K (and V) of all heads
+  // are contiguous, so the task reads long runs instead of one head's few
+  // KiB per block. With few pairs (batch 1) each head is its own task, so
+  // that the threads share the work. A head's numbers are the same either
+  // way.
   struct Task {
     int seq;
-    int kv_head;
+    int head_begin;
+    int head_end;
     int q_begin;
     int q_end;
   };
+  int64_t chunks = 0;
+  for (const AttentionSeq& seq : seqs)
+    chunks += (seq.num_q + kQueryChunk - 1) / kQueryChunk;
+  const int heads_per_task =
+      chunks >= int64_t{kTasksPerThread} * KernelThreads() ? kv_heads : 1;
   std::vector<Task> tasks;
   for (int s = 0; s < static_cast<int>(seqs.size()); ++s) {
-    for (int h = 0; h < kv_heads; ++h) {
+    for (int h = 0; h < kv_heads; h += heads_per_task) {
       for (int q0 = 0; q0 < seqs[s].num_q; q0 += kQueryChunk) {
-        tasks.push_back({s, h, q0, std::min(seqs[s].num_q, q0 + kQueryChunk)});
+        tasks.push_back({s, h, std::min(kv_heads, h + heads_per_task), q0,
+                         std::min(seqs[s].num_q, q0 + kQueryChunk)});
       }
     }
   }
@@ -558,34 +591,42 @@ void PagedAttention(const float* q, int32_t num_heads,
   const AttnIsa isa = ActiveAttnIsa();
   auto run = [&](int64_t t_begin, int64_t t_end, bool) {
     // Keys of a block transposed and zero-padded to ldk (a multiple of 16),
-    // the task's states' scores [states][ldk], the weights of up to
-    // kAccStates states.
+    // a head's states' scores [states][ldk], the weights of up to
+    // kAccStates states; per head of the task, its states' accumulators,
+    // running maxima and sums, and query rows.
     thread_local Scratch sc;
     sc.kbuf.resize(int64_t{bs} * d);
     sc.vbuf.resize(int64_t{bs} * d);
     sc.kt.resize(int64_t{d} * ldk);
     sc.weights.resize(int64_t{kAccStates} * ldk);
     std::vector<float>&kbuf = sc.kbuf, &vbuf = sc.vbuf, &kt = sc.kt,
-    &acc = sc.acc, &m = sc.m, &l = sc.l, &scores = sc.scores,
+    &acc_all = sc.acc, &m_all = sc.m, &l_all = sc.l, &scores = sc.scores,
     &weights = sc.weights;
-    std::vector<const float*>& qs = sc.qs;
+    std::vector<const float*>& qs_all = sc.qs;
     for (int64_t ti = t_begin; ti < t_end; ++ti) {
       const Task& task = tasks[ti];
       const AttentionSeq& seq = seqs[task.seq];
       const int nq = task.q_end - task.q_begin;
       const int states = nq * group;
-      acc.assign(int64_t{states} * d, 0.0f);
-      m.assign(states, -std::numeric_limits<float>::infinity());
-      l.assign(states, 0.0f);
+      const int nh = task.head_end - task.head_begin;
+      acc_all.assign(int64_t{nh} * states * d, 0.0f);
+      m_all.assign(int64_t{nh} * states,
+                   -std::numeric_limits<float>::infinity());
+      l_all.assign(int64_t{nh} * states, 0.0f);
       scores.resize(int64_t{states} * ldk);
-      // State st = qi * group + g reads query head kv_head * group + g of
-      // its row; the group's heads are consecutive in q.
-      qs.resize(states);
-      for (int qi = 0; qi < nq; ++qi) {
-        const float* row_q = q + (seq.q_row + task.q_begin + qi) * row_stride +
-                             int64_t{task.kv_head} * group * d;
-        for (int g = 0; g < group; ++g)
-          qs[qi * group + g] = row_q + int64_t{g} * d;
+      // State st = qi * group + g of KV head h reads query head h * group + g
+      // of its row; the group's heads are consecutive in q.
+      qs_all.resize(int64_t{nh} * states);
+      for (int hi = 0; hi < nh; ++hi) {
+        const int kv_head = task.head_begin + hi;
+        for (int qi = 0; qi < nq; ++qi) {
+          const float* row_q = q +
+                               (seq.q_row + task.q_begin + qi) * row_stride +
+                               int64_t{kv_head} * group * d;
+          for (int g = 0; g < group; ++g)
+            qs_all[int64_t{hi} * states + qi * group + g] =
+                row_q + int64_t{g} * d;
+        }
       }
       const int last_pos = seq.start_pos + task.q_end - 1;
       const int num_blocks = last_pos / bs + 1;
@@ -593,57 +634,79 @@ void PagedAttention(const float* q, int32_t num_heads,
         const int64_t block = seq.block_table[b];
         const int block_start = b * bs;
         const int count = std::min(bs, last_pos - block_start + 1);
-        // fp32 blocks are read in place; other dtypes are widened first.
-        const float* kb = kbuf.data();
-        const float* vb = vbuf.data();
-        if (cache.dtype == DType::kF32) {
-          const float* data = static_cast<const float*>(cache.data);
-          kb = data + cache.Offset(block, 0, task.kv_head);
-          vb = data + cache.Offset(block, 1, task.kv_head);
-        } else {
-          ReadKvBlock(cache, block, 0, task.kv_head, count, kbuf.data());
-          ReadKvBlock(cache, block, 1, task.kv_head, count, vbuf.data());
-        }
-        TransposeKeys(isa, kb, count, d, ldk, kt.data());
         // Queries before this block (causal) see none of it.
         const int first_q =
             std::max(0, block_start - seq.start_pos - task.q_begin);
         if (first_q >= nq) continue;
         const int first_state = first_q * group;
-        Scores(isa, qs.data() + first_state, states - first_state, kt.data(), d,
-               ldk, scale, scores.data() + int64_t{first_state} * ldk);
-        // States in runs of up to kAccStates that see the same keys of the
-        // block (a query's group, or whole queries once the block is
-        // behind them), accumulated together.
-        auto valid_of = [&](int st) {
-          const int pos = seq.start_pos + task.q_begin + st / group;
-          return std::min(count, pos - block_start + 1);
-        };
-        for (int st = first_state; st < states;) {
-          const int valid = valid_of(st);
-          int ns = 1;
-          while (ns < kAccStates && st + ns < states &&
-                 valid_of(st + ns) == valid)
-            ++ns;
-          float corrections[kAccStates];
-          for (int j = 0; j < ns; ++j) {
-            ScoresToWeights(isa, scores.data() + int64_t{st + j} * ldk, valid,
-                            &m[st + j], &l[st + j],
-                            weights.data() + int64_t{j} * ldk, &corrections[j]);
+        for (int hi = 0; hi < nh; ++hi) {
+          const int kv_head = task.head_begin + hi;
+          // The hardware prefetchers do not run far enough ahead of the
+          // arithmetic for it to overlap the reads: fetch the K and V this
+          // task reads next (the next head of this block, else the first of
+          // the next block) while this one is computed.
+          if (hi + 1 < nh) {
+            PrefetchKv(cache, block, kv_head + 1);
+          } else if (b + 1 < num_blocks) {
+            PrefetchKv(cache, seq.block_table[b + 1], task.head_begin);
           }
-          AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections, vb,
-                           d, acc.data() + int64_t{st} * d);
-          st += ns;
+          float* acc = acc_all.data() + int64_t{hi} * states * d;
+          float* m = m_all.data() + int64_t{hi} * states;
+          float* l = l_all.data() + int64_t{hi} * states;
+          const float* const* qs = qs_all.data() + int64_t{hi} * states;
+          // fp32 blocks are read in place; other dtypes are widened first.
+          const float* kb = kbuf.data();
+          const float* vb = vbuf.data();
+          if (cache.dtype == DType::kF32) {
+            const float* data = static_cast<const float*>(cache.data);
+            kb = data + cache.Offset(block, 0, kv_head);
+            vb = data + cache.Offset(block, 1, kv_head);
+          } else {
+            ReadKvBlock(cache, block, 0, kv_head, count, kbuf.data());
+            ReadKvBlock(cache, block, 1, kv_head, count, vbuf.data());
+          }
+          TransposeKeys(isa, kb, count, d, ldk, kt.data());
+          Scores(isa, qs + first_state, states - first_state, kt.data(), d, ldk,
+                 scale, scores.data() + int64_t{first_state} * ldk);
+          // States in runs of up to kAccStates that see the same keys of the
+          // block (a query's group, or whole queries once the block is
+          // behind them), accumulated together.
+          auto valid_of = [&](int st) {
+            const int pos = seq.start_pos + task.q_begin + st / group;
+            return std::min(count, pos - block_start + 1);
+          };
+          for (int st = first_state; st < states;) {
+            const int valid = valid_of(st);
+            int ns = 1;
+            while (ns < kAccStates && st + ns < states &&
+                   valid_of(st + ns) == valid)
+              ++ns;
+            float corrections[kAccStates];
+            for (int j = 0; j < ns; ++j) {
+              ScoresToWeights(isa, scores.data() + int64_t{st + j} * ldk, valid,
+                              &m[st + j], &l[st + j],
+                              weights.data() + int64_t{j} * ldk,
+                              &corrections[j]);
+            }
+            AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections,
+                             vb, d, acc + int64_t{st} * d);
+            st += ns;
+          }
         }
       }
-      for (int qi = 0; qi < nq; ++qi) {
-        const int64_t row = seq.q_row + task.q_begin + qi;
-        for (int g = 0; g < group; ++g) {
-          const int head = task.kv_head * group + g;
-          const int st = qi * group + g;
-          const float inv = l[st] > 0 ? 1.0f / l[st] : 0.0f;
-          float* o = out + row * row_stride + int64_t{head} * d;
-          for (int i = 0; i < d; ++i) o[i] = acc[int64_t{st} * d + i] * inv;
+      for (int hi = 0; hi < nh; ++hi) {
+        const int kv_head = task.head_begin + hi;
+        const float* acc = acc_all.data() + int64_t{hi} * states * d;
+        const float* l = l_all.data() + int64_t{hi} * states;
+        for (int qi = 0; qi < nq; ++qi) {
+          const int64_t row = seq.q_row + task.q_begin + qi;
+          for (int g = 0; g < group; ++g) {
+            const int head = kv_head * group + g;
+            const int st = qi * group + g;
+            const float inv = l[st] > 0 ? 1.0f / l[st] : 0.0f;
+            float* o = out + row * row_stride + int64_t{head} * d;
+            for (int i = 0; i < d; ++i) o[i] = acc[int64_t{st} * d + i] * inv;
+          }
         }
       }
     }

@@ -154,6 +154,48 @@ TEST_F(PagedAttentionTest, ChunkedPrefillEqualsOneQueryAtATimeBitForBit) {
   }
 }
 
+// A batch of many sequences runs each task over every KV head; a sequence
+// alone runs a task per head. Both give the same bits, on any thread count.
+TEST_F(PagedAttentionTest, ABatchEqualsEachSequenceAloneBitForBit) {
+  const int saved_threads = KernelThreads();
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+    const int kv_heads = 4, group = 4, heads = kv_heads * group, hd = 64,
+              bs = 16;
+    // Decode rows (one query each) and one prefill chunk of 9 queries.
+    std::vector<int> lens;
+    for (int s = 0; s < 12; ++s) lens.push_back(1 + 23 * s % 97);
+    lens.push_back(40);
+    PagedFixture f = Build(dtype, kv_heads, hd, bs, lens);
+    std::vector<AttentionSeq> seqs;
+    int64_t rows = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      const int nq = s + 1 == lens.size() ? 9 : 1;
+      seqs.push_back({rows, nq, lens[s] - nq, f.tables[s].data()});
+      rows += nq;
+    }
+    std::normal_distribution<float> dist;
+    std::vector<float> q(rows * heads * hd);
+    for (auto& x : q) x = dist(rng_);
+    for (int threads : {1, 2, 3}) {
+      SetKernelThreads(threads);
+      std::vector<float> batch(q.size());
+      PagedAttention(q.data(), heads, seqs, f.view, 0.125f, batch.data());
+      for (size_t s = 0; s < seqs.size(); ++s) {
+        AttentionSeq alone = seqs[s];
+        alone.q_row = 0;
+        const int64_t offset = seqs[s].q_row * heads * hd;
+        std::vector<float> one(int64_t{alone.num_q} * heads * hd);
+        PagedAttention(q.data() + offset, heads, {&alone, 1}, f.view, 0.125f,
+                       one.data());
+        ASSERT_EQ(0, std::memcmp(one.data(), batch.data() + offset,
+                                 one.size() * sizeof(float)))
+            << DTypeName(dtype) << " threads=" << threads << " seq=" << s;
+      }
+    }
+  }
+  SetKernelThreads(saved_threads);
+}
+
 TEST_F(PagedAttentionTest, EveryInstructionSetGivesTheSameBits) {
   const PagedAttentionIsa isas[] = {PagedAttentionIsa::kAvx2,
                                     PagedAttentionIsa::kAvx512};
