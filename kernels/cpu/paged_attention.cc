@@ -516,6 +516,105 @@ void WriteKv(const float* k, const float* v, int64_t num_tokens,
             num_tokens * stride > 8192 ? KernelThreads() : 1, heads);
 }
 
+namespace {
+
+// The intrinsics below draw GCC 12's false positive too (see above).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// out[i] = element i of `src` (bf16, fp16 or int8) as fp32, times `scale` for
+// int8, for i < n. Every conversion is exact and int8 takes one rounding
+// multiply, so every instruction set gives the same bits.
+void WidenPortable(const void* src, DType t, int64_t n, float scale,
+                   float* out) {
+  const float s = t == DType::kI8 ? scale : 1.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] = LoadElem(src, t, i) * s;
+}
+
+PDSERVE_ATTN_AVX512 void WidenAvx512(const void* src, DType t, int64_t n,
+                                     float scale, float* out) {
+  int64_t i = 0;
+  if (t == DType::kBF16) {
+    const auto* h = static_cast<const uint16_t*>(src);
+    for (; i + 16 <= n; i += 16) {
+      const __m512i w = _mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))),
+          16);
+      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(w));
+    }
+  } else if (t == DType::kF16) {
+    const auto* h = static_cast<const uint16_t*>(src);
+    for (; i + 16 <= n; i += 16) {
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(h + i))));
+    }
+  } else if (t == DType::kI8) {
+    const auto* b = static_cast<const int8_t*>(src);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(f, s));
+    }
+  }
+  WidenPortable(static_cast<const char*>(src) + i * DTypeBytes(t), t, n - i,
+                scale, out + i);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void WidenAvx2(const void* src,
+                                                        DType t, int64_t n,
+                                                        float scale,
+                                                        float* out) {
+  int64_t i = 0;
+  if (t == DType::kBF16) {
+    const auto* h = static_cast<const uint16_t*>(src);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w = _mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))),
+          16);
+      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(w));
+    }
+  } else if (t == DType::kF16) {
+    const auto* h = static_cast<const uint16_t*>(src);
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(h + i))));
+    }
+  } else if (t == DType::kI8) {
+    const auto* b = static_cast<const int8_t*>(src);
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i))));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(f, s));
+    }
+  }
+  WidenPortable(static_cast<const char*>(src) + i * DTypeBytes(t), t, n - i,
+                scale, out + i);
+}
+
+void Widen(AttnIsa isa, const void* src, DType t, int64_t n, float scale,
+           float* out) {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case AttnIsa::kAvx512:
+      return WidenAvx512(src, t, n, scale, out);
+    case AttnIsa::kAvx2:
+      if (f16c) return WidenAvx2(src, t, n, scale, out);
+      break;
+    case AttnIsa::kPortable:
+      break;
+  }
+  WidenPortable(src, t, n, scale, out);
+}
+
+#pragma GCC diagnostic pop
+
+}  // namespace
+
 void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
                  int count, float* out) {
   const int64_t base = cache.Offset(block, kv, head);
@@ -528,8 +627,10 @@ void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
       cache.dtype == DType::kI8
           ? cache.scales[(block * 2 + kv) * cache.num_kv_heads + head]
           : 1.0f;
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = LoadElem(cache.data, cache.dtype, base + i) * scale;
+  Widen(ActiveAttnIsa(),
+        static_cast<const char*>(cache.data) +
+            base * static_cast<int64_t>(DTypeBytes(cache.dtype)),
+        cache.dtype, n, scale, out);
 }
 
 // Brings a block's K and V of one head into L1.

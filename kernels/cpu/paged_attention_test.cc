@@ -205,7 +205,7 @@ TEST_F(PagedAttentionTest, EveryInstructionSetGivesTheSameBits) {
                   isa == PagedAttentionIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
   }
   SetPagedAttentionIsa(PagedAttentionIsa::kBest);
-  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kI8}) {
     // head_dim 64 (whole vectors), 24 and 72 (tails), 8 (tail only); block
     // sizes 16, 1 and 20 (keys padded to 16 and 32).
     for (auto [hd, bs] : {std::pair{64, 16}, {24, 16}, {72, 1}, {8, 20}}) {
@@ -240,6 +240,54 @@ TEST_F(PagedAttentionTest, EveryInstructionSetGivesTheSameBits) {
       }
     }
   }
+}
+
+// Widening a stored block to fp32 gives the same bits on every instruction
+// set, over every bf16 and fp16 bit pattern but NaNs (zeros, subnormals,
+// infinities) and every int8 value, at lengths with and without a tail.
+TEST_F(PagedAttentionTest, ReadKvBlockGivesTheSameBitsOnEveryInstructionSet) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kI8}) {
+    const int hd = 8, bs = 1024, kv_heads = 1;
+    KvLayerView view{nullptr, nullptr, dtype, kv_heads, hd, bs};
+    std::vector<uint8_t> data(8 * view.ElementsPerBlock() * DTypeBytes(dtype));
+    std::vector<float> scales(8 * 2 * kv_heads, 0.0371f);
+    view.data = data.data();
+    view.scales = scales.data();
+    // Blocks 0-3 (K and V of each) hold consecutive bit patterns from 0.
+    const int64_t elements = int64_t{4} * view.ElementsPerBlock();
+    for (int64_t i = 0; i < elements; ++i) {
+      if (dtype == DType::kI8) {
+        data[i] = static_cast<uint8_t>(i % 255 + 129);  // -127..127
+      } else {
+        uint16_t bits = static_cast<uint16_t>(i);
+        const bool nan = dtype == DType::kBF16
+                             ? (bits & 0x7f80) == 0x7f80 && (bits & 0x7f)
+                             : (bits & 0x7c00) == 0x7c00 && (bits & 0x3ff);
+        if (nan) bits = 0x3c00;
+        std::memcpy(&data[i * 2], &bits, 2);
+      }
+    }
+    for (int count : {bs, 1, 3, 37}) {
+      for (int64_t block = 0; block < 4; ++block) {
+        for (int kv = 0; kv < 2; ++kv) {
+          std::vector<float> want(int64_t{count} * hd), got(want.size());
+          ASSERT_TRUE(SetPagedAttentionIsa(PagedAttentionIsa::kPortable));
+          ReadKvBlock(view, block, kv, 0, count, want.data());
+          for (PagedAttentionIsa isa :
+               {PagedAttentionIsa::kAvx2, PagedAttentionIsa::kAvx512}) {
+            if (!SetPagedAttentionIsa(isa)) continue;
+            std::fill(got.begin(), got.end(), -1.0f);
+            ReadKvBlock(view, block, kv, 0, count, got.data());
+            ASSERT_EQ(0, std::memcmp(want.data(), got.data(),
+                                     want.size() * sizeof(float)))
+                << DTypeName(dtype) << " count=" << count << " block=" << block
+                << " kv=" << kv;
+          }
+        }
+      }
+    }
+  }
+  SetPagedAttentionIsa(PagedAttentionIsa::kBest);
 }
 
 TEST(AttentionExpTest, WithinTwoUlpOfExpAndZeroBelowTheRange) {
