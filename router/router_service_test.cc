@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -22,19 +23,32 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// A decode worker that records the request ids it is asked to run and
-// answers each with one token.
-class RecordingWorker final : public v1::Worker::Service {
+// A fake decode worker's status: up, with `max_model_len` and 64 free
+// blocks; Generate is each fake's own.
+class FakeDecodeWorker : public v1::Worker::Service {
  public:
+  explicit FakeDecodeWorker(std::string id, uint32_t max_model_len = 1024)
+      : id_(std::move(id)), max_model_len_(max_model_len) {}
   grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
                          v1::WorkerStatus* status) override {
-    status->set_id("recording");
+    status->set_id(id_);
     status->set_role(v1::WORKER_ROLE_DECODE);
-    status->set_max_model_len(1024);
+    status->set_max_model_len(max_model_len_);
     status->set_free_blocks(64);
     status->set_total_blocks(64);
     return grpc::Status::OK;
   }
+
+ private:
+  const std::string id_;
+  const uint32_t max_model_len_;
+};
+
+// A decode worker that records the request ids it is asked to run and
+// answers each with one token.
+class RecordingWorker final : public FakeDecodeWorker {
+ public:
+  RecordingWorker() : FakeDecodeWorker("recording") {}
   grpc::Status Generate(
       grpc::ServerContext*, const v1::WorkerGenerateRequest* req,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
@@ -189,15 +203,9 @@ TEST_F(RouterServiceTest, OverlongCacheSaltAndRequestIdAreRefused) {
 // A worker that streams more tokens than asked for and then fails. The
 // router used to pass them all on, then migrate with max_tokens =
 // max_tokens - generated, which wrapped around to ~4 billion.
-class OverrunningWorker final : public v1::Worker::Service {
+class OverrunningWorker final : public FakeDecodeWorker {
  public:
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
-                         v1::WorkerStatus* status) override {
-    status->set_id("overrunning");
-    status->set_role(v1::WORKER_ROLE_DECODE);
-    status->set_max_model_len(1024);
-    return grpc::Status::OK;
-  }
+  OverrunningWorker() : FakeDecodeWorker("overrunning") {}
   grpc::Status Generate(
       grpc::ServerContext*, const v1::WorkerGenerateRequest* req,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
@@ -231,15 +239,9 @@ TEST_F(RouterServiceTest, AWorkerThatOverrunsMaxTokensIsCutOff) {
 // The finish reason comes from the worker; a number this router does not
 // know ends the request as "error" and is counted under that label, never as
 // a new label (nor a failed lookup: metric lookups used to abort).
-class UnknownFinishWorker final : public v1::Worker::Service {
+class UnknownFinishWorker final : public FakeDecodeWorker {
  public:
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
-                         v1::WorkerStatus* status) override {
-    status->set_id("unknown-finish");
-    status->set_role(v1::WORKER_ROLE_DECODE);
-    status->set_max_model_len(1024);
-    return grpc::Status::OK;
-  }
+  UnknownFinishWorker() : FakeDecodeWorker("unknown-finish") {}
   grpc::Status Generate(
       grpc::ServerContext*, const v1::WorkerGenerateRequest*,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
@@ -252,7 +254,7 @@ class UnknownFinishWorker final : public v1::Worker::Service {
 };
 
 TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
-  auto& worker = StartRouter<UnknownFinishWorker>();
+  StartRouter<UnknownFinishWorker>();
   std::vector<v1::GenerateResponse> out;
   ASSERT_TRUE(Generate(Request(4), &out).ok());
   ASSERT_FALSE(out.empty());
@@ -266,7 +268,7 @@ TEST_F(RouterServiceTest, AnUnknownFinishReasonIsCountedAsError) {
 
 TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
   // Before roles were enums such a worker registered and was never routed to.
-  auto& worker = StartRouter<RecordingWorker>();
+  StartRouter<RecordingWorker>();
   auto control = v1::RouterControl::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_),
                           grpc::InsecureChannelCredentials()));
@@ -291,17 +293,9 @@ TEST_F(RouterServiceTest, AWorkerWithAnUnknownRoleIsRejectedAtRegistration) {
 
 // A decode worker that streams one token a millisecond until its call is
 // cancelled, counting the calls it was given.
-class EndlessWorker final : public v1::Worker::Service {
+class EndlessWorker final : public FakeDecodeWorker {
  public:
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
-                         v1::WorkerStatus* status) override {
-    status->set_id("endless");
-    status->set_role(v1::WORKER_ROLE_DECODE);
-    status->set_max_model_len(100000);
-    status->set_free_blocks(64);
-    status->set_total_blocks(64);
-    return grpc::Status::OK;
-  }
+  EndlessWorker() : FakeDecodeWorker("endless", 100000) {}
   grpc::Status Generate(
       grpc::ServerContext* ctx, const v1::WorkerGenerateRequest*,
       grpc::ServerWriter<v1::WorkerGenerateResponse>* writer) override {
@@ -354,17 +348,9 @@ TEST_F(RouterServiceTest, AClientThatGoesAwayMidStreamLeavesTheWorkerUp) {
 
 // A decode worker that ends every call as cancelled, as one shutting down
 // does.
-class CancellingWorker final : public v1::Worker::Service {
+class CancellingWorker final : public FakeDecodeWorker {
  public:
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::WorkerInfoRequest*,
-                         v1::WorkerStatus* status) override {
-    status->set_id("cancelling");
-    status->set_role(v1::WORKER_ROLE_DECODE);
-    status->set_max_model_len(1024);
-    status->set_free_blocks(64);
-    status->set_total_blocks(64);
-    return grpc::Status::OK;
-  }
+  CancellingWorker() : FakeDecodeWorker("cancelling") {}
   grpc::Status Generate(
       grpc::ServerContext*, const v1::WorkerGenerateRequest*,
       grpc::ServerWriter<v1::WorkerGenerateResponse>*) override {
