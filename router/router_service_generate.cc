@@ -567,8 +567,8 @@ grpc::Status RouterServer::Impl::DecideRetry(Call& call, const Route& route,
   call.exclude.push_back(failed);
   // CANCELLED says this call was cancelled (a client that went away, a
   // worker shutting down), not that the worker is unreachable: the call
-  // goes elsewhere, but only the heartbeat decides that the worker is down.
-  // Marking it down here refused every request until the next poll.
+  // goes elsewhere, and only a heartbeat marks the worker down (marking it
+  // down here would refuse every request until the next poll).
   if (failure.error_code() != grpc::StatusCode::CANCELLED)
     registry->ReportFailure(failed);
   return grpc::Status::OK;

@@ -311,11 +311,10 @@ class EndlessWorker final : public FakeDecodeWorker {
 
 // A client that goes away mid-stream ends its request. The worker did
 // nothing wrong: it is neither retried on (another call to it, or to any
-// worker) nor marked down. The router used to see its own write to the gone
-// client fail a moment before the call read as cancelled, took the worker's
-// resulting CANCELLED for a worker failure, marked the decode worker down
-// and retried; requests that came in before the next heartbeat were refused
-// with "no decode worker is up".
+// worker) nor marked down, even when the router's write to the gone client
+// fails, or the worker's CANCELLED arrives, a moment before the router's
+// call reads as cancelled. A worker marked down would refuse every request
+// until the next heartbeat with "no decode worker is up".
 TEST_F(RouterServiceTest, AClientThatGoesAwayMidStreamLeavesTheWorkerUp) {
   auto& worker = StartRouter<EndlessWorker>();
   constexpr int kRequests = 30;
