@@ -37,9 +37,19 @@ void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
       for (int64_t i = 0; i < dim; ++i) res[i] += in[i];
       in = res;
     }
-    double sum_sq = 0;
-    for (int64_t i = 0; i < dim; ++i)
-      sum_sq += static_cast<double>(in[i]) * in[i];
+    // Eight running sums (element i into sum i % 8), added in a fixed tree:
+    // a fixed order, so every row, batch and thread count gives the same
+    // bits, without one add waiting on the last for the whole row.
+    double part[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      for (int j = 0; j < 8; ++j)
+        part[j] += static_cast<double>(in[i + j]) * in[i + j];
+    }
+    for (int j = 0; i < dim; ++i, ++j)
+      part[j] += static_cast<double>(in[i]) * in[i];
+    const double sum_sq = ((part[0] + part[1]) + (part[2] + part[3])) +
+                          ((part[4] + part[5]) + (part[6] + part[7]));
     const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
     float* o = out + r * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = in[i] * inv * weight[i];
