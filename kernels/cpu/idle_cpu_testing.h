@@ -1,33 +1,32 @@
-// For tests that check a measurement leaves no thread running after it
-// returns: the CPU time the whole process burns while the calling thread
-// sleeps.
+// For tests that check a call leaves no thread behind when it
+// returns (an OpenMP team, for one, keeps its threads after a region, polling
+// for the next on the cores that timed kernels need).
 #pragma once
 
-#include <time.h>
-#include <unistd.h>
+#include <dirent.h>
+
+#include <cstdlib>
+#include <set>
 
 namespace pdserve::kernels::idle_cpu {
 
-inline double ProcessCpuMs() {
-  timespec t;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) * 1e3 +
-         static_cast<double>(t.tv_nsec) / 1e6;
-}
-
-// CPU milliseconds this process burns while the calling thread sleeps 30 ms.
-inline double CpuMsDuringASleep() {
-  const double cpu0 = ProcessCpuMs();
-  ::usleep(30'000);
-  return ProcessCpuMs() - cpu0;
-}
-
-// Waits (up to about 3 s) until nothing else in the process runs while this
-// thread sleeps: OpenBLAS's threads poll for work for a while after the
-// library starts, before any measurement a test makes.
-inline void WaitUntilQuiet() {
-  for (int i = 0; i < 100 && CpuMsDuringASleep() >= 1.0; ++i) {
+// The ids of this process's threads now (/proc/self/task).
+inline std::set<long> ThreadIds() {
+  std::set<long> ids;
+  if (DIR* dir = ::opendir("/proc/self/task")) {
+    while (const dirent* e = ::readdir(dir)) {
+      if (e->d_name[0] != '.') ids.insert(std::strtol(e->d_name, nullptr, 10));
+    }
+    ::closedir(dir);
   }
+  return ids;
+}
+
+// How many of this process's threads now were not among `before`.
+inline int ThreadsStartedSince(const std::set<long>& before) {
+  int started = 0;
+  for (long id : ThreadIds()) started += before.count(id) == 0 ? 1 : 0;
+  return started;
 }
 
 }  // namespace pdserve::kernels::idle_cpu

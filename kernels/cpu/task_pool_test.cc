@@ -1,30 +1,20 @@
 #include "kernels/cpu/task_pool.h"
 
-#include <dirent.h>
-
 #include <atomic>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/idle_cpu_testing.h"
 
 namespace pdserve::kernels {
 namespace {
 
-int ThreadsOfThisProcess() {
-  DIR* dir = opendir("/proc/self/task");
-  if (dir == nullptr) return -1;
-  int count = 0;
-  while (dirent* e = readdir(dir)) count += e->d_name[0] != '.';
-  closedir(dir);
-  return count;
-}
-
 TEST(RunOnOwnThreadsTest,
      EachIndexRunsOnceOnItsOwnThreadAndNoneOutlivesTheCall) {
   for (int threads : {0, 1, 2, 4}) {
-    const int before = ThreadsOfThisProcess();
+    const auto before = idle_cpu::ThreadIds();
     std::vector<std::thread::id> ran_on(std::max(threads, 1));
     std::vector<std::atomic<int>> runs(std::max(threads, 1));
     RunOnOwnThreads(threads, [&](int i) {
@@ -35,7 +25,7 @@ TEST(RunOnOwnThreadsTest,
     std::set<std::thread::id> distinct(ran_on.begin(), ran_on.end());
     EXPECT_EQ(distinct.size(), ran_on.size()) << threads;
     for (auto& r : runs) EXPECT_EQ(r.load(), 1) << threads;
-    EXPECT_EQ(ThreadsOfThisProcess(), before) << threads;
+    EXPECT_EQ(idle_cpu::ThreadsStartedSince(before), 0) << threads;
   }
 }
 
