@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/engine_bench.h"
 #include "common/dtype.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/paged_attention.h"
@@ -38,12 +39,6 @@ using pdserve::DType;
 namespace kernels = pdserve::kernels;
 
 constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 64, kBlock = 16;
-
-void FlushFromCaches(const void* data, size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  for (size_t o = 0; o < bytes; o += 64) _mm_clflush(p + o);
-  _mm_mfence();
-}
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
@@ -88,8 +83,8 @@ int main(int argc, char** argv) {
 
   const int per_seq = (context + kBlock - 1) / kBlock;
   const int num_blocks = per_seq * num_seqs;
-  kernels::KvLayerView view{nullptr, nullptr, dtype, kKvHeads, kHeadDim,
-                            kBlock};
+  kernels::KvLayerView view{nullptr,  nullptr,  dtype,
+                            kKvHeads, kHeadDim, kBlock};
   const size_t bytes = static_cast<size_t>(num_blocks) *
                        view.ElementsPerBlock() * pdserve::DTypeBytes(dtype);
   std::vector<uint8_t> pool(bytes);
@@ -126,7 +121,8 @@ int main(int argc, char** argv) {
   kernels::PagedAttention(q.data(), kHeads, seqs, view, scale, out.data());
   double total_us = 0;
   for (int r = 0; r < reps; ++r) {
-    FlushFromCaches(pool.data(), pool.size());
+    pdserve::bench::FlushFromCaches(pool.data(), pool.size());
+    _mm_mfence();
     const auto start = std::chrono::steady_clock::now();
     kernels::PagedAttention(q.data(), kHeads, seqs, view, scale, out.data());
     total_us += std::chrono::duration<double, std::micro>(

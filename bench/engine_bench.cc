@@ -240,10 +240,6 @@ std::optional<EngineBenchConfig::Cold> ParseCold(std::string_view name) {
   return std::nullopt;
 }
 
-namespace {
-
-// Evicts [p, p + bytes) from every cache level (CLFLUSH is in every x86-64
-// CPU and writes dirty lines back first).
 void FlushFromCaches(const void* p, size_t bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
   for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
@@ -251,6 +247,8 @@ void FlushFromCaches(const void* p, size_t bytes) {
     _mm_clflush(reinterpret_cast<const void*>(line));
   }
 }
+
+namespace {
 
 // Every matrix a decode step streams, and every block of the engine's host
 // KV cache that a sequence holds, out of the caches. (Flushing the whole

@@ -152,6 +152,10 @@ class TriadArrays {
 int64_t LastLevelCacheBytes(
     const std::string& sysfs_cpu0_cache = "/sys/devices/system/cpu/cpu0/cache");
 
+// Evicts [p, p + bytes) from every cache level (CLFLUSH is in every x86-64
+// CPU and writes dirty lines back first).
+void FlushFromCaches(const void* p, size_t bytes);
+
 absl::StatusOr<EngineBenchResult> RunEngineBench(
     const EngineBenchConfig& config);
 
