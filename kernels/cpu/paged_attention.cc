@@ -19,6 +19,8 @@ constexpr int kQueryChunk = 32;  // queries per attention task
 // (sequence, query chunk) pairs per thread from which a task takes every KV
 // head.
 constexpr int kTasksPerThread = 4;
+// Most states per ScoresToWeights and AccumulateStates call.
+constexpr int kAccStates = 4;
 
 inline float LoadElem(const void* base, DType t, int64_t idx) {
   switch (t) {
@@ -264,6 +266,47 @@ void Scores(AttnIsa isa, const float* const* qs, int ns, const float* kt, int d,
   }
 }
 
+// Scores of two units at once, ns states each (query rows qa[s], qb[s]),
+// against their transposed keys kta, ktb: what Scores gives for each, with
+// the two units' FMA chains interleaved (four states of one unit are four
+// chains, too few to cover the FMA latency).
+template <int S>
+PDSERVE_ATTN_AVX512 void ScoresAvx512PairTile(
+    const float* const* qa, const float* kta, const float* const* qb,
+    const float* ktb, int d, int ldk, float scale, float* outa, float* outb) {
+  for (int t0 = 0; t0 < ldk; t0 += 16) {
+    __m512 a[S], b[S];
+    for (int s = 0; s < S; ++s) a[s] = b[s] = _mm512_setzero_ps();
+    for (int i = 0; i < d; ++i) {
+      const __m512 ka = _mm512_loadu_ps(kta + i * ldk + t0);
+      const __m512 kb = _mm512_loadu_ps(ktb + i * ldk + t0);
+      for (int s = 0; s < S; ++s) {
+        a[s] = _mm512_fmadd_ps(_mm512_set1_ps(qa[s][i]), ka, a[s]);
+        b[s] = _mm512_fmadd_ps(_mm512_set1_ps(qb[s][i]), kb, b[s]);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int s = 0; s < S; ++s) {
+      _mm512_storeu_ps(outa + s * ldk + t0, _mm512_mul_ps(a[s], sv));
+      _mm512_storeu_ps(outb + s * ldk + t0, _mm512_mul_ps(b[s], sv));
+    }
+  }
+}
+
+void ScoresPair(AttnIsa isa, const float* const* qa, const float* kta,
+                float* outa, const float* const* qb, const float* ktb,
+                float* outb, int ns, int d, int ldk, float scale) {
+  int s = 0;
+  if (isa == AttnIsa::kAvx512) {
+    for (; s + 4 <= ns; s += 4) {
+      ScoresAvx512PairTile<4>(qa + s, kta, qb + s, ktb, d, ldk, scale,
+                              outa + s * ldk, outb + s * ldk);
+    }
+  }
+  Scores(isa, qa + s, ns - s, kta, d, ldk, scale, outa + s * ldk);
+  Scores(isa, qb + s, ns - s, ktb, d, ldk, scale, outb + s * ldk);
+}
+
 // p[t] = Exp(scores[t] - m) for t < n (n rounded up to the vector width;
 // p has room for it).
 void Weights(AttnIsa isa, const float* scores, int n, float m, float* p);
@@ -296,28 +339,33 @@ void Weights(AttnIsa isa, const float* scores, int n, float m, float* p) {
   }
 }
 
-// Exp of one value, in the vector unit where there is one (the portable
-// version's std::fma is a libm call when the file is built for baseline x86).
-PDSERVE_ATTN_AVX512 float ExpOneAvx512(float x) {
-  return _mm512_cvtss_f32(Exp16(_mm512_set1_ps(x)));
+// out[j] = Exp(x[j]) for j < n (n <= kAccStates), in the vector unit where
+// there is one (the portable version's std::fma is a libm call when the file
+// is built for baseline x86); Exp is lane-wise, so each value is what a
+// one-value call gives.
+PDSERVE_ATTN_AVX512 void ExpStatesAvx512(const float* x, int n, float* out) {
+  const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
+  _mm512_mask_storeu_ps(out, k, Exp16(_mm512_maskz_loadu_ps(k, x)));
 }
-PDSERVE_ATTN_AVX2 float ExpOneAvx2(float x) {
-  return _mm256_cvtss_f32(Exp8(_mm256_set1_ps(x)));
+static_assert(kAccStates <= 8, "ExpStates holds the states in one vector");
+PDSERVE_ATTN_AVX2 void ExpStatesAvx2(const float* x, int n, float* out) {
+  alignas(32) float in[8] = {}, res[8];
+  std::copy_n(x, n, in);
+  _mm256_store_ps(res, Exp8(_mm256_load_ps(in)));
+  std::copy_n(res, n, out);
 }
-float ExpOne(AttnIsa isa, float x) {
+void ExpStates(AttnIsa isa, const float* x, int n, float* out) {
   switch (isa) {
     case AttnIsa::kAvx512:
-      return ExpOneAvx512(x);
+      return ExpStatesAvx512(x, n, out);
     case AttnIsa::kAvx2:
-      return ExpOneAvx2(x);
+      return ExpStatesAvx2(x, n, out);
     case AttnIsa::kPortable:
       break;
   }
-  return ExpPortable(x);
+  for (int j = 0; j < n; ++j) out[j] = ExpPortable(x[j]);
 }
 
-// One state's online-softmax step over a block's `valid` scores: m and l
-// updated, p[t] the weights, *correction the factor for acc.
 // The largest of scores[0, valid), NaNs left out (as std::max(max, s) leaves
 // them), -inf if none. Maximum is exact, so every ISA gives the same value.
 float BlockMaxPortable(const float* scores, int valid) {
@@ -342,17 +390,39 @@ PDSERVE_ATTN_AVX512 float BlockMaxAvx512(const float* scores, int valid) {
   return _mm512_reduce_max_ps(mx);
 }
 
-void ScoresToWeights(AttnIsa isa, const float* scores, int valid, float* m,
-                     float* l, float* p, float* correction) {
-  const float block_max = isa == AttnIsa::kAvx512
-                              ? BlockMaxAvx512(scores, valid)
-                              : BlockMaxPortable(scores, valid);
-  const float new_m = std::max(*m, block_max);
-  *correction = ExpOne(isa, *m - new_m);
-  *l *= *correction;
-  Weights(isa, scores, valid, new_m, p);
-  for (int t = 0; t < valid; ++t) *l += p[t];
-  *m = new_m;
+// The online-softmax step of ns states (ns <= kAccStates) over a block's
+// `valid` scores (state j's at scores + j * ldk): m[j] and l[j] updated,
+// p + j * ldk the weights, c[j] the factor for the accumulators. Each l[j]
+// adds its weights in t order as before; the states' sums are independent
+// chains, run side by side in registers.
+void ScoresToWeights(AttnIsa isa, const float* scores, int ldk, int ns,
+                     int valid, float* m, float* l, float* p, float* c) {
+  float sum[kAccStates], new_m[kAccStates], shift[kAccStates];
+  for (int j = 0; j < ns; ++j) {
+    const float* sj = scores + int64_t{j} * ldk;
+    const float block_max = isa == AttnIsa::kAvx512
+                                ? BlockMaxAvx512(sj, valid)
+                                : BlockMaxPortable(sj, valid);
+    new_m[j] = std::max(m[j], block_max);
+    shift[j] = m[j] - new_m[j];
+  }
+  ExpStates(isa, shift, ns, c);
+  for (int j = 0; j < ns; ++j) {
+    sum[j] = l[j] * c[j];
+    Weights(isa, scores + int64_t{j} * ldk, valid, new_m[j],
+            p + int64_t{j} * ldk);
+    m[j] = new_m[j];
+  }
+  if (ns == kAccStates) {
+    for (int t = 0; t < valid; ++t) {
+      for (int j = 0; j < kAccStates; ++j) sum[j] += p[int64_t{j} * ldk + t];
+    }
+  } else {
+    for (int j = 0; j < ns; ++j) {
+      for (int t = 0; t < valid; ++t) sum[j] += p[int64_t{j} * ldk + t];
+    }
+  }
+  for (int j = 0; j < ns; ++j) l[j] = sum[j];
 }
 
 void AccumulatePortable(const float* p, int valid, float correction,
@@ -451,7 +521,6 @@ void Accumulate(AttnIsa isa, const float* p, int valid, float correction,
 
 // Accumulate for ns consecutive states (accumulators a + s * d) that share
 // `valid`: weights p[s * ldp + t], factors c[s].
-constexpr int kAccStates = 4;  // most states per AccumulateStates call
 void AccumulateStates(AttnIsa isa, const float* p, int ldp, int ns, int valid,
                       const float* c, const float* v, int d, float* a) {
   if (isa == AttnIsa::kAvx512) {
@@ -633,17 +702,54 @@ void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
         cache.dtype, n, scale, out);
 }
 
-// Brings a block's K and V of one head into L1.
-void PrefetchKv(const KvLayerView& cache, int64_t block, int head) {
-  const auto* data = static_cast<const char*>(cache.data);
-  const int64_t bytes = int64_t{cache.block_size} * cache.head_dim *
-                        static_cast<int64_t>(DTypeBytes(cache.dtype));
-  for (int kv = 0; kv < 2; ++kv) {
-    const char* p = data + cache.Offset(block, kv, head) *
-                               static_cast<int64_t>(DTypeBytes(cache.dtype));
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+// Brings the K and V of the units a task computes next into L1, a share at
+// a time between the steps of the current units: the hardware prefetchers
+// do not run far enough ahead of the arithmetic for it to overlap the
+// reads, and a whole unit's lines requested at once stall the loads that
+// follow them.
+class KvPrefetcher {
+ public:
+  // Queues unit (block, head)'s K, then its V.
+  void Add(const KvLayerView& cache, int64_t block, int head) {
+    const int64_t elem = static_cast<int64_t>(DTypeBytes(cache.dtype));
+    const int64_t bytes = int64_t{cache.block_size} * cache.head_dim * elem;
+    for (int kv = 0; kv < 2 && count_ < kMaxRanges; ++kv) {
+      ranges_[count_++] = {static_cast<const char*>(cache.data) +
+                               cache.Offset(block, kv, head) * elem,
+                           bytes};
+    }
   }
-}
+  // Queued lines not yet requested.
+  int64_t Pending() const {
+    int64_t lines = 0;
+    for (int i = next_; i < count_; ++i)
+      lines += (ranges_[i].bytes - (i == next_ ? offset_ : 0) + 63) / 64;
+    return lines;
+  }
+  // Requests up to `lines` more queued lines.
+  void Issue(int64_t lines) {
+    while (lines > 0 && next_ < count_) {
+      const Range& r = ranges_[next_];
+      for (; lines > 0 && offset_ < r.bytes; --lines, offset_ += 64)
+        _mm_prefetch(r.p + offset_, _MM_HINT_T0);
+      if (offset_ >= r.bytes) {
+        ++next_;
+        offset_ = 0;
+      }
+    }
+    if (next_ == count_) next_ = count_ = 0;
+  }
+
+ private:
+  struct Range {
+    const char* p;
+    int64_t bytes;
+  };
+  static constexpr int kMaxRanges = 4;  // two units' K and V
+  Range ranges_[kMaxRanges];
+  int count_ = 0, next_ = 0;
+  int64_t offset_ = 0;
+};
 
 void PagedAttention(const float* q, int32_t num_heads,
                     std::span<const AttentionSeq> seqs,
@@ -684,6 +790,14 @@ void PagedAttention(const float* q, int32_t num_heads,
   // Tasks go to the calling thread and whichever kernel helpers are awake
   // (task_pool.h); each task's numbers depend only on the task. Scratch is
   // per thread and kept between calls.
+  // One (block, head) unit of a task between its preparation and its
+  // softmax: the block's keys transposed, its V rows, its states' scores.
+  struct Unit {
+    int b, hi, block_start, count, first_state;
+    int64_t block;
+    const float* vb;
+    float *kbuf, *vbuf, *kt, *scores;  // this unit's scratch
+  };
   struct Scratch {
     std::vector<float> kbuf, vbuf, kt, acc, m, l, scores, weights;
     std::vector<const float*> qs;
@@ -691,19 +805,19 @@ void PagedAttention(const float* q, int32_t num_heads,
   const int ldk = (bs + 15) / 16 * 16;
   const AttnIsa isa = ActiveAttnIsa();
   auto run = [&](int64_t t_begin, int64_t t_end, bool) {
-    // Keys of a block transposed and zero-padded to ldk (a multiple of 16),
-    // a head's states' scores [states][ldk], the weights of up to
-    // kAccStates states; per head of the task, its states' accumulators,
-    // running maxima and sums, and query rows.
+    // Per unit of a pair: widened K and V, keys transposed and zero-padded
+    // to ldk (a multiple of 16), the states' scores [states][ldk]; the
+    // weights of up to kAccStates states; per head of the task, its states'
+    // accumulators, running maxima and sums, and query rows.
     thread_local Scratch sc;
-    sc.kbuf.resize(int64_t{bs} * d);
-    sc.vbuf.resize(int64_t{bs} * d);
-    sc.kt.resize(int64_t{d} * ldk);
+    sc.kbuf.resize(2 * int64_t{bs} * d);
+    sc.vbuf.resize(2 * int64_t{bs} * d);
+    sc.kt.resize(2 * int64_t{d} * ldk);
     sc.weights.resize(int64_t{kAccStates} * ldk);
-    std::vector<float>&kbuf = sc.kbuf, &vbuf = sc.vbuf, &kt = sc.kt,
-    &acc_all = sc.acc, &m_all = sc.m, &l_all = sc.l, &scores = sc.scores,
+    std::vector<float>&acc_all = sc.acc, &m_all = sc.m, &l_all = sc.l,
     &weights = sc.weights;
     std::vector<const float*>& qs_all = sc.qs;
+    Unit unit[2];
     for (int64_t ti = t_begin; ti < t_end; ++ti) {
       const Task& task = tasks[ti];
       const AttentionSeq& seq = seqs[task.seq];
@@ -714,7 +828,13 @@ void PagedAttention(const float* q, int32_t num_heads,
       m_all.assign(int64_t{nh} * states,
                    -std::numeric_limits<float>::infinity());
       l_all.assign(int64_t{nh} * states, 0.0f);
-      scores.resize(int64_t{states} * ldk);
+      sc.scores.resize(2 * int64_t{states} * ldk);
+      for (int i = 0; i < 2; ++i) {
+        unit[i].kbuf = sc.kbuf.data() + i * int64_t{bs} * d;
+        unit[i].vbuf = sc.vbuf.data() + i * int64_t{bs} * d;
+        unit[i].kt = sc.kt.data() + i * int64_t{d} * ldk;
+        unit[i].scores = sc.scores.data() + i * int64_t{states} * ldk;
+      }
       // State st = qi * group + g of KV head h reads query head h * group + g
       // of its row; the group's heads are consecutive in q.
       qs_all.resize(int64_t{nh} * states);
@@ -731,69 +851,105 @@ void PagedAttention(const float* q, int32_t num_heads,
       }
       const int last_pos = seq.start_pos + task.q_end - 1;
       const int num_blocks = last_pos / bs + 1;
-      for (int b = 0; b < num_blocks; ++b) {
-        const int64_t block = seq.block_table[b];
-        const int block_start = b * bs;
-        const int count = std::min(bs, last_pos - block_start + 1);
+      // The task's (block, head) units in order, a block's heads one after
+      // another, two at a time: both units' keys are transposed and their
+      // scores computed together (twice the independent FMA chains), then
+      // each unit's softmax and accumulation run in unit order, so every
+      // state sees its blocks in order as before.
+      const int units = num_blocks * nh;
+      auto prepare = [&](int u, Unit& x) {
+        x.b = u / nh;
+        x.hi = u % nh;
+        x.block = seq.block_table[x.b];
+        x.block_start = x.b * bs;
+        x.count = std::min(bs, last_pos - x.block_start + 1);
         // Queries before this block (causal) see none of it.
         const int first_q =
-            std::max(0, block_start - seq.start_pos - task.q_begin);
-        if (first_q >= nq) continue;
-        const int first_state = first_q * group;
-        for (int hi = 0; hi < nh; ++hi) {
-          const int kv_head = task.head_begin + hi;
-          // The hardware prefetchers do not run far enough ahead of the
-          // arithmetic for it to overlap the reads: fetch the K and V this
-          // task reads next (the next head of this block, else the first of
-          // the next block) while this one is computed.
-          if (hi + 1 < nh) {
-            PrefetchKv(cache, block, kv_head + 1);
-          } else if (b + 1 < num_blocks) {
-            PrefetchKv(cache, seq.block_table[b + 1], task.head_begin);
+            std::max(0, x.block_start - seq.start_pos - task.q_begin);
+        x.first_state = std::min(first_q, nq) * group;
+        if (x.first_state >= states) return;
+        const int kv_head = task.head_begin + x.hi;
+        // fp32 blocks are read in place; other dtypes are widened first.
+        const float* kb = x.kbuf;
+        x.vb = x.vbuf;
+        if (cache.dtype == DType::kF32) {
+          const float* data = static_cast<const float*>(cache.data);
+          kb = data + cache.Offset(x.block, 0, kv_head);
+          x.vb = data + cache.Offset(x.block, 1, kv_head);
+        } else {
+          ReadKvBlock(cache, x.block, 0, kv_head, x.count, x.kbuf);
+          ReadKvBlock(cache, x.block, 1, kv_head, x.count, x.vbuf);
+        }
+        TransposeKeys(isa, kb, x.count, d, ldk, x.kt);
+      };
+      // The next pair's K and V are requested over the current pair's
+      // steps, `share` lines at a time.
+      KvPrefetcher prefetcher;
+      int64_t share = 0;
+      auto finish = [&](const Unit& x) {
+        float* acc = acc_all.data() + int64_t{x.hi} * states * d;
+        float* m = m_all.data() + int64_t{x.hi} * states;
+        float* l = l_all.data() + int64_t{x.hi} * states;
+        // States in runs of up to kAccStates that see the same keys of the
+        // block (a query's group, or whole queries once the block is behind
+        // them), accumulated together.
+        auto valid_of = [&](int st) {
+          const int pos = seq.start_pos + task.q_begin + st / group;
+          return std::min(x.count, pos - x.block_start + 1);
+        };
+        for (int st = x.first_state; st < states;) {
+          const int valid = valid_of(st);
+          int ns = 1;
+          while (ns < kAccStates && st + ns < states &&
+                 valid_of(st + ns) == valid)
+            ++ns;
+          float corrections[kAccStates];
+          ScoresToWeights(isa, x.scores + int64_t{st} * ldk, ldk, ns, valid,
+                          &m[st], &l[st], weights.data(), corrections);
+          prefetcher.Issue(share);
+          AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections,
+                           x.vb, d, acc + int64_t{st} * d);
+          st += ns;
+        }
+      };
+      auto qs_of = [&](const Unit& x) {
+        return qs_all.data() + int64_t{x.hi} * states + x.first_state;
+      };
+      for (int u = 0; u < units; u += 2) {
+        Unit& a = unit[0];
+        Unit& c = unit[1];
+        const bool two = u + 1 < units;
+        // The next pair's K and V, over this pair's seven steps.
+        for (int next = u + 2; next < std::min(units, u + 4); ++next) {
+          prefetcher.Add(cache, seq.block_table[next / nh],
+                         task.head_begin + next % nh);
+        }
+        share = (prefetcher.Pending() + 6) / 7;
+        prefetcher.Issue(share);
+        prepare(u, a);
+        prefetcher.Issue(share);
+        if (two) prepare(u + 1, c);
+        prefetcher.Issue(share);
+        if (two && a.first_state == c.first_state && a.first_state < states) {
+          ScoresPair(isa, qs_of(a), a.kt,
+                     a.scores + int64_t{a.first_state} * ldk, qs_of(c), c.kt,
+                     c.scores + int64_t{c.first_state} * ldk,
+                     states - a.first_state, d, ldk, scale);
+        } else {
+          if (a.first_state < states) {
+            Scores(isa, qs_of(a), states - a.first_state, a.kt, d, ldk, scale,
+                   a.scores + int64_t{a.first_state} * ldk);
           }
-          float* acc = acc_all.data() + int64_t{hi} * states * d;
-          float* m = m_all.data() + int64_t{hi} * states;
-          float* l = l_all.data() + int64_t{hi} * states;
-          const float* const* qs = qs_all.data() + int64_t{hi} * states;
-          // fp32 blocks are read in place; other dtypes are widened first.
-          const float* kb = kbuf.data();
-          const float* vb = vbuf.data();
-          if (cache.dtype == DType::kF32) {
-            const float* data = static_cast<const float*>(cache.data);
-            kb = data + cache.Offset(block, 0, kv_head);
-            vb = data + cache.Offset(block, 1, kv_head);
-          } else {
-            ReadKvBlock(cache, block, 0, kv_head, count, kbuf.data());
-            ReadKvBlock(cache, block, 1, kv_head, count, vbuf.data());
-          }
-          TransposeKeys(isa, kb, count, d, ldk, kt.data());
-          Scores(isa, qs + first_state, states - first_state, kt.data(), d, ldk,
-                 scale, scores.data() + int64_t{first_state} * ldk);
-          // States in runs of up to kAccStates that see the same keys of the
-          // block (a query's group, or whole queries once the block is
-          // behind them), accumulated together.
-          auto valid_of = [&](int st) {
-            const int pos = seq.start_pos + task.q_begin + st / group;
-            return std::min(count, pos - block_start + 1);
-          };
-          for (int st = first_state; st < states;) {
-            const int valid = valid_of(st);
-            int ns = 1;
-            while (ns < kAccStates && st + ns < states &&
-                   valid_of(st + ns) == valid)
-              ++ns;
-            float corrections[kAccStates];
-            for (int j = 0; j < ns; ++j) {
-              ScoresToWeights(isa, scores.data() + int64_t{st + j} * ldk, valid,
-                              &m[st + j], &l[st + j],
-                              weights.data() + int64_t{j} * ldk,
-                              &corrections[j]);
-            }
-            AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections,
-                             vb, d, acc + int64_t{st} * d);
-            st += ns;
+          if (two && c.first_state < states) {
+            Scores(isa, qs_of(c), states - c.first_state, c.kt, d, ldk, scale,
+                   c.scores + int64_t{c.first_state} * ldk);
           }
         }
+        prefetcher.Issue(share);
+        finish(a);
+        prefetcher.Issue(share);
+        if (two) finish(c);
+        prefetcher.Issue(prefetcher.Pending());
       }
       for (int hi = 0; hi < nh; ++hi) {
         const int kv_head = task.head_begin + hi;
