@@ -60,13 +60,38 @@ inline void StoreElem(void* base, DType t, int64_t idx, float v) {
   }
 }
 
+// Converts n elements of src to t (scale 1 / inv for int8) and stores them
+// at element `dst` of base. The cache lines written are usually not in any
+// cache (a sequence's slot in a block of the pool): the elements are
+// converted into a stack buffer first and stored with one copy per 256
+// bytes, so that the pending stores of many rows fit the store buffer at
+// once instead of one row's scalar stores filling it.
+void StoreRow(const float* src, int n, DType t, float inv, void* base,
+              int64_t dst) {
+  const int64_t elem = static_cast<int64_t>(DTypeBytes(t));
+  char* out = static_cast<char*>(base) + dst * elem;
+  if (t == DType::kF32) {
+    std::memcpy(out, src, n * sizeof(float));
+    return;
+  }
+  constexpr int kChunk = 128;
+  alignas(64) char buf[kChunk * 2];
+  for (int i0 = 0; i0 < n; i0 += kChunk) {
+    const int len = std::min(kChunk, n - i0);
+    for (int i = 0; i < len; ++i) {
+      const float x = t == DType::kI8 ? src[i0 + i] * inv : src[i0 + i];
+      StoreElem(buf, t, i, x);
+    }
+    std::memcpy(out + i0 * elem, buf, len * elem);
+  }
+}
+
 void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
               const KvLayerView& c) {
   const int64_t base = c.Offset(block, kv, head);
   const int64_t dst = base + int64_t{offset} * c.head_dim;
   if (c.dtype != DType::kI8) {
-    for (int d = 0; d < c.head_dim; ++d)
-      StoreElem(c.data, c.dtype, dst + d, src[d]);
+    StoreRow(src, c.head_dim, c.dtype, 1.0f, c.data, dst);
     return;
   }
   float& scale = c.scales[(block * 2 + kv) * c.num_kv_heads + head];
@@ -87,8 +112,7 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
     scale = needed;
   }
   const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-  for (int d = 0; d < c.head_dim; ++d)
-    StoreElem(c.data, DType::kI8, dst + d, src[d] * inv);
+  StoreRow(src, c.head_dim, DType::kI8, inv, c.data, dst);
 }
 
 // --- Attention arithmetic: one definition, three instruction sets ---------
