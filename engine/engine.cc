@@ -8,7 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_cause.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/step_profile.h"
+#include "kernels/cpu/task_pool.h"
 
 namespace pdserve::engine {
 namespace {
@@ -514,6 +516,37 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   kernels::PhaseTimer sampling_timer(kernels::Phase::kSampling);
 
   const ModelConfig& mc = weights_->config;
+  // Rows without a constraint are sampled first, over the kernel threads:
+  // SampleToken depends only on the row, the request's parameters and the
+  // position (the token count before this step's token), so which thread
+  // samples a row changes nothing. Constrained rows are masked and sampled
+  // in order below.
+  std::vector<int32_t>& presampled = presampled_;
+  presampled.assign(batch.size(), kNotPresampled);
+  {
+    std::vector<std::pair<size_t, int64_t>>& rows = presample_rows_;
+    rows.clear();
+    int64_t r = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (inputs[i].logits == LlamaModel::Logits::kNone) continue;
+      if (!batch[i].seq->matcher) rows.emplace_back(i, r);
+      ++r;
+    }
+    const int threads = static_cast<int>(
+        std::min<int64_t>(kernels::KernelThreads(), rows.size()));
+    kernels::RunChunks(
+        static_cast<int64_t>(rows.size()), 1, threads,
+        [&](int64_t begin, int64_t end, bool) {
+          thread_local std::vector<std::pair<float, int32_t>> scratch;
+          for (int64_t j = begin; j < end; ++j) {
+            const auto [i, row] = rows[j];
+            const Sequence& seq = *batch[i].seq;
+            presampled[i] = SampleToken(
+                &logits_[row * mc.vocab_size], mc.vocab_size, seq.req.sampling,
+                static_cast<int64_t>(seq.tokens.size()), &scratch);
+          }
+        });
+  }
   int64_t logit_row = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence* seq = batch[i].seq;
@@ -529,8 +562,11 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
       seq->matcher->MaskLogits(row, mc.vocab_size);
       constraint_seconds_ += SecondsSince(mask_start);
     }
-    const int32_t token = SampleToken(row, mc.vocab_size, seq->req.sampling,
-                                      position, &sample_scratch_);
+    const int32_t token =
+        presampled[i] != kNotPresampled
+            ? presampled[i]
+            : SampleToken(row, mc.vocab_size, seq->req.sampling, position,
+                          &sample_scratch_);
     // The mask allowed `token`, and a trimmed automaton never leaves a row
     // without an allowed token (a completed match ends the request first).
     if (seq->matcher) {

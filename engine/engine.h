@@ -302,6 +302,12 @@ class Engine {
   std::vector<std::pair<std::string, FinishReason>> aborted_;
   std::vector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
+  // Step's tokens sampled ahead of the in-order loop (kNotPresampled: a
+  // constrained row, or no logits), and the (batch index, logit row) pairs
+  // they came from.
+  static constexpr int32_t kNotPresampled = -2;
+  std::vector<int32_t> presampled_;
+  std::vector<std::pair<size_t, int64_t>> presample_rows_;
   int64_t prefix_queried_ = 0, prefix_hit_ = 0, preemptions_ = 0, steps_ = 0;
   int64_t constrained_rows_ = 0;
   double constraint_seconds_ = 0;
