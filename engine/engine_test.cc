@@ -7,6 +7,7 @@
 #include <map>
 
 #include "engine/test_util.h"
+#include "kernels/cpu/matmul.h"
 
 namespace pdserve::engine {
 namespace {
@@ -64,6 +65,33 @@ TEST_F(EngineTest, GenerationIsIdenticalAcrossBatchCompositions) {
   }
   EXPECT_EQ(Drain(e.get()), alone);
   ExpectNoLeaks(e.get());
+}
+
+TEST_F(EngineTest, SampledTokensDoNotDependOnTheKernelThreadCount) {
+  // Rows without a constraint are sampled over the kernel threads; greedy
+  // and seeded rows, top-k and top-p among them, must come out the same
+  // whichever thread samples them.
+  auto run = [&](int threads) {
+    const int saved = kernels::KernelThreads();
+    kernels::SetKernelThreads(threads);
+    auto e = Make();
+    for (int i = 0; i < 6; ++i) {
+      EngineRequest r =
+          Req("s" + std::to_string(i), 9 + 5 * i, i, 10, i == 0 ? 0.0f : 0.9f);
+      if (i % 3 == 1) r.sampling.top_k = 20;
+      if (i % 3 == 2) r.sampling.top_p = 0.8f;
+      EXPECT_TRUE(e->AddRequest(r).ok());
+    }
+    auto out = Drain(e.get());
+    ExpectNoLeaks(e.get());
+    kernels::SetKernelThreads(saved);
+    return out;
+  };
+  const auto one = run(1);
+  ASSERT_EQ(one.size(), 6u);
+  for (const auto& [id, tokens] : one) EXPECT_EQ(tokens.size(), 10u) << id;
+  EXPECT_EQ(run(2), one);
+  EXPECT_EQ(run(3), one);
 }
 
 TEST_F(EngineTest, LongPrefillChunkLetsAShortPromptFinishFirst) {
