@@ -166,14 +166,43 @@ void TransposeKeysPortable(const float* k, int count, int d, int ldk,
     std::fill_n(kt + int64_t{i} * ldk + count, ldk - count, 0.0f);
 }
 
+// Elements [idx, idx + 16) of a KV block of dtype T (at `base`) as fp32:
+// what WidenAvx512 gives for them (int8 times the block's scale), so that a
+// block read this way computes the same bits as one widened first.
+template <DType T>
+PDSERVE_ATTN_AVX512 inline __m512 Load16(const void* base, int64_t idx,
+                                         __m512 scale) {
+  if constexpr (T == DType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
+  } else if constexpr (T == DType::kBF16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                static_cast<const uint16_t*>(base) + idx))),
+        16));
+  } else if constexpr (T == DType::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const uint16_t*>(base) + idx)));
+  } else {
+    static_assert(T == DType::kI8);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                 static_cast<const int8_t*>(base) + idx)))),
+                         scale);
+  }
+}
+
 // The same for ldk == 16 and d % 16 == 0, one 16 x 16 register transpose per
-// 16 dimensions (missing keys are zero rows).
-PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const float* k, int count, int d,
-                                               float* kt) {
+// 16 dimensions (missing keys are zero rows), reading fp32 keys or widening
+// a bf16, fp16 or int8 block (Load16) on the way.
+template <DType T = DType::kF32>
+PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const void* k, int count, int d,
+                                               float* kt, float scale = 1.0f) {
+  const __m512 sv = _mm512_set1_ps(scale);
   for (int j = 0; j < d; j += 16) {
     __m512 r[16], t[16], u[16];
     for (int row = 0; row < 16; ++row) {
-      r[row] = row < count ? _mm512_loadu_ps(k + int64_t{row} * d + j)
+      r[row] = row < count ? Load16<T>(k, int64_t{row} * d + j, sv)
                            : _mm512_setzero_ps();
     }
     for (int i = 0; i < 8; ++i) {
@@ -483,11 +512,12 @@ PDSERVE_ATTN_AVX512 void AccumulateAvx512(const float* p, int valid,
 // c[s], accumulators a + s * d) over SEG 16-wide segments from dimension i:
 // each V row segment is loaded once for all NS states. Every element sees the
 // same operations in the same order as in AccumulateAvx512.
-template <int NS, int SEG>
+template <int NS, int SEG, DType T = DType::kF32>
 PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
                                               int valid, const float* c,
-                                              const float* v, int d, float* a,
-                                              int i) {
+                                              const void* v, int d, float* a,
+                                              int i, float v_scale = 1.0f) {
+  const __m512 sv = _mm512_set1_ps(v_scale);
   __m512 acc[NS][SEG];
   for (int s = 0; s < NS; ++s) {
     const __m512 cs = _mm512_set1_ps(c[s]);
@@ -498,7 +528,7 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
   for (int t = 0; t < valid; ++t) {
     __m512 vv[SEG];
     for (int j = 0; j < SEG; ++j)
-      vv[j] = _mm512_loadu_ps(v + int64_t{t} * d + i + 16 * j);
+      vv[j] = Load16<T>(v, int64_t{t} * d + i + 16 * j, sv);
     for (int s = 0; s < NS; ++s) {
       const __m512 ps = _mm512_set1_ps(p[s * ldp + t]);
       for (int j = 0; j < SEG; ++j)
@@ -529,6 +559,40 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
         x += p[s * ldp + t] * v[int64_t{t} * d + k];
       as[k] = x;
     }
+  }
+}
+
+// AccumulateStatesAvx512 for ns <= kAccStates states over a bf16, fp16 or
+// int8 V block (int8: times v_scale) widened as it is read; d % 16 == 0.
+// One state runs the same operations as AccumulateAvx512 (acc * c, then
+// + p_t * v_t in t order), so every ns gives the bits of the widen-first
+// path.
+template <DType T, int NS>
+PDSERVE_ATTN_AVX512 void AccumulateWidenedAvx512(const float* p, int ldp,
+                                                 int valid, const float* c,
+                                                 const void* v, float v_scale,
+                                                 int d, float* a) {
+  int i = 0;
+  for (; i + 64 <= d; i += 64)
+    AccumulateStatesTile<NS, 4, T>(p, ldp, valid, c, v, d, a, i, v_scale);
+  for (; i < d; i += 16)
+    AccumulateStatesTile<NS, 1, T>(p, ldp, valid, c, v, d, a, i, v_scale);
+}
+
+template <DType T>
+void AccumulateWidenedStates(const float* p, int ldp, int ns, int valid,
+                             const float* c, const void* v, float v_scale,
+                             int d, float* a) {
+  static_assert(kAccStates == 4);
+  switch (ns) {
+    case 4:
+      return AccumulateWidenedAvx512<T, 4>(p, ldp, valid, c, v, v_scale, d, a);
+    case 3:
+      return AccumulateWidenedAvx512<T, 3>(p, ldp, valid, c, v, v_scale, d, a);
+    case 2:
+      return AccumulateWidenedAvx512<T, 2>(p, ldp, valid, c, v, v_scale, d, a);
+    default:
+      return AccumulateWidenedAvx512<T, 1>(p, ldp, valid, c, v, v_scale, d, a);
   }
 }
 
@@ -820,6 +884,10 @@ void PagedAttention(const float* q, int32_t num_heads,
     int b, hi, block_start, count, first_state;
     int64_t block;
     const float* vb;
+    // A bf16, fp16 or int8 V block read in place (widened by the
+    // accumulation), and its int8 scale; null when vb holds the V rows.
+    const void* v_raw;
+    float v_scale;
     float *kbuf, *vbuf, *kt, *scores;  // this unit's scratch
   };
   struct Scratch {
@@ -828,6 +896,10 @@ void PagedAttention(const float* q, int32_t num_heads,
   };
   const int ldk = (bs + 15) / 16 * 16;
   const AttnIsa isa = ActiveAttnIsa();
+  const bool widen_in_place =
+      isa == AttnIsa::kAvx512 && ldk == 16 && d % 16 == 0 &&
+      (cache.dtype == DType::kBF16 || cache.dtype == DType::kF16 ||
+       cache.dtype == DType::kI8);
   auto run = [&](int64_t t_begin, int64_t t_end, bool) {
     // Per unit of a pair: widened K and V, keys transposed and zero-padded
     // to ldk (a multiple of 16), the states' scores [states][ldk]; the
@@ -893,13 +965,40 @@ void PagedAttention(const float* q, int32_t num_heads,
         x.first_state = std::min(first_q, nq) * group;
         if (x.first_state >= states) return;
         const int kv_head = task.head_begin + x.hi;
-        // fp32 blocks are read in place; other dtypes are widened first.
+        // fp32 blocks are read in place; with AVX-512 and 16-token blocks so
+        // are the others, widened by the key transpose and the
+        // accumulation; else they are widened into scratch first.
         const float* kb = x.kbuf;
         x.vb = x.vbuf;
+        x.v_raw = nullptr;
         if (cache.dtype == DType::kF32) {
           const float* data = static_cast<const float*>(cache.data);
           kb = data + cache.Offset(x.block, 0, kv_head);
           x.vb = data + cache.Offset(x.block, 1, kv_head);
+        } else if (widen_in_place) {
+          const auto* data = static_cast<const char*>(cache.data);
+          const int64_t elem = static_cast<int64_t>(DTypeBytes(cache.dtype));
+          const bool i8 = cache.dtype == DType::kI8;
+          const int64_t s0 = (x.block * 2) * cache.num_kv_heads + kv_head;
+          const float k_scale = i8 ? cache.scales[s0] : 1.0f;
+          x.v_scale = i8 ? cache.scales[s0 + cache.num_kv_heads] : 1.0f;
+          x.v_raw = data + cache.Offset(x.block, 1, kv_head) * elem;
+          const void* k_raw = data + cache.Offset(x.block, 0, kv_head) * elem;
+          switch (cache.dtype) {
+            case DType::kBF16:
+              TransposeKeys16Avx512<DType::kBF16>(k_raw, x.count, d, x.kt,
+                                                  k_scale);
+              break;
+            case DType::kF16:
+              TransposeKeys16Avx512<DType::kF16>(k_raw, x.count, d, x.kt,
+                                                 k_scale);
+              break;
+            default:
+              TransposeKeys16Avx512<DType::kI8>(k_raw, x.count, d, x.kt,
+                                                k_scale);
+              break;
+          }
+          return;
         } else {
           ReadKvBlock(cache, x.block, 0, kv_head, x.count, x.kbuf);
           ReadKvBlock(cache, x.block, 1, kv_head, x.count, x.vbuf);
@@ -931,8 +1030,23 @@ void PagedAttention(const float* q, int32_t num_heads,
           ScoresToWeights(isa, x.scores + int64_t{st} * ldk, ldk, ns, valid,
                           &m[st], &l[st], weights.data(), corrections);
           prefetcher.Issue(share);
-          AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections,
-                           x.vb, d, acc + int64_t{st} * d);
+          float* a = acc + int64_t{st} * d;
+          if (x.v_raw == nullptr) {
+            AccumulateStates(isa, weights.data(), ldk, ns, valid, corrections,
+                             x.vb, d, a);
+          } else if (cache.dtype == DType::kBF16) {
+            AccumulateWidenedStates<DType::kBF16>(weights.data(), ldk, ns,
+                                                  valid, corrections, x.v_raw,
+                                                  x.v_scale, d, a);
+          } else if (cache.dtype == DType::kF16) {
+            AccumulateWidenedStates<DType::kF16>(weights.data(), ldk, ns, valid,
+                                                 corrections, x.v_raw,
+                                                 x.v_scale, d, a);
+          } else {
+            AccumulateWidenedStates<DType::kI8>(weights.data(), ldk, ns, valid,
+                                                corrections, x.v_raw, x.v_scale,
+                                                d, a);
+          }
           st += ns;
         }
       };
