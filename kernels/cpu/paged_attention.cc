@@ -60,12 +60,13 @@ inline void StoreElem(void* base, DType t, int64_t idx, float v) {
   }
 }
 
-// Converts n elements of src to t (scale 1 / inv for int8) and stores them
-// at element `dst` of base. The cache lines written are usually not in any
-// cache (a sequence's slot in a block of the pool): the elements are
-// converted into a stack buffer first and stored with one copy per 256
-// bytes, so that the pending stores of many rows fit the store buffer at
-// once instead of one row's scalar stores filling it.
+// Converts n elements of src to t (int8: times inv, 1 / the block's scale)
+// as StoreElem does and stores them at element `dst` of base. The lines
+// written are usually in no cache (a sequence's slot in a block of the
+// pool): the elements are converted into a stack buffer first and stored
+// with one copy per 128 elements, so that the pending stores of many rows
+// fit the store buffer at once instead of one row's scalar stores filling
+// it.
 void StoreRow(const float* src, int n, DType t, float inv, void* base,
               int64_t dst) {
   const int64_t elem = static_cast<int64_t>(DTypeBytes(t));
@@ -74,6 +75,7 @@ void StoreRow(const float* src, int n, DType t, float inv, void* base,
     std::memcpy(out, src, n * sizeof(float));
     return;
   }
+  if (t == DType::kFp8E4M3) return;  // a CUDA-only KV dtype, as StoreElem
   constexpr int kChunk = 128;
   alignas(64) char buf[kChunk * 2];
   for (int i0 = 0; i0 < n; i0 += kChunk) {
