@@ -93,7 +93,7 @@ void WriteOne(const float* src, int64_t block, int offset, int kv, int head,
     StoreRow(src, c.head_dim, c.dtype, 1.0f, c.data, dst);
     return;
   }
-  float& scale = c.scales[(block * 2 + kv) * c.num_kv_heads + head];
+  float& scale = c.Scale(block, kv, head);
   if (offset == 0) scale = 0;
   float amax = 0;
   for (int d = 0; d < c.head_dim; ++d) amax = std::max(amax, std::fabs(src[d]));
@@ -245,9 +245,7 @@ void ReadKvBlock(const KvLayerView& cache, int64_t block, int kv, int head,
     return;
   }
   const float scale =
-      cache.dtype == DType::kI8
-          ? cache.scales[(block * 2 + kv) * cache.num_kv_heads + head]
-          : 1.0f;
+      cache.dtype == DType::kI8 ? cache.Scale(block, kv, head) : 1.0f;
   Widen(ActiveAttnIsa(),
         static_cast<const char*>(cache.data) +
             base * static_cast<int64_t>(DTypeBytes(cache.dtype)),

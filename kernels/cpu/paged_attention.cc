@@ -148,7 +148,7 @@ void PagedAttention(const float* q, int32_t num_heads,
   // One (block, head) unit of a task between its preparation and its
   // softmax: the block's keys transposed, its V rows, its states' scores.
   struct Unit {
-    int b, hi, block_start, count, first_state;
+    int hi, block_start, count, first_state;
     int64_t block;
     const float* vb;
     // A bf16, fp16 or int8 V block read in place (widened by the
@@ -221,10 +221,9 @@ void PagedAttention(const float* q, int32_t num_heads,
       // state sees its blocks in order as before.
       const int units = num_blocks * nh;
       auto prepare = [&](int u, Unit& x) {
-        x.b = u / nh;
         x.hi = u % nh;
-        x.block = seq.block_table[x.b];
-        x.block_start = x.b * bs;
+        x.block = seq.block_table[u / nh];
+        x.block_start = u / nh * bs;
         x.count = std::min(bs, last_pos - x.block_start + 1);
         // Queries before this block (causal) see none of it.
         const int first_q =
@@ -246,9 +245,8 @@ void PagedAttention(const float* q, int32_t num_heads,
           const auto* data = static_cast<const char*>(cache.data);
           const int64_t elem = static_cast<int64_t>(DTypeBytes(cache.dtype));
           const bool i8 = cache.dtype == DType::kI8;
-          const int64_t s0 = (x.block * 2) * cache.num_kv_heads + kv_head;
-          const float k_scale = i8 ? cache.scales[s0] : 1.0f;
-          x.v_scale = i8 ? cache.scales[s0 + cache.num_kv_heads] : 1.0f;
+          const float k_scale = i8 ? cache.Scale(x.block, 0, kv_head) : 1.0f;
+          x.v_scale = i8 ? cache.Scale(x.block, 1, kv_head) : 1.0f;
           x.v_raw = data + cache.Offset(x.block, 1, kv_head) * elem;
           const void* k_raw = data + cache.Offset(x.block, 0, kv_head) * elem;
           TransposeKeysWidened(cache.dtype, k_raw, x.count, d, k_scale, x.kt);

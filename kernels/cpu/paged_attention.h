@@ -31,6 +31,10 @@ struct KvLayerView {
     return ((block * 2 + kv) * num_kv_heads + head) * int64_t{block_size} *
            head_dim;
   }
+  // The int8 scale of (block, kv, head).
+  float& Scale(int64_t block, int kv, int head) const {
+    return scales[(block * 2 + kv) * num_kv_heads + head];
+  }
 };
 
 // Writes K and V of `num_tokens` tokens: k, v: [num_tokens, kv_heads,
