@@ -109,6 +109,10 @@ std::optional<std::string> UpKvTransport(const UpChild&) {
   if (t != "auto") return t;
   return Current("device") == "cuda" ? "cuda_ipc" : "shm";
 }
+// The core share `up` made (or was given) for its workers.
+std::optional<std::string> UpCoreShare(const UpChild& c) {
+  return c.core_share;
+}
 // A disk tier gets a directory per worker (a tier empties its directory at
 // start-up).
 std::optional<std::string> UpKvOffloadDir(const UpChild& c) {
@@ -223,6 +227,7 @@ const std::vector<FlagSpec>& AllFlags() {
        CheckKvTransport,
        UpKvTransport},
       {"kv_cuda_device", kWorkerCommands, U::kWorkers},
+      {"core_share", kWorkerCommands, U::kWorkers, {}, nullptr, UpCoreShare},
       {"kv_layerwise", kWorkerCommands, U::kWorkers},
       {"kv_stream_queue_bytes", kWorkerCommands, U::kWorkers},
       {"admission_timeout_ms", kWorkerCommands, U::kWorkers},

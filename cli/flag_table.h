@@ -57,8 +57,9 @@ struct UpChild {
   std::string role;  // worker role: prefill, decode or both
   int index = 0;     // worker index (prefill workers first)
   int num_workers = 1;
-  std::string model;    // the model directory (resolved default)
-  int num_prefill = 0;  // prefill workers among num_workers
+  std::string model;               // the model directory (resolved default)
+  int num_prefill = 0;             // prefill workers among num_workers
+  std::string core_share = "off";  // workers' --core-share
 };
 
 // The kernel threads `up` gives a worker of `role` (prefill, decode, both)

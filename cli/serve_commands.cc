@@ -24,6 +24,7 @@
 #include "common/json.h"
 #include "common/logging.h"
 #include "common/metrics_http.h"
+#include "kernels/cpu/core_share.h"
 #include "model/model_init.h"
 #include "pdserve/v1/internal.grpc.pb.h"
 #include "pdserve/v1/router.grpc.pb.h"
@@ -69,6 +70,12 @@ ABSL_FLAG(std::string, kv_transport, "auto",
           "node, same or peer GPU; never run on a GPU yet); auto: for `up`, "
           "cuda_ipc with --device cuda and shm on CPU; grpc for a standalone "
           "worker");
+ABSL_FLAG(std::string, core_share, "auto",
+          "workers on one host lend each other the cores of an idle engine "
+          "through this shared-memory file (created if missing; the workers "
+          "of one host name the same file): a worker with work runs its "
+          "--threads plus the idle workers' threads. off: none; auto: none "
+          "for a worker, and for `up` one shared by its workers on CPU");
 ABSL_FLAG(int32_t, kv_cuda_device, 0,
           "--kv-transport nccl: the CUDA device this worker's NCCL "
           "communicators use");
@@ -176,6 +183,20 @@ int RunWorkerWithRole(const std::string& role_name, uint32_t command) {
   config.kv_stream_queue_bytes = absl::GetFlag(FLAGS_kv_stream_queue_bytes);
   config.admission_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_admission_timeout_ms));
+  if (const std::string share = absl::GetFlag(FLAGS_core_share);
+      share != "auto" && share != "off" && !share.empty()) {
+    auto joined = kernels::CoreShare::Join(share, kernels::KernelThreads());
+    if (!joined.ok()) return ReportError(joined.status());
+    // The kernels may ask it for threads until the process exits.
+    kernels::CoreShare* core_share = joined->release();
+    kernels::SetKernelThreadSource(core_share);
+    config.on_engine_busy = [core_share](bool busy) {
+      core_share->SetBusy(busy);
+    };
+    PDSERVE_LOG(INFO) << "core share " << share << ": slot "
+                      << core_share->slot() << ", " << core_share->own_threads()
+                      << " own kernel threads";
+  }
   auto server =
       worker::WorkerServer::Start(config, &metrics::Registry::Default());
   RegisterConfigInfo(metrics::Registry::Default(), "pdserve_worker", command);
@@ -423,6 +444,19 @@ int RunUp(const std::vector<std::string>&) {
                  "between processes: for local use only (pass --tls-cert, "
                  "--tls-key and --tls-ca for mTLS)\n");
   }
+  // CPU workers of one host lend each other idle cores (kernels::CoreShare)
+  // through a memfd they inherit; the router does not touch it.
+  std::string core_share = absl::GetFlag(FLAGS_core_share);
+  int core_share_fd = -1;
+  if (core_share == "auto") {
+    core_share = "off";
+    if (absl::GetFlag(FLAGS_device) == "cpu" && n_prefill + n_decode > 1) {
+      auto fd = kernels::CoreShare::CreateInheritable();
+      if (!fd.ok()) return ReportError(fd.status());
+      core_share_fd = *fd;
+      core_share = absl::StrCat("/proc/self/fd/", core_share_fd);
+    }
+  }
   std::vector<Child> children;
   auto stop_all = [&] {
     for (auto& c : children) kill(c.pid, SIGTERM);
@@ -435,7 +469,8 @@ int RunUp(const std::vector<std::string>&) {
         is_prefill ? "prefill" : (n_prefill == 0 ? "both" : "decode");
     // Every flag the table forwards to workers (cli/flag_table.cc), then
     // the ones up decides per child.
-    UpChild up_child{false, role, i, n_prefill + n_decode, model, n_prefill};
+    UpChild up_child{false, role,      i,         n_prefill + n_decode,
+                     model, n_prefill, core_share};
     std::vector<std::string> args = {"worker"};
     for (std::string& a : UpChildArgs(up_child)) args.push_back(std::move(a));
     args.insert(args.end(), {"--role=" + role, "--port=0", "--metrics-port=0"});
@@ -515,6 +550,7 @@ int RunUp(const std::vector<std::string>&) {
   for (auto& c : children) {
     if (c.pid > 0) waitpid(c.pid, nullptr, 0);
   }
+  if (core_share_fd >= 0) close(core_share_fd);
   return 0;
 }
 

@@ -45,8 +45,10 @@ absl::Status RequestStream::error() const {
   return error_;
 }
 
-EngineLoop::EngineLoop(std::unique_ptr<Engine> engine)
+EngineLoop::EngineLoop(std::unique_ptr<Engine> engine,
+                       std::function<void(bool busy)> on_busy)
     : engine_(std::move(engine)),
+      on_busy_(std::move(on_busy)),
       spec_(engine_->kv_spec()),
       max_model_len_(engine_->max_model_len()),
       num_blocks_(engine_->block_manager().num_blocks()),
@@ -294,12 +296,19 @@ void EngineLoop::Run() {
   // a task arrives, for at most a couple of milliseconds, instead of
   // spinning a core on empty steps.
   bool stalled = false;
+  bool busy = false;
+  auto set_busy = [&](bool b) {
+    if (b == busy) return;
+    busy = b;
+    if (on_busy_) on_busy_(b);
+  };
   while (true) {
     std::deque<Task> tasks;
     bool stopping = false;
     {
       absl::MutexLock l(&mu_);
       const bool has_work = engine_->HasWork();
+      if (!has_work) set_busy(false);
       if (!has_work || stalled) {
         mu_.AwaitWithTimeout(
             absl::Condition(
@@ -314,6 +323,7 @@ void EngineLoop::Run() {
       stopping = stop_;
     }
     if (stopping) {
+      set_busy(false);
       // Post refuses everything from now on, so `tasks` is the last batch.
       FailEverything(std::move(tasks));
       return;
@@ -323,6 +333,7 @@ void EngineLoop::Run() {
     ServeReservations();
     stalled = false;
     if (engine_->HasWork()) {
+      set_busy(true);
       const int64_t steps_before = engine_->Stats().steps;
       auto outputs = engine_->Step();
       stalled = outputs.ok() && outputs->empty() &&

@@ -66,7 +66,11 @@ using CallResult = std::conditional_t<
 
 class EngineLoop {
  public:
-  explicit EngineLoop(std::unique_ptr<Engine> engine);
+  // on_busy(true) runs on the engine thread before a step when the loop had
+  // no work, on_busy(false) when it runs out of work and waits (e.g. to lend
+  // its cores to a neighbour: kernels::CoreShare). May be null.
+  explicit EngineLoop(std::unique_ptr<Engine> engine,
+                      std::function<void(bool busy)> on_busy = nullptr);
   // Stop(), then waits for the engine thread.
   ~EngineLoop();
   EngineLoop(const EngineLoop&) = delete;
@@ -194,6 +198,7 @@ class EngineLoop {
   void FailEverything(std::deque<Task> tasks);
 
   std::unique_ptr<Engine> engine_;
+  const std::function<void(bool)> on_busy_;
   const KvCacheSpec spec_;
   const int32_t max_model_len_;
   const int64_t num_blocks_;

@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_cause.h"
 #include "engine/test_util.h"
@@ -34,8 +36,9 @@ bool WaitUntil(const std::function<bool()>& done,
 class EngineLoopTest : public ::testing::Test {
  protected:
   // block_size 4 over the tiny model (fp32): `blocks` blocks in the pool.
-  static std::unique_ptr<EngineLoop> MakeLoop(int64_t blocks,
-                                              EngineConfig config = {}) {
+  static std::unique_ptr<EngineLoop> MakeLoop(
+      int64_t blocks, EngineConfig config = {},
+      std::function<void(bool)> on_busy = nullptr) {
     config.block_size = 4;
     const auto weights = testing::TinyWeights();
     const KvCacheSpec spec{static_cast<int32_t>(weights->config.num_layers),
@@ -45,7 +48,7 @@ class EngineLoopTest : public ::testing::Test {
     config.kv_cache_bytes = spec.BytesPerBlock() * blocks;
     auto e = Engine::Create(weights, config);
     EXPECT_TRUE(e.ok()) << e.status();
-    return std::make_unique<EngineLoop>(std::move(*e));
+    return std::make_unique<EngineLoop>(std::move(*e), std::move(on_busy));
   }
   // A request whose prompt takes `blocks` blocks of 4 tokens.
   static EngineRequest Req(const std::string& id, int blocks,
@@ -134,6 +137,37 @@ TEST_F(EngineLoopTest, DetachReturnsBlocksHeldByAnOutputNobodyRead) {
       loop->Call([&](Engine&) { loop->DetachStream("held", stream->get()); })
           .ok());
   EXPECT_EQ(Stats(*loop).blocks_active, 0);
+}
+
+TEST_F(EngineLoopTest, TheBusyListenerHearsWhenWorkStartsAndRunsOut) {
+  absl::Mutex mu;
+  std::vector<bool> heard;
+  auto loop = MakeLoop(64, {}, [&](bool busy) {
+    absl::MutexLock l(&mu);
+    heard.push_back(busy);
+  });
+  auto heard_now = [&] {
+    absl::MutexLock l(&mu);
+    return heard;
+  };
+  // No work yet: nothing to say (the loop starts idle).
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(heard_now().empty());
+  for (int round = 1; round <= 2; ++round) {
+    auto stream = loop->Submit(Req(absl::StrCat("r", round), 2, 8));
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    bool finished = false;
+    ASSERT_TRUE(WaitUntil([&] {
+      for (const StepOutput& out : (*stream)->Pop(absl::Milliseconds(1)))
+        finished |= out.finish != FinishReason::kNone;
+      return finished;
+    }));
+    // Once per stretch of work, however many steps it took.
+    ASSERT_TRUE(WaitUntil([&] { return heard_now().size() == 2u * round; }));
+    EXPECT_EQ(heard_now().back(), false);
+    EXPECT_EQ(heard_now()[2 * round - 2], true);
+  }
+  EXPECT_GE(Stats(*loop).steps, 2 * 8);
 }
 
 TEST_F(EngineLoopTest, DetachAbortsALiveRequestAndItsBlocksReturn) {

@@ -369,6 +369,41 @@ TEST_F(CliTest, ModelInitWritesTheWeightsDtypeInConfig) {
   }
 }
 
+// On CPU, `up` gives its workers one core share (a memfd they inherit), so
+// an idle worker's cores go to a busy one; --core-share off gives none.
+TEST_F(CliTest, UpGivesItsCpuWorkersOneCoreShareUnlessTurnedOff) {
+  for (const bool off : {false, true}) {
+    std::vector<std::string> args = {"--model=" + Model(), "--prefill=1",
+                                     "--decode=1",         "--port=0",
+                                     "--metrics-port=0",   "--http-port=0"};
+    if (off) args.push_back("--core-share=off");
+    pdserve::testing::UpCluster up = pdserve::testing::UpCluster::Start(args);
+    ASSERT_TRUE(up.ok()) << up.output();
+    const std::regex joined(R"(core share (/proc/self/fd/\d+): slot (\d))");
+    std::set<std::string> paths, slots;
+    const std::string out = up.output();
+    for (std::sregex_iterator it(out.begin(), out.end(), joined), end;
+         it != end; ++it) {
+      paths.insert((*it)[1].str());
+      slots.insert((*it)[2].str());
+    }
+    if (off) {
+      EXPECT_TRUE(paths.empty()) << out;
+    } else {
+      EXPECT_EQ(paths.size(), 1u) << out;
+      EXPECT_EQ(slots, (std::set<std::string>{"0", "1"})) << out;
+    }
+    for (const auto& w : up.workers()) {
+      EXPECT_EQ(
+          pdserve::testing::ConfigInfo(pdserve::testing::Scrape(w.metrics_port),
+                                       "pdserve_worker")["core_share"],
+          off || paths.empty() ? "off" : *paths.begin())
+          << w.name;
+    }
+    up.Stop();
+  }
+}
+
 // `pdserve up` passes every worker and router flag it takes on: each one set
 // to a value other than its default, each worker and the router report what
 // they got (pdserve_{worker,router}_config_info).
@@ -420,6 +455,7 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
       {"threads", "1"},
       {"gpu-memory-utilization", "0.5"},
       {"kv-transport", "grpc"},
+      {"core-share", *dir_ + "/cores"},
       {"insecure", "true"},
       {"port", "0"},
       {"metrics-port", "0"},
@@ -480,6 +516,11 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
       EXPECT_EQ(info[underscored(name)], expect) << w.name << " --" << name;
     }
   }
+  // Both workers joined the one core share, each in a slot of its own.
+  for (const char* slot : {": slot 0,", ": slot 1,"}) {
+    EXPECT_THAT(up.output(),
+                HasSubstr("core share " + *dir_ + "/cores" + slot));
+  }
   auto rinfo = pdserve::testing::ConfigInfo(
       pdserve::testing::Scrape(up.router().metrics_port), "pdserve_router");
   for (const auto& [name, f] : flags) {
@@ -493,6 +534,8 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
        "--metrics-port=0", "--http-port=0", "--threads=1",
        "--kv-offload-memory=16MiB"});
   ASSERT_TRUE(mem.ok()) << mem.output();
+  // One worker has nobody to lend cores to.
+  EXPECT_THAT(mem.output(), Not(HasSubstr("core share")));
   EXPECT_EQ(pdserve::testing::ConfigInfo(
                 pdserve::testing::Scrape(mem.workers().at(0).metrics_port),
                 "pdserve_worker")["kv_offload_memory"],

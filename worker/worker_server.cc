@@ -428,7 +428,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   impl->cache_fingerprint = engine::BlockHash{eng->cache_fingerprint()[0],
                                               eng->cache_fingerprint()[1]}
                                 .Hex();
-  impl->loop = std::make_unique<engine::EngineLoop>(std::move(eng));
+  impl->loop = std::make_unique<engine::EngineLoop>(std::move(eng),
+                                                    config.on_engine_busy);
   impl->transfer_metrics =
       std::make_unique<kv_transfer::TransferMetrics>(*registry);
   // Received KV goes straight into the backend's storage (host or device).

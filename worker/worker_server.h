@@ -58,6 +58,9 @@ struct WorkerConfig {
   // quota). Bounds what a flood of connections can take.
   int64_t grpc_memory_quota_bytes = int64_t{1} << 30;
   int grpc_max_threads = 256;
+  // Called on the engine thread when the engine gets work after having none
+  // (true) and when it runs out (false); may be null.
+  std::function<void(bool busy)> on_engine_busy;
   // Tests only: called with the bound port after the server listens and
   // before the handlers are wired (the start-up window).
   std::function<void(int port)> after_listen_for_test;

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace pdserve::kernels {
@@ -103,6 +104,11 @@ int& ThreadsSetting() {
   return threads;
 }
 
+std::atomic<const KernelThreadSource*>& ThreadSource() {
+  static std::atomic<const KernelThreadSource*> source{nullptr};
+  return source;
+}
+
 }  // namespace
 
 std::optional<MatMulMode> ParseMatMulMode(std::string_view s) {
@@ -138,7 +144,14 @@ void SetKernelThreads(int threads) {
   openblas_set_num_threads(threads);
 }
 
+void SetKernelThreadSource(const KernelThreadSource* source) {
+  ThreadSource().store(source, std::memory_order_release);
+}
+
 int KernelThreads() {
+  if (const KernelThreadSource* s =
+          ThreadSource().load(std::memory_order_acquire))
+    return s->Threads();
   return ThreadsSetting() > 0 ? ThreadsSetting() : omp_get_max_threads();
 }
 

@@ -60,6 +60,20 @@ void DotsFixedOrder(const float* x, int64_t m, int64_t ldx, const float* w,
 
 // Sets the threads used by kernels (OpenMP) and OpenBLAS. <= 0 keeps defaults.
 void SetKernelThreads(int threads);
+// The threads the next parallel kernel uses: the source's answer when one is
+// set, else SetKernelThreads's count (the cores when none was set).
 int KernelThreads();
+
+// Decides, kernel by kernel, how many threads this process may use now (a
+// CoreShare lends the cores of idle neighbours). Results never depend on it:
+// the kernels' order contract makes every thread count give the same bits.
+class KernelThreadSource {
+ public:
+  virtual ~KernelThreadSource() = default;
+  virtual int Threads() const = 0;
+};
+// `source` must outlive its use; nullptr goes back to SetKernelThreads's
+// count. OpenMP and OpenBLAS keep SetKernelThreads's count.
+void SetKernelThreadSource(const KernelThreadSource* source);
 
 }  // namespace pdserve::kernels
