@@ -70,10 +70,12 @@ struct UpChild {
 // common x86 hosts (on the 2-core development VM one thread read as fast as
 // two), so each decode worker gets cores / 4 over the decode workers (at
 // least 1); prefill is compute-bound and gets every core left (over the
-// prefill workers, at least 1). No core is shared: measured on 2 cores with
-// the 1B shape, a third thread (prefill on both cores) doubled decode's ITL
-// p99, and running prefill at a lower priority instead quadrupled its TTFT
-// on a host shared with other work.
+// prefill workers, at least 1). No core runs two workers' threads at once:
+// measured on 2 cores with the 1B shape, a third thread (prefill on both
+// cores) doubled decode's ITL p99, and running prefill at a lower priority
+// instead quadrupled its TTFT on a host shared with other work. A core
+// passes from one worker to another only while its owner's engine is idle
+// (--core-share, kernels/cpu/core_share.h).
 int UpWorkerThreads(const std::string& role, int cores, int num_prefill,
                     int num_workers);
 

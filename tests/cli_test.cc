@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -13,6 +15,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "tests/matrix/up_cluster.h"
 
@@ -393,13 +396,44 @@ TEST_F(CliTest, UpGivesItsCpuWorkersOneCoreShareUnlessTurnedOff) {
       EXPECT_EQ(paths.size(), 1u) << out;
       EXPECT_EQ(slots, (std::set<std::string>{"0", "1"})) << out;
     }
+    int decode_port = 0;
     for (const auto& w : up.workers()) {
       EXPECT_EQ(
           pdserve::testing::ConfigInfo(pdserve::testing::Scrape(w.metrics_port),
                                        "pdserve_worker")["core_share"],
           off || paths.empty() ? "off" : *paths.begin())
           << w.name;
+      if (w.name.rfind("decode", 0) == 0) decode_port = w.metrics_port;
     }
+    ASSERT_NE(decode_port, 0) << out;
+    // While the decode worker generates and the prefill worker idles, the
+    // decode worker's kernels may use every core (up splits them between
+    // the two).
+    const int cores =
+        std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const int own = std::max(1, cores / 4);
+    auto kernel_threads = [&] {
+      return static_cast<int>(pdserve::testing::MetricValue(
+          pdserve::testing::Scrape(decode_port), "pdserve_kernel_threads"));
+    };
+    EXPECT_EQ(kernel_threads(), own);
+    std::atomic<bool> stop{false};
+    std::thread load([&] {
+      while (!stop) {
+        Run("generate --router " + up.router().address +
+            " --prompt x --max-tokens 2000 --ignore-eos");
+      }
+    });
+    int most = 0;
+    pdserve::testing::WaitUntil(
+        [&] {
+          most = std::max(most, kernel_threads());
+          return most == cores;
+        },
+        std::chrono::milliseconds(off ? 2000 : 20000));
+    stop = true;
+    load.join();
+    EXPECT_EQ(most, off ? own : cores);
     up.Stop();
   }
 }

@@ -15,6 +15,7 @@
 #include "common/tls.h"
 #include "decode_service/decode_handler.h"
 #include "engine/engine_loop.h"
+#include "kernels/cpu/matmul.h"
 #include "kv_cache/kv_event_log.h"
 #include "kv_transfer/grpc/grpc_transport.h"
 #include "kv_transfer/ipc/ipc_service.h"
@@ -314,8 +315,13 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         r, "pdserve_structured_mask_seconds_total",
         "Engine-thread seconds spent masking logits and advancing matchers "
         "for structured output");
+    auto* kernel_threads = metrics::GaugeChild(
+        r, "pdserve_kernel_threads",
+        "Threads the next parallel CPU kernel may use: --threads plus those "
+        "lent by idle workers through --core-share");
     auto last = std::make_shared<engine::EngineStats>();
     collector = r.AddCollector([=, this] {
+      kernel_threads->Set(static_cast<double>(kernels::KernelThreads()));
       const engine::EngineStats s = loop->stats();
       running->Set(static_cast<double>(s.num_running));
       waiting->Set(static_cast<double>(s.num_waiting));
