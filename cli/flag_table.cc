@@ -30,6 +30,13 @@ std::string Current(absl::string_view name) {
   return f == nullptr ? "" : f->CurrentValue();
 }
 
+// The flags this process's command line named (Abseil names), as
+// CheckCommandLineFlags saw them.
+std::set<std::string>& GivenFlags() {
+  static std::set<std::string>* given = new std::set<std::string>();
+  return *given;
+}
+
 absl::Status Refused(absl::string_view flag, absl::string_view value) {
   return absl::InvalidArgumentError(
       absl::StrCat("--", absl::StrReplaceAll(flag, {{"_", "-"}}), ": \"", value,
@@ -126,6 +133,19 @@ std::optional<std::string> UpPortOr(const char* flag, int fallback) {
   int64_t v = -1;
   (void)absl::SimpleAtoi(Current(flag), &v);
   return std::to_string(v < 0 ? fallback : v);
+}
+// Every worker of `up` shares one host's cores, so sending a short prompt to
+// the prefill worker buys no compute: it only queues behind long prompts
+// there and adds a KV transfer. Unless given, up's router prefills a prompt
+// that fits one prefill chunk (the prefill worker's default
+// --long-prefill-chunk, 128) on the decode worker, and the prefill worker
+// takes the long ones (the router's own default is 32; measured on 2 cores
+// in bench/RESULTS.md, section 4).
+constexpr int kUpLocalPrefillThreshold = 128;
+std::optional<std::string> UpLocalPrefillThreshold(const UpChild&) {
+  if (GivenFlags().count("local_prefill_threshold"))
+    return Current("local_prefill_threshold");
+  return std::to_string(kUpLocalPrefillThreshold);
 }
 std::optional<std::string> UpPort(const UpChild&) {
   return UpPortOr("port", 50051);
@@ -260,7 +280,12 @@ const std::vector<FlagSpec>& AllFlags() {
        CheckPolicy},
       {"w_prefill", kRouter, U::kRouter},
       {"w_decode", kRouter, U::kRouter},
-      {"local_prefill_threshold", kRouter, U::kRouter},
+      {"local_prefill_threshold",
+       kRouter,
+       U::kRouter,
+       {},
+       nullptr,
+       UpLocalPrefillThreshold},
       {"max_retries", kRouter, U::kRouter},
       {"peer_pull", kRouter, U::kRouter},
       {"peer_pull_min_speedup", kRouter, U::kRouter},
@@ -458,13 +483,19 @@ absl::Status CheckCommandLineFlags(const std::string& command_name,
     if (a == "--") break;  // the rest is positional
     if (a.rfind("--", 0) != 0) continue;
     std::string name = a.substr(2, a.find('=') - 2);
-    if (FindFlag(name, command) != nullptr) continue;
+    if (const FlagSpec* s = FindFlag(name, command); s != nullptr) {
+      GivenFlags().insert(s->name);
+      continue;
+    }
     // Abseil's --noNAME form of a boolean.
     if (name.rfind("no", 0) == 0) {
       const FlagSpec* s = FindFlag(name.substr(2), command);
       const absl::CommandLineFlag* f =
           s == nullptr ? nullptr : absl::FindCommandLineFlag(s->name);
-      if (f != nullptr && f->IsOfType<bool>()) continue;
+      if (f != nullptr && f->IsOfType<bool>()) {
+        GivenFlags().insert(s->name);
+        continue;
+      }
     }
     return absl::InvalidArgumentError(absl::StrCat(
         "pdserve ", command_name, " does not take --", Dashed(name),

@@ -110,7 +110,8 @@ std::string FlagHelp(uint32_t command);
 
 // Checks the command line (Abseil names, "--name[=value]") before parsing:
 // every flag must be one `command` accepts (the error names the command and
-// points at --help).
+// points at --help). Remembers the flags it saw: `up` keeps a value given on
+// its command line where it would otherwise choose its own.
 absl::Status CheckCommandLineFlags(const std::string& command_name,
                                    uint32_t command,
                                    const std::vector<std::string>& args);

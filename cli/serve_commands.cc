@@ -99,7 +99,8 @@ ABSL_FLAG(double, w_prefill, 1.0,
 ABSL_FLAG(double, w_decode, 64.0, "router: weight of decode load (sequences)");
 ABSL_FLAG(
     int64_t, local_prefill_threshold, 32,
-    "router: uncached tokens at or below this prefill on the decode worker");
+    "router: uncached tokens at or below this prefill on the decode worker "
+    "(up: 128 unless given, as its workers share one host's cores)");
 ABSL_FLAG(int32_t, max_retries, 3,
           "router: retries before the first token / migrations after it");
 ABSL_FLAG(bool, peer_pull, false,

@@ -570,6 +570,11 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
   ASSERT_TRUE(mem.ok()) << mem.output();
   // One worker has nobody to lend cores to.
   EXPECT_THAT(mem.output(), Not(HasSubstr("core share")));
+  // Not given, --local-prefill-threshold is up's own: one prefill chunk.
+  EXPECT_EQ(pdserve::testing::ConfigInfo(
+                pdserve::testing::Scrape(mem.router().metrics_port),
+                "pdserve_router")["local_prefill_threshold"],
+            "128");
   EXPECT_EQ(pdserve::testing::ConfigInfo(
                 pdserve::testing::Scrape(mem.workers().at(0).metrics_port),
                 "pdserve_worker")["kv_offload_memory"],
