@@ -6,49 +6,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/kv_elem.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/task_pool.h"
 
 namespace pdserve::engine {
 namespace {
 
-inline float LoadElem(const void* base, DType t, int64_t i) {
-  switch (t) {
-    case DType::kF32:
-      return static_cast<const float*>(base)[i];
-    case DType::kF16:
-      return F16ToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kBF16:
-      return Bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kI8:
-      return static_cast<float>(static_cast<const int8_t*>(base)[i]);
-    default:
-      return 0.0f;  // fp8 is refused on the CPU before any forward pass
-  }
-}
-
-inline int8_t QuantizeI8(float v) {
-  return static_cast<int8_t>(std::clamp(std::nearbyint(v), -127.0f, 127.0f));
-}
-
-inline void StoreElem(void* base, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::kF32:
-      static_cast<float*>(base)[i] = v;
-      break;
-    case DType::kF16:
-      static_cast<uint16_t*>(base)[i] = FloatToF16(v);
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(base)[i] = FloatToBf16(v);
-      break;
-    case DType::kI8:
-      static_cast<int8_t*>(base)[i] = QuantizeI8(v);
-      break;
-    default:
-      break;
-  }
-}
+using kernels::LoadKvElem;
+using kernels::QuantizeI8;
+using kernels::StoreKvElem;
 
 // DeepSeek's interleaved RoPE on one vector of `d` (even) values, in place:
 // pair i is (x[2i], x[2i+1]); the result is de-interleaved as
@@ -175,7 +142,7 @@ void WriteLatentRows(const float* rows, int64_t num_tokens,
     const int64_t base = block * bs * width, dst = base + offset * width;
     if (spec.dtype != DType::kI8) {
       for (int64_t i = 0; i < width; ++i)
-        StoreElem(data, spec.dtype, dst + i, src[i]);
+        StoreKvElem(data, spec.dtype, dst + i, src[i]);
       continue;
     }
     int8_t* q = static_cast<int8_t*>(data);
@@ -216,7 +183,7 @@ void ReadLatentBlock(const KvCacheSpec& spec, const void* data,
   }
   for (int row = 0; row < count; ++row) {
     for (int64_t i = 0; i < width; ++i) {
-      float v = LoadElem(data, spec.dtype, base + row * width + i);
+      float v = LoadKvElem(data, spec.dtype, base + row * width + i);
       if (spec.dtype == DType::kI8)
         v *= scales[block * 2 + (i < spec.kv_lora_rank ? 0 : 1)];
       out[row * width + i] = v;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/kv_elem.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/paged_attention_internal.h"
@@ -19,46 +20,8 @@ namespace {
 using paged_attention_internal::ActiveAttnIsa;
 using paged_attention_internal::AttnIsa;
 
-inline float LoadElem(const void* base, DType t, int64_t idx) {
-  switch (t) {
-    case DType::kF32:
-      return static_cast<const float*>(base)[idx];
-    case DType::kF16:
-      return F16ToFloat(static_cast<const uint16_t*>(base)[idx]);
-    case DType::kBF16:
-      return Bf16ToFloat(static_cast<const uint16_t*>(base)[idx]);
-    case DType::kI8:
-      return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
-    case DType::kFp8E4M3:  // a CUDA-only KV dtype (engine/backend.cc)
-      break;
-  }
-  return 0;
-}
-
-inline void StoreElem(void* base, DType t, int64_t idx, float v) {
-  switch (t) {
-    case DType::kF32:
-      static_cast<float*>(base)[idx] = v;
-      break;
-    case DType::kF16:
-      static_cast<uint16_t*>(base)[idx] = FloatToF16(v);
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(base)[idx] = FloatToBf16(v);
-      break;
-    case DType::kI8: {
-      const float r = std::nearbyint(v);
-      static_cast<int8_t*>(base)[idx] =
-          static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
-      break;
-    }
-    case DType::kFp8E4M3:  // a CUDA-only KV dtype (engine/backend.cc)
-      break;
-  }
-}
-
 // Converts n elements of src to t (int8: times inv, 1 / the block's scale)
-// as StoreElem does and stores them at element `dst` of base. The lines
+// as StoreKvElem does and stores them at element `dst` of base. The lines
 // written are usually in no cache (a sequence's slot in a block of the
 // pool): the elements are converted into a stack buffer first and stored
 // with one copy per 128 elements, so that the pending stores of many rows
@@ -72,14 +35,14 @@ void StoreRow(const float* src, int n, DType t, float inv, void* base,
     std::memcpy(out, src, n * sizeof(float));
     return;
   }
-  if (t == DType::kFp8E4M3) return;  // a CUDA-only KV dtype, as StoreElem
+  if (t == DType::kFp8E4M3) return;  // a CUDA-only KV dtype, as StoreKvElem
   constexpr int kChunk = 128;
   alignas(64) char buf[kChunk * 2];
   for (int i0 = 0; i0 < n; i0 += kChunk) {
     const int len = std::min(kChunk, n - i0);
     for (int i = 0; i < len; ++i) {
       const float x = t == DType::kI8 ? src[i0 + i] * inv : src[i0 + i];
-      StoreElem(buf, t, i, x);
+      StoreKvElem(buf, t, i, x);
     }
     std::memcpy(out + i0 * elem, buf, len * elem);
   }
@@ -150,7 +113,7 @@ namespace {
 void WidenPortable(const void* src, DType t, int64_t n, float scale,
                    float* out) {
   const float s = t == DType::kI8 ? scale : 1.0f;
-  for (int64_t i = 0; i < n; ++i) out[i] = LoadElem(src, t, i) * s;
+  for (int64_t i = 0; i < n; ++i) out[i] = LoadKvElem(src, t, i) * s;
 }
 
 PDSERVE_ATTN_AVX512 void WidenAvx512(const void* src, DType t, int64_t n,
