@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -91,7 +92,10 @@ class RouterServiceTest : public ::testing::Test {
     return ref;
   }
   void StartRouterWith(v1::Worker::Service* worker) {
-    const std::string dir = ::testing::TempDir() + "/router_service_test";
+    // One directory per process: ctest runs these tests in parallel
+    // processes, and one must not read a tokenizer another is rewriting.
+    const std::string dir =
+        absl::StrCat(::testing::TempDir(), "/router_service_test_", getpid());
     std::filesystem::create_directories(dir);
     std::ofstream(dir + "/tokenizer.json")
         << engine::ByteTokenizer::TokenizerJson();
