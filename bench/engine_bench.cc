@@ -359,6 +359,10 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                        kernels::DetectCpuFeatures().avx512bf16;
   const bool int8dot = config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
                        kernels::Int8DotUsesVnni();
+  // Per-row int8 weights on the AVX2 path of a CPU with AVX-VNNI.
+  const bool int8dot_avxvnni =
+      config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
+      kernels::Int8DotKernelFor(1) == kernels::Int8DotKernel::kAvxVnni;
   // int8dot takes AMX-INT8 from Int8DotAmxMinRows() rows on (batched decode
   // and prefill), VNNI below.
   const bool amx = int8dot && kernels::Int8DotAmxUsable() &&
@@ -368,11 +372,12 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
           ? "blas"
           : absl::StrCat(
                 kernels::GemmIsaName(kernels::ActiveGemmIsa()),
-                bf16dot   ? "-bf16dot"
-                : amx     ? absl::StrCat("-int8dot-amx(m>=",
-                                         kernels::Int8DotAmxMinRows(), ")-vnni")
-                : int8dot ? "-int8dot-vnni"
-                          : "");
+                bf16dot           ? "-bf16dot"
+                : amx             ? absl::StrCat("-int8dot-amx(m>=",
+                                                 kernels::Int8DotAmxMinRows(), ")-vnni")
+                : int8dot         ? "-int8dot-vnni"
+                : int8dot_avxvnni ? "-int8dot-avxvnni"
+                                  : "");
   result.int8dot_amx_min_rows = amx ? kernels::Int8DotAmxMinRows() : 0;
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
   result.threads = kernels::KernelThreads();
@@ -394,14 +399,16 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   // With AMX: TDPBSSD's peak (full 64-byte k per instruction), which is
   // what prefill and the batches that take AMX are divided by; the VNNI peak
   // and TDPBSSD's at one block (32 k) per instruction, as the kernel issues
-  // it, are reported beside it.
+  // it, are reported beside it. int8dot on AVX-VNNI: its 256-bit VPDPBUSD's.
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
   auto measure_peak = [&](double seconds) {
     return bf16dot ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
            : amx   ? kernels::MeasureAmxInt8PeakGops(result.threads, seconds)
            : int8dot ? kernels::MeasureInt8DotPeakGops(result.threads, seconds)
-                     : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
-                                                     seconds);
+           : int8dot_avxvnni
+               ? kernels::MeasureAvxVnniPeakGops(result.threads, seconds)
+               : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
+                                               seconds);
   };
   result.fma_peak_gflops = measure_peak(0.3);
   std::fprintf(stderr, "[bench] %s peak %.1f G(FL)OP/s on %d threads\n",

@@ -46,6 +46,7 @@ CpuFeatures Detect() {
   f.amx_int8 = os_tile && amx_tile && (d & (1u << 25));
   if (leaf7_max_sub >= 1) {
     __cpuid_count(7, 1, a, b, c, d);
+    f.avxvnni = os_ymm && (a & (1u << 4));
     f.avx512bf16 = os_zmm && (a & (1u << 5));
   }
 #if defined(__linux__) && defined(SYS_arch_prctl)
@@ -71,6 +72,7 @@ std::string CpuFeatures::ToString() const {
   add(avx2, "avx2");
   add(fma, "fma");
   add(f16c, "f16c");
+  add(avxvnni, "avxvnni");
   add(avx512f, "avx512f");
   add(avx512bw, "avx512bw");
   add(avx512vl, "avx512vl");

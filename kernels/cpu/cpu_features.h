@@ -27,6 +27,8 @@ struct CpuFeatures {
   bool avx2 = false;
   bool fma = false;
   bool f16c = false;
+  // AVX-VNNI: VPDPBUSD on 256-bit VEX registers (no AVX-512 needed).
+  bool avxvnni = false;
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;

@@ -130,6 +130,31 @@ __attribute__((target("avx512f,avx512vnni"))) double RunInt8Dot(int64_t iters) {
   return static_cast<double>(_mm512_reduce_add_epi32(s));
 }
 
+// AVX-VNNI: the 256-bit VEX VPDPBUSD, 12 chains.
+__attribute__((target("avx2,avxvnni"))) double RunAvxVnni(int64_t iters) {
+  __m256i c0 = _mm256_set1_epi32(1), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+          c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-1);
+#define PDSERVE_DPBUSD_VEX(c, x, y) _mm256_dpbusd_avx_epi32(c, x, y)
+  for (int64_t it = 0; it < iters; ++it) {
+    PDSERVE_FMA12(PDSERVE_DPBUSD_VEX);
+    __asm__ volatile(""
+                     : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4),
+                       "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9),
+                       "+x"(c10), "+x"(c11));
+  }
+  __m256i s = _mm256_add_epi32(
+      _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+          _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
+      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+  double sum = 0;
+  for (const int32_t v : lanes) sum += v;
+  return sum;
+}
+
 // AMX-INT8: 4 independent C tiles (16 x 16 int32) from 2 A tiles (16 rows x
 // k_bytes) and 2 B tiles (k_bytes / 4 rows x 64 bytes), loaded once; per
 // iteration 4 TDPBSSD. The tile configuration is per thread, so each thread
@@ -251,6 +276,13 @@ double MeasureInt8DotPeakGops(int threads, double seconds) {
   if (!f.avx512f || !f.avx512vnni) return 0;
   // One VPDPBUSD: 16 lanes x 4 products x (multiply + add).
   return Measure(RunInt8Dot, 128.0 * kChains, threads, seconds);
+}
+
+double MeasureAvxVnniPeakGops(int threads, double seconds) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (!f.avx2 || !f.avxvnni) return 0;
+  // One 256-bit VPDPBUSD: 8 lanes x 4 products x (multiply + add).
+  return Measure(RunAvxVnni, 64.0 * kChains, threads, seconds);
 }
 
 double MeasureAmxInt8PeakGops(int threads, double seconds, int k_bytes) {

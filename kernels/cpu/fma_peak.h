@@ -20,6 +20,11 @@ double MeasureBf16DotPeakGflops(int threads, double seconds = 0.3);
 // ops per instruction, in G ops/s. 0 where the CPU lacks it.
 double MeasureInt8DotPeakGops(int threads, double seconds = 0.3);
 
+// The same for AVX-VNNI's 256-bit VPDPBUSD (kInt8Dot on per-row int8 weights
+// where the path is AVX2): 64 integer ops per instruction. 0 where the CPU
+// lacks it.
+double MeasureAvxVnniPeakGops(int threads, double seconds = 0.3);
+
 // The same for AMX-INT8 TDPBSSD (GemmNumerics::kInt8Dot at batch sizes that
 // take AMX): 16 x 16 x k_bytes multiply-adds per instruction, 2 ops each.
 // k_bytes = 64 is the instruction's peak; the kernel multiplies one block

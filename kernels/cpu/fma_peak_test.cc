@@ -1,6 +1,9 @@
 #include "kernels/cpu/fma_peak.h"
 
+#include <cstdio>
+
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/idle_cpu_testing.h"
 
 namespace pdserve::kernels {
@@ -18,6 +21,19 @@ TEST(FmaPeakTest, PositiveOnEveryThreadCountAndLeavesNoThreadBehind) {
     EXPECT_GT(MeasureFmaPeakGflops(GemmIsa::kPortable, threads, 0.03), 0)
         << threads;
     EXPECT_EQ(ThreadsStartedSince(before), 0) << threads;
+  }
+}
+
+// Each instruction's peak is measured where the CPU has it, and 0 where it
+// does not (benchmarks then print no fraction of it).
+TEST(FmaPeakTest, AvxVnniPeakIsMeasuredExactlyWhereTheCpuHasIt) {
+  const double gops = MeasureAvxVnniPeakGops(1, 0.03);
+  if (DetectCpuFeatures().avxvnni && DetectCpuFeatures().avx2) {
+    EXPECT_GT(gops, 0);
+  } else {
+    EXPECT_EQ(gops, 0);
+    std::printf("no AVX-VNNI here (%s): its peak reads 0\n",
+                DetectCpuFeatures().ToString().c_str());
   }
 }
 

@@ -176,16 +176,20 @@ void QuantizeActivationsInt8(const float* x, int64_t m, int64_t k, int8_t* q,
 // VNNI and VBMI present); else the portable loop with the same bits.
 bool Int8DotUsesVnni();
 
-// The kernel kInt8Dot runs for a GEMM of m rows. All three give the same
+// The kernel kInt8Dot runs for a GEMM of m rows. All of them give the same
 // bits (the integer sums are exact and the fp32 epilogue is the same code):
 //   kAmx:      AMX-INT8 TDPBSSD, 16 rows x 32 k x 16 columns per instruction
 //              (one block), where Int8DotAmxUsable() and m >=
 //              Int8DotAmxMinRows(): batches and prefill;
 //   kVnni:     where Int8DotUsesVnni() (decode at small batch, where the
 //              weight stream, not arithmetic, is the limit);
+//   kAvxVnni:  per-row int8 weights only, where the path is AVX2 or AVX-512
+//              without VNNI and the CPU has AVX-VNNI (256-bit VPDPBUSD);
+//              block int8 weights run the portable loop there;
 //   kPortable: everywhere else.
-enum class Int8DotKernel { kPortable, kVnni, kAmx };
-const char* Int8DotKernelName(Int8DotKernel kernel);  // portable|vnni|amx
+enum class Int8DotKernel { kPortable, kVnni, kAmx, kAvxVnni };
+// portable|vnni|amx|avxvnni
+const char* Int8DotKernelName(Int8DotKernel kernel);
 Int8DotKernel Int8DotKernelFor(int64_t m);
 // VNNI usable, the CPU has AMX-TILE and AMX-INT8, and Linux granted this
 // process the tile state (arch_prctl, see cpu_features.h).

@@ -1,7 +1,8 @@
 // GemmNumerics::kInt8Dot: the AVX512-VNNI kernels (VPDPBUSD), the
 // activation quantizers, and the drivers that pick VNNI, AMX
-// (packed_gemm_amx.cc) or the portable loops (packed_gemm_portable.cc) for
-// block and per-row int8 weights. The integer sums are exact, so all of them
+// (packed_gemm_amx.cc), AVX-VNNI (packed_gemm_avxvnni.cc, per-row int8 on
+// the AVX2 path) or the portable loops (packed_gemm_portable.cc) for block
+// and per-row int8 weights. The integer sums are exact, so all of them
 // give the same bits. Each vector function carries PDSERVE_VNNI; it runs
 // only where VnniUsable().
 // GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its
@@ -393,18 +394,23 @@ PDSERVE_VNNI void QuantizeRowPerRowVnni(const float* x, int64_t k, int64_t kq,
 // ones). The tile of rows [i0, i0 + rows) holds u [i0 * kq, (i0 + rows) *
 // kq) as [kq / 4 groups][rows][4 bytes]: per group its rows' 4 bytes side by
 // side, so the tile's broadcasts read one contiguous stream.
+// avx_vnni: round with the AVX-VNNI build of the same quantizer (the same
+// bytes) where the AVX-512 one cannot run.
 void QuantizeActivationsVnniTiles(const float* x, int64_t m, int64_t k,
-                                  int64_t row_tiles, uint8_t* u,
+                                  int64_t row_tiles, bool avx_vnni, uint8_t* u,
                                   float* scales) {
   const int64_t kq = RowDotPaddedK(k);
-  RunActivationRows(row_tiles, k * kRowDotRows, [&](int64_t rt) {
-    const int64_t i0 = m * rt / row_tiles;
-    const int64_t rows = m * (rt + 1) / row_tiles - i0;
-    for (int64_t i = i0; i < i0 + rows; ++i) {
-      QuantizeRowPerRowVnni(x + i * k, k, kq, rows * 4,
-                            u + i0 * kq + (i - i0) * 4, scales + i);
-    }
-  });
+  const auto quantize =
+      avx_vnni ? QuantizeRowPerRowAvxVnni : QuantizeRowPerRowVnni;
+  RunActivationRows(row_tiles, k * ((m + row_tiles - 1) / row_tiles),
+                    [&](int64_t rt) {
+                      const int64_t i0 = m * rt / row_tiles;
+                      const int64_t rows = m * (rt + 1) / row_tiles - i0;
+                      for (int64_t i = i0; i < i0 + rows; ++i) {
+                        quantize(x + i * k, k, kq, rows * 4,
+                                 u + i0 * kq + (i - i0) * 4, scales + i);
+                      }
+                    });
 }
 
 // MR rows (ux: q + 128 as QuantizeActivationsVnniTiles lays out one row
@@ -545,15 +551,24 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   // Not the stored operand order, or past exact int32 sums.
   if (!dot_layout || k > kRowDotMaxHwK) kernel = Int8DotKernel::kPortable;
   const bool amx = kernel == Int8DotKernel::kAmx;
-  const bool hw = kernel == Int8DotKernel::kVnni;
+  const bool avx_vnni = kernel == Int8DotKernel::kAvxVnni;
+  const bool hw = kernel == Int8DotKernel::kVnni || avx_vnni;
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> sx;
   const int64_t m_pad = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
   qx.resize(m_pad * kq);
   sx.resize(m_pad);
-  const int64_t vnni_row_tiles = (m + kRowDotRows - 1) / kRowDotRows;
+  // The VNNI kernels' row tiles and panels per tile.
+  const bool stream = m <= kAvxVnniStreamRows;
+  const int max_rows = !avx_vnni ? kRowDotRows
+                       : stream  ? kAvxVnniStreamRows
+                                 : kAvxVnniRowDotRows;
+  const int max_nv = !avx_vnni ? kRowDotPanels
+                     : stream  ? kAvxVnniStreamPanels
+                               : 1;
+  const int64_t vnni_row_tiles = (m + max_rows - 1) / max_rows;
   if (hw) {
-    QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles,
+    QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles, avx_vnni,
                                  reinterpret_cast<uint8_t*>(qx.data()),
                                  sx.data());
   } else {
@@ -570,7 +585,7 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   // The tiles are consecutive in memory, one after the other.
   const uint8_t* const w_end = w.data() + (w.rows() + kPanel - 1) / kPanel * pb;
   RunInt8DotTiles(
-      m, k, w, hw ? kRowDotRows : kInt8DotRows, hw ? kRowDotPanels : 1, y,
+      m, k, w, hw ? max_rows : kInt8DotRows, hw ? max_nv : 1, y,
       [](const uint8_t*, int) {},
       [&](int64_t i0, int rows, int64_t rt, int64_t row_tiles,
           const uint8_t* wp, int nv, float* io) {
@@ -584,6 +599,13 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
           const int64_t lines = (next_bytes + 63) / 64;
           const int64_t l0 = lines * rt / row_tiles;
           const int64_t l1 = lines * (rt + 1) / row_tiles;
+          if (avx_vnni) {
+            RowDotAvxVnniTile(rows, nv)(
+                reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, wp,
+                pb, sw, w.dot_offsets() + c0, kq / 4, next + l0 * 64, l1 - l0,
+                io);
+            return;
+          }
           RowDotVnniTile(rows, nv)(
               reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, wp, pb,
               sw, w.dot_offsets() + c0, kq / 4, next + l0 * 64, l1 - l0, io);
@@ -599,6 +621,7 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
 namespace pdserve::kernels {
 
 using packed_gemm_internal::AmxMinRowsSetting;
+using packed_gemm_internal::AvxVnniUsable;
 using packed_gemm_internal::QuantizeActivations;
 using packed_gemm_internal::VnniUsable;
 
@@ -627,6 +650,8 @@ const char* Int8DotKernelName(Int8DotKernel kernel) {
       return "vnni";
     case Int8DotKernel::kAmx:
       return "amx";
+    case Int8DotKernel::kAvxVnni:
+      return "avxvnni";
     case Int8DotKernel::kPortable:
       break;
   }
@@ -637,7 +662,10 @@ Int8DotKernel Int8DotKernelFor(int64_t m) {
   const int64_t min_rows = Int8DotAmxMinRows();
   if (min_rows > 0 && m >= min_rows && Int8DotAmxUsable())
     return Int8DotKernel::kAmx;
-  return Int8DotUsesVnni() ? Int8DotKernel::kVnni : Int8DotKernel::kPortable;
+  if (Int8DotUsesVnni()) return Int8DotKernel::kVnni;
+  if (ActiveGemmIsa() != GemmIsa::kPortable && AvxVnniUsable())
+    return Int8DotKernel::kAvxVnni;
+  return Int8DotKernel::kPortable;
 }
 
 }  // namespace pdserve::kernels

@@ -233,6 +233,31 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
 void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
                 const WeightMatrix& w, float* __restrict__ y);
 
+// AVX-VNNI (packed_gemm_avxvnni.cc): GemmRowDot's kernels where the CPU has
+// the 256-bit VEX VPDPBUSD but the AVX-512 path is off or lacks VNNI. Same
+// activation row tiles and panels as the AVX-512 kernels, same bits.
+// Tiles: up to 6 rows of one panel, or (m <= 2) up to 2 rows of 3 panels.
+constexpr int kAvxVnniRowDotRows = 6, kAvxVnniStreamRows = 2,
+              kAvxVnniStreamPanels = 3;
+bool AvxVnniUsable();
+// rows x nv panels: ux one row tile ([groups][rows][4], q + 128), sx its
+// scales, w the first panel, sw and corr its columns' scales and
+// dot_offsets(); pf_lines 64-byte lines from pf are prefetched toward L2
+// over k.
+using RowDotAvxVnniFn = void (*)(const uint8_t* ux, const float* sx,
+                                 const uint8_t* w, int64_t panel_bytes,
+                                 const float* sw, const int32_t* corr,
+                                 int64_t groups, const uint8_t* pf,
+                                 int64_t pf_lines, float* io);
+// nv: 1 (rows <= kAvxVnniRowDotRows), or up to kAvxVnniStreamPanels (rows
+// <= kAvxVnniStreamRows).
+RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv);
+// One row rounded as QuantizeRowPerRowPortable rounds it, stored as the
+// kernels read it: q + 128 as unsigned bytes, padding to kq included, one
+// 4-k group every group_stride bytes.
+void QuantizeRowPerRowAvxVnni(const float* x, int64_t k, int64_t kq,
+                              int64_t group_stride, uint8_t* u, float* scale);
+
 // AMX-INT8 (packed_gemm_amx.cc). Rows of qx are padded to a multiple of
 // kAmxRows with zeros (scales 0).
 constexpr int kAmxRows = 16;

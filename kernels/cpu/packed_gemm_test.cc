@@ -686,13 +686,21 @@ class RowInt8DotTest : public Int8DotTest {
     return a.size() == b.size() &&
            std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
   }
-  // Every kernel this machine has: portable; VNNI (AMX off); AMX for every m.
+  // Every kernel this machine has: portable; AVX-VNNI on the AVX2 path;
+  // VNNI (AMX off); AMX for every m.
   std::vector<std::pair<std::string, std::vector<float>>> AllKernels(
       const float* x, int64_t m, int64_t k, const WeightMatrix& w) {
     std::vector<std::pair<std::string, std::vector<float>>> out;
     SetInt8DotAmxMinRows(0);
     out.emplace_back("portable", Run(GemmIsa::kPortable, x, m, k, w));
     EXPECT_EQ(Int8DotKernelFor(m), Int8DotKernel::kPortable);
+    if (GemmIsaSupported(GemmIsa::kAvx2) && SetGemmIsa(GemmIsa::kAvx2)) {
+      // The AVX2 path takes AVX-VNNI exactly where the CPU has it.
+      EXPECT_EQ(Int8DotKernelFor(m) == Int8DotKernel::kAvxVnni,
+                DetectCpuFeatures().avxvnni);
+      if (Int8DotKernelFor(m) == Int8DotKernel::kAvxVnni)
+        out.emplace_back("avxvnni", Run(GemmIsa::kAvx2, x, m, k, w));
+    }
     if (GemmIsaSupported(GemmIsa::kAvx512) && SetGemmIsa(GemmIsa::kAvx512) &&
         Int8DotUsesVnni()) {
       out.emplace_back("vnni", Run(GemmIsa::kAvx512, x, m, k, w));
@@ -722,6 +730,8 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
         Shape{48, 40, 130}, Shape{70, 130, 161},
         // The VNNI tile's 8 rows and 3 panels: full, and one past.
         Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255}, Shape{25, 96, 1},
+        // The AVX-VNNI tile's 6 rows: full, one past, and 32 in 6 tiles.
+        Shape{6, 16, 64}, Shape{7, 17, 65}, Shape{32, 35, 200},
         // Many row tiles (the activations are laid out per row tile, and
         // each row tile prefetches part of the next weight tile) at longer k.
         Shape{64, 48, 512}, Shape{64, 100, 1030}, Shape{77, 49, 2049}}) {
@@ -730,9 +740,13 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
     const WeightMatrix w = PackRow(wf, s.n, s.k);
     const std::vector<float> want = RowReference(x, s.m, s.k, w);
     const auto got = AllKernels(x.data(), s.m, s.k, w);
-    if (!printed && got.size() < 3) {
-      std::printf("kernels checked here: %zu of 3 (no %s)\n", got.size(),
-                  got.size() == 1 ? "VNNI, AMX" : "usable AMX");
+    if (!printed) {
+      std::string names;
+      for (const auto& entry : got) names += " " + entry.first;
+      std::printf(
+          "kernels checked here:%s (of portable, avxvnni, vnni, amx; "
+          "cpu: %s)\n",
+          names.c_str(), DetectCpuFeatures().ToString().c_str());
     }
     printed = true;
     for (const auto& [name, y] : got) {
@@ -970,15 +984,16 @@ TEST(CpuFeaturesTest, BestPathIsSupportedAndPortableAlwaysIs) {
 
 TEST(CpuFeaturesTest, Avx2CapClearsEveryAvx512AndAmxBit) {
   CpuFeatures all;
-  all.avx2 = all.fma = all.f16c = all.avx512f = all.avx512bw = all.avx512vl =
-      all.avx512bf16 = all.avx512vnni = all.avx512vbmi = all.avx512fp16 =
-          all.amx_bf16 = all.amx_int8 = all.amx_usable = true;
+  all.avx2 = all.fma = all.f16c = all.avxvnni = all.avx512f = all.avx512bw =
+      all.avx512vl = all.avx512bf16 = all.avx512vnni = all.avx512vbmi =
+          all.avx512fp16 = all.amx_bf16 = all.amx_int8 = all.amx_usable = true;
+  // AVX-VNNI is a 256-bit VEX extension, which AVX2-only CPUs may have.
   const CpuFeatures avx2 = CapCpuFeatures(all, CpuFeatures::Cap::kAvx2);
-  EXPECT_EQ(avx2.ToString(), "avx2 fma f16c cap=avx2");
+  EXPECT_EQ(avx2.ToString(), "avx2 fma f16c avxvnni cap=avx2");
   const CpuFeatures avx512 = CapCpuFeatures(all, CpuFeatures::Cap::kAvx512);
   EXPECT_EQ(avx512.ToString(),
-            "avx2 fma f16c avx512f avx512bw avx512vl avx512bf16 avx512vnni "
-            "avx512vbmi avx512fp16 cap=avx512");
+            "avx2 fma f16c avxvnni avx512f avx512bw avx512vl avx512bf16 "
+            "avx512vnni avx512vbmi avx512fp16 cap=avx512");
   const CpuFeatures native = CapCpuFeatures(all, CpuFeatures::Cap::kNative);
   EXPECT_EQ(native.ToString(), all.ToString());
   EXPECT_EQ(ParseCpuIsaCap("avx2"), CpuFeatures::Cap::kAvx2);

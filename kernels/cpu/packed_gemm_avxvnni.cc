@@ -1,0 +1,178 @@
+// GemmNumerics::kInt8Dot on per-row int8 weights with AVX-VNNI: the 256-bit
+// VEX form of VPDPBUSD, which CPUs without AVX-512 may have (Intel since
+// Alder Lake and Sierra Forest, AMD since Zen 5). The kernels read the same
+// kPanel16Dot panels and the same activation row tiles ([kq / 4][rows][4],
+// q + 128 as unsigned bytes) as the AVX-512 VNNI kernels of
+// packed_gemm_int8dot.cc, and sum the same exact integers, so every kernel
+// gives the same bits. Each function carries PDSERVE_AVXVNNI; the driver
+// calls them only where AvxVnniUsable().
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/packed_gemm_internal.h"
+
+#define PDSERVE_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+
+namespace pdserve::kernels::packed_gemm_internal {
+namespace {
+
+// acc + Σ u8(u) * s8(w) per dword; the asm keeps each accumulator in its
+// register (see DpBusd in packed_gemm_int8dot.cc).
+PDSERVE_AVXVNNI inline __m256i DpBusdVex(__m256i acc, __m256i u, __m256i w) {
+  __asm__("%{vex%} vpdpbusd %[w], %[u], %[acc]"
+          : [acc] "+x"(acc)
+          : [u] "x"(u), [w] "x"(w));
+  return acc;
+}
+
+// 8 floats rounded as QuantizeAvx512 rounds 16: x / s to the nearest even
+// integer, clamped to [-127, 127] (NaN to -127, as max(NaN, -127) gives the
+// second operand in both), as int32.
+PDSERVE_AVXVNNI inline __m256i QuantizeAvx2(__m256 v, __m256 s) {
+  const __m256 lim = _mm256_set1_ps(127.0f);
+  v = _mm256_round_ps(_mm256_div_ps(v, s),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), lim)),
+                    lim);
+  return _mm256_cvtps_epi32(v);
+}
+
+// Lanes [0, len) of x (len clamped to [0, 8]); the rest read as 0.
+PDSERVE_AVXVNNI inline __m256 LoadFirst(const float* x, int64_t len) {
+  if (len >= 8) return _mm256_loadu_ps(x);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(
+      _mm256_set1_epi32(static_cast<int>(std::max<int64_t>(len, 0))), lane);
+  return _mm256_maskload_ps(x, mask);
+}
+
+// MR rows x NV kPanel16Dot panels: per group of 4 k a panel's 64 bytes are
+// columns 0-7 and 8-15 as two VPDPBUSD operands. The 2 x MR x NV
+// accumulators (at most 12), two weight vectors and a broadcast fit the 16
+// registers: 6 rows of one panel for batches, 1-2 rows of 3 panels (three
+// streams from memory, as the AVX-512 tile) for batch 1-2.
+// A single row tile streams its panels from memory (prefetch 1 KiB ahead);
+// several share them from L1/L2, and row tile rt of them pulls its part of
+// the next tile toward L2 (pf_lines lines from pf, spread over k).
+template <int MR, int NV>
+PDSERVE_AVXVNNI void RowDotAvxVnni(const uint8_t* ux, const float* sx,
+                                   const uint8_t* w, int64_t panel_bytes,
+                                   const float* sw, const int32_t* corr,
+                                   int64_t groups, const uint8_t* pf,
+                                   int64_t pf_lines, float* io) {
+  static_assert(MR * NV <= 6, "accumulators beyond the 16 registers");
+  __m256i acc[MR][NV][2];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      acc[i][v][0] = acc[i][v][1] = _mm256_setzero_si256();
+  int64_t pf_done = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (; pf_done < pf_lines && pf_done * groups <= g * pf_lines; ++pf_done)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
+                   _MM_HINT_T1);
+    for (int v = 0; v < NV; ++v) {
+      const uint8_t* wg = w + v * panel_bytes + g * 64;
+      const __m256i w0 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+      const __m256i w1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+      if (MR <= 2)
+        _mm_prefetch(reinterpret_cast<const char*>(wg + 1024), _MM_HINT_T0);
+      for (int i = 0; i < MR; ++i) {
+        uint32_t u4;
+        std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
+        const __m256i u = _mm256_set1_epi32(static_cast<int>(u4));
+        acc[i][v][0] = DpBusdVex(acc[i][v][0], u, w0);
+        acc[i][v][1] = DpBusdVex(acc[i][v][1], u, w1);
+      }
+    }
+  }
+  // As the AVX-512 epilogue: float(isum - corr) * (sx[i] * sw[c]).
+  for (int v = 0; v < NV; ++v) {
+    for (int h = 0; h < 2; ++h) {
+      const int c = v * kPanel + h * 8;
+      const __m256i cv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + c));
+      const __m256 swv = _mm256_loadu_ps(sw + c);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sx[i]), swv);
+        _mm256_storeu_ps(
+            io + i * NV * kPanel + c,
+            _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i][v][h], cv)), scale));
+      }
+    }
+  }
+}
+
+template <int NV, int... R>
+constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvxVnniRows(
+    std::integer_sequence<int, R...>) {
+  return {&RowDotAvxVnni<R + 1, NV>...};
+}
+
+}  // namespace
+
+bool AvxVnniUsable() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  return f.avx2 && f.fma && f.avxvnni;
+}
+
+RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv) {
+  static constexpr auto kOnePanel = RowDotAvxVnniRows<1>(
+      std::make_integer_sequence<int, kAvxVnniRowDotRows>{});
+  static constexpr auto kTwoPanels = RowDotAvxVnniRows<2>(
+      std::make_integer_sequence<int, kAvxVnniStreamRows>{});
+  static constexpr auto kThreePanels = RowDotAvxVnniRows<3>(
+      std::make_integer_sequence<int, kAvxVnniStreamRows>{});
+  return nv == 1   ? kOnePanel[rows - 1]
+         : nv == 2 ? kTwoPanels[rows - 1]
+                   : kThreePanels[rows - 1];
+}
+
+PDSERVE_AVXVNNI void QuantizeRowPerRowAvxVnni(const float* x, int64_t k,
+                                              int64_t kq, int64_t group_stride,
+                                              uint8_t* u, float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; p += 8)
+    amax =
+        _mm256_max_ps(amax, _mm256_and_ps(abs_mask, LoadFirst(x + p, k - p)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  const float s = *std::max_element(lanes, lanes + 8) / 127.0f;
+  *scale = s;
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m128i offset = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t p = 0; p < kq; p += 16) {
+    __m128i q = _mm_setzero_si128();
+    if (s > 0) {
+      const __m256i a = QuantizeAvx2(LoadFirst(x + p, k - p), sv);
+      const __m256i b = QuantizeAvx2(LoadFirst(x + p + 8, k - p - 8), sv);
+      // packs works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7] -> in order.
+      const __m256i h =
+          _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+      q = _mm_packs_epi16(_mm256_castsi256_si128(h),
+                          _mm256_extracti128_si256(h, 1));
+    }
+    const __m128i bytes = _mm_xor_si128(q, offset);
+    uint8_t* dst = u + p / 4 * group_stride;
+    if (group_stride == 4) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
+    } else {
+      const uint32_t words[4] = {
+          static_cast<uint32_t>(_mm_extract_epi32(bytes, 0)),
+          static_cast<uint32_t>(_mm_extract_epi32(bytes, 1)),
+          static_cast<uint32_t>(_mm_extract_epi32(bytes, 2)),
+          static_cast<uint32_t>(_mm_extract_epi32(bytes, 3))};
+      for (int j = 0; j < 4; ++j)
+        std::memcpy(dst + j * group_stride, &words[j], 4);
+    }
+  }
+}
+
+}  // namespace pdserve::kernels::packed_gemm_internal
