@@ -273,6 +273,11 @@ constexpr std::array<TileFn, sizeof...(R)> Avx512Rows(
     return {&TileAvx512<W, R + 1, NV>...};
   }
 }
+template <int R, int... NV>
+constexpr std::array<TileFn, sizeof...(NV)> Avx512WideI8Panels(
+    std::integer_sequence<int, NV...>) {
+  return {&TileAvx512<Fmt::kI8, R, NV + 1>...};
+}
 template <Fmt W>
 struct Avx512Table {
   static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
@@ -322,6 +327,15 @@ PDSERVE_AVX512 void PackBf16PairsAvx512(const float* x, int64_t k, int64_t i0,
     uint32_t* d = dst + i;
     for (int64_t t = 0; t < words; ++t) d[t * rows] = pairs[t];
   }
+}
+
+TileFn Avx512WideI8Tile(int rows, int nv) {
+  static constexpr auto kSeq =
+      std::make_integer_sequence<int, kAvx512WidePanels>{};
+  static_assert(kAvx512WideRows == 2);
+  static constexpr std::array<std::array<TileFn, kAvx512WidePanels>, 2> kFns = {
+      Avx512WideI8Panels<1>(kSeq), Avx512WideI8Panels<2>(kSeq)};
+  return kFns[rows - 1][nv - 1];
 }
 
 TileFn Avx512Tile(Fmt t, int rows, int nv) {

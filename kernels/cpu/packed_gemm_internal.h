@@ -154,6 +154,13 @@ TileFn Avx2Tile(Fmt t, int rows);
 // AVX-512F: rows <= kAvx512Rows, nv <= kAvx512Panels panels (not kI8Dot,
 // which GemmNT runs through GemmDotLayoutChain).
 TileFn Avx512Tile(Fmt t, int rows, int nv);
+// Per-row int8 (Fmt::kI8) at rows <= kAvx512WideRows: up to
+// kAvx512WidePanels panels per tile, so more independent FMA chains and
+// weight streams per tile. Measured on `small` int8 at batch 1 with the
+// weights cold: 3 panels 0.53-0.57 of the triad, 6 panels 0.60-0.62, 8
+// panels 0.62-0.66 (bench/RESULTS.md).
+constexpr int kAvx512WideRows = 2, kAvx512WidePanels = 8;
+TileFn Avx512WideI8Tile(int rows, int nv);
 
 // --- bf16-activation dot products (GemmNumerics::kBf16Dot) -----------------
 // x comes packed as bf16 pairs, xp[(q - k0) / 2 * MR + i] = x[2t] | x[2t+1]

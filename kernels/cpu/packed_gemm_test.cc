@@ -79,9 +79,13 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
   };
   // m > 6 (4 for avx2/portable) widens once per stage for all row tiles;
   // 130 x 8111 takes two k blocks (partial sums through y) with an odd tail.
+  // At m <= 2 per-row int8 takes tiles of up to 8 panels on AVX-512: 1, 3,
+  // 5, 6, 7 and 8 panels in a tile, full and partial.
   for (const Shape s :
        {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
-        Shape{33, 97, 515}, Shape{1, 130, 2049}, Shape{130, 33, 8111}}) {
+        Shape{33, 97, 515}, Shape{1, 130, 2049}, Shape{130, 33, 8111},
+        Shape{2, 250, 67}, Shape{1, 95, 31}, Shape{2, 80, 129},
+        Shape{1, 33, 64}, Shape{2, 110, 40}}) {
     const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
     const WeightMatrix w = Pack(wf, s.n, s.k);
     std::vector<float> y(s.m * s.n, -1.0f);
