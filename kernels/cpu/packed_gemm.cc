@@ -36,8 +36,9 @@ namespace {
 using packed_gemm_internal::Avx2Tile;
 using packed_gemm_internal::Avx2Widener;
 using packed_gemm_internal::Avx512Tile;
-using packed_gemm_internal::Avx512WideI8Tile;
 using packed_gemm_internal::Avx512Widener;
+using packed_gemm_internal::Avx512WideRows;
+using packed_gemm_internal::Avx512WideTile;
 using packed_gemm_internal::Bf16DotTile;
 using packed_gemm_internal::BlockScaleOffset;
 using packed_gemm_internal::Fmt;
@@ -49,7 +50,6 @@ using packed_gemm_internal::kAvx2Rows;
 using packed_gemm_internal::kAvx512Panels;
 using packed_gemm_internal::kAvx512Rows;
 using packed_gemm_internal::kAvx512WidePanels;
-using packed_gemm_internal::kAvx512WideRows;
 using packed_gemm_internal::kBf16DotRows;
 using packed_gemm_internal::kBlockBytes;
 using packed_gemm_internal::kPanel;
@@ -411,11 +411,11 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                        : isa == GemmIsa::kAvx512 ? kAvx512Rows
                        : isa == GemmIsa::kAvx2   ? kAvx2Rows
                                                  : kPortableRows;
-  // Per-row int8 at batch 1-2: wider tiles (see kAvx512WidePanels).
-  const bool wide_i8 = !bf16dot && isa == GemmIsa::kAvx512 && fmt == Fmt::kI8 &&
-                       m <= kAvx512WideRows;
-  const int max_nv = bf16dot   ? (bf16dot_hw ? kAvx512Panels : 1)
-                     : wide_i8 ? kAvx512WidePanels
+  // Batch 1-2 of the widened formats: wider tiles (see kAvx512WidePanels).
+  const bool wide =
+      !bf16dot && isa == GemmIsa::kAvx512 && m <= Avx512WideRows(fmt);
+  const int max_nv = bf16dot ? (bf16dot_hw ? kAvx512Panels : 1)
+                     : wide  ? kAvx512WidePanels
                      : isa == GemmIsa::kAvx512 ? kAvx512Panels
                                                : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -582,9 +582,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           } else
             switch (isa) {
               case GemmIsa::kAvx512:
-                (wide_i8 ? Avx512WideI8Tile(rows, nv)
-                         : Avx512Tile(fmt, rows, nv))(xi, wp, pb, k0, k1, io,
-                                                      first);
+                (wide ? Avx512WideTile(fmt, rows, nv)
+                      : Avx512Tile(fmt, rows, nv))(xi, wp, pb, k0, k1, io,
+                                                   first);
                 break;
               case GemmIsa::kAvx2:
                 Avx2Tile(fmt, rows)(xi, wp, pb, k0, k1, io, first);

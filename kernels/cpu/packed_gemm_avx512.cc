@@ -273,11 +273,19 @@ constexpr std::array<TileFn, sizeof...(R)> Avx512Rows(
     return {&TileAvx512<W, R + 1, NV>...};
   }
 }
-template <int R, int... NV>
-constexpr std::array<TileFn, sizeof...(NV)> Avx512WideI8Panels(
+template <Fmt W, int R, int... NV>
+constexpr std::array<TileFn, sizeof...(NV)> Avx512WidePanels(
     std::integer_sequence<int, NV...>) {
-  return {&TileAvx512<Fmt::kI8, R, NV + 1>...};
+  return {&TileAvx512<W, R, NV + 1>...};
 }
+template <Fmt W>
+struct Avx512WideTable {
+  static constexpr auto kSeq =
+      std::make_integer_sequence<int, kAvx512WidePanels>{};
+  static_assert(Avx512WideRows(W) == 2);
+  static constexpr std::array<std::array<TileFn, kAvx512WidePanels>, 2> kFns = {
+      Avx512WidePanels<W, 1>(kSeq), Avx512WidePanels<W, 2>(kSeq)};
+};
 template <Fmt W>
 struct Avx512Table {
   static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
@@ -329,13 +337,16 @@ PDSERVE_AVX512 void PackBf16PairsAvx512(const float* x, int64_t k, int64_t i0,
   }
 }
 
-TileFn Avx512WideI8Tile(int rows, int nv) {
-  static constexpr auto kSeq =
-      std::make_integer_sequence<int, kAvx512WidePanels>{};
-  static_assert(kAvx512WideRows == 2);
-  static constexpr std::array<std::array<TileFn, kAvx512WidePanels>, 2> kFns = {
-      Avx512WideI8Panels<1>(kSeq), Avx512WideI8Panels<2>(kSeq)};
-  return kFns[rows - 1][nv - 1];
+TileFn Avx512WideTile(Fmt t, int rows, int nv) {
+  switch (t) {
+    case Fmt::kF16:
+      return Avx512WideTable<Fmt::kF16>::kFns[rows - 1][nv - 1];
+    case Fmt::kI8:
+      return Avx512WideTable<Fmt::kI8>::kFns[rows - 1][nv - 1];
+    default:
+      break;
+  }
+  return nullptr;
 }
 
 TileFn Avx512Tile(Fmt t, int rows, int nv) {

@@ -154,13 +154,19 @@ TileFn Avx2Tile(Fmt t, int rows);
 // AVX-512F: rows <= kAvx512Rows, nv <= kAvx512Panels panels (not kI8Dot,
 // which GemmNT runs through GemmDotLayoutChain).
 TileFn Avx512Tile(Fmt t, int rows, int nv);
-// Per-row int8 (Fmt::kI8) at rows <= kAvx512WideRows: up to
-// kAvx512WidePanels panels per tile, so more independent FMA chains and
-// weight streams per tile. Measured on `small` int8 at batch 1 with the
-// weights cold: 3 panels 0.53-0.57 of the triad, 6 panels 0.60-0.62, 8
-// panels 0.62-0.66 (bench/RESULTS.md).
-constexpr int kAvx512WideRows = 2, kAvx512WidePanels = 8;
-TileFn Avx512WideI8Tile(int rows, int nv);
+// Batch 1-2 of per-row int8 and fp16, whose weights take a conversion
+// each: up to kAvx512WidePanels panels per tile, so more independent FMA
+// chains and weight streams per tile. Measured on `small` at batch 1 with
+// the weights cold: int8 with 3 panels 0.53-0.57 of the triad, 6 panels
+// 0.60-0.62, 8 panels 0.62-0.66; fp16 0-9% more tokens/s; bf16 no change,
+// so it keeps 3 (bench/RESULTS.md). The most rows such a tile takes (0:
+// none).
+constexpr int kAvx512WidePanels = 8;
+constexpr int Avx512WideRows(Fmt t) {
+  return t == Fmt::kI8 || t == Fmt::kF16 ? 2 : 0;
+}
+// rows <= Avx512WideRows(t), nv <= kAvx512WidePanels.
+TileFn Avx512WideTile(Fmt t, int rows, int nv);
 
 // --- bf16-activation dot products (GemmNumerics::kBf16Dot) -----------------
 // x comes packed as bf16 pairs, xp[(q - k0) / 2 * MR + i] = x[2t] | x[2t+1]

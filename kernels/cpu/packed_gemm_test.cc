@@ -79,7 +79,7 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
   };
   // m > 6 (4 for avx2/portable) widens once per stage for all row tiles;
   // 130 x 8111 takes two k blocks (partial sums through y) with an odd tail.
-  // At m <= 2 per-row int8 takes tiles of up to 8 panels on AVX-512: 1, 3,
+  // At m <= 2 int8 and fp16 take tiles of up to 8 panels on AVX-512: 1, 3,
   // 5, 6, 7 and 8 panels in a tile, full and partial.
   for (const Shape s :
        {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
