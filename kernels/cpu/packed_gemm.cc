@@ -34,7 +34,9 @@ namespace pdserve::kernels {
 namespace {
 
 using packed_gemm_internal::Avx2Tile;
+using packed_gemm_internal::Avx2Wide;
 using packed_gemm_internal::Avx2Widener;
+using packed_gemm_internal::Avx2WideTile;
 using packed_gemm_internal::Avx512Tile;
 using packed_gemm_internal::Avx512Widener;
 using packed_gemm_internal::Avx512WideRows;
@@ -47,6 +49,7 @@ using packed_gemm_internal::GemmDotLayoutChain;
 using packed_gemm_internal::GemmInt8Dot;
 using packed_gemm_internal::GemmRowDot;
 using packed_gemm_internal::kAvx2Rows;
+using packed_gemm_internal::kAvx2WidePanels;
 using packed_gemm_internal::kAvx512Panels;
 using packed_gemm_internal::kAvx512Rows;
 using packed_gemm_internal::kAvx512WidePanels;
@@ -414,8 +417,11 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // Batch 1-2 of the widened formats: wider tiles (see kAvx512WidePanels).
   const bool wide =
       !bf16dot && isa == GemmIsa::kAvx512 && m <= Avx512WideRows(fmt);
-  const int max_nv = bf16dot ? (bf16dot_hw ? kAvx512Panels : 1)
-                     : wide  ? kAvx512WidePanels
+  const bool wide_avx2 =
+      !bf16dot && isa == GemmIsa::kAvx2 && m == 1 && Avx2Wide(fmt);
+  const int max_nv = bf16dot     ? (bf16dot_hw ? kAvx512Panels : 1)
+                     : wide      ? kAvx512WidePanels
+                     : wide_avx2 ? kAvx2WidePanels
                      : isa == GemmIsa::kAvx512 ? kAvx512Panels
                                                : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -587,7 +593,8 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                                                    first);
                 break;
               case GemmIsa::kAvx2:
-                Avx2Tile(fmt, rows)(xi, wp, pb, k0, k1, io, first);
+                (wide_avx2 ? Avx2WideTile(fmt, nv) : Avx2Tile(fmt, rows))(
+                    xi, wp, pb, k0, k1, io, first);
                 break;
               case GemmIsa::kPortable:
                 TilePortable(fmt, rows, nv, xi, wp, pb, k0, k1, io, first);

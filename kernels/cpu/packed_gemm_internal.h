@@ -151,6 +151,13 @@ void TilePortable(Fmt t, int rows, int nv, const float* xp, const uint8_t* w,
                   bool zero);
 // AVX2 + FMA: rows <= kAvx2Rows, one panel.
 TileFn Avx2Tile(Fmt t, int rows);
+// AVX2 + FMA at batch 1 of bf16, fp16 and per-row int8: one row of up to
+// kAvx2WidePanels panels (more independent FMA chains; see TileAvx2Wide).
+constexpr int kAvx2WidePanels = 4;
+constexpr bool Avx2Wide(Fmt t) {
+  return t == Fmt::kBF16 || t == Fmt::kF16 || t == Fmt::kI8;
+}
+TileFn Avx2WideTile(Fmt t, int nv);
 // AVX-512F: rows <= kAvx512Rows, nv <= kAvx512Panels panels (not kI8Dot,
 // which GemmNT runs through GemmDotLayoutChain).
 TileFn Avx512Tile(Fmt t, int rows, int nv);
