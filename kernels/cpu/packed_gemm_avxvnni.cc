@@ -159,19 +159,8 @@ PDSERVE_AVXVNNI void QuantizeRowPerRowAvxVnni(const float* x, int64_t k,
       q = _mm_packs_epi16(_mm256_castsi256_si128(h),
                           _mm256_extracti128_si256(h, 1));
     }
-    const __m128i bytes = _mm_xor_si128(q, offset);
-    uint8_t* dst = u + p / 4 * group_stride;
-    if (group_stride == 4) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
-    } else {
-      const uint32_t words[4] = {
-          static_cast<uint32_t>(_mm_extract_epi32(bytes, 0)),
-          static_cast<uint32_t>(_mm_extract_epi32(bytes, 1)),
-          static_cast<uint32_t>(_mm_extract_epi32(bytes, 2)),
-          static_cast<uint32_t>(_mm_extract_epi32(bytes, 3))};
-      for (int j = 0; j < 4; ++j)
-        std::memcpy(dst + j * group_stride, &words[j], 4);
-    }
+    StoreActivationGroups(_mm_xor_si128(q, offset), group_stride,
+                          u + p / 4 * group_stride);
   }
 }
 

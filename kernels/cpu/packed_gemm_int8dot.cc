@@ -376,16 +376,8 @@ PDSERVE_VNNI void QuantizeRowPerRowVnni(const float* x, int64_t k, int64_t kq,
     const __m128i q = s > 0
                           ? QuantizeAvx512(_mm512_maskz_loadu_ps(mk, x + p), sv)
                           : _mm_setzero_si128();
-    const __m128i b = _mm_xor_si128(q, offset);
-    uint8_t* dst = u + p / 4 * group_stride;
-    if (group_stride == 4) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
-    } else {
-      _mm_storeu_si32(dst, b);
-      _mm_storeu_si32(dst + group_stride, _mm_bsrli_si128(b, 4));
-      _mm_storeu_si32(dst + 2 * group_stride, _mm_bsrli_si128(b, 8));
-      _mm_storeu_si32(dst + 3 * group_stride, _mm_bsrli_si128(b, 12));
-    }
+    StoreActivationGroups(_mm_xor_si128(q, offset), group_stride,
+                          u + p / 4 * group_stride);
   }
 }
 

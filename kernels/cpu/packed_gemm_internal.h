@@ -253,6 +253,21 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
 void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
                 const WeightMatrix& w, float* __restrict__ y);
 
+// One row's 16 quantized activation bytes (4 groups of 4 k) stored as the
+// VNNI kernels read them: one group every group_stride bytes (4: side by
+// side). Baseline SSE2, so both the AVX-512 and the AVX-VNNI quantizers use
+// it.
+inline void StoreActivationGroups(__m128i bytes, int64_t group_stride,
+                                  uint8_t* dst) {
+  if (group_stride == 4) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
+    return;
+  }
+  alignas(16) uint8_t b[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(b), bytes);
+  for (int j = 0; j < 4; ++j) std::memcpy(dst + j * group_stride, b + 4 * j, 4);
+}
+
 // AVX-VNNI (packed_gemm_avxvnni.cc): GemmRowDot's kernels where the CPU has
 // the 256-bit VEX VPDPBUSD but the AVX-512 path is off or lacks VNNI. Same
 // activation row tiles and panels as the AVX-512 kernels, same bits.
