@@ -39,7 +39,8 @@ ABSL_FLAG(std::string, cold, "all",
           "(an untimed step runs after the triad, then the weights and the KV "
           "cache are flushed from the caches: they stream from memory with "
           "code, page tables and activations warm, as in back-to-back steps "
-          "of a model larger than the last-level cache)");
+          "of a model larger than the last-level cache); either way the "
+          "kernel helper threads are awake, as between back-to-back steps");
 ABSL_FLAG(std::string, workload, "synthetic",
           "bench serve: chat, multiturn, longdoc, mixed or synthetic");
 ABSL_FLAG(std::string, trace, "",

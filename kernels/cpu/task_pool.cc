@@ -76,6 +76,51 @@ class TaskPool {
     return *pool;                            // process: never destroyed
   }
 
+  // A job of threads - 1 empty tasks that only helpers take: it ends once
+  // each was claimed, by then a helper polls for the next job. After
+  // timeout_ns the caller takes what is left. True if helpers took every
+  // task.
+  bool Wake(int threads, int64_t timeout_ns) {
+    if (threads <= 1) return true;
+    if (busy_.exchange(true)) return false;
+    EnsureHelpers(threads - 1);
+    const int64_t tasks = threads - 1;
+    std::atomic<int64_t> by_helpers{0};
+    const int64_t start = NowNs();
+    // A helper waits in its task until every task is taken, so that each
+    // task goes to a different helper.
+    auto count = [&](int64_t begin, int64_t end, bool) {
+      by_helpers.fetch_add(end - begin, std::memory_order_acq_rel);
+      while (by_helpers.load(std::memory_order_acquire) < tasks &&
+             NowNs() - start < timeout_ns) {
+        _mm_pause();
+      }
+    };
+    const ChunkFn fn = count;
+    uint32_t gen;
+    {
+      absl::MutexLock lock(&mu_);
+      gen = ++gen_counter_;
+      job_ = Job{&fn, tasks, 1, threads - 1};
+      done_.store(0, std::memory_order_relaxed);
+      claim_.store(uint64_t{gen} << 32, std::memory_order_release);
+      published_.store(gen, std::memory_order_release);
+      if (sleepers_ > 0) cv_.SignalAll();
+    }
+    while (done_.load(std::memory_order_acquire) < tasks &&
+           NowNs() - start < timeout_ns) {
+      std::this_thread::yield();
+    }
+    // What no helper took in time: claimed here, not counted.
+    int64_t begin, end, own = 0;
+    while (Claim(gen, tasks, 1, &begin, &end)) own += end - begin;
+    done_.fetch_add(own, std::memory_order_acq_rel);
+    while (done_.load(std::memory_order_acquire) < tasks)
+      std::this_thread::yield();
+    busy_.store(false, std::memory_order_release);
+    return own == 0 && by_helpers.load() == tasks;
+  }
+
   // Waits until no job runs, then forgets the policy's history.
   void ResetPolicy() {
     while (busy_.exchange(true)) std::this_thread::yield();
@@ -181,7 +226,10 @@ class TaskPool {
   void HelperLoop(int index) {
     // Named for ps/top and for tools that set helpers' priority.
     pthread_setname_np(pthread_self(), "pdserve-kernel");
-    uint32_t seen = published_.load(std::memory_order_acquire);
+    // Generation 0 is no job: a helper started for a job that is already
+    // published (EnsureHelpers runs first, but the thread may start late)
+    // still finds it; Claim refuses it once it is over.
+    uint32_t seen = 0;
     for (;;) {
       // Poll for a new job for a while, then sleep until one is published.
       const int64_t spin_start = NowNs();
@@ -244,6 +292,10 @@ void RunOnOwnThreads(int threads, absl::FunctionRef<void(int index)> fn) {
   for (int i = 1; i < threads; ++i) others.emplace_back([fn, i] { fn(i); });
   fn(0);
   for (std::thread& t : others) t.join();
+}
+
+bool WakeKernelHelpers(int threads, int64_t timeout_ns) {
+  return TaskPool::Get().Wake(threads, timeout_ns);
 }
 
 void ResetHelpPolicyForTesting() { TaskPool::Get().ResetPolicy(); }

@@ -92,6 +92,15 @@ class HelpPolicy {
 // ms of CPU after each region).
 void RunOnOwnThreads(int threads, absl::FunctionRef<void(int index)> fn);
 
+// Wakes the helpers that a RunChunks over `threads` would use and returns
+// once each has taken a (empty) task, so that they poll for the next job as
+// they do between the kernels of back-to-back steps; after timeout_ns it
+// stops waiting. For benchmarks whose timed step follows a pause (cache
+// flushes, a triad) longer than the helpers' polling, after which they sleep
+// and the first kernels of the step would run before they wake. True if
+// every helper took its task in time; false also when another job runs.
+bool WakeKernelHelpers(int threads, int64_t timeout_ns = 100'000'000);
+
 // Forgets the pool's HelpPolicy history (tests that need helpers to join).
 void ResetHelpPolicyForTesting();
 

@@ -1,6 +1,7 @@
 #include "kernels/cpu/task_pool.h"
 
 #include <atomic>
+#include <chrono>
 #include <set>
 #include <thread>
 #include <vector>
@@ -115,6 +116,22 @@ TEST(TaskPoolTest, StatsSayWhetherAHelperRan) {
     helped = LastChunkRunStats().helped;
   }
   EXPECT_TRUE(helped);
+}
+
+TEST(TaskPoolTest, WakeKernelHelpersReturnsOnceEachHelperTookATask) {
+  EXPECT_TRUE(WakeKernelHelpers(1));
+  for (int threads : {2, 3}) {
+    // Longer than the helpers poll: they sleep.
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(WakeKernelHelpers(threads, /*timeout_ns=*/2'000'000'000))
+        << threads;
+  }
+  // The pool runs jobs as before.
+  std::vector<std::atomic<int>> hits(100);
+  RunChunks(100, 3, 3, [&](int64_t begin, int64_t end, bool) {
+    for (int64_t t = begin; t < end; ++t) hits[t]++;
+  });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
 }
 
 TEST(HelpPolicyTest, KeepsHelpersWhileTheySpeedJobsUp) {
