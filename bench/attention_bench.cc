@@ -3,6 +3,7 @@
 // so K and V come from memory as in a decode step of a large batch.
 //
 // usage: attention_bench [THREADS] [CONTEXT] [SEQS] [KV_DTYPE] [ORDER] [REPS]
+//                        [SHAPE]
 //
 //   THREADS   kernel threads (default 2)
 //   CONTEXT   tokens of KV per sequence (default 256)
@@ -12,10 +13,12 @@
 //             as in a fresh engine) or shuffled (blocks anywhere, as in a
 //             pool after churn); default in-order
 //   REPS      timed calls (default 30)
+//   SHAPE     1b: the Llama 3.2 1B layer's 32 query heads and 8 KV heads
+//             (default); small: the `small` preset's 8 and 2
 //
-// The shape is the Llama 3.2 1B layer's: 32 query heads, 8 KV heads,
-// head_dim 64, 16-token blocks. Prints the mean time of a call and the KV
-// bytes it read per second; compare builds or settings in one sitting.
+// head_dim 64 and 16-token blocks either way. Prints the mean time of a call
+// and the KV bytes it read per second; compare builds or settings in one
+// sitting.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -38,12 +41,13 @@ namespace {
 using pdserve::DType;
 namespace kernels = pdserve::kernels;
 
-constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 64, kBlock = 16;
+constexpr int kHeadDim = 64, kBlock = 16;
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [THREADS] [CONTEXT] [SEQS] "
-               "[fp32|bf16|fp16|int8] [in-order|shuffled] [REPS]\n",
+               "[fp32|bf16|fp16|int8] [in-order|shuffled] [REPS] "
+               "[1b|small]\n",
                argv0);
   return 2;
 }
@@ -57,13 +61,14 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  if (argc > 7) return Usage(argv[0]);
+  if (argc > 8) return Usage(argv[0]);
   const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
   const int context = argc > 2 ? std::atoi(argv[2]) : 256;
   const int num_seqs = argc > 3 ? std::atoi(argv[3]) : 32;
   const std::string dtype_name = argc > 4 ? argv[4] : "fp32";
   const std::string order = argc > 5 ? argv[5] : "in-order";
   const int reps = argc > 6 ? std::atoi(argv[6]) : 30;
+  const std::string shape = argc > 7 ? argv[7] : "1b";
   DType dtype;
   if (dtype_name == "fp32") {
     dtype = DType::kF32;
@@ -77,18 +82,21 @@ int main(int argc, char** argv) {
     return Usage(argv[0]);
   }
   if (threads < 1 || context < 1 || num_seqs < 1 || reps < 1 ||
-      (order != "in-order" && order != "shuffled"))
+      (order != "in-order" && order != "shuffled") ||
+      (shape != "1b" && shape != "small"))
     return Usage(argv[0]);
+  const int heads = shape == "1b" ? 32 : 8;
+  const int kv_heads = heads / 4;
   kernels::SetKernelThreads(threads);
 
   const int per_seq = (context + kBlock - 1) / kBlock;
   const int num_blocks = per_seq * num_seqs;
   kernels::KvLayerView view{nullptr,  nullptr,  dtype,
-                            kKvHeads, kHeadDim, kBlock};
+                            kv_heads, kHeadDim, kBlock};
   const size_t bytes = static_cast<size_t>(num_blocks) *
                        view.ElementsPerBlock() * pdserve::DTypeBytes(dtype);
   std::vector<uint8_t> pool(bytes);
-  std::vector<float> scales(static_cast<size_t>(num_blocks) * 2 * kKvHeads,
+  std::vector<float> scales(static_cast<size_t>(num_blocks) * 2 * kv_heads,
                             1.0f / 64);
   view.data = pool.data();
   view.scales = scales.data();
@@ -100,7 +108,7 @@ int main(int argc, char** argv) {
   if (order == "shuffled") std::shuffle(ids.begin(), ids.end(), rng);
   std::vector<std::vector<int32_t>> tables(num_seqs);
   std::vector<kernels::AttentionSeq> seqs(num_seqs);
-  std::vector<float> k(static_cast<size_t>(context) * kKvHeads * kHeadDim),
+  std::vector<float> k(static_cast<size_t>(context) * kv_heads * kHeadDim),
       v(k.size());
   std::vector<int64_t> slots(context);
   for (int s = 0; s < num_seqs; ++s) {
@@ -113,28 +121,29 @@ int main(int argc, char** argv) {
     kernels::WriteKv(k.data(), v.data(), context, slots.data(), view);
     seqs[s] = kernels::AttentionSeq{s, 1, context - 1, tables[s].data()};
   }
-  std::vector<float> q(static_cast<size_t>(num_seqs) * kHeads * kHeadDim),
+  std::vector<float> q(static_cast<size_t>(num_seqs) * heads * kHeadDim),
       out(q.size());
   for (auto& x : q) x = normal(rng);
   const float scale = 0.125f;
 
-  kernels::PagedAttention(q.data(), kHeads, seqs, view, scale, out.data());
+  kernels::PagedAttention(q.data(), heads, seqs, view, scale, out.data());
   double total_us = 0;
   for (int r = 0; r < reps; ++r) {
     pdserve::bench::FlushFromCaches(pool.data(), pool.size());
     _mm_mfence();
     const auto start = std::chrono::steady_clock::now();
-    kernels::PagedAttention(q.data(), kHeads, seqs, view, scale, out.data());
+    kernels::PagedAttention(q.data(), heads, seqs, view, scale, out.data());
     total_us += std::chrono::duration<double, std::micro>(
                     std::chrono::steady_clock::now() - start)
                     .count();
   }
   const double mean_us = total_us / reps;
   std::printf(
-      "attention_bench: %d threads, %d sequences x %d tokens, %s KV, blocks "
-      "%s: %.1f us a call, %.1f GB/s of KV (%.1f MB a call, caches flushed)\n",
-      threads, num_seqs, context, dtype_name.c_str(), order.c_str(), mean_us,
-      static_cast<double>(bytes) / mean_us / 1e3,
+      "attention_bench: %s shape, %d threads, %d sequences x %d tokens, %s KV, "
+      "blocks %s: %.1f us a call, %.1f GB/s of KV (%.1f MB a call, caches "
+      "flushed)\n",
+      shape.c_str(), threads, num_seqs, context, dtype_name.c_str(),
+      order.c_str(), mean_us, static_cast<double>(bytes) / mean_us / 1e3,
       static_cast<double>(bytes) / 1e6);
   return 0;
 }
