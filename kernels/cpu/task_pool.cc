@@ -97,16 +97,7 @@ class TaskPool {
       }
     };
     const ChunkFn fn = count;
-    uint32_t gen;
-    {
-      absl::MutexLock lock(&mu_);
-      gen = ++gen_counter_;
-      job_ = Job{&fn, tasks, 1, threads - 1};
-      done_.store(0, std::memory_order_relaxed);
-      claim_.store(uint64_t{gen} << 32, std::memory_order_release);
-      published_.store(gen, std::memory_order_release);
-      if (sleepers_ > 0) cv_.SignalAll();
-    }
+    const uint32_t gen = Publish(Job{&fn, tasks, 1, threads - 1});
     while (done_.load(std::memory_order_acquire) < tasks &&
            NowNs() - start < timeout_ns) {
       std::this_thread::yield();
@@ -150,16 +141,7 @@ class TaskPool {
       return;
     }
     EnsureHelpers(threads - 1);
-    uint32_t gen;
-    {
-      absl::MutexLock lock(&mu_);
-      gen = ++gen_counter_;
-      job_ = Job{&fn, tasks, chunk, threads - 1};
-      done_.store(0, std::memory_order_relaxed);
-      claim_.store(uint64_t{gen} << 32, std::memory_order_release);
-      published_.store(gen, std::memory_order_release);
-      if (sleepers_ > 0) cv_.SignalAll();
-    }
+    const uint32_t gen = Publish(Job{&fn, tasks, chunk, threads - 1});
     bool first = true;
     int64_t begin, end, own = 0, own_start = 0;
     while (Claim(gen, tasks, chunk, &begin, &end)) {
@@ -192,6 +174,19 @@ class TaskPool {
     int64_t tasks = 0, chunk = 1;
     int helpers = 0;  // helpers with index < helpers may join
   };
+
+  // Makes `job` the current one, under a new generation (returned), and
+  // wakes the helpers that sleep. The caller holds busy_.
+  uint32_t Publish(const Job& job) {
+    absl::MutexLock lock(&mu_);
+    const uint32_t gen = ++gen_counter_;
+    job_ = job;
+    done_.store(0, std::memory_order_relaxed);
+    claim_.store(uint64_t{gen} << 32, std::memory_order_release);
+    published_.store(gen, std::memory_order_release);
+    if (sleepers_ > 0) cv_.SignalAll();
+    return gen;
+  }
 
   // Claims the next chunk of job `gen`; false when the job is exhausted or
   // already replaced by a newer one.
