@@ -109,7 +109,7 @@ class TaskPool {
     while (done_.load(std::memory_order_acquire) < tasks)
       std::this_thread::yield();
     busy_.store(false, std::memory_order_release);
-    return own == 0 && by_helpers.load() == tasks;
+    return by_helpers.load() == tasks;  // the caller ran none of them
   }
 
   // Waits until no job runs, then forgets the policy's history.
