@@ -83,13 +83,14 @@ absl::StatusOr<std::vector<float>> AllLogits(
   std::vector<int32_t> table((n + 15) / 16);
   std::iota(table.begin(), table.end(), 0);
   engine::LlamaModel model(w, mode);
-  std::vector<float> logits;
+  std::vector<float> logits, chunk;
   for (int64_t p = 0; p < n; p += 256) {
     const int64_t len = std::min<int64_t>(256, n - p);
     engine::LlamaModel::SeqInput in{
         std::span<const int32_t>(tokens).subspan(p, len),
         static_cast<int32_t>(p), table, engine::LlamaModel::Logits::kAll};
-    RETURN_IF_ERROR(model.Forward({&in, 1}, pool.get(), &logits));
+    RETURN_IF_ERROR(model.Forward({&in, 1}, pool.get(), &chunk));
+    logits.insert(logits.end(), chunk.begin(), chunk.end());
   }
   return logits;
 }

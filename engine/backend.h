@@ -72,7 +72,9 @@ class Backend {
   // their blocks and readable through kv_storage(): during the pass on both
   // backends (CUDA: as soon as the event recorded after layer l's KV write
   // completed, while later layers still compute; engine/layer_ready.h). A
-  // failed pass runs no hook after the failure.
+  // failed pass runs no hook after the failure. After a pass that succeeded,
+  // *logits holds its logits rows and nothing else (LlamaModel::Forward); a
+  // vector kept between passes keeps its storage.
   virtual absl::Status Forward(
       std::span<const LlamaModel::SeqInput> seqs, std::vector<float>* logits,
       const LlamaModel::LayerWrittenFn& on_layer_written = nullptr) = 0;

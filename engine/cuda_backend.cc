@@ -566,7 +566,10 @@ absl::Status CudaBackend::ForwardOnStream(
     }
   }
   const int64_t total = static_cast<int64_t>(tokens.size());
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    logits->clear();
+    return absl::OkStatus();
+  }
   if (total > max_tokens_) {
     return absl::InvalidArgumentError(
         absl::StrCat("forward: ", total, " tokens exceed the CUDA backend's ",
@@ -665,6 +668,7 @@ absl::Status CudaBackend::ForwardOnStream(
                                     hidden, eps, normed_, stream_));
   const int64_t out_rows = static_cast<int64_t>(row_index.size());
   if (out_rows == 0) {
+    logits->clear();
     RETURN_IF_ERROR(layers.Drain());
     PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
@@ -676,10 +680,9 @@ absl::Status CudaBackend::ForwardOnStream(
   // The remaining hooks before the logits copy, which (to pageable memory)
   // blocks this thread until the whole pass is done.
   RETURN_IF_ERROR(layers.Drain());
-  const size_t base = logits->size();
-  logits->resize(base + out_rows * c.vocab_size);
+  logits->resize(out_rows * c.vocab_size);
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      logits->data() + base, logits_, out_rows * c.vocab_size * sizeof(float),
+      logits->data(), logits_, out_rows * c.vocab_size * sizeof(float),
       cudaMemcpyDeviceToHost, stream_));
   PDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();

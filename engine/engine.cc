@@ -510,7 +510,8 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
       }
     };
   }
-  logits_.clear();
+  // Forward resizes logits_ to this step's rows; kept between steps, it is
+  // not zero-filled again.
   schedule_timer.Stop();
   RETURN_IF_ERROR(backend_->Forward(inputs, &logits_, on_layer_written));
   kernels::PhaseTimer sampling_timer(kernels::Phase::kSampling);

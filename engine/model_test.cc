@@ -266,6 +266,34 @@ TEST_F(ModelTest, BlasModeAgreesWithinRoundingAndQuantisedKvWithinTolerance) {
   }
 }
 
+// A logits vector kept between passes (as the engine keeps one) ends up
+// holding exactly the new pass's rows, whatever it held before: longer,
+// shorter, or filled with values the pass must overwrite.
+TEST_F(ModelTest, ReusedLogitsVectorHoldsOnlyThisPassRows) {
+  LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
+  const int64_t vocab = weights_->config.vocab_size;
+  const auto prompt = Prompt(20);
+  auto table = Table(0, 2);
+  LlamaModel::SeqInput all{prompt, 0, table, Logits::kAll};
+  LlamaModel::SeqInput last{prompt, 0, table, Logits::kLast};
+  std::vector<float> want_all, want_last;
+  ASSERT_TRUE(model.Forward({&all, 1}, pool_.get(), &want_all).ok());
+  ASSERT_TRUE(model.Forward({&last, 1}, pool_.get(), &want_last).ok());
+  ASSERT_EQ(want_all.size(), static_cast<size_t>(20 * vocab));
+  ASSERT_EQ(want_last.size(), static_cast<size_t>(vocab));
+
+  std::vector<float> kept(7 * vocab, 12345.0f);  // longer than one row
+  ASSERT_TRUE(model.Forward({&last, 1}, pool_.get(), &kept).ok());
+  EXPECT_EQ(kept, want_last);
+  std::fill(kept.begin(), kept.end(), -7.0f);  // shorter than 20 rows
+  ASSERT_TRUE(model.Forward({&all, 1}, pool_.get(), &kept).ok());
+  EXPECT_EQ(kept, want_all);
+  // A pass that needs no logits leaves none.
+  LlamaModel::SeqInput none{prompt, 0, table, Logits::kNone};
+  ASSERT_TRUE(model.Forward({&none, 1}, pool_.get(), &kept).ok());
+  EXPECT_TRUE(kept.empty());
+}
+
 TEST_F(ModelTest, RejectsOutOfVocabularyTokensAndMissingBlocks) {
   LlamaModel model(weights_, kernels::MatMulMode::kDeterministic);
   std::vector<int32_t> bad = {1, 100000};

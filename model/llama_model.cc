@@ -66,7 +66,10 @@ absl::Status LlamaModel::Forward(std::span<const SeqInput> seqs, KvPool* pool,
                          s.start_pos, s.block_table.data()});
     total += static_cast<int64_t>(s.tokens.size());
   }
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    logits->clear();
+    return absl::OkStatus();
+  }
 
   residual_.resize(total * hidden);
   normed_.resize(total * hidden);
@@ -229,12 +232,12 @@ absl::Status LlamaModel::Finish(std::span<const SeqInput> seqs, int64_t total,
     row += n;
   }
   const int64_t out_rows = static_cast<int64_t>(rows_.size()) / hidden;
-  const size_t base = logits->size();
-  logits->resize(base + out_rows * c.vocab_size);
+  // Every element is written by the product below.
+  logits->resize(out_rows * c.vocab_size);
   gather_timer.Stop();
   PhaseTimer timer(Phase::kLmHead);
   kernels::MatMulNT(rows_.data(), out_rows, hidden, weights_->output_matrix(),
-                    logits->data() + base, mode_);
+                    logits->data(), mode_);
   return absl::OkStatus();
 }
 
