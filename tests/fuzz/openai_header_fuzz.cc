@@ -16,10 +16,12 @@
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -111,12 +113,26 @@ std::string RoundTrip(int port, const std::string& request) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
-    std::abort();  // the front is gone
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    // An interrupted connect goes on in the background: wait for its end.
+    pollfd p{fd, POLLOUT, 0};
+    int err = errno;
+    socklen_t len = sizeof(err);
+    if (err == EINTR) {
+      while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
+      }
+      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    }
+    if (err != 0) std::abort();  // the front is gone
+  }
+  // libFuzzer's -timeout alarm (SIGALRM) interrupts these calls, and a
+  // socket call with a timeout set is never restarted: EINTR is retried here
+  // rather than read as the server's close.
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n =
         send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // the server may answer and close early
     sent += static_cast<size_t>(n);
   }
@@ -124,8 +140,12 @@ std::string RoundTrip(int port, const std::string& request) {
   // request says "Connection: close", so the server ends the exchange.
   std::string response;
   char buf[4096];
-  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;)
+  for (;;) {
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
     response.append(buf, static_cast<size_t>(n));
+  }
   close(fd);
   return response;
 }
