@@ -114,13 +114,12 @@ std::string RoundTrip(int port, const std::string& request) {
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    // An interrupted connect goes on in the background: wait for its end.
-    pollfd p{fd, POLLOUT, 0};
     int err = errno;
-    socklen_t len = sizeof(err);
-    if (err == EINTR) {
+    if (err == EINTR) {  // the connect goes on in the background: await it
+      pollfd p{fd, POLLOUT, 0};
       while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
       }
+      socklen_t len = sizeof(err);
       if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
     }
     if (err != 0) std::abort();  // the front is gone
