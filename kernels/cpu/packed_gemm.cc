@@ -474,6 +474,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                   std::min((kChunkMinBytes + tile_bytes - 1) / tile_bytes,
                            tiles / (threads * 2))));
   const int width_max = max_nv * kPanel;
+  // One row's packed copy ([k][1]) would be x itself: the tiles read x in
+  // place (bf16dot packs it into bf16 pairs).
+  const bool x_in_place = m == 1 && !bf16dot && widen == nullptr;
   if (prof != nullptr && parallel) {
     prof->parallel_regions += (k + kc - 1) / kc;
     prof->barriers += (k + kc - 1) / kc - 1;
@@ -488,7 +491,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       // This thread's copy of x[:, k0:k1], packed per row tile (see the
       // tiles), made on its first chunk of this k block.
       std::vector<float>& xp = PackBuffer();
-      if (first_call) {
+      if (first_call && x_in_place) {
+        io_all.resize(kTileRowsMax * width_max);
+      } else if (first_call) {
         // Only the calling thread has a profile installed.
         StepProfile* const tprof = ActiveProfile();
         const int64_t pack_start = tprof != nullptr ? ProfileNowNs() : 0;
@@ -516,6 +521,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         if (tprof != nullptr) tprof->pack_ns += ProfileNowNs() - pack_start;
       }
       float* const io = io_all.data();
+      const float* const xbase = x_in_place ? x + k0 : xp.data();
       alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
       for (int64_t tile = t_begin; tile < t_end; ++tile) {
         const int64_t p0 = tile * max_nv;
@@ -554,7 +560,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
               const int64_t i0 = m * rt / row_tiles;
               const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-              const float* xi = xp.data() + i0 * kc + (q0 - k0) * rows;
+              const float* xi = xbase + i0 * kc + (q0 - k0) * rows;
               float* iot = io + i0 * width;
               const bool zero = first && q0 == k0;
               switch (isa) {
@@ -579,7 +585,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           const int64_t i0 = m * rt / row_tiles;
           const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
           if (!first) load_partial(i0, rows, io);
-          const float* xi = xp.data() + i0 * kc;
+          const float* xi = xbase + i0 * kc;
           if (bf16dot_hw) {
             Bf16DotTile(rows, nv)(xi, wp, pb, k0, k1, io, first);
           } else if (bf16dot) {

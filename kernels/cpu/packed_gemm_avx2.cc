@@ -101,10 +101,11 @@ PDSERVE_AVX2 void TileAvx2(const float* xp, const uint8_t* w,
 
 // One row (batch 1) of NV panels of bf16, fp16 or per-row int8: 2 x NV
 // independent FMA chains instead of one panel's 2, which each wait on their
-// previous FMA, and a prefetch 1 KiB ahead in each panel's stream. Every
-// column's chain is the same fma over k in increasing order. (TileAvx2 with
-// a panel dimension added gave the same bits, but GCC 12 kept more of its
-// accumulators on the stack: 8-10% fewer tokens/s at `small` int8 batch 1.)
+// previous FMA, and a prefetch 1 KiB ahead in each panel's stream
+// (StreamAheadOffset). Every column's chain is the same fma over k in
+// increasing order. (TileAvx2 with a panel dimension added gave the same
+// bits, but GCC 12 kept more of its accumulators on the stack: 8-10% fewer
+// tokens/s at `small` int8 batch 1.)
 template <Fmt W, int NV>
 PDSERVE_AVX2 void TileAvx2Wide(const float* xp, const uint8_t* w,
                                int64_t panel_bytes, int64_t k0, int64_t k1,
@@ -122,9 +123,9 @@ PDSERVE_AVX2 void TileAvx2Wide(const float* xp, const uint8_t* w,
     const __m256 xa = _mm256_broadcast_ss(xp + (q - k0));
     const __m256 xb = _mm256_broadcast_ss(xp + (q - k0) + 1);
     if ((q * kBytesPerK) % 64 == 0) {
+      const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
       for (int v = 0; v < NV; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + v * panel_bytes +
-                                                   q * kBytesPerK + 1024),
+        _mm_prefetch(reinterpret_cast<const char*>(w + v * panel_bytes + off),
                      _MM_HINT_T0);
     }
     for (int v = 0; v < NV; ++v) {

@@ -92,17 +92,17 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
   // Bytes of one panel per k; at small batches the tile streams its panels
-  // from DRAM, and a prefetch 1 KiB ahead in each keeps more lines in flight
-  // than the hardware prefetcher alone (one per 64 bytes).
+  // from DRAM, and a prefetch 1 KiB ahead in each (StreamAheadOffset) keeps
+  // more lines in flight than the hardware prefetcher alone (one per 64
+  // bytes).
   constexpr int64_t kBytesPerK = ElementBytesOf(W) * kPanel;
   int64_t q = k0;
   for (; q + 2 <= k1; q += 2) {
     const float* xq = xp + (q - k0) * MR;
     if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
+      const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
       for (int v = 0; v < NV; ++v)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(wp[v] + q * kBytesPerK + 1024),
-            _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp[v] + off), _MM_HINT_T0);
     }
     typename P::Raw raw[NV];
     for (int v = 0; v < NV; ++v) raw[v] = P::Load(wp[v], q);

@@ -51,6 +51,17 @@ constexpr int64_t ElementBytesOf(Fmt t) {
   return t == Fmt::kF32 ? 4 : t == Fmt::kBF16 || t == Fmt::kF16 ? 2 : 1;
 }
 
+// Small-batch tiles stream their panels front to back and prefetch
+// kStreamAheadBytes ahead in each. Where that runs past a panel's end it
+// moves on to the same panel of the next tile (nv panels on), which would
+// otherwise start cold in all its panels at once: the offset from a panel's
+// start to prefetch when the tile reads byte `at` of it.
+constexpr int64_t kStreamAheadBytes = 1024;
+constexpr int64_t StreamAheadOffset(int64_t at, int64_t panel_bytes, int nv) {
+  const int64_t ahead = at + kStreamAheadBytes;
+  return ahead < panel_bytes ? ahead : ahead - panel_bytes + nv * panel_bytes;
+}
+
 // Byte offset of weight (k index q, column c of the panel) inside a panel.
 inline int64_t PanelOffset(Fmt t, int64_t q, int64_t c) {
   switch (t) {

@@ -15,6 +15,7 @@
 
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/packed_gemm_internal.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -877,6 +878,19 @@ TEST_F(RowInt8DotTest, IsItsOwnNumericsCloseToTheFp32Chain) {
     den += double(chain[i]) * chain[i];
   }
   EXPECT_LT(std::sqrt(num / den), 0.02);
+}
+
+// A small-batch tile prefetches kStreamAheadBytes ahead in each panel; in a
+// panel's last stretch that moves on to the same panel of the next tile.
+TEST(StreamAheadTest, MovesOnToTheNextTilesPanelPastAPanelsEnd) {
+  using packed_gemm_internal::kStreamAheadBytes;
+  using packed_gemm_internal::StreamAheadOffset;
+  constexpr int64_t pb = 8192;  // one panel's bytes
+  EXPECT_EQ(StreamAheadOffset(0, pb, 8), kStreamAheadBytes);
+  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes - 64, pb, 8), pb - 64);
+  // The first line past this panel's end: the next tile's panel, 8 on.
+  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes, pb, 8), 8 * pb);
+  EXPECT_EQ(StreamAheadOffset(pb - 64, pb, 3), 3 * pb + kStreamAheadBytes - 64);
 }
 
 TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
