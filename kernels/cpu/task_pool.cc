@@ -176,15 +176,26 @@ class TaskPool {
   };
 
   // Makes `job` the current one, under a new generation (returned), and
-  // wakes the helpers that sleep. The caller holds busy_.
+  // wakes the helpers that sleep. The caller holds busy_. No lock unless a
+  // helper sleeps: job g goes in slot g % 2, which job g + 2 can overwrite
+  // only after every task of g was claimed and done, so a helper that reads
+  // a slot and then claims a task of g has read g's job (see HelperLoop).
   uint32_t Publish(const Job& job) {
-    absl::MutexLock lock(&mu_);
     const uint32_t gen = ++gen_counter_;
-    job_ = job;
+    JobSlot& slot = slots_[gen % 2];
+    slot.fn.store(job.fn, std::memory_order_relaxed);
+    slot.tasks.store(job.tasks, std::memory_order_relaxed);
+    slot.chunk.store(job.chunk, std::memory_order_relaxed);
+    slot.helpers.store(job.helpers, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     claim_.store(uint64_t{gen} << 32, std::memory_order_release);
-    published_.store(gen, std::memory_order_release);
-    if (sleepers_ > 0) cv_.SignalAll();
+    // Sequentially consistent with the sleepers' count: either a helper
+    // going to sleep sees this generation, or this sees it counted.
+    published_.store(gen, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      absl::MutexLock lock(&mu_);
+      cv_.SignalAll();
+    }
     return gen;
   }
 
@@ -233,18 +244,23 @@ class TaskPool {
         _mm_pause();
         if (++polls % 64 == 0 && NowNs() - spin_start > kHelperSpinNs) break;
       }
-      Job job;
-      uint32_t gen;
-      {
+      if (published_.load(std::memory_order_acquire) == seen) {
         absl::MutexLock lock(&mu_);
-        while (gen_counter_ == seen) {
-          ++sleepers_;
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        while (published_.load(std::memory_order_seq_cst) == seen) {
           cv_.Wait(&mu_);
-          --sleepers_;
         }
-        gen = gen_counter_;
-        job = job_;
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
       }
+      const uint32_t gen = published_.load(std::memory_order_acquire);
+      // The slot holds job gen, or a later one if gen is over; a later one
+      // is never run, because Claim refuses gen once it is over.
+      const JobSlot& slot = slots_[gen % 2];
+      Job job;
+      job.fn = slot.fn.load(std::memory_order_relaxed);
+      job.tasks = slot.tasks.load(std::memory_order_relaxed);
+      job.chunk = slot.chunk.load(std::memory_order_relaxed);
+      job.helpers = slot.helpers.load(std::memory_order_relaxed);
       seen = gen;
       if (index >= job.helpers) continue;
       bool first = true;
@@ -259,13 +275,19 @@ class TaskPool {
     }
   }
 
-  HelpPolicy policy_;  // only touched by the thread that holds busy_
-  absl::Mutex mu_;
+  struct JobSlot {
+    std::atomic<const ChunkFn*> fn{nullptr};
+    std::atomic<int64_t> tasks{0}, chunk{1};
+    std::atomic<int> helpers{0};
+  };
+
+  HelpPolicy policy_;         // only touched by the thread that holds busy_
+  uint32_t gen_counter_ = 0;  // only touched by the thread that holds busy_
+  JobSlot slots_[2];          // job g in slots_[g % 2]
+  absl::Mutex mu_;            // sleeping helpers wait on cv_ under it
   absl::CondVar cv_;
-  uint32_t gen_counter_ ABSL_GUARDED_BY(mu_) = 0;
-  Job job_ ABSL_GUARDED_BY(mu_);
-  int sleepers_ ABSL_GUARDED_BY(mu_) = 0;
-  std::atomic<uint32_t> published_{0};  // gen_counter_, for polling
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint32_t> published_{0};  // the newest generation
   std::atomic<uint64_t> claim_{0};      // generation << 32 | next task
   std::atomic<int64_t> done_{0};        // tasks finished in this job
   std::atomic<bool> busy_{false};       // a caller is running a job

@@ -134,6 +134,22 @@ TEST(TaskPoolTest, WakeKernelHelpersReturnsOnceEachHelperTookATask) {
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
 }
 
+// Jobs published while the helpers poll, while they fall asleep (their
+// poll lasts 200 us) and while they sleep: each job still wakes them, and
+// each task runs once.
+TEST(TaskPoolTest, HelpersWakeForJobsPublishedAroundTheirSleep) {
+  for (int rep = 0; rep < 60; ++rep) {
+    std::this_thread::sleep_for(std::chrono::microseconds(150 + 5 * rep));
+    ASSERT_TRUE(WakeKernelHelpers(2, /*timeout_ns=*/2'000'000'000))
+        << "a helper missed job " << rep;
+    std::vector<std::atomic<int>> hits(64);
+    RunChunks(64, 1, 2, [&](int64_t begin, int64_t end, bool) {
+      for (int64_t t = begin; t < end; ++t) hits[t]++;
+    });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+  }
+}
+
 TEST(HelpPolicyTest, KeepsHelpersWhileTheySpeedJobsUp) {
   HelpPolicy policy;
   for (int job = 0; job < 100; ++job) {
