@@ -491,13 +491,13 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       // This thread's copy of x[:, k0:k1], packed per row tile (see the
       // tiles), made on its first chunk of this k block.
       std::vector<float>& xp = PackBuffer();
-      if (first_call && x_in_place) {
-        io_all.resize(kTileRowsMax * width_max);
-      } else if (first_call) {
+      if (first_call) {
+        io_all.resize(widen ? m * width_max : kTileRowsMax * width_max);
+      }
+      if (first_call && !x_in_place) {
         // Only the calling thread has a profile installed.
         StepProfile* const tprof = ActiveProfile();
         const int64_t pack_start = tprof != nullptr ? ProfileNowNs() : 0;
-        io_all.resize(widen ? m * width_max : kTileRowsMax * width_max);
         xp.resize(m * kc + 2 * max_rows);
         if (bf16dot) {  // bf16 pairs, the odd tail padded with 0
           for (int64_t rt = 0; rt < row_tiles; ++rt) {
