@@ -27,8 +27,10 @@ usage: ./pdserve.sh COMMAND [ARGS...]
   build         configure and build Release into build/ (build/bin/pdserve)
   layering      check include/link layering against tests/layering/rules.txt
   test          layering + deps + build + the CPU test suite (ctest -L cpu, including a 2-minute
-                fault soak), then every fuzz target for a few seconds; non-zero on any failure
+                fault soak), then every fuzz target for a few seconds (built meanwhile at
+                nice 19 on idle CPU); non-zero on any failure
   serve [ARGS]  deps + build + run the embedded default (passes ARGS through)
+  fuzz-build    only build the fuzz preset (what test builds in the background)
   fuzz [SECONDS]
                 build the fuzz preset (clang, ASan/UBSan, build-fuzz/) and run every
                 libFuzzer target for SECONDS each (default 30); non-zero on any crash
@@ -69,11 +71,15 @@ build() {
 }
 
 # Configures and builds the `fuzz` CMake preset (only tests/fuzz and the
-# parsers it reaches), then runs each target for $1 seconds over its corpus.
-fuzz() {
-  local seconds=${1:-30}
+# parsers it reaches).
+fuzz_build() {
   cmake --preset fuzz >/dev/null
   cmake --build "$FUZZ_BUILD_DIR" -j "$JOBS"
+}
+
+# Runs each fuzz target for $1 seconds over its corpus.
+fuzz_run() {
+  local seconds=${1:-30}
   local failed=0 t targets
   targets=$(sed -n 's/^set(PDSERVE_FUZZ_TARGETS \(.*\))$/\1/p' "$ROOT/tests/fuzz/CMakeLists.txt")
   if [ -z "$targets" ]; then
@@ -87,6 +93,11 @@ fuzz() {
   return $failed
 }
 
+fuzz() {
+  fuzz_build
+  fuzz_run "$@"
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -97,13 +108,34 @@ case "$cmd" in
     # Fails fast, before the long build, on an include that crosses a rule.
     python3 "$ROOT/tests/layering/check_layering.py" "$ROOT"
     deps
-    build
-    (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@")
+    fuzz_pid=""
     if [ "${PDSERVE_TEST_FUZZ:-1}" != 0 ]; then
       deps "${FUZZ_DEB_PACKAGES[@]}"
-      fuzz "${PDSERVE_FUZZ_CI_SECONDS:-5}"
+      # The fuzz build runs beside the main build and the tests at the lowest
+      # priority, on whatever CPU they leave idle (link steps, serial tests).
+      # Its own process group (set -m), so that an early exit stops all of it.
+      mkdir -p "$FUZZ_BUILD_DIR"
+      set -m
+      nice -n 19 "$ROOT/pdserve.sh" fuzz-build > "$FUZZ_BUILD_DIR/build.log" 2>&1 &
+      fuzz_pid=$!
+      set +m
+      trap 'kill -- "-$fuzz_pid" 2>/dev/null || true' EXIT
+      echo "[test] fuzz targets building in the background (log: $FUZZ_BUILD_DIR/build.log)"
+    fi
+    build
+    (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@")
+    if [ -n "$fuzz_pid" ]; then
+      echo "[test] waiting for the fuzz build"
+      if ! wait "$fuzz_pid"; then
+        tail -50 "$FUZZ_BUILD_DIR/build.log"
+        echo "[test] the fuzz build failed (log: $FUZZ_BUILD_DIR/build.log)" >&2
+        exit 1
+      fi
+      trap - EXIT
+      fuzz_run "${PDSERVE_FUZZ_CI_SECONDS:-5}"
     fi
     ;;
+  fuzz-build) fuzz_build ;;
   fuzz)
     deps "${FUZZ_DEB_PACKAGES[@]}"
     fuzz "$@"
