@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -141,6 +142,16 @@ int CoreShare::Threads() const {
   const int used =
       std::clamp(region_->slots_used.load(std::memory_order_acquire), 0,
                  static_cast<int32_t>(kMaxSlots));
+  const int64_t now_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  const bool check_liveness =
+      now_ns >= next_liveness_check_ns_.load(std::memory_order_relaxed);
+  if (check_liveness) {
+    next_liveness_check_ns_.store(now_ns + kLivenessCheckNs,
+                                  std::memory_order_relaxed);
+  }
   int idle_threads = 0, busy_slots = 0, rank = 0;
   for (int i = 0; i < used; ++i) {
     const Slot& s = region_->slots[i];
@@ -148,8 +159,16 @@ int CoreShare::Threads() const {
       ++busy_slots;
       continue;
     }
-    if (s.pid.load(std::memory_order_relaxed) == 0) continue;
-    if (s.busy.load(std::memory_order_acquire) != 0) {
+    const int32_t pid = s.pid.load(std::memory_order_relaxed);
+    if (pid == 0) continue;
+    bool busy = s.busy.load(std::memory_order_acquire) != 0;
+    if (busy && pid == dead_pid_[i].load(std::memory_order_relaxed)) {
+      busy = false;
+    } else if (busy && check_liveness && !Alive(pid)) {
+      dead_pid_[i].store(pid, std::memory_order_relaxed);
+      busy = false;
+    }
+    if (busy) {
       ++busy_slots;
       rank += i < slot_;
     } else {

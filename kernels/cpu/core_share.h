@@ -16,6 +16,7 @@
 // host's cores), nothing else.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -55,8 +56,13 @@ class CoreShare final : public KernelThreadSource {
 
   // Own threads, plus, while busy, this slot's part of the idle slots'
   // threads: what the next parallel kernel may use (at least 1, at most the
-  // host's cores or own threads, whichever is more).
+  // host's cores or own threads, whichever is more). A slot whose process
+  // died counts as idle: a busy slot's process is checked at most every
+  // kLivenessCheckNs, so a peer that crashed while busy lends its cores
+  // within that time instead of holding them until the next Join.
   int Threads() const override;
+
+  static constexpr int64_t kLivenessCheckNs = 100'000'000;
 
   int slot() const { return slot_; }
   int own_threads() const { return threads_; }
@@ -70,6 +76,10 @@ class CoreShare final : public KernelThreadSource {
   int threads_;
   int max_threads_;
   std::atomic<bool> busy_{false};
+  // Per slot, the pid of a busy owner found dead (0: none), and when
+  // Threads() next checks the busy owners.
+  mutable std::array<std::atomic<int32_t>, kMaxSlots> dead_pid_{};
+  mutable std::atomic<int64_t> next_liveness_check_ns_{0};
 };
 
 }  // namespace pdserve::kernels

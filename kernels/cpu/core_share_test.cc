@@ -2,15 +2,18 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/matmul.h"
@@ -141,6 +144,53 @@ TEST_F(CoreShareTest, TheSlotOfAProcessThatDiedIsLentThenReclaimed) {
   EXPECT_EQ(b->slot(), 1);
   b->SetBusy(true);
   EXPECT_EQ(b->Threads(), 2);
+}
+
+TEST_F(CoreShareTest, APeerThatDiedWhileBusyLendsItsThreads) {
+  auto a = Join(1);
+  ASSERT_TRUE(a);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Joins with 3 threads, has work, and stays until killed.
+    auto share = CoreShare::Join(path_, 3, kCores);
+    if (!share.ok()) _exit(1);
+    (*share)->SetBusy(true);
+    const char byte = 1;
+    if (write(ready[1], &byte, 1) != 1) _exit(1);
+    for (;;) pause();
+  }
+  close(ready[1]);
+  char byte = 0;
+  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+  close(ready[0]);
+  a->SetBusy(true);
+  EXPECT_EQ(a->Threads(), 1);  // both busy: nothing to lend
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  // Within a liveness period (and some slack), the dead peer's 3 threads are
+  // lent, though its slot still says busy.
+  EXPECT_EQ(RawSlot(1)[2], 1);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::nanoseconds(CoreShare::kLivenessCheckNs) +
+                        std::chrono::seconds(2);
+  int threads = a->Threads();
+  while (threads != 4 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    threads = a->Threads();
+  }
+  EXPECT_EQ(threads, 4);
+  // A new process that claims the slot has its own say again.
+  auto b = Join(2);
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->slot(), 1);
+  b->SetBusy(true);
+  EXPECT_EQ(a->Threads(), 1);
+  b->SetBusy(false);
+  EXPECT_EQ(a->Threads(), 3);
 }
 
 TEST_F(CoreShareTest, AFileOfAnotherSizeOrKindIsRefused) {
