@@ -89,9 +89,18 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheSpec& spec,
   std::unique_ptr<KvPool> pool(new KvPool(spec, num_blocks));
   pool->bytes_ = TotalBytes(spec, num_blocks);
   if (!spec.host_shared) {
-    // Zero-filled so that never-written slots hold finite values.
-    pool->heap_.reset(new uint8_t[pool->bytes_]());
-    pool->Layout(pool->heap_.get());
+    // Anonymous pages read as zero (never-written slots hold finite values)
+    // and are backed only once touched: a worker does not fault in and
+    // clear its whole budget at start, only the blocks it uses.
+    void* p = mmap(nullptr, pool->bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("kv cache: reserving the pool (", pool->bytes_,
+                       " bytes) failed: ", std::strerror(errno)));
+    }
+    pool->mapped_ = static_cast<uint8_t*>(p);
+    pool->Layout(pool->mapped_);
     return pool;
   }
   // A memfd rather than shm_open: nothing is left in /dev/shm when the
@@ -156,7 +165,7 @@ void KvPool::Layout(uint8_t* base) {
 }
 
 std::vector<KvSharedRegion> KvPool::SharedRegions() {
-  if (mapped_ == nullptr) return {};
+  if (memfd_ < 0) return {};
   return {KvSharedRegion{mapped_, bytes_, "", memfd_}};
 }
 

@@ -96,9 +96,8 @@ class KvPool final : public KvStorage {
 
   KvCacheSpec spec_;
   int64_t num_blocks_;
-  // Everything lives in one zero-filled allocation: heap memory, or a memfd
-  // mapping (memfd_ >= 0) when spec_.host_shared.
-  std::unique_ptr<uint8_t[]> heap_;
+  // Everything lives in one zero-filled mapping: anonymous memory, or a
+  // memfd (memfd_ >= 0) when spec_.host_shared.
   uint8_t* mapped_ = nullptr;
   size_t bytes_ = 0;
   int memfd_ = -1;

@@ -1,7 +1,9 @@
 #include "kv_cache/kv_cache.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace pdserve::engine {
@@ -60,6 +62,37 @@ TEST(KvPoolTest, CopiesOfScaledSpansWithoutAScaleBufferAreRefused) {
   auto plain = KvPool::Create(f32, 3);
   std::vector<uint8_t> f32_data(f32.LayerBlockBytes(), 1);
   EXPECT_TRUE((*plain)->CopyFromHost(0, 0, f32_data.data(), nullptr).ok());
+}
+
+int64_t MinorFaults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// A pool's pages are backed as blocks are written, not at creation: a
+// 1 GiB budget costs a worker nothing until it is used, every slot reads
+// zero, and writing one (layer, block) touches about its own pages.
+TEST(KvPoolTest, PagesAreBackedOnlyWhereBlocksAreWritten) {
+  KvCacheSpec spec{4, 8, 128, 16, DType::kF32};  // 256 KiB a block
+  const int64_t blocks = spec.BlocksForMemory(int64_t{1} << 30);
+  const int64_t before = MinorFaults();
+  auto pool = KvPool::Create(spec, blocks);
+  ASSERT_TRUE(pool.ok());
+  const int64_t after_create = MinorFaults();
+  // 1 GiB would be 262,144 pages of 4 KiB.
+  EXPECT_LT(after_create - before, 64) << "the pool was touched at creation";
+  const int64_t block = blocks / 2;
+  const uint8_t* data = (*pool)->LayerBlockData(3, block);
+  for (int64_t i = 0; i < spec.LayerBlockBytes(); i += 4096)
+    ASSERT_EQ(data[i], 0) << "byte " << i << " of a fresh block";
+  std::vector<uint8_t> ones(spec.LayerBlockBytes(), 1);
+  const int64_t before_write = MinorFaults();
+  ASSERT_TRUE((*pool)->CopyFromHost(3, block, ones.data(), nullptr).ok());
+  EXPECT_LT(MinorFaults() - before_write,
+            2 * spec.LayerBlockBytes() / 4096 + 16);
+  EXPECT_EQ((*pool)->LayerBlockData(3, block)[spec.LayerBlockBytes() - 1], 1);
+  EXPECT_EQ((*pool)->LayerBlockData(3, block + 1)[0], 0);
 }
 
 }  // namespace
