@@ -378,10 +378,14 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                        kernels::DetectCpuFeatures().avx512bf16;
   const bool int8dot = config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
                        kernels::Int8DotUsesVnni();
-  // Per-row int8 weights on the AVX2 path of a CPU with AVX-VNNI.
+  // Per-row int8 weights on the AVX2 path of a CPU with AVX-VNNI, or
+  // without it.
   const bool int8dot_avxvnni =
       config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
       kernels::Int8DotKernelFor(1) == kernels::Int8DotKernel::kAvxVnni;
+  const bool int8dot_avx2 =
+      config.engine.matmul == kernels::MatMulMode::kInt8Dot &&
+      kernels::Int8DotKernelFor(1) == kernels::Int8DotKernel::kAvx2;
   // int8dot takes AMX-INT8 from Int8DotAmxMinRows() rows on (batched decode
   // and prefill), VNNI below.
   const bool amx = int8dot && kernels::Int8DotAmxUsable() &&
@@ -396,6 +400,7 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
                                                  kernels::Int8DotAmxMinRows(), ")-vnni")
                 : int8dot         ? "-int8dot-vnni"
                 : int8dot_avxvnni ? "-int8dot-avxvnni"
+                : int8dot_avx2    ? "-int8dot-avx2"
                                   : "");
   result.int8dot_amx_min_rows = amx ? kernels::Int8DotAmxMinRows() : 0;
   result.cpu_features = kernels::DetectCpuFeatures().ToString();
@@ -418,7 +423,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
   // With AMX: TDPBSSD's peak (full 64-byte k per instruction), which is
   // what prefill and the batches that take AMX are divided by; the VNNI peak
   // and TDPBSSD's at one block (32 k) per instruction, as the kernel issues
-  // it, are reported beside it. int8dot on AVX-VNNI: its 256-bit VPDPBUSD's.
+  // it, are reported beside it. int8dot on AVX-VNNI: its 256-bit VPDPBUSD's;
+  // on AVX2 without it: the kernel's four-instruction sequence's.
   const kernels::GemmIsa peak_isa = kernels::ActiveGemmIsa();
   auto measure_peak = [&](double seconds) {
     return bf16dot ? kernels::MeasureBf16DotPeakGflops(result.threads, seconds)
@@ -426,6 +432,8 @@ absl::StatusOr<EngineBenchResult> RunEngineBench(
            : int8dot ? kernels::MeasureInt8DotPeakGops(result.threads, seconds)
            : int8dot_avxvnni
                ? kernels::MeasureAvxVnniPeakGops(result.threads, seconds)
+           : int8dot_avx2
+               ? kernels::MeasureAvx2DotPeakGops(result.threads, seconds)
                : kernels::MeasureFmaPeakGflops(peak_isa, result.threads,
                                                seconds);
   };

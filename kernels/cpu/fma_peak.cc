@@ -155,6 +155,50 @@ __attribute__((target("avx2,avxvnni"))) double RunAvxVnni(int64_t iters) {
   return sum;
 }
 
+// AVX2 without VNNI: the kernel's exact int8 dot of 32 byte pairs
+// (VPSIGNB, VPMADDUBSW, VPMADDWD by ones, VPADDD), 10 chains. Each chain's
+// signs come from its own accumulator, so no chain shares an instruction
+// with another and none can be hoisted out of the loop.
+#define PDSERVE_AVX2DOT10(X) \
+  X(c0);                     \
+  X(c1);                     \
+  X(c2);                     \
+  X(c3);                     \
+  X(c4);                     \
+  X(c5);                     \
+  X(c6);                     \
+  X(c7);                     \
+  X(c8);                     \
+  X(c9)
+constexpr int kAvx2DotChains = 10;
+__attribute__((target("avx2"))) double RunAvx2Dot(int64_t iters) {
+  __m256i c0 = _mm256_set1_epi32(1), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+          c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0;
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-1);
+  const __m256i ones = _mm256_set1_epi16(1);
+#define PDSERVE_AVX2DOT_STEP(c)                                             \
+  c = _mm256_add_epi32(                                                     \
+      c, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(b, c)), \
+                           ones))
+  for (int64_t it = 0; it < iters; ++it) {
+    PDSERVE_AVX2DOT10(PDSERVE_AVX2DOT_STEP);
+    __asm__ volatile(""
+                     : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4),
+                       "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9));
+  }
+#undef PDSERVE_AVX2DOT_STEP
+  const __m256i s = _mm256_add_epi32(
+      _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+          _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
+      _mm256_add_epi32(c8, c9));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+  double sum = 0;
+  for (const int32_t v : lanes) sum += v;
+  return sum;
+}
+
 // AMX-INT8: 4 independent C tiles (16 x 16 int32) from 2 A tiles (16 rows x
 // k_bytes) and 2 B tiles (k_bytes / 4 rows x 64 bytes), loaded once; per
 // iteration 4 TDPBSSD. The tile configuration is per thread, so each thread
@@ -283,6 +327,13 @@ double MeasureAvxVnniPeakGops(int threads, double seconds) {
   if (!f.avx2 || !f.avxvnni) return 0;
   // One 256-bit VPDPBUSD: 8 lanes x 4 products x (multiply + add).
   return Measure(RunAvxVnni, 64.0 * kChains, threads, seconds);
+}
+
+double MeasureAvx2DotPeakGops(int threads, double seconds) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (!f.avx2) return 0;
+  // One sequence: 32 products x (multiply + add), as a 256-bit VPDPBUSD.
+  return Measure(RunAvx2Dot, 64.0 * kAvx2DotChains, threads, seconds);
 }
 
 double MeasureAmxInt8PeakGops(int threads, double seconds, int k_bytes) {

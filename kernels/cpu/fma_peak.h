@@ -25,6 +25,10 @@ double MeasureInt8DotPeakGops(int threads, double seconds = 0.3);
 // lacks it.
 double MeasureAvxVnniPeakGops(int threads, double seconds = 0.3);
 
+// The same for the AVX2 kernel of kInt8Dot without VNNI: VPSIGNB,
+// VPMADDUBSW, VPMADDWD and VPADDD per 32 byte pairs, 64 integer ops. 0
+// where the CPU lacks AVX2.
+double MeasureAvx2DotPeakGops(int threads, double seconds = 0.3);
 // The same for AMX-INT8 TDPBSSD (GemmNumerics::kInt8Dot at batch sizes that
 // take AMX): 16 x 16 x k_bytes multiply-adds per instruction, 2 ops each.
 // k_bytes = 64 is the instruction's peak; the kernel multiplies one block

@@ -37,5 +37,19 @@ TEST(FmaPeakTest, AvxVnniPeakIsMeasuredExactlyWhereTheCpuHasIt) {
   }
 }
 
+// The AVX2 int8 dot sequence: 4 instructions per 64 ops, so on a CPU with
+// both it runs below the VEX VPDPBUSD's one instruction per 64 ops.
+TEST(FmaPeakTest, Avx2DotPeakIsMeasuredWhereTheCpuHasAvx2) {
+  if (!DetectCpuFeatures().avx2) {
+    EXPECT_EQ(MeasureAvx2DotPeakGops(1, 0.03), 0);
+    GTEST_SKIP() << "no AVX2 here: its peak reads 0";
+  }
+  const double gops = MeasureAvx2DotPeakGops(1, 0.05);
+  EXPECT_GT(gops, 0);
+  if (DetectCpuFeatures().avxvnni) {
+    EXPECT_LT(gops, MeasureAvxVnniPeakGops(1, 0.05));
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::kernels

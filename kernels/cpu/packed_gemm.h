@@ -186,11 +186,16 @@ bool Int8DotUsesVnni();
 //   kAvxVnni:  per-row int8 weights only, where the path is AVX2 or AVX-512
 //              without VNNI and the CPU has AVX-VNNI (256-bit VPDPBUSD);
 //              block int8 weights run the portable loop there;
+//   kAvx2:     the same without AVX-VNNI, where the CPU has AVX2 (VPMADDUBSW
+//              on |q| and the signed weights: exact int16 pairs);
 //   kPortable: everywhere else.
-enum class Int8DotKernel { kPortable, kVnni, kAmx, kAvxVnni };
-// portable|vnni|amx|avxvnni
+enum class Int8DotKernel { kPortable, kVnni, kAmx, kAvxVnni, kAvx2 };
+// portable|vnni|amx|avxvnni|avx2
 const char* Int8DotKernelName(Int8DotKernel kernel);
 Int8DotKernel Int8DotKernelFor(int64_t m);
+// Testing: false makes Int8DotKernelFor pass AVX-VNNI over (kAvx2 instead),
+// so that the plain AVX2 kernel is checked on CPUs that have both.
+void SetInt8DotAvxVnniForTesting(bool enabled);
 // VNNI usable, the CPU has AMX-TILE and AMX-INT8, and Linux granted this
 // process the tile state (arch_prctl, see cpu_features.h).
 bool Int8DotAmxUsable();

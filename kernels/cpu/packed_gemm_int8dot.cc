@@ -1,8 +1,8 @@
 // GemmNumerics::kInt8Dot: the AVX512-VNNI kernels (VPDPBUSD), the
 // activation quantizers, and the drivers that pick VNNI, AMX
-// (packed_gemm_amx.cc), AVX-VNNI (packed_gemm_avxvnni.cc, per-row int8 on
-// the AVX2 path) or the portable loops (packed_gemm_portable.cc) for block
-// and per-row int8 weights. The integer sums are exact, so all of them
+// (packed_gemm_amx.cc), AVX-VNNI or AVX2 (packed_gemm_avx2dot.cc, per-row
+// int8 on the AVX2 path) or the portable loops (packed_gemm_portable.cc) for
+// block and per-row int8 weights. The integer sums are exact, so all of them
 // give the same bits. Each vector function carries PDSERVE_VNNI; it runs
 // only where VnniUsable().
 // GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its
@@ -386,14 +386,13 @@ PDSERVE_VNNI void QuantizeRowPerRowVnni(const float* x, int64_t k, int64_t kq,
 // ones). The tile of rows [i0, i0 + rows) holds u [i0 * kq, (i0 + rows) *
 // kq) as [kq / 4 groups][rows][4 bytes]: per group its rows' 4 bytes side by
 // side, so the tile's broadcasts read one contiguous stream.
-// avx_vnni: round with the AVX-VNNI build of the same quantizer (the same
-// bytes) where the AVX-512 one cannot run.
+// avx2: round with the AVX2 build of the same quantizer (the same bytes)
+// where the AVX-512 one cannot run.
 void QuantizeActivationsVnniTiles(const float* x, int64_t m, int64_t k,
-                                  int64_t row_tiles, bool avx_vnni, uint8_t* u,
+                                  int64_t row_tiles, bool avx2, uint8_t* u,
                                   float* scales) {
   const int64_t kq = RowDotPaddedK(k);
-  const auto quantize =
-      avx_vnni ? QuantizeRowPerRowAvxVnni : QuantizeRowPerRowVnni;
+  const auto quantize = avx2 ? QuantizeRowPerRowAvx2 : QuantizeRowPerRowVnni;
   RunActivationRows(row_tiles, k * ((m + row_tiles - 1) / row_tiles),
                     [&](int64_t rt) {
                       const int64_t i0 = m * rt / row_tiles;
@@ -544,23 +543,27 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   if (!dot_layout || k > kRowDotMaxHwK) kernel = Int8DotKernel::kPortable;
   const bool amx = kernel == Int8DotKernel::kAmx;
   const bool avx_vnni = kernel == Int8DotKernel::kAvxVnni;
-  const bool hw = kernel == Int8DotKernel::kVnni || avx_vnni;
+  const bool avx2 = kernel == Int8DotKernel::kAvx2;
+  const bool hw = kernel == Int8DotKernel::kVnni || avx_vnni || avx2;
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> sx;
   const int64_t m_pad = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
   qx.resize(m_pad * kq);
   sx.resize(m_pad);
-  // The VNNI kernels' row tiles and panels per tile.
+  // The hardware kernels' row tiles and panels per tile.
   const bool stream = m <= kAvxVnniStreamRows;
-  const int max_rows = !avx_vnni ? kRowDotRows
-                       : stream  ? kAvxVnniStreamRows
-                                 : kAvxVnniRowDotRows;
-  const int max_nv = !avx_vnni ? kRowDotPanels
-                     : stream  ? kAvxVnniStreamPanels
-                               : 1;
+  const int max_rows =
+      avx_vnni ? (stream ? kAvxVnniStreamRows : kAvxVnniRowDotRows)
+      : avx2
+          ? (m <= kAvx2DotStreamRows ? kAvx2DotStreamRows : kAvx2DotRowDotRows)
+          : kRowDotRows;
+  const int max_nv = avx_vnni ? (stream ? kAvxVnniStreamPanels : 1)
+                     : avx2
+                         ? (m <= kAvx2DotStreamRows ? kAvx2DotStreamPanels : 1)
+                         : kRowDotPanels;
   const int64_t vnni_row_tiles = (m + max_rows - 1) / max_rows;
   if (hw) {
-    QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles, avx_vnni,
+    QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles, avx_vnni || avx2,
                                  reinterpret_cast<uint8_t*>(qx.data()),
                                  sx.data());
   } else {
@@ -591,8 +594,8 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
           const int64_t lines = (next_bytes + 63) / 64;
           const int64_t l0 = lines * rt / row_tiles;
           const int64_t l1 = lines * (rt + 1) / row_tiles;
-          if (avx_vnni) {
-            RowDotAvxVnniTile(rows, nv)(
+          if (avx_vnni || avx2) {
+            (avx2 ? RowDotAvx2Tile : RowDotAvxVnniTile)(rows, nv)(
                 reinterpret_cast<const uint8_t*>(qxp) + i0 * kq, sxp + i0, wp,
                 pb, sw, w.dot_offsets() + c0, kq / 4, next + l0 * 64, l1 - l0,
                 io);
@@ -613,6 +616,7 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
 namespace pdserve::kernels {
 
 using packed_gemm_internal::AmxMinRowsSetting;
+using packed_gemm_internal::Avx2DotUsable;
 using packed_gemm_internal::AvxVnniUsable;
 using packed_gemm_internal::QuantizeActivations;
 using packed_gemm_internal::VnniUsable;
@@ -631,6 +635,16 @@ bool Int8DotAmxUsable() {
   return Int8DotUsesVnni() && f.amx_int8 && f.amx_usable;
 }
 
+namespace {
+std::atomic<bool>& AvxVnniOff() {
+  static std::atomic<bool> off{false};
+  return off;
+}
+bool Int8DotAvxVnniOffForTesting() { return AvxVnniOff().load(); }
+}  // namespace
+
+void SetInt8DotAvxVnniForTesting(bool enabled) { AvxVnniOff().store(!enabled); }
+
 int64_t Int8DotAmxMinRows() { return AmxMinRowsSetting().load(); }
 void SetInt8DotAmxMinRows(int64_t rows) {
   AmxMinRowsSetting().store(std::max<int64_t>(0, rows));
@@ -644,6 +658,8 @@ const char* Int8DotKernelName(Int8DotKernel kernel) {
       return "amx";
     case Int8DotKernel::kAvxVnni:
       return "avxvnni";
+    case Int8DotKernel::kAvx2:
+      return "avx2";
     case Int8DotKernel::kPortable:
       break;
   }
@@ -655,8 +671,10 @@ Int8DotKernel Int8DotKernelFor(int64_t m) {
   if (min_rows > 0 && m >= min_rows && Int8DotAmxUsable())
     return Int8DotKernel::kAmx;
   if (Int8DotUsesVnni()) return Int8DotKernel::kVnni;
-  if (ActiveGemmIsa() != GemmIsa::kPortable && AvxVnniUsable())
+  if (ActiveGemmIsa() == GemmIsa::kPortable) return Int8DotKernel::kPortable;
+  if (AvxVnniUsable() && !Int8DotAvxVnniOffForTesting())
     return Int8DotKernel::kAvxVnni;
+  if (Avx2DotUsable()) return Int8DotKernel::kAvx2;
   return Int8DotKernel::kPortable;
 }
 

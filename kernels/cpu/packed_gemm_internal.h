@@ -279,17 +279,24 @@ inline void StoreActivationGroups(__m128i bytes, int64_t group_stride,
   for (int j = 0; j < 4; ++j) std::memcpy(dst + j * group_stride, b + 4 * j, 4);
 }
 
-// AVX-VNNI (packed_gemm_avxvnni.cc): GemmRowDot's kernels where the CPU has
-// the 256-bit VEX VPDPBUSD but the AVX-512 path is off or lacks VNNI. Same
-// activation row tiles and panels as the AVX-512 kernels, same bits.
-// Tiles: up to 6 rows of one panel, or (m <= 2) up to 2 rows of 3 panels.
+// The AVX2 path's int8dot (packed_gemm_avx2dot.cc): GemmRowDot's kernels
+// where the AVX-512 path is off or lacks VNNI. AVX-VNNI (the 256-bit VEX
+// VPDPBUSD) where the CPU has it, else plain AVX2 (VPMADDUBSW on |q| and the
+// signed weights). Same activation row tiles and panels as the AVX-512
+// kernels, same bits.
+// AVX-VNNI tiles: up to 6 rows of one panel, or (m <= 2) up to 2 rows of 3
+// panels. AVX2 tiles: up to 4 rows of one panel, or (m <= 2) up to 2 rows of
+// 2 panels.
 constexpr int kAvxVnniRowDotRows = 6, kAvxVnniStreamRows = 2,
               kAvxVnniStreamPanels = 3;
+constexpr int kAvx2DotRowDotRows = 4, kAvx2DotStreamRows = 2,
+              kAvx2DotStreamPanels = 2;
 bool AvxVnniUsable();
+bool Avx2DotUsable();
 // rows x nv panels: ux one row tile ([groups][rows][4], q + 128), sx its
 // scales, w the first panel, sw and corr its columns' scales and
-// dot_offsets(); pf_lines 64-byte lines from pf are prefetched toward L2
-// over k.
+// dot_offsets() (the AVX2 tiles sum Σ q w directly and need no corr);
+// pf_lines 64-byte lines from pf are prefetched toward L2 over k.
 using RowDotAvxVnniFn = void (*)(const uint8_t* ux, const float* sx,
                                  const uint8_t* w, int64_t panel_bytes,
                                  const float* sw, const int32_t* corr,
@@ -298,11 +305,13 @@ using RowDotAvxVnniFn = void (*)(const uint8_t* ux, const float* sx,
 // nv: 1 (rows <= kAvxVnniRowDotRows), or up to kAvxVnniStreamPanels (rows
 // <= kAvxVnniStreamRows).
 RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv);
+// nv: 1 (rows <= kAvx2DotRowDotRows), or 2 (rows <= kAvx2DotStreamRows).
+RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv);
 // One row rounded as QuantizeRowPerRowPortable rounds it, stored as the
 // kernels read it: q + 128 as unsigned bytes, padding to kq included, one
-// 4-k group every group_stride bytes.
-void QuantizeRowPerRowAvxVnni(const float* x, int64_t k, int64_t kq,
-                              int64_t group_stride, uint8_t* u, float* scale);
+// 4-k group every group_stride bytes. AVX2 and FMA only.
+void QuantizeRowPerRowAvx2(const float* x, int64_t k, int64_t kq,
+                           int64_t group_stride, uint8_t* u, float* scale);
 
 // AMX-INT8 (packed_gemm_amx.cc). Rows of qx are padded to a multiple of
 // kAmxRows with zeros (scales 0).

@@ -691,8 +691,8 @@ class RowInt8DotTest : public Int8DotTest {
     return a.size() == b.size() &&
            std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
   }
-  // Every kernel this machine has: portable; AVX-VNNI on the AVX2 path;
-  // VNNI (AMX off); AMX for every m.
+  // Every kernel this machine has: portable; AVX-VNNI and plain AVX2 on
+  // the AVX2 path; VNNI (AMX off); AMX for every m.
   std::vector<std::pair<std::string, std::vector<float>>> AllKernels(
       const float* x, int64_t m, int64_t k, const WeightMatrix& w) {
     std::vector<std::pair<std::string, std::vector<float>>> out;
@@ -700,11 +700,17 @@ class RowInt8DotTest : public Int8DotTest {
     out.emplace_back("portable", Run(GemmIsa::kPortable, x, m, k, w));
     EXPECT_EQ(Int8DotKernelFor(m), Int8DotKernel::kPortable);
     if (GemmIsaSupported(GemmIsa::kAvx2) && SetGemmIsa(GemmIsa::kAvx2)) {
-      // The AVX2 path takes AVX-VNNI exactly where the CPU has it.
-      EXPECT_EQ(Int8DotKernelFor(m) == Int8DotKernel::kAvxVnni,
-                DetectCpuFeatures().avxvnni);
+      // The AVX2 path takes AVX-VNNI exactly where the CPU has it, else
+      // the plain AVX2 kernel, which the testing switch reaches on both.
+      EXPECT_EQ(Int8DotKernelFor(m), DetectCpuFeatures().avxvnni
+                                         ? Int8DotKernel::kAvxVnni
+                                         : Int8DotKernel::kAvx2);
       if (Int8DotKernelFor(m) == Int8DotKernel::kAvxVnni)
         out.emplace_back("avxvnni", Run(GemmIsa::kAvx2, x, m, k, w));
+      SetInt8DotAvxVnniForTesting(false);
+      EXPECT_EQ(Int8DotKernelFor(m), Int8DotKernel::kAvx2);
+      out.emplace_back("avx2", Run(GemmIsa::kAvx2, x, m, k, w));
+      SetInt8DotAvxVnniForTesting(true);
     }
     if (GemmIsaSupported(GemmIsa::kAvx512) && SetGemmIsa(GemmIsa::kAvx512) &&
         Int8DotUsesVnni()) {
@@ -735,8 +741,10 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
         Shape{48, 40, 130}, Shape{70, 130, 161},
         // The VNNI tile's 8 rows and 3 panels: full, and one past.
         Shape{8, 48, 4}, Shape{9, 65, 68}, Shape{24, 49, 255}, Shape{25, 96, 1},
-        // The AVX-VNNI tile's 6 rows: full, one past, and 32 in 6 tiles.
+        // The AVX-VNNI tile's 6 rows: full, one past, and 32 in 6 tiles;
+        // the AVX2 tile's 4 rows and its 2-row, 2-panel stream tile.
         Shape{6, 16, 64}, Shape{7, 17, 65}, Shape{32, 35, 200},
+        Shape{4, 32, 68}, Shape{5, 33, 260}, Shape{2, 64, 1024},
         // Many row tiles (the activations are laid out per row tile, and
         // each row tile prefetches part of the next weight tile) at longer k.
         Shape{64, 48, 512}, Shape{64, 100, 1030}, Shape{77, 49, 2049}}) {
@@ -749,7 +757,7 @@ TEST_F(RowInt8DotTest, EveryKernelEqualsThePlainContractAtOddShapes) {
       std::string names;
       for (const auto& entry : got) names += " " + entry.first;
       std::printf(
-          "kernels checked here:%s (of portable, avxvnni, vnni, amx; "
+          "kernels checked here:%s (of portable, avxvnni, avx2, vnni, amx; "
           "cpu: %s)\n",
           names.c_str(), DetectCpuFeatures().ToString().c_str());
     }

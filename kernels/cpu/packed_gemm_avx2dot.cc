@@ -1,11 +1,12 @@
-// GemmNumerics::kInt8Dot on per-row int8 weights with AVX-VNNI: the 256-bit
-// VEX form of VPDPBUSD, which CPUs without AVX-512 may have (Intel since
-// Alder Lake and Sierra Forest, AMD since Zen 5). The kernels read the same
-// kPanel16Dot panels and the same activation row tiles ([kq / 4][rows][4],
-// q + 128 as unsigned bytes) as the AVX-512 VNNI kernels of
-// packed_gemm_int8dot.cc, and sum the same exact integers, so every kernel
-// gives the same bits. Each function carries PDSERVE_AVXVNNI; the driver
-// calls them only where AvxVnniUsable().
+// GemmNumerics::kInt8Dot on per-row int8 weights on the 256-bit AVX2 path:
+// with AVX-VNNI, the VEX form of VPDPBUSD, which CPUs without AVX-512 may
+// have (Intel since Alder Lake and Sierra Forest, AMD since Zen 5); without
+// it, plain AVX2 (VPMADDUBSW). The kernels read the same kPanel16Dot panels
+// and the same activation row tiles ([kq / 4][rows][4], q + 128 as unsigned
+// bytes) as the AVX-512 VNNI kernels of packed_gemm_int8dot.cc, and sum the
+// same exact integers, so every kernel gives the same bits. Each function
+// carries its target attribute; the driver calls the AVX-VNNI ones only
+// where AvxVnniUsable() and the AVX2 ones only where Avx2DotUsable().
 
 #include <algorithm>
 #include <array>
@@ -16,6 +17,7 @@
 #include "kernels/cpu/packed_gemm_internal.h"
 
 #define PDSERVE_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#define PDSERVE_AVX2DOT __attribute__((target("avx2,fma")))
 
 namespace pdserve::kernels::packed_gemm_internal {
 namespace {
@@ -32,7 +34,7 @@ PDSERVE_AVXVNNI inline __m256i DpBusdVex(__m256i acc, __m256i u, __m256i w) {
 // 8 floats rounded as QuantizeAvx512 rounds 16: x / s to the nearest even
 // integer, clamped to [-127, 127] (NaN to -127, as max(NaN, -127) gives the
 // second operand in both), as int32.
-PDSERVE_AVXVNNI inline __m256i QuantizeAvx2(__m256 v, __m256 s) {
+PDSERVE_AVX2DOT inline __m256i QuantizeAvx2(__m256 v, __m256 s) {
   const __m256 lim = _mm256_set1_ps(127.0f);
   v = _mm256_round_ps(_mm256_div_ps(v, s),
                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -42,7 +44,7 @@ PDSERVE_AVXVNNI inline __m256i QuantizeAvx2(__m256 v, __m256 s) {
 }
 
 // Lanes [0, len) of x (len clamped to [0, 8]); the rest read as 0.
-PDSERVE_AVXVNNI inline __m256 LoadFirst(const float* x, int64_t len) {
+PDSERVE_AVX2DOT inline __m256 LoadFirst(const float* x, int64_t len) {
   if (len >= 8) return _mm256_loadu_ps(x);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i mask = _mm256_cmpgt_epi32(
@@ -115,11 +117,98 @@ constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvxVnniRows(
   return {&RowDotAvxVnni<R + 1, NV>...};
 }
 
+// The AVX2 form of the tile above, without VNNI: VPMADDUBSW multiplies
+// unsigned by signed bytes and adds pairs into int16 with saturation, which
+// q + 128 (up to 255) times a weight (up to 127) would reach. So the kernel
+// takes q back (u ^ 0x80), multiplies |q| by the weight with q's sign
+// (VPSIGNB): each pair is at most 2 x 127 x 127 = 32,258, exact in int16;
+// VPMADDWD by ones adds pairs into int32. The sum is Σ q w, which is the
+// VNNI tile's Σ (q + 128) w - corr: the same integer, the same epilogue.
+// The weight operand comes from memory (L1) per row, so 2 x MR x NV
+// accumulators (at most 8), the constants and the row's |q| and q fit the
+// 16 registers: 4 rows of one panel for batches, 1-2 rows of 2 panels for
+// batch 1-2. Prefetches as the AVX-VNNI tile.
+template <int MR, int NV>
+PDSERVE_AVX2DOT void RowDotAvx2(const uint8_t* ux, const float* sx,
+                                const uint8_t* w, int64_t panel_bytes,
+                                const float* sw, const int32_t*, int64_t groups,
+                                const uint8_t* pf, int64_t pf_lines,
+                                float* io) {
+  static_assert(MR * NV <= 4, "accumulators beyond the 16 registers");
+  __m256i acc[MR][NV][2];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      acc[i][v][0] = acc[i][v][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  int64_t pf_done = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (; pf_done < pf_lines && pf_done * groups <= g * pf_lines; ++pf_done)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
+                   _MM_HINT_T1);
+    if (MR <= 2) {
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(
+            reinterpret_cast<const char*>(w + v * panel_bytes + g * 64 + 1024),
+            _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      uint32_t u4;
+      std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
+      const __m256i q =
+          _mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(u4)), offset);
+      const __m256i aq = _mm256_abs_epi8(q);
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* wg = w + v * panel_bytes + g * 64;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i wv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * h));
+          const __m256i pairs =
+              _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv, q));
+          acc[i][v][h] =
+              _mm256_add_epi32(acc[i][v][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    for (int h = 0; h < 2; ++h) {
+      const int c = v * kPanel + h * 8;
+      const __m256 swv = _mm256_loadu_ps(sw + c);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sx[i]), swv);
+        _mm256_storeu_ps(
+            io + i * NV * kPanel + c,
+            _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v][h]), scale));
+      }
+    }
+  }
+}
+
+template <int NV, int... R>
+constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvx2Rows(
+    std::integer_sequence<int, R...>) {
+  return {&RowDotAvx2<R + 1, NV>...};
+}
+
 }  // namespace
 
 bool AvxVnniUsable() {
   const CpuFeatures& f = DetectCpuFeatures();
   return f.avx2 && f.fma && f.avxvnni;
+}
+
+bool Avx2DotUsable() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  return f.avx2 && f.fma;
+}
+
+RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv) {
+  static constexpr auto kOnePanel =
+      RowDotAvx2Rows<1>(std::make_integer_sequence<int, kAvx2DotRowDotRows>{});
+  static constexpr auto kTwoPanels =
+      RowDotAvx2Rows<2>(std::make_integer_sequence<int, kAvx2DotStreamRows>{});
+  return nv == 1 ? kOnePanel[rows - 1] : kTwoPanels[rows - 1];
 }
 
 RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv) {
@@ -134,9 +223,9 @@ RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv) {
                    : kThreePanels[rows - 1];
 }
 
-PDSERVE_AVXVNNI void QuantizeRowPerRowAvxVnni(const float* x, int64_t k,
-                                              int64_t kq, int64_t group_stride,
-                                              uint8_t* u, float* scale) {
+PDSERVE_AVX2DOT void QuantizeRowPerRowAvx2(const float* x, int64_t k,
+                                           int64_t kq, int64_t group_stride,
+                                           uint8_t* u, float* scale) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps();
   for (int64_t p = 0; p < k; p += 8)
