@@ -48,8 +48,8 @@ ABSL_FLAG(std::string, matmul, "deterministic",
           "bf16dot (bf16 weights with bf16 activations on AVX512-BF16; "
           "batch-invariant, other numbers), int8dot (int8 weights with int8 "
           "activations: per 32 values with int8-b32 weights, per row with "
-          "int8 weights; exact integer sums on AVX512-VNNI, AMX-INT8 and, for "
-          "int8 weights without AVX-512, AVX-VNNI or AVX2; "
+          "int8 weights; exact integer sums on AVX512-VNNI, AMX-INT8 and, "
+          "without AVX512-VNNI, AVX-VNNI (int8) or AVX2; "
           "batch-invariant, other numbers) or blas (OpenBLAS)");
 ABSL_FLAG(std::string, weight_dtype, "auto",
           "how weight matrices are kept in memory: auto (the checkpoint's "

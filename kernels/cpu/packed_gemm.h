@@ -183,11 +183,12 @@ bool Int8DotUsesVnni();
 //              Int8DotAmxMinRows(): batches and prefill;
 //   kVnni:     where Int8DotUsesVnni() (decode at small batch, where the
 //              weight stream, not arithmetic, is the limit);
-//   kAvxVnni:  per-row int8 weights only, where the path is AVX2 or AVX-512
-//              without VNNI and the CPU has AVX-VNNI (256-bit VPDPBUSD);
-//              block int8 weights run the portable loop there;
+//   kAvxVnni:  where the path is AVX2 or AVX-512 without VNNI and the CPU
+//              has AVX-VNNI (256-bit VPDPBUSD): per-row int8 weights on it,
+//              block int8 weights on the plain AVX2 block kernel;
 //   kAvx2:     the same without AVX-VNNI, where the CPU has AVX2 (VPMADDUBSW
-//              on |q| and the signed weights: exact int16 pairs);
+//              on |q| and the signed weights: exact int16 pairs), for both
+//              scalings;
 //   kPortable: everywhere else.
 enum class Int8DotKernel { kPortable, kVnni, kAmx, kAvxVnni, kAvx2 };
 // portable|vnni|amx|avxvnni|avx2

@@ -1,12 +1,13 @@
-// GemmNumerics::kInt8Dot on per-row int8 weights on the 256-bit AVX2 path:
+// GemmNumerics::kInt8Dot on the 256-bit AVX2 path. Per-row int8 weights:
 // with AVX-VNNI, the VEX form of VPDPBUSD, which CPUs without AVX-512 may
 // have (Intel since Alder Lake and Sierra Forest, AMD since Zen 5); without
-// it, plain AVX2 (VPMADDUBSW). The kernels read the same kPanel16Dot panels
-// and the same activation row tiles ([kq / 4][rows][4], q + 128 as unsigned
-// bytes) as the AVX-512 VNNI kernels of packed_gemm_int8dot.cc, and sum the
-// same exact integers, so every kernel gives the same bits. Each function
-// carries its target attribute; the driver calls the AVX-VNNI ones only
-// where AvxVnniUsable() and the AVX2 ones only where Avx2DotUsable().
+// it, plain AVX2 (VPMADDUBSW). Block int8 weights: plain AVX2 either way. The
+// kernels read the same kPanel16Dot panels and the same activation row tiles
+// ([kq / 4][rows][4], q + 128 as unsigned bytes) as the AVX-512 VNNI kernels of
+// packed_gemm_int8dot.cc, and sum the same exact integers, so every kernel
+// gives the same bits. Each function carries its target attribute; the driver
+// calls the AVX-VNNI ones only where AvxVnniUsable() and the AVX2 ones only
+// where Avx2DotUsable().
 
 #include <algorithm>
 #include <array>
@@ -17,7 +18,7 @@
 #include "kernels/cpu/packed_gemm_internal.h"
 
 #define PDSERVE_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
-#define PDSERVE_AVX2DOT __attribute__((target("avx2,fma")))
+#define PDSERVE_AVX2DOT __attribute__((target("avx2,fma,f16c")))
 
 namespace pdserve::kernels::packed_gemm_internal {
 namespace {
@@ -191,6 +192,84 @@ constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvx2Rows(
   return {&RowDotAvx2<R + 1, NV>...};
 }
 
+// Block int8 (kInt8Dot on int8-b32 weights) on plain AVX2, for CPUs without
+// AVX-512 VNNI (with or without AVX-VNNI). Per block of 32 k, MR rows of
+// signed activations (qx [rows][kp], scales sx [rows][blocks]) against one
+// kPanel16 panel, whose block stores 32 k rows of 16 column bytes and then
+// the 16 columns' fp16 scales. Each group of 4 k is transposed (byte and
+// word unpacks) so that a dword holds one column's 4 weights, then summed as
+// RowDotAvx2 sums them (VPSIGNB, VPMADDUBSW, VPMADDWD: exact). Per block and
+// column, as Int8DotPortable: acc = fma(float(isum), sx * scale, acc), in
+// block order, kept in io between blocks.
+template <int MR>
+PDSERVE_AVX2DOT void Int8DotAvx2(const int8_t* qx, const float* sx, int64_t kp,
+                                 int64_t blocks, const uint8_t* w,
+                                 int64_t panel_bytes, float* io) {
+  (void)panel_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(io + i * kPanel, _mm256_setzero_ps());
+    _mm256_storeu_ps(io + i * kPanel + 8, _mm256_setzero_ps());
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes;
+    __m256i isum[MR][2];
+    for (int i = 0; i < MR; ++i)
+      isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    for (int g = 0; g < kInt8Block / 4; ++g) {
+      const uint8_t* r = blk + g * 4 * kPanel;
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
+      const __m128i r1 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + kPanel));
+      const __m128i r2 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * kPanel));
+      const __m128i r3 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 3 * kPanel));
+      // Columns 0-7 and 8-15: per column, its k = 4g .. 4g + 3 in a dword.
+      const __m128i a_lo = _mm_unpacklo_epi8(r0, r1);
+      const __m128i a_hi = _mm_unpackhi_epi8(r0, r1);
+      const __m128i b_lo = _mm_unpacklo_epi8(r2, r3);
+      const __m128i b_hi = _mm_unpackhi_epi8(r2, r3);
+      const __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi16(a_lo, b_lo),
+                                          _mm_unpacklo_epi16(a_lo, b_lo));
+      const __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi16(a_hi, b_hi),
+                                          _mm_unpacklo_epi16(a_hi, b_hi));
+      for (int i = 0; i < MR; ++i) {
+        int32_t q4;
+        std::memcpy(&q4, qx + i * kp + b * kInt8Block + g * 4, 4);
+        const __m256i q = _mm256_set1_epi32(q4);
+        const __m256i aq = _mm256_abs_epi8(q);
+        isum[i][0] = _mm256_add_epi32(
+            isum[i][0],
+            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(w0, q)),
+                              ones));
+        isum[i][1] = _mm256_add_epi32(
+            isum[i][1],
+            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(w1, q)),
+                              ones));
+      }
+    }
+    const uint8_t* scales = blk + kInt8Block * kPanel;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
+      for (int i = 0; i < MR; ++i) {
+        float* o = io + i * kPanel + 8 * h;
+        const __m256 scale =
+            _mm256_mul_ps(_mm256_set1_ps(sx[i * blocks + b]), sw);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]),
+                                            scale, _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+template <int... R>
+constexpr std::array<Int8DotAvx2Fn, sizeof...(R)> Int8DotAvx2Rows(
+    std::integer_sequence<int, R...>) {
+  return {&Int8DotAvx2<R + 1>...};
+}
+
 }  // namespace
 
 bool AvxVnniUsable() {
@@ -200,7 +279,7 @@ bool AvxVnniUsable() {
 
 bool Avx2DotUsable() {
   const CpuFeatures& f = DetectCpuFeatures();
-  return f.avx2 && f.fma;
+  return f.avx2 && f.fma && f.f16c;
 }
 
 RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv) {
@@ -209,6 +288,12 @@ RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv) {
   static constexpr auto kTwoPanels =
       RowDotAvx2Rows<2>(std::make_integer_sequence<int, kAvx2DotStreamRows>{});
   return nv == 1 ? kOnePanel[rows - 1] : kTwoPanels[rows - 1];
+}
+
+Int8DotAvx2Fn Int8DotAvx2Tile(int rows) {
+  static constexpr auto kFns =
+      Int8DotAvx2Rows(std::make_integer_sequence<int, kAvx2DotBlockRows>{});
+  return kFns[rows - 1];
 }
 
 RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv) {

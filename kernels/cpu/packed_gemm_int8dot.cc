@@ -1,7 +1,7 @@
 // GemmNumerics::kInt8Dot: the AVX512-VNNI kernels (VPDPBUSD), the
 // activation quantizers, and the drivers that pick VNNI, AMX
-// (packed_gemm_amx.cc), AVX-VNNI or AVX2 (packed_gemm_avx2dot.cc, per-row
-// int8 on the AVX2 path) or the portable loops (packed_gemm_portable.cc) for
+// (packed_gemm_amx.cc), AVX-VNNI or AVX2 (packed_gemm_avx2dot.cc, the AVX2
+// path) or the portable loops (packed_gemm_portable.cc) for
 // block and per-row int8 weights. The integer sums are exact, so all of them
 // give the same bits. Each vector function carries PDSERVE_VNNI; it runs
 // only where VnniUsable().
@@ -485,6 +485,9 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
   const Int8DotKernel kernel = Int8DotKernelFor(m);
   const bool amx = kernel == Int8DotKernel::kAmx;
   const bool hw = kernel == Int8DotKernel::kVnni;
+  // The AVX2 path's block kernel serves CPUs with AVX-VNNI too.
+  const bool avx2 =
+      kernel == Int8DotKernel::kAvx2 || kernel == Int8DotKernel::kAvxVnni;
   // Reused across calls (a decode step makes ~100 of them); every byte is
   // written by the quantizer (AMX: rows up to a multiple of 16, the padding
   // zeroed here, are read too).
@@ -505,7 +508,8 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
   const int64_t row_tiles = (m + kInt8DotRows - 1) / kInt8DotRows;
   const bool prepared = hw && row_tiles > 1;
   RunInt8DotTiles(
-      m, k, w, kInt8DotRows, hw ? kInt8DotPanels : 1, y,
+      m, k, w, avx2 ? kAvx2DotBlockRows : kInt8DotRows, hw ? kInt8DotPanels : 1,
+      y,
       [&](const uint8_t* wp, int nv) {
         if (!prepared) return;
         std::vector<uint8_t>& prep = Int8DotPrepBuffer();
@@ -523,6 +527,9 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
           Int8DotVnniTile(rows, nv)(
               reinterpret_cast<const uint8_t*>(qxp) + i0 * kp,
               sxp + i0 * blocks, kp, blocks, wp, pb, io);
+        } else if (avx2) {
+          Int8DotAvx2Tile(rows)(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks,
+                                wp, pb, io);
         } else {
           Int8DotPortable(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks, rows,
                           nv, wp, pb, io);

@@ -307,9 +307,17 @@ using RowDotAvxVnniFn = void (*)(const uint8_t* ux, const float* sx,
 RowDotAvxVnniFn RowDotAvxVnniTile(int rows, int nv);
 // nv: 1 (rows <= kAvx2DotRowDotRows), or 2 (rows <= kAvx2DotStreamRows).
 RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv);
+// Block int8 weights (one kPanel16 panel) on plain AVX2 where the AVX-512
+// VNNI kernels cannot run: rows (up to kAvx2DotBlockRows) of signed
+// activations qx [rows][kp] with block scales sx [rows][blocks]; io [rows][16].
+constexpr int kAvx2DotBlockRows = 4;
+using Int8DotAvx2Fn = void (*)(const int8_t* qx, const float* sx, int64_t kp,
+                               int64_t blocks, const uint8_t* w,
+                               int64_t panel_bytes, float* io);
+Int8DotAvx2Fn Int8DotAvx2Tile(int rows);
 // One row rounded as QuantizeRowPerRowPortable rounds it, stored as the
 // kernels read it: q + 128 as unsigned bytes, padding to kq included, one
-// 4-k group every group_stride bytes. AVX2 and FMA only.
+// 4-k group every group_stride bytes. AVX2, FMA and F16C only.
 void QuantizeRowPerRowAvx2(const float* x, int64_t k, int64_t kq,
                            int64_t group_stride, uint8_t* u, float* scale);
 

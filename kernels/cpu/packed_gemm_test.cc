@@ -341,12 +341,17 @@ class Int8DotTest : public ::testing::Test {
   // The paths to check: portable always, AVX-512 + VNNI where present.
   static std::vector<GemmIsa> Paths() {
     std::vector<GemmIsa> paths = {GemmIsa::kPortable};
+    // The AVX2 path: the plain AVX2 block kernel (with or without AVX-VNNI).
+    if (GemmIsaSupported(GemmIsa::kAvx2) && SetGemmIsa(GemmIsa::kAvx2)) {
+      EXPECT_NE(Int8DotKernelFor(1), Int8DotKernel::kPortable);
+      paths.push_back(GemmIsa::kAvx2);
+    }
     if (GemmIsaSupported(GemmIsa::kAvx512)) {
       EXPECT_TRUE(SetGemmIsa(GemmIsa::kAvx512));
       if (Int8DotUsesVnni()) paths.push_back(GemmIsa::kAvx512);
     }
     if (paths.size() == 1) {
-      std::printf("no AVX512-VNNI+VBMI here (%s): portable path only\n",
+      std::printf("no AVX2 or AVX512-VNNI+VBMI here (%s): portable path only\n",
                   DetectCpuFeatures().ToString().c_str());
     }
     return paths;
