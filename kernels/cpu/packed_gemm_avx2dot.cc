@@ -53,6 +53,17 @@ PDSERVE_AVX2DOT inline __m256 LoadFirst(const float* x, int64_t len) {
   return _mm256_maskload_ps(x, mask);
 }
 
+// acc + Σ q * w per dword, exact, for signed bytes q and w in [-127, 127]
+// (aq = |q|): VPMADDUBSW multiplies |q| by w carrying q's sign (VPSIGNB),
+// each int16 pair at most 2 x 127 x 127 = 32,258, and VPMADDWD by ones adds
+// the pairs into int32.
+PDSERVE_AVX2DOT inline __m256i DotAvx2(__m256i acc, __m256i aq, __m256i q,
+                                       __m256i w, __m256i ones) {
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(w, q)),
+                             ones));
+}
+
 // MR rows x NV kPanel16Dot panels: per group of 4 k a panel's 64 bytes are
 // columns 0-7 and 8-15 as two VPDPBUSD operands. The 2 x MR x NV
 // accumulators (at most 12), two weight vectors and a broadcast fit the 16
@@ -118,13 +129,11 @@ constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvxVnniRows(
   return {&RowDotAvxVnni<R + 1, NV>...};
 }
 
-// The AVX2 form of the tile above, without VNNI: VPMADDUBSW multiplies
-// unsigned by signed bytes and adds pairs into int16 with saturation, which
-// q + 128 (up to 255) times a weight (up to 127) would reach. So the kernel
-// takes q back (u ^ 0x80), multiplies |q| by the weight with q's sign
-// (VPSIGNB): each pair is at most 2 x 127 x 127 = 32,258, exact in int16;
-// VPMADDWD by ones adds pairs into int32. The sum is Σ q w, which is the
-// VNNI tile's Σ (q + 128) w - corr: the same integer, the same epilogue.
+// The AVX2 form of the tile above, without VNNI: VPMADDUBSW adds its pairs
+// into int16 with saturation, which q + 128 (up to 255) times a weight would
+// reach, so the tile takes q back (u ^ 0x80) and sums Σ q w with DotAvx2.
+// That is the VNNI tile's Σ (q + 128) w - corr: the same integer, the same
+// epilogue.
 // The weight operand comes from memory (L1) per row, so 2 x MR x NV
 // accumulators (at most 8), the constants and the row's |q| and q fit the
 // 16 registers: 4 rows of one panel for batches, 1-2 rows of 2 panels for
@@ -162,12 +171,10 @@ PDSERVE_AVX2DOT void RowDotAvx2(const uint8_t* ux, const float* sx,
       for (int v = 0; v < NV; ++v) {
         const uint8_t* wg = w + v * panel_bytes + g * 64;
         for (int h = 0; h < 2; ++h) {
-          const __m256i wv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * h));
-          const __m256i pairs =
-              _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv, q));
-          acc[i][v][h] =
-              _mm256_add_epi32(acc[i][v][h], _mm256_madd_epi16(pairs, ones));
+          acc[i][v][h] = DotAvx2(
+              acc[i][v][h], aq, q,
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * h)),
+              ones);
         }
       }
     }
@@ -198,14 +205,12 @@ constexpr std::array<RowDotAvxVnniFn, sizeof...(R)> RowDotAvx2Rows(
 // kPanel16 panel, whose block stores 32 k rows of 16 column bytes and then
 // the 16 columns' fp16 scales. Each group of 4 k is transposed (byte and
 // word unpacks) so that a dword holds one column's 4 weights, then summed as
-// RowDotAvx2 sums them (VPSIGNB, VPMADDUBSW, VPMADDWD: exact). Per block and
+// RowDotAvx2 sums them (DotAvx2: exact). Per block and
 // column, as Int8DotPortable: acc = fma(float(isum), sx * scale, acc), in
 // block order, kept in io between blocks.
 template <int MR>
 PDSERVE_AVX2DOT void Int8DotAvx2(const int8_t* qx, const float* sx, int64_t kp,
-                                 int64_t blocks, const uint8_t* w,
-                                 int64_t panel_bytes, float* io) {
-  (void)panel_bytes;
+                                 int64_t blocks, const uint8_t* w, float* io) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < MR; ++i) {
     _mm256_storeu_ps(io + i * kPanel, _mm256_setzero_ps());
@@ -239,14 +244,8 @@ PDSERVE_AVX2DOT void Int8DotAvx2(const int8_t* qx, const float* sx, int64_t kp,
         std::memcpy(&q4, qx + i * kp + b * kInt8Block + g * 4, 4);
         const __m256i q = _mm256_set1_epi32(q4);
         const __m256i aq = _mm256_abs_epi8(q);
-        isum[i][0] = _mm256_add_epi32(
-            isum[i][0],
-            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(w0, q)),
-                              ones));
-        isum[i][1] = _mm256_add_epi32(
-            isum[i][1],
-            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(w1, q)),
-                              ones));
+        isum[i][0] = DotAvx2(isum[i][0], aq, q, w0, ones);
+        isum[i][1] = DotAvx2(isum[i][1], aq, q, w1, ones);
       }
     }
     const uint8_t* scales = blk + kInt8Block * kPanel;

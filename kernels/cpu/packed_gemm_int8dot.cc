@@ -529,7 +529,7 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
               sxp + i0 * blocks, kp, blocks, wp, pb, io);
         } else if (avx2) {
           Int8DotAvx2Tile(rows)(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks,
-                                wp, pb, io);
+                                wp, io);
         } else {
           Int8DotPortable(qxp + i0 * kp, sxp + i0 * blocks, kp, blocks, rows,
                           nv, wp, pb, io);
@@ -558,16 +558,16 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
   qx.resize(m_pad * kq);
   sx.resize(m_pad);
   // The hardware kernels' row tiles and panels per tile.
-  const bool stream = m <= kAvxVnniStreamRows;
-  const int max_rows =
-      avx_vnni ? (stream ? kAvxVnniStreamRows : kAvxVnniRowDotRows)
-      : avx2
-          ? (m <= kAvx2DotStreamRows ? kAvx2DotStreamRows : kAvx2DotRowDotRows)
-          : kRowDotRows;
-  const int max_nv = avx_vnni ? (stream ? kAvxVnniStreamPanels : 1)
-                     : avx2
-                         ? (m <= kAvx2DotStreamRows ? kAvx2DotStreamPanels : 1)
-                         : kRowDotPanels;
+  int max_rows = kRowDotRows, max_nv = kRowDotPanels;
+  if (avx_vnni) {
+    const bool stream = m <= kAvxVnniStreamRows;
+    max_rows = stream ? kAvxVnniStreamRows : kAvxVnniRowDotRows;
+    max_nv = stream ? kAvxVnniStreamPanels : 1;
+  } else if (avx2) {
+    const bool stream = m <= kAvx2DotStreamRows;
+    max_rows = stream ? kAvx2DotStreamRows : kAvx2DotRowDotRows;
+    max_nv = stream ? kAvx2DotStreamPanels : 1;
+  }
   const int64_t vnni_row_tiles = (m + max_rows - 1) / max_rows;
   if (hw) {
     QuantizeActivationsVnniTiles(x, m, k, vnni_row_tiles, avx_vnni || avx2,

@@ -312,8 +312,7 @@ RowDotAvxVnniFn RowDotAvx2Tile(int rows, int nv);
 // activations qx [rows][kp] with block scales sx [rows][blocks]; io [rows][16].
 constexpr int kAvx2DotBlockRows = 4;
 using Int8DotAvx2Fn = void (*)(const int8_t* qx, const float* sx, int64_t kp,
-                               int64_t blocks, const uint8_t* w,
-                               int64_t panel_bytes, float* io);
+                               int64_t blocks, const uint8_t* w, float* io);
 Int8DotAvx2Fn Int8DotAvx2Tile(int rows);
 // One row rounded as QuantizeRowPerRowPortable rounds it, stored as the
 // kernels read it: q + 128 as unsigned bytes, padding to kq included, one
