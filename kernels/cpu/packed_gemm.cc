@@ -69,6 +69,13 @@ using packed_gemm_internal::WidenFn;
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 
+// Offset in a panel of k index q (of its block of 32 for int8-b32).
+int64_t StageByteOffset(Fmt t, int64_t q) {
+  return t == Fmt::kI8B32
+             ? q / kInt8Block * kBlockBytes
+             : q * packed_gemm_internal::ElementBytesOf(t) * kPanel;
+}
+
 // The least weight bytes a thread claims at once in a parallel GEMM (see
 // GemmNT's chunks).
 constexpr int64_t kChunkMinBytes = int64_t{512} << 10;
@@ -557,9 +564,31 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             widen(wp, pb, nv, q0, q1, stage);
             const int64_t spb = (q1 - q0) * kPanel * 4;
             const uint8_t* sw = reinterpret_cast<const uint8_t*>(stage);
+            // The next stage's weights (after the last, the next tile's
+            // first): each row tile prefetches its share of them, so they
+            // arrive while the tiles compute. A stage of a bf16 panel is one
+            // 4 KiB page, where the hardware prefetcher starts over.
+            const bool next_tile = q1 >= k1;
+            const int64_t nq0 = next_tile ? k0 : q1;
+            const int next_nv = !next_tile ? nv
+                                : tile + 1 < t_end
+                                    ? static_cast<int>(std::min<int64_t>(
+                                          max_nv, panels - p0 - nv))
+                                    : 0;
+            const uint8_t* next_wp = next_tile ? wp + nv * pb : wp;
+            const int64_t next0 = StageByteOffset(fmt, nq0);
+            const int64_t next1 =
+                StageByteOffset(fmt, std::min(k1, nq0 + kStageK));
+            const int64_t lines = (next1 - next0 + 63) / 64;
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
               const int64_t i0 = m * rt / row_tiles;
               const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
+              for (int v = 0; v < next_nv; ++v) {
+                const uint8_t* base = next_wp + v * pb + next0;
+                for (int64_t l = lines * rt / row_tiles;
+                     l < lines * (rt + 1) / row_tiles; ++l)
+                  __builtin_prefetch(base + l * 64);
+              }
               const float* xi = xbase + i0 * kc + (q0 - k0) * rows;
               float* iot = io + i0 * width;
               const bool zero = first && q0 == k0;
