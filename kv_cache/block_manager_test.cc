@@ -77,9 +77,10 @@ TEST_F(BlockManagerTest, HashFollowsTheContractLayoutForShortAndLongInputs) {
 // ExtendBlockHashes reuses one buffer for the whole chain (and the header's
 // inline XXH3): its chain must be the contract's, block by block, whether it
 // is computed at once or extended a few tokens at a time (lazy hashing,
-// decode), on both the one-shot and the streaming path.
+// decode), on both the one-shot and the streaming path, and on the loops
+// specialised for unsalted 16- and 32-token blocks.
 TEST_F(BlockManagerTest, ExtendedChainIsTheContractChainAtOnceOrPiecewise) {
-  for (int block_size : {1, 16, 64, 200}) {
+  for (int block_size : {1, 16, 32, 64, 200}) {
     for (size_t salt_len : {size_t{0}, size_t{5}, size_t{300}, size_t{2000}}) {
       std::vector<int32_t> toks(block_size * 9 + block_size / 2);
       std::iota(toks.begin(), toks.end(), 7);
