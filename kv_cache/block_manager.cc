@@ -29,25 +29,34 @@ constexpr size_t kStackBytes = 512;
 
 BlockHash Digest(XXH128_hash_t h) { return {h.high64, h.low64}; }
 
-// ExtendBlockHashes's loop without a salt, at a block size fixed at compile
-// time: every length is a constant, so the copies are plain moves and XXH3
-// is specialised for its one input length (about 3x faster a block than the
-// general loop at 16 tokens). The same bytes are hashed, so the same hashes
-// come out.
+// ExtendBlockHashes's one-shot loop (total input up to kStackBytes). The
+// fingerprint and the salt are the same for every block of the chain:
+// written once, then each block rewrites only its parent and its tokens.
+// kBlockSize > 0 (unsalted chains only) fixes every length at compile time,
+// so the copies are plain moves and XXH3 is specialised for its one input
+// length: about 3x faster a block at 16 tokens than with run-time lengths,
+// and the same bytes, so the same hashes. kBlockSize = 0 takes block_size
+// and the salt as given.
 template <int kBlockSize>
-void ExtendUnsalted(const ModelFingerprint& fingerprint,
-                    std::span<const int32_t> tokens, size_t full,
-                    std::vector<BlockHash>* hashes) {
-  constexpr size_t kTokenBytes = sizeof(int32_t) * kBlockSize;
-  alignas(8) unsigned char buf[kHeadBytes + kTokenBytes];
+void ExtendOneShot(const ModelFingerprint& fingerprint,
+                   absl::string_view cache_salt,
+                   std::span<const int32_t> tokens, int block_size, size_t full,
+                   std::vector<BlockHash>* hashes) {
+  const size_t bs = kBlockSize > 0 ? kBlockSize : block_size;
+  const size_t salt_bytes = kBlockSize > 0 ? 0 : cache_salt.size();
+  const size_t token_bytes = sizeof(int32_t) * bs;
+  const size_t total = kHeadBytes + salt_bytes + token_bytes;
+  alignas(8) unsigned char buf[kStackBytes];
   std::memcpy(buf + 2 * sizeof(uint64_t), fingerprint.data(),
               2 * sizeof(uint64_t));
+  std::memcpy(buf + kHeadBytes, cache_salt.data(), salt_bytes);
+  unsigned char* const token_part = buf + kHeadBytes + salt_bytes;
   BlockHash parent = hashes->empty() ? BlockHash{} : hashes->back();
   for (size_t b = hashes->size(); b < full; ++b) {
     std::memcpy(buf, &parent.hi, sizeof(uint64_t));
     std::memcpy(buf + sizeof(uint64_t), &parent.lo, sizeof(uint64_t));
-    std::memcpy(buf + kHeadBytes, tokens.data() + b * kBlockSize, kTokenBytes);
-    parent = Digest(XXH3_128bits(buf, sizeof(buf)));
+    std::memcpy(token_part, tokens.data() + b * bs, token_bytes);
+    parent = Digest(XXH3_128bits(buf, total));
     hashes->push_back(parent);
   }
 }
@@ -96,14 +105,9 @@ void ExtendBlockHashes(const ModelFingerprint& fingerprint,
   // geometrically, so that extending by one block stays amortised O(1).
   if (hashes->capacity() < full)
     hashes->reserve(std::max(full, 2 * hashes->capacity()));
-  if (cache_salt.empty() && block_size == 16)
-    return ExtendUnsalted<16>(fingerprint, tokens, full, hashes);
-  if (cache_salt.empty() && block_size == 32)
-    return ExtendUnsalted<32>(fingerprint, tokens, full, hashes);
   const size_t token_bytes = sizeof(int32_t) * block_size;
-  const size_t total = kHeadBytes + cache_salt.size() + token_bytes;
-  BlockHash parent = hashes->empty() ? BlockHash{} : hashes->back();
-  if (total > kStackBytes) {
+  if (kHeadBytes + cache_salt.size() + token_bytes > kStackBytes) {
+    BlockHash parent = hashes->empty() ? BlockHash{} : hashes->back();
     for (size_t b = hashes->size(); b < full; ++b) {
       parent = HashStreaming(parent, fingerprint, cache_salt,
                              tokens.data() + b * block_size, token_bytes);
@@ -111,20 +115,13 @@ void ExtendBlockHashes(const ModelFingerprint& fingerprint,
     }
     return;
   }
-  // The fingerprint and the salt are the same for every block of the chain:
-  // written once, then each block rewrites only its parent and its tokens.
-  alignas(8) unsigned char buf[kStackBytes];
-  std::memcpy(buf + 2 * sizeof(uint64_t), fingerprint.data(),
-              2 * sizeof(uint64_t));
-  std::memcpy(buf + kHeadBytes, cache_salt.data(), cache_salt.size());
-  unsigned char* const token_part = buf + kHeadBytes + cache_salt.size();
-  for (size_t b = hashes->size(); b < full; ++b) {
-    std::memcpy(buf, &parent.hi, sizeof(uint64_t));
-    std::memcpy(buf + sizeof(uint64_t), &parent.lo, sizeof(uint64_t));
-    std::memcpy(token_part, tokens.data() + b * block_size, token_bytes);
-    parent = Digest(XXH3_128bits(buf, total));
-    hashes->push_back(parent);
-  }
+  if (cache_salt.empty() && block_size == 16)
+    return ExtendOneShot<16>(fingerprint, cache_salt, tokens, block_size, full,
+                             hashes);
+  if (cache_salt.empty() && block_size == 32)
+    return ExtendOneShot<32>(fingerprint, cache_salt, tokens, block_size, full,
+                             hashes);
+  ExtendOneShot<0>(fingerprint, cache_salt, tokens, block_size, full, hashes);
 }
 
 BlockManager::BlockManager(int64_t num_blocks, KvEventSink sink)
