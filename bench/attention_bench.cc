@@ -3,7 +3,7 @@
 // so K and V come from memory as in a decode step of a large batch.
 //
 // usage: attention_bench [THREADS] [CONTEXT] [SEQS] [KV_DTYPE] [ORDER] [REPS]
-//                        [SHAPE]
+//                        [SHAPE] [CACHES]
 //
 //   THREADS   kernel threads (default 2)
 //   CONTEXT   tokens of KV per sequence (default 256)
@@ -15,10 +15,14 @@
 //   REPS      timed calls (default 30)
 //   SHAPE     1b: the Llama 3.2 1B layer's 32 query heads and 8 KV heads
 //             (default); small: the `small` preset's 8 and 2
+//   CACHES    cold: K and V flushed before every call (default); warm:
+//             nothing flushed, so the calls read K and V from the caches
+//             and the time is the arithmetic alone (where the pool fits)
 //
 // head_dim 64 and 16-token blocks either way. Prints the mean time of a call
 // and the KV bytes it read per second; compare builds or settings in one
-// sitting.
+// sitting. The cold time against the warm one shows how much of a call
+// waits on memory.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -47,7 +51,7 @@ int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [THREADS] [CONTEXT] [SEQS] "
                "[fp32|bf16|fp16|int8] [in-order|shuffled] [REPS] "
-               "[1b|small]\n",
+               "[1b|small] [cold|warm]\n",
                argv0);
   return 2;
 }
@@ -61,7 +65,7 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  if (argc > 8) return Usage(argv[0]);
+  if (argc > 9) return Usage(argv[0]);
   const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
   const int context = argc > 2 ? std::atoi(argv[2]) : 256;
   const int num_seqs = argc > 3 ? std::atoi(argv[3]) : 32;
@@ -69,6 +73,7 @@ int main(int argc, char** argv) {
   const std::string order = argc > 5 ? argv[5] : "in-order";
   const int reps = argc > 6 ? std::atoi(argv[6]) : 30;
   const std::string shape = argc > 7 ? argv[7] : "1b";
+  const std::string caches = argc > 8 ? argv[8] : "cold";
   DType dtype;
   if (dtype_name == "fp32") {
     dtype = DType::kF32;
@@ -83,7 +88,8 @@ int main(int argc, char** argv) {
   }
   if (threads < 1 || context < 1 || num_seqs < 1 || reps < 1 ||
       (order != "in-order" && order != "shuffled") ||
-      (shape != "1b" && shape != "small"))
+      (shape != "1b" && shape != "small") ||
+      (caches != "cold" && caches != "warm"))
     return Usage(argv[0]);
   const int heads = shape == "1b" ? 32 : 8;
   const int kv_heads = heads / 4;
@@ -129,8 +135,10 @@ int main(int argc, char** argv) {
   kernels::PagedAttention(q.data(), heads, seqs, view, scale, out.data());
   double total_us = 0;
   for (int r = 0; r < reps; ++r) {
-    pdserve::bench::FlushFromCaches(pool.data(), pool.size());
-    _mm_mfence();
+    if (caches == "cold") {
+      pdserve::bench::FlushFromCaches(pool.data(), pool.size());
+      _mm_mfence();
+    }
     const auto start = std::chrono::steady_clock::now();
     kernels::PagedAttention(q.data(), heads, seqs, view, scale, out.data());
     total_us += std::chrono::duration<double, std::micro>(
@@ -140,10 +148,10 @@ int main(int argc, char** argv) {
   const double mean_us = total_us / reps;
   std::printf(
       "attention_bench: %s shape, %d threads, %d sequences x %d tokens, %s KV, "
-      "blocks %s: %.1f us a call, %.1f GB/s of KV (%.1f MB a call, caches "
-      "flushed)\n",
+      "blocks %s: %.1f us a call, %.1f GB/s of KV (%.1f MB a call, %s)\n",
       shape.c_str(), threads, num_seqs, context, dtype_name.c_str(),
       order.c_str(), mean_us, static_cast<double>(bytes) / mean_us / 1e3,
-      static_cast<double>(bytes) / 1e6);
+      static_cast<double>(bytes) / 1e6,
+      caches == "cold" ? "caches flushed" : "caches warm");
   return 0;
 }
