@@ -69,13 +69,6 @@ using packed_gemm_internal::WidenFn;
 
 int64_t ElementBytes(DType t) { return static_cast<int64_t>(DTypeBytes(t)); }
 
-// Offset in a panel of k index q (of its block of 32 for int8-b32).
-int64_t StageByteOffset(Fmt t, int64_t q) {
-  return t == Fmt::kI8B32
-             ? q / kInt8Block * kBlockBytes
-             : q * packed_gemm_internal::ElementBytesOf(t) * kPanel;
-}
-
 // The least weight bytes a thread claims at once in a parallel GEMM (see
 // GemmNT's chunks).
 constexpr int64_t kChunkMinBytes = int64_t{512} << 10;
@@ -570,15 +563,16 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             // 4 KiB page, where the hardware prefetcher starts over.
             const bool next_tile = q1 >= k1;
             const int64_t nq0 = next_tile ? k0 : q1;
-            const int next_nv = !next_tile ? nv
-                                : tile + 1 < t_end
-                                    ? static_cast<int>(std::min<int64_t>(
-                                          max_nv, panels - p0 - nv))
-                                    : 0;
+            int next_nv = nv;
+            if (next_tile) {
+              next_nv = tile + 1 < t_end ? static_cast<int>(std::min<int64_t>(
+                                               max_nv, panels - p0 - nv))
+                                         : 0;
+            }
             const uint8_t* next_wp = next_tile ? wp + nv * pb : wp;
-            const int64_t next0 = StageByteOffset(fmt, nq0);
+            const int64_t next0 = PanelOffset(fmt, nq0, 0);
             const int64_t next1 =
-                StageByteOffset(fmt, std::min(k1, nq0 + kStageK));
+                PanelOffset(fmt, std::min(k1, nq0 + kStageK), 0);
             const int64_t lines = (next1 - next0 + 63) / 64;
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
               const int64_t i0 = m * rt / row_tiles;
