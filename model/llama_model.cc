@@ -155,7 +155,6 @@ void LlamaModel::Attention(const LayerWeights& w, int64_t total,
   const ModelConfig& c = weights_->config;
   const int64_t hd = c.head_dim;
   const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
-  const int64_t qkv_dim = q_dim + 2 * kv_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   {
@@ -165,16 +164,9 @@ void LlamaModel::Attention(const LayerWeights& w, int64_t total,
   }
   {
     PhaseTimer timer(Phase::kQkvSplit);
-    for (int64_t r = 0; r < total; ++r) {
-      float* src = &qkv_[r * qkv_dim];
-      if (!w.qkv_bias.empty()) {
-        for (int64_t i = 0; i < qkv_dim; ++i) src[i] += w.qkv_bias[i];
-      }
-      std::memcpy(&q_[r * q_dim], src, q_dim * sizeof(float));
-      std::memcpy(&k_[r * kv_dim], src + q_dim, kv_dim * sizeof(float));
-      std::memcpy(&v_[r * kv_dim], src + q_dim + kv_dim,
-                  kv_dim * sizeof(float));
-    }
+    kernels::SplitQkv(qkv_.data(),
+                      w.qkv_bias.empty() ? nullptr : w.qkv_bias.data(), total,
+                      q_dim, kv_dim, q_.data(), k_.data(), v_.data());
   }
   if (!w.q_norm.empty()) {  // Qwen3: RMSNorm of every head, before RoPE
     PhaseTimer timer(Phase::kNorm);
@@ -185,10 +177,8 @@ void LlamaModel::Attention(const LayerWeights& w, int64_t total,
   }
   {
     PhaseTimer timer(Phase::kRope);
-    kernels::ApplyRope(q_.data(), total, c.num_heads, hd, positions_.data(),
-                       inv_freq_.data());
-    kernels::ApplyRope(k_.data(), total, c.num_kv_heads, hd, positions_.data(),
-                       inv_freq_.data());
+    kernels::ApplyRope(q_.data(), c.num_heads, k_.data(), c.num_kv_heads, total,
+                       hd, positions_.data(), inv_freq_.data());
   }
   const kernels::KvLayerView layer = pool->Layer(static_cast<int>(l));
   {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
 #include "kernels/cpu/cpu_features.h"
@@ -28,36 +29,165 @@ void ForRows(int64_t rows, RowFn&& row_fn) {
 
 }  // namespace
 
+namespace {
+
+// The sum of squares of a row in eight running double sums (element i into
+// sum i % 8), added in a fixed tree. A float's square is exact in double, so
+// the AVX2 and AVX-512 rows below, which keep the eight sums in vector lanes,
+// give the same bits as this one; so does every row, batch and thread count.
+double SumSquaresTree(const double part[8]) {
+  return ((part[0] + part[1]) + (part[2] + part[3])) +
+         ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// One row of RmsNorm: residual (if any) += x, then out = in * inv * weight,
+// in the float operations, one at a time, of the scalar loop.
+void RmsNormRowPortable(const float* x, float* residual, const float* weight,
+                        int64_t dim, float eps, float* out) {
+  const float* in = x;
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < dim; ++i) residual[i] += x[i];
+    in = residual;
+  }
+  double part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    for (int j = 0; j < 8; ++j)
+      part[j] += static_cast<double>(in[i + j]) * in[i + j];
+  }
+  for (int j = 0; i < dim; ++i, ++j)
+    part[j] += static_cast<double>(in[i]) * in[i];
+  const double sum_sq = SumSquaresTree(part);
+  const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
+  for (int64_t i = 0; i < dim; ++i) out[i] = in[i] * inv * weight[i];
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+__attribute__((target("avx512f"))) void RmsNormRowAvx512(const float* x,
+                                                         float* residual,
+                                                         const float* weight,
+                                                         int64_t dim, float eps,
+                                                         float* out) {
+  const float* in = residual != nullptr ? residual : x;
+  __m512d acc = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (residual != nullptr) {
+      v = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
+      _mm256_storeu_ps(residual + i, v);
+    }
+    const __m512d d = _mm512_cvtps_pd(v);
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(d, d));
+  }
+  alignas(64) double part[8];
+  _mm512_store_pd(part, acc);
+  for (int j = 0; i < dim; ++i, ++j) {
+    if (residual != nullptr) residual[i] += x[i];
+    part[j] += static_cast<double>(in[i]) * in[i];
+  }
+  const double sum_sq = SumSquaresTree(part);
+  const __m512 inv =
+      _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps)));
+  for (i = 0; i + 16 <= dim; i += 16) {
+    _mm512_storeu_ps(out + i,
+                     _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(in + i), inv),
+                                   _mm512_loadu_ps(weight + i)));
+  }
+  if (i < dim) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (dim - i)) - 1);
+    _mm512_mask_storeu_ps(
+        out + i, m,
+        _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + i), inv),
+                      _mm512_maskz_loadu_ps(m, weight + i)));
+  }
+}
+
+__attribute__((target("avx2"))) void RmsNormRowAvx2(const float* x,
+                                                    float* residual,
+                                                    const float* weight,
+                                                    int64_t dim, float eps,
+                                                    float* out) {
+  const float* in = residual != nullptr ? residual : x;
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (residual != nullptr) {
+      v = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
+      _mm256_storeu_ps(residual + i, v);
+    }
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+    hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+  }
+  alignas(32) double part[8];
+  _mm256_store_pd(part, lo);
+  _mm256_store_pd(part + 4, hi);
+  for (int j = 0; i < dim; ++i, ++j) {
+    if (residual != nullptr) residual[i] += x[i];
+    part[j] += static_cast<double>(in[i]) * in[i];
+  }
+  const double sum_sq = SumSquaresTree(part);
+  const float inv_s = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
+  const __m256 inv = _mm256_set1_ps(inv_s);
+  for (i = 0; i + 8 <= dim; i += 8) {
+    _mm256_storeu_ps(out + i,
+                     _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(in + i), inv),
+                                   _mm256_loadu_ps(weight + i)));
+  }
+  for (; i < dim; ++i) out[i] = in[i] * inv_s * weight[i];
+}
+
+#pragma GCC diagnostic pop
+
+using RmsNormRowFn = void (*)(const float*, float*, const float*, int64_t,
+                              float, float*);
+
+RmsNormRowFn BestRmsNormRow() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  if (f.avx512f) return RmsNormRowAvx512;
+  if (f.avx2) return RmsNormRowAvx2;
+  return RmsNormRowPortable;
+}
+
+RmsNormRowFn& ActiveRmsNormRow() {
+  static RmsNormRowFn fn = BestRmsNormRow();
+  return fn;
+}
+
+}  // namespace
+
 void RmsNorm(const float* x, float* residual, const float* weight, int64_t rows,
              int64_t dim, float eps, float* out) {
+  const RmsNormRowFn row = ActiveRmsNormRow();
   ForRows(rows, [&](int64_t r) {
-    const float* in = x + r * dim;
-    if (residual != nullptr) {
-      float* res = residual + r * dim;
-      for (int64_t i = 0; i < dim; ++i) res[i] += in[i];
-      in = res;
-    }
-    // Eight running sums (element i into sum i % 8), added in a fixed tree:
-    // a fixed order, so every row, batch and thread count gives the same
-    // bits, without one add waiting on the last for the whole row.
-    double part[8] = {};
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-      for (int j = 0; j < 8; ++j)
-        part[j] += static_cast<double>(in[i + j]) * in[i + j];
-    }
-    for (int j = 0; i < dim; ++i, ++j)
-      part[j] += static_cast<double>(in[i]) * in[i];
-    const double sum_sq = ((part[0] + part[1]) + (part[2] + part[3])) +
-                          ((part[4] + part[5]) + (part[6] + part[7]));
-    const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
-    float* o = out + r * dim;
-    for (int64_t i = 0; i < dim; ++i) o[i] = in[i] * inv * weight[i];
+    row(x + r * dim, residual != nullptr ? residual + r * dim : nullptr, weight,
+        dim, eps, out + r * dim);
   });
 }
 
-void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
-               const int32_t* positions, const float* inv_freq) {
+void SplitQkv(float* qkv, const float* bias, int64_t rows, int64_t q_dim,
+              int64_t kv_dim, float* q, float* k, float* v) {
+  const int64_t qkv_dim = q_dim + 2 * kv_dim;
+  ForRows(rows, [&](int64_t r) {
+    float* src = qkv + r * qkv_dim;
+    if (bias != nullptr) {
+      for (int64_t i = 0; i < qkv_dim; ++i) src[i] += bias[i];
+    }
+    std::memcpy(q + r * q_dim, src, q_dim * sizeof(float));
+    std::memcpy(k + r * kv_dim, src + q_dim, kv_dim * sizeof(float));
+    std::memcpy(v + r * kv_dim, src + q_dim + kv_dim, kv_dim * sizeof(float));
+  });
+}
+
+void ApplyRope(float* q, int64_t q_heads, float* k, int64_t k_heads,
+               int64_t rows, int64_t head_dim, const int32_t* positions,
+               const float* inv_freq) {
   const int64_t half = head_dim / 2;
   ForRows(rows, [&](int64_t r) {
     float cos_t[512],
@@ -68,15 +198,24 @@ void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
       cos_t[i] = std::cos(angle);
       sin_t[i] = std::sin(angle);
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (r * heads + h) * head_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * cos_t[i] - b * sin_t[i];
-        v[i + half] = b * cos_t[i] + a * sin_t[i];
+    auto rotate = [&](float* x, int64_t heads) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + (r * heads + h) * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * cos_t[i] - b * sin_t[i];
+          v[i + half] = b * cos_t[i] + a * sin_t[i];
+        }
       }
-    }
+    };
+    rotate(q, q_heads);
+    if (k != nullptr) rotate(k, k_heads);
   });
+}
+
+void ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
+               const int32_t* positions, const float* inv_freq) {
+  ApplyRope(x, heads, nullptr, 0, rows, head_dim, positions, inv_freq);
 }
 
 namespace {
@@ -156,22 +295,26 @@ SiluMulRowFn& ActiveSiluMulRow() {
 
 }  // namespace
 
-bool SetSiluIsa(SiluIsa isa) {
+bool SetOpsIsa(OpsIsa isa) {
   const CpuFeatures& f = DetectCpuFeatures();
   switch (isa) {
-    case SiluIsa::kBest:
+    case OpsIsa::kBest:
       ActiveSiluMulRow() = BestSiluMulRow();
+      ActiveRmsNormRow() = BestRmsNormRow();
       return true;
-    case SiluIsa::kPortable:
+    case OpsIsa::kPortable:
       ActiveSiluMulRow() = SiluMulRowPortable;
+      ActiveRmsNormRow() = RmsNormRowPortable;
       return true;
-    case SiluIsa::kAvx2:
+    case OpsIsa::kAvx2:
       if (!f.avx2 || !f.fma) return false;
       ActiveSiluMulRow() = SiluMulRowAvx2;
+      ActiveRmsNormRow() = RmsNormRowAvx2;
       return true;
-    case SiluIsa::kAvx512:
+    case OpsIsa::kAvx512:
       if (!f.avx512f) return false;
       ActiveSiluMulRow() = SiluMulRowAvx512;
+      ActiveRmsNormRow() = RmsNormRowAvx512;
       return true;
   }
   return false;

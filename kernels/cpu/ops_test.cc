@@ -47,6 +47,58 @@ TEST_F(OpsTest, RmsNormNormalisesAndFusesResidual) {
   EXPECT_EQ(out, out2);
 }
 
+TEST_F(OpsTest, RmsNormEveryInstructionSetGivesTheSameBits) {
+  // Widths with tails for 8 and 16 lanes and one under 8; with the residual
+  // fused, without, and in place (out == x, as the per-head norms run).
+  for (const int64_t dim :
+       {int64_t{5}, int64_t{37}, int64_t{64}, int64_t{2048 + 13}}) {
+    const int64_t rows = 19;  // over 16: the rows run on every thread
+    const auto x = Random(rows * dim), w = Random(dim),
+               res0 = Random(rows * dim);
+    struct Result {
+      std::vector<float> fused, residual, plain, in_place;
+    };
+    auto run = [&] {
+      Result r;
+      r.residual = res0;
+      r.fused.resize(rows * dim);
+      r.plain.resize(rows * dim);
+      RmsNorm(x.data(), r.residual.data(), w.data(), rows, dim, 1e-5f,
+              r.fused.data());
+      RmsNorm(x.data(), nullptr, w.data(), rows, dim, 1e-5f, r.plain.data());
+      r.in_place = x;
+      RmsNorm(r.in_place.data(), nullptr, w.data(), rows, dim, 1e-5f,
+              r.in_place.data());
+      return r;
+    };
+    ASSERT_TRUE(SetOpsIsa(OpsIsa::kPortable));
+    const Result want = run();
+    EXPECT_EQ(want.in_place, want.plain);
+    for (OpsIsa isa : {OpsIsa::kAvx2, OpsIsa::kAvx512}) {
+      if (!SetOpsIsa(isa)) {
+        std::printf("[ note ] this CPU lacks %s: not compared\n",
+                    isa == OpsIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
+        continue;
+      }
+      const Result got = run();
+      const char* name = isa == OpsIsa::kAvx2 ? "avx2" : "avx512";
+      EXPECT_EQ(0, std::memcmp(got.residual.data(), want.residual.data(),
+                               want.residual.size() * 4))
+          << name << " dim " << dim;
+      EXPECT_EQ(0, std::memcmp(got.fused.data(), want.fused.data(),
+                               want.fused.size() * 4))
+          << name << " dim " << dim;
+      EXPECT_EQ(0, std::memcmp(got.plain.data(), want.plain.data(),
+                               want.plain.size() * 4))
+          << name << " dim " << dim;
+      EXPECT_EQ(0, std::memcmp(got.in_place.data(), want.in_place.data(),
+                               want.in_place.size() * 4))
+          << name << " dim " << dim;
+    }
+    ASSERT_TRUE(SetOpsIsa(OpsIsa::kBest));
+  }
+}
+
 TEST_F(OpsTest, RopeRotatesHalvesByPositionAndKeepsNorm) {
   const int64_t heads = 2, hd = 8;
   auto x = Random(2 * heads * hd);
@@ -65,6 +117,45 @@ TEST_F(OpsTest, RopeRotatesHalvesByPositionAndKeepsNorm) {
                   1e-5);
       EXPECT_NEAR(b[i + hd / 2],
                   a[i + hd / 2] * std::cos(ang) + a[i] * std::sin(ang), 1e-5);
+    }
+  }
+}
+
+TEST_F(OpsTest, RopeOnQueriesAndKeysTogetherMatchesEachAlone) {
+  const int64_t rows = 21, q_heads = 4, k_heads = 2, hd = 64;
+  const auto q = Random(rows * q_heads * hd), k = Random(rows * k_heads * hd);
+  std::vector<int32_t> pos(rows);
+  for (int64_t r = 0; r < rows; ++r) pos[r] = static_cast<int32_t>(r * 37 + 3);
+  const auto inv = RopeInvFreq(hd, 500000.0, {});
+  auto q1 = q, k1 = k, q2 = q, k2 = k;
+  ApplyRope(q1.data(), rows, q_heads, hd, pos.data(), inv.data());
+  ApplyRope(k1.data(), rows, k_heads, hd, pos.data(), inv.data());
+  ApplyRope(q2.data(), q_heads, k2.data(), k_heads, rows, hd, pos.data(),
+            inv.data());
+  EXPECT_EQ(q1, q2);
+  EXPECT_EQ(k1, k2);
+  EXPECT_NE(q1, q);
+  EXPECT_NE(k1, k);
+}
+
+TEST_F(OpsTest, SplitQkvCopiesEachPartAndAddsTheBias) {
+  const int64_t rows = 40, q_dim = 8, kv_dim = 4, qkv_dim = q_dim + 2 * kv_dim;
+  const auto qkv0 = Random(rows * qkv_dim), bias = Random(qkv_dim);
+  for (const bool with_bias : {false, true}) {
+    auto qkv = qkv0;
+    std::vector<float> q(rows * q_dim), k(rows * kv_dim), v(rows * kv_dim);
+    SplitQkv(qkv.data(), with_bias ? bias.data() : nullptr, rows, q_dim, kv_dim,
+             q.data(), k.data(), v.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < qkv_dim; ++i) {
+        const float want = qkv0[r * qkv_dim + i] + (with_bias ? bias[i] : 0.0f);
+        ASSERT_EQ(qkv[r * qkv_dim + i], want) << r << " " << i;
+        const float got = i < q_dim ? q[r * q_dim + i]
+                          : i < q_dim + kv_dim
+                              ? k[r * kv_dim + i - q_dim]
+                              : v[r * kv_dim + i - q_dim - kv_dim];
+        ASSERT_EQ(got, want) << r << " " << i;
+      }
     }
   }
 }
@@ -111,13 +202,13 @@ TEST_F(OpsTest, SiluEveryInstructionSetGivesTheSameBitsNearExactSilu) {
                          88.0f, -88.0f, inf,    -inf,    1e30f, -1e30f};
   for (size_t i = 0; i < std::size(edges); ++i) gu[i] = edges[i];
   gu[20] = std::numeric_limits<float>::quiet_NaN();
-  ASSERT_TRUE(SetSiluIsa(SiluIsa::kPortable));
+  ASSERT_TRUE(SetOpsIsa(OpsIsa::kPortable));
   std::vector<float> portable(rows * inter);
   SiluAndMul(gu.data(), rows, inter, portable.data());
-  for (SiluIsa isa : {SiluIsa::kAvx2, SiluIsa::kAvx512}) {
-    if (!SetSiluIsa(isa)) {
+  for (OpsIsa isa : {OpsIsa::kAvx2, OpsIsa::kAvx512}) {
+    if (!SetOpsIsa(isa)) {
       std::printf("[ note ] this CPU lacks %s: not compared\n",
-                  isa == SiluIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
+                  isa == OpsIsa::kAvx2 ? "AVX2+FMA" : "AVX-512F");
       continue;
     }
     std::vector<float> out(rows * inter);
@@ -131,7 +222,7 @@ TEST_F(OpsTest, SiluEveryInstructionSetGivesTheSameBitsNearExactSilu) {
           << gu[i / inter * 2 * inter + i % inter] << ")";
     }
   }
-  ASSERT_TRUE(SetSiluIsa(SiluIsa::kBest));
+  ASSERT_TRUE(SetOpsIsa(OpsIsa::kBest));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < inter; ++i) {
       const double g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
