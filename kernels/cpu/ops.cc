@@ -62,9 +62,32 @@ void RmsNormRowPortable(const float* x, float* residual, const float* weight,
   for (int64_t i = 0; i < dim; ++i) out[i] = in[i] * inv * weight[i];
 }
 
+// The rest of a row from element i (i a multiple of 8) as the scalar row
+// does it: residual (if any) += x, the squares into part[0], part[1], ...
+void SquaresTail(const float* x, float* residual, int64_t i, int64_t dim,
+                 double part[8]) {
+  const float* in = residual != nullptr ? residual : x;
+  for (int j = 0; i < dim; ++i, ++j) {
+    if (residual != nullptr) residual[i] += x[i];
+    part[j] += static_cast<double>(in[i]) * in[i];
+  }
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593
 #pragma GCC diagnostic ignored "-Wuninitialized"
+
+// Elements i..i+7 of the row: x[i..], or residual[i..] += x[i..] (stored)
+// when there is a residual.
+__attribute__((target("avx2"))) inline __m256 NextEight(const float* x,
+                                                        float* residual,
+                                                        int64_t i) {
+  const __m256 v = _mm256_loadu_ps(x + i);
+  if (residual == nullptr) return v;
+  const __m256 r = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
+  _mm256_storeu_ps(residual + i, r);
+  return r;
+}
 
 __attribute__((target("avx512f"))) void RmsNormRowAvx512(const float* x,
                                                          float* residual,
@@ -75,20 +98,12 @@ __attribute__((target("avx512f"))) void RmsNormRowAvx512(const float* x,
   __m512d acc = _mm512_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
-    if (residual != nullptr) {
-      v = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
-      _mm256_storeu_ps(residual + i, v);
-    }
-    const __m512d d = _mm512_cvtps_pd(v);
+    const __m512d d = _mm512_cvtps_pd(NextEight(x, residual, i));
     acc = _mm512_add_pd(acc, _mm512_mul_pd(d, d));
   }
   alignas(64) double part[8];
   _mm512_store_pd(part, acc);
-  for (int j = 0; i < dim; ++i, ++j) {
-    if (residual != nullptr) residual[i] += x[i];
-    part[j] += static_cast<double>(in[i]) * in[i];
-  }
+  SquaresTail(x, residual, i, dim, part);
   const double sum_sq = SumSquaresTree(part);
   const __m512 inv =
       _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps)));
@@ -115,11 +130,7 @@ __attribute__((target("avx2"))) void RmsNormRowAvx2(const float* x,
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
-    if (residual != nullptr) {
-      v = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
-      _mm256_storeu_ps(residual + i, v);
-    }
+    const __m256 v = NextEight(x, residual, i);
     const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
     const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
     lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
@@ -128,10 +139,7 @@ __attribute__((target("avx2"))) void RmsNormRowAvx2(const float* x,
   alignas(32) double part[8];
   _mm256_store_pd(part, lo);
   _mm256_store_pd(part + 4, hi);
-  for (int j = 0; i < dim; ++i, ++j) {
-    if (residual != nullptr) residual[i] += x[i];
-    part[j] += static_cast<double>(in[i]) * in[i];
-  }
+  SquaresTail(x, residual, i, dim, part);
   const double sum_sq = SumSquaresTree(part);
   const float inv_s = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
   const __m256 inv = _mm256_set1_ps(inv_s);

@@ -9,6 +9,7 @@
 #include <limits>
 #include <numbers>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace pdserve::kernels {
@@ -82,18 +83,16 @@ TEST_F(OpsTest, RmsNormEveryInstructionSetGivesTheSameBits) {
       }
       const Result got = run();
       const char* name = isa == OpsIsa::kAvx2 ? "avx2" : "avx512";
-      EXPECT_EQ(0, std::memcmp(got.residual.data(), want.residual.data(),
-                               want.residual.size() * 4))
-          << name << " dim " << dim;
-      EXPECT_EQ(0, std::memcmp(got.fused.data(), want.fused.data(),
-                               want.fused.size() * 4))
-          << name << " dim " << dim;
-      EXPECT_EQ(0, std::memcmp(got.plain.data(), want.plain.data(),
-                               want.plain.size() * 4))
-          << name << " dim " << dim;
-      EXPECT_EQ(0, std::memcmp(got.in_place.data(), want.in_place.data(),
-                               want.in_place.size() * 4))
-          << name << " dim " << dim;
+      const std::pair<const std::vector<float>*, const std::vector<float>*>
+          pairs[] = {{&got.residual, &want.residual},
+                     {&got.fused, &want.fused},
+                     {&got.plain, &want.plain},
+                     {&got.in_place, &want.in_place}};
+      for (size_t p = 0; p < std::size(pairs); ++p) {
+        const auto& [a, b] = pairs[p];
+        EXPECT_EQ(0, std::memcmp(a->data(), b->data(), b->size() * 4))
+            << name << " dim " << dim << " output " << p;
+      }
     }
     ASSERT_TRUE(SetOpsIsa(OpsIsa::kBest));
   }
