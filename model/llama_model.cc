@@ -1,7 +1,6 @@
 #include "model/llama_model.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/ops.h"
