@@ -27,50 +27,38 @@ void ForRows(int64_t rows, RowFn&& row_fn) {
             });
 }
 
-}  // namespace
-
-namespace {
-
-// The sum of squares of a row in eight running double sums (element i into
+// RmsNorm sums a row's squares in eight running double sums (element i into
 // sum i % 8), added in a fixed tree. A float's square is exact in double, so
 // the AVX2 and AVX-512 rows below, which keep the eight sums in vector lanes,
-// give the same bits as this one; so does every row, batch and thread count.
-double SumSquaresTree(const double part[8]) {
-  return ((part[0] + part[1]) + (part[2] + part[3])) +
-         ((part[4] + part[5]) + (part[6] + part[7]));
-}
+// give the same bits as the portable row; so does every row, batch and
+// thread count.
 
-// One row of RmsNorm: residual (if any) += x, then out = in * inv * weight,
-// in the float operations, one at a time, of the scalar loop.
-void RmsNormRowPortable(const float* x, float* residual, const float* weight,
-                        int64_t dim, float eps, float* out) {
-  const float* in = x;
-  if (residual != nullptr) {
-    for (int64_t i = 0; i < dim; ++i) residual[i] += x[i];
-    in = residual;
-  }
-  double part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    for (int j = 0; j < 8; ++j)
-      part[j] += static_cast<double>(in[i + j]) * in[i + j];
-  }
-  for (int j = 0; i < dim; ++i, ++j)
-    part[j] += static_cast<double>(in[i]) * in[i];
-  const double sum_sq = SumSquaresTree(part);
-  const float inv = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
-  for (int64_t i = 0; i < dim; ++i) out[i] = in[i] * inv * weight[i];
-}
-
-// The rest of a row from element i (i a multiple of 8) as the scalar row
-// does it: residual (if any) += x, the squares into part[0], part[1], ...
-void SquaresTail(const float* x, float* residual, int64_t i, int64_t dim,
+// Elements i.. of a row (i a multiple of 8): residual (if any) += x, and each
+// element's square into its running sum.
+void SquaresFrom(const float* x, float* residual, int64_t i, int64_t dim,
                  double part[8]) {
   const float* in = residual != nullptr ? residual : x;
-  for (int j = 0; i < dim; ++i, ++j) {
+  for (; i < dim; ++i) {
     if (residual != nullptr) residual[i] += x[i];
-    part[j] += static_cast<double>(in[i]) * in[i];
+    part[i % 8] += static_cast<double>(in[i]) * in[i];
   }
+}
+
+// 1 / sqrt(mean square + eps) from the eight running sums.
+float InverseRms(const double part[8], int64_t dim, float eps) {
+  const double sum_sq = ((part[0] + part[1]) + (part[2] + part[3])) +
+                        ((part[4] + part[5]) + (part[6] + part[7]));
+  return static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
+}
+
+// One row of RmsNorm: residual (if any) += x, then out = in * inv * weight.
+void RmsNormRowPortable(const float* x, float* residual, const float* weight,
+                        int64_t dim, float eps, float* out) {
+  double part[8] = {};
+  SquaresFrom(x, residual, 0, dim, part);
+  const float inv = InverseRms(part, dim, eps);
+  const float* in = residual != nullptr ? residual : x;
+  for (int64_t i = 0; i < dim; ++i) out[i] = in[i] * inv * weight[i];
 }
 
 #pragma GCC diagnostic push
@@ -103,10 +91,8 @@ __attribute__((target("avx512f"))) void RmsNormRowAvx512(const float* x,
   }
   alignas(64) double part[8];
   _mm512_store_pd(part, acc);
-  SquaresTail(x, residual, i, dim, part);
-  const double sum_sq = SumSquaresTree(part);
-  const __m512 inv =
-      _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps)));
+  SquaresFrom(x, residual, i, dim, part);
+  const __m512 inv = _mm512_set1_ps(InverseRms(part, dim, eps));
   for (i = 0; i + 16 <= dim; i += 16) {
     _mm512_storeu_ps(out + i,
                      _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(in + i), inv),
@@ -139,9 +125,8 @@ __attribute__((target("avx2"))) void RmsNormRowAvx2(const float* x,
   alignas(32) double part[8];
   _mm256_store_pd(part, lo);
   _mm256_store_pd(part + 4, hi);
-  SquaresTail(x, residual, i, dim, part);
-  const double sum_sq = SumSquaresTree(part);
-  const float inv_s = static_cast<float>(1.0 / std::sqrt(sum_sq / dim + eps));
+  SquaresFrom(x, residual, i, dim, part);
+  const float inv_s = InverseRms(part, dim, eps);
   const __m256 inv = _mm256_set1_ps(inv_s);
   for (i = 0; i + 8 <= dim; i += 8) {
     _mm256_storeu_ps(out + i,
