@@ -37,6 +37,7 @@ using packed_gemm_internal::Avx2Tile;
 using packed_gemm_internal::Avx2Wide;
 using packed_gemm_internal::Avx2Widener;
 using packed_gemm_internal::Avx2WideTile;
+using packed_gemm_internal::Avx512StageTile;
 using packed_gemm_internal::Avx512Tile;
 using packed_gemm_internal::Avx512Widener;
 using packed_gemm_internal::Avx512WideRows;
@@ -63,6 +64,7 @@ using packed_gemm_internal::PackBf16PairsAvx512;
 using packed_gemm_internal::PackBf16PairsPortable;
 using packed_gemm_internal::PanelOffset;
 using packed_gemm_internal::PortableWidener;
+using packed_gemm_internal::StagePrefetch;
 using packed_gemm_internal::TileBf16DotPortable;
 using packed_gemm_internal::TilePortable;
 using packed_gemm_internal::WidenFn;
@@ -426,7 +428,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                                                : 1;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + max_nv - 1) / max_nv;
-  // Rows are split into equal tiles (32 = 6+6+5+5+5+5, not 6x5+2): a tile
+  // Rows are split into equal tiles (30 = 8+8+7+7, not 8x3+6): a tile
   // widens its weights once for all its rows, so a 2-row tail would cost as
   // much widening as a full tile.
   const int64_t row_tiles = (m + max_rows - 1) / max_rows;
@@ -577,27 +579,28 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
               const int64_t i0 = m * rt / row_tiles;
               const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-              for (int v = 0; v < next_nv; ++v) {
-                const uint8_t* base = next_wp + v * pb + next0;
-                for (int64_t l = lines * rt / row_tiles;
-                     l < lines * (rt + 1) / row_tiles; ++l)
-                  __builtin_prefetch(base + l * 64);
-              }
+              const int64_t l0 = lines * rt / row_tiles;
+              const int64_t l1 = lines * (rt + 1) / row_tiles;
               const float* xi = xbase + i0 * kc + (q0 - k0) * rows;
               float* iot = io + i0 * width;
               const bool zero = first && q0 == k0;
-              switch (isa) {
-                case GemmIsa::kAvx512:
-                  Avx512Tile(Fmt::kF32, rows, nv)(xi, sw, spb, 0, q1 - q0, iot,
-                                                  zero);
-                  break;
-                case GemmIsa::kAvx2:
-                  Avx2Tile(Fmt::kF32, rows)(xi, sw, spb, 0, q1 - q0, iot, zero);
-                  break;
-                case GemmIsa::kPortable:
-                  TilePortable(Fmt::kF32, rows, nv, xi, sw, spb, 0, q1 - q0,
-                               iot, zero);
-                  break;
+              if (isa == GemmIsa::kAvx512) {
+                const StagePrefetch pf{next_wp + next0 + l0 * 64, pb, next_nv,
+                                       l1 - l0};
+                Avx512StageTile(rows, nv)(xi, sw, spb, 0, q1 - q0, iot, zero,
+                                          pf);
+                continue;
+              }
+              for (int v = 0; v < next_nv; ++v) {
+                const uint8_t* base = next_wp + v * pb + next0;
+                for (int64_t l = l0; l < l1; ++l)
+                  __builtin_prefetch(base + l * 64);
+              }
+              if (isa == GemmIsa::kAvx2) {
+                Avx2Tile(Fmt::kF32, rows)(xi, sw, spb, 0, q1 - q0, iot, zero);
+              } else {
+                TilePortable(Fmt::kF32, rows, nv, xi, sw, spb, 0, q1 - q0, iot,
+                             zero);
               }
             }
           }

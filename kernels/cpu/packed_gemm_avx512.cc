@@ -76,10 +76,12 @@ struct Avx512Pair<Fmt::kI8> {
   PDSERVE_AVX512 static __m512 Second(Raw p) { return WidenInt8Avx512(p + 16); }
 };
 
+// pf: lines to prefetch, spread over the pairs of k (null: none).
 template <Fmt W, int MR, int NV>
-PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
-                               int64_t panel_bytes, int64_t k0, int64_t k1,
-                               float* io, bool zero) {
+PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
+                                          int64_t panel_bytes, int64_t k0,
+                                          int64_t k1, float* io, bool zero,
+                                          const StagePrefetch* pf) {
   using P = Avx512Pair<W>;
   constexpr int kWidth = NV * 16;
   __m512 acc[MR][NV];
@@ -96,9 +98,30 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
   // more lines in flight than the hardware prefetcher alone (one per 64
   // bytes).
   constexpr int64_t kBytesPerK = ElementBytesOf(W) * kPanel;
+  // Every kPfPairs pairs, the lines due by then: line j (of all panels',
+  // panel by panel within a line index) once j * pairs <= pair * total.
+  constexpr int64_t kPfPairs = 4;
+  const int64_t pairs = (k1 - k0) / 2;
+  const int64_t pf_total = pf != nullptr ? pf->lines * pf->nv : 0;
+  int64_t pf_done = 0;
+  int pf_v = 0;
+  const uint8_t* pf_line = pf != nullptr ? pf->base : nullptr;
   int64_t q = k0;
   for (; q + 2 <= k1; q += 2) {
     const float* xq = xp + (q - k0) * MR;
+    const int64_t pair = (q - k0) / 2;
+    if (pf_total > 0 && pair % kPfPairs == 0) {
+      const int64_t due = std::min(pairs - 1, pair + kPfPairs - 1) * pf_total;
+      for (; pf_done < pf_total && pf_done * pairs <= due; ++pf_done) {
+        _mm_prefetch(
+            reinterpret_cast<const char*>(pf_line + pf_v * pf->panel_bytes),
+            _MM_HINT_T0);
+        if (++pf_v == pf->nv) {
+          pf_v = 0;
+          pf_line += 64;
+        }
+      }
+    }
     if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
       const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
       for (int v = 0; v < NV; ++v)
@@ -106,9 +129,9 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
     }
     typename P::Raw raw[NV];
     for (int v = 0; v < NV; ++v) raw[v] = P::Load(wp[v], q);
-    // Broadcast each x once and reuse it across the NV panels: 3 x 6
+    // Broadcast each x once and reuse it across the NV panels: 8 x 3
     // accumulators, 3 widened weights, the raw words and one broadcast fit
-    // the 32 registers without spills.
+    // the 32 registers.
     __m512 a[NV];
     for (int v = 0; v < NV; ++v) a[v] = P::First(raw[v]);
     for (int i = 0; i < MR; ++i) {
@@ -135,6 +158,31 @@ PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
     for (int v = 0; v < NV; ++v)
       _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
   }
+  // What the stage's k did not reach (fewer pairs than lines).
+  for (; pf_done < pf_total; ++pf_done) {
+    _mm_prefetch(
+        reinterpret_cast<const char*>(pf_line + pf_v * pf->panel_bytes),
+        _MM_HINT_T0);
+    if (++pf_v == pf->nv) {
+      pf_v = 0;
+      pf_line += 64;
+    }
+  }
+}
+
+template <Fmt W, int MR, int NV>
+PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
+                               int64_t panel_bytes, int64_t k0, int64_t k1,
+                               float* io, bool zero) {
+  TileAvx512Body<W, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero, nullptr);
+}
+
+template <int MR, int NV>
+PDSERVE_AVX512 void StageTileAvx512(const float* xp, const uint8_t* w,
+                                    int64_t panel_bytes, int64_t k0, int64_t k1,
+                                    float* io, bool zero,
+                                    const StagePrefetch& pf) {
+  TileAvx512Body<Fmt::kF32, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero, &pf);
 }
 
 // Block int8: per block the NV panels' scales stay in registers; each k's
@@ -294,6 +342,11 @@ struct Avx512Table {
               Avx512Rows<W, 3>(kSeq)};
 };
 template <int NV, int... R>
+constexpr std::array<StageTileFn, sizeof...(R)> StageRows(
+    std::integer_sequence<int, R...>) {
+  return {&StageTileAvx512<R + 1, NV>...};
+}
+template <int NV, int... R>
 constexpr std::array<TileFn, sizeof...(R)> Bf16DotRows(
     std::integer_sequence<int, R...>) {
   return {&TileBf16Dot<R + 1, NV>...};
@@ -335,6 +388,14 @@ PDSERVE_AVX512 void PackBf16PairsAvx512(const float* x, int64_t k, int64_t i0,
     uint32_t* d = dst + i;
     for (int64_t t = 0; t < words; ++t) d[t * rows] = pairs[t];
   }
+}
+
+StageTileFn Avx512StageTile(int rows, int nv) {
+  static constexpr auto kSeq = std::make_integer_sequence<int, kAvx512Rows>{};
+  static constexpr std::array<std::array<StageTileFn, kAvx512Rows>,
+                              kAvx512Panels>
+      kFns = {StageRows<1>(kSeq), StageRows<2>(kSeq), StageRows<3>(kSeq)};
+  return kFns[nv - 1][rows - 1];
 }
 
 TileFn Avx512WideTile(Fmt t, int rows, int nv) {

@@ -137,7 +137,7 @@ using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
 using WidenFn = void (*)(const uint8_t*, int64_t, int, int64_t, int64_t,
                          float*);
 
-constexpr int kAvx512Rows = 6, kAvx512Panels = 3;
+constexpr int kAvx512Rows = 8, kAvx512Panels = 3;
 constexpr int kAvx2Rows = 4;
 constexpr int kPortableRows = 4;
 // k per widening stage: 3 panels x 128 k x 16 fp32 = 24 KiB, in L1 while
@@ -172,6 +172,22 @@ TileFn Avx2WideTile(Fmt t, int nv);
 // AVX-512F: rows <= kAvx512Rows, nv <= kAvx512Panels panels (not kI8Dot,
 // which GemmNT runs through GemmDotLayoutChain).
 TileFn Avx512Tile(Fmt t, int rows, int nv);
+// Lines a row tile pulls toward the cache while it computes on a widening
+// stage: `lines` 64-byte lines from each of `nv` panels, panel v's from
+// base + v * panel_bytes.
+struct StagePrefetch {
+  const uint8_t* base = nullptr;
+  int64_t panel_bytes = 0;
+  int nv = 0;
+  int64_t lines = 0;
+};
+// The fp32 AVX-512 tile of Avx512Tile(Fmt::kF32, rows, nv) over a widened
+// stage, with the prefetches of `pf` spread over its k (the same sums, the
+// same bits): issued all at once, they stall the tile while the line fill
+// buffers are full.
+using StageTileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t,
+                             int64_t, float*, bool, const StagePrefetch&);
+StageTileFn Avx512StageTile(int rows, int nv);
 // Batch 1-2 of per-row int8 and fp16, whose weights take a conversion
 // each: up to kAvx512WidePanels panels per tile, so more independent FMA
 // chains and weight streams per tile. Measured on `small` at batch 1 with
