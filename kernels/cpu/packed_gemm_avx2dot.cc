@@ -84,24 +84,25 @@ PDSERVE_AVXVNNI void RowDotAvxVnni(const uint8_t* ux, const float* sx,
     for (int v = 0; v < NV; ++v)
       acc[i][v][0] = acc[i][v][1] = _mm256_setzero_si256();
   int64_t pf_done = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (; pf_done < pf_lines && pf_done * groups <= g * pf_lines; ++pf_done)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
-                   _MM_HINT_T1);
-    for (int v = 0; v < NV; ++v) {
-      const uint8_t* wg = w + v * panel_bytes + g * 64;
-      const __m256i w0 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
-      const __m256i w1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
-      if (MR <= 2)
-        _mm_prefetch(reinterpret_cast<const char*>(wg + 1024), _MM_HINT_T0);
-      for (int i = 0; i < MR; ++i) {
-        uint32_t u4;
-        std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
-        const __m256i u = _mm256_set1_epi32(static_cast<int>(u4));
-        acc[i][v][0] = DpBusdVex(acc[i][v][0], u, w0);
-        acc[i][v][1] = DpBusdVex(acc[i][v][1], u, w1);
+  for (int64_t g0 = 0; g0 < groups; g0 += kRowDotUnroll) {
+    PrefetchDueLines(pf, pf_lines, groups, g0 + kRowDotUnroll - 1, &pf_done);
+#pragma GCC unroll 8
+    for (int64_t g = g0; g < g0 + kRowDotUnroll; ++g) {
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* wg = w + v * panel_bytes + g * 64;
+        const __m256i w0 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+        const __m256i w1 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+        if (MR <= 2)
+          _mm_prefetch(reinterpret_cast<const char*>(wg + 1024), _MM_HINT_T0);
+        for (int i = 0; i < MR; ++i) {
+          uint32_t u4;
+          std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
+          const __m256i u = _mm256_set1_epi32(static_cast<int>(u4));
+          acc[i][v][0] = DpBusdVex(acc[i][v][0], u, w0);
+          acc[i][v][1] = DpBusdVex(acc[i][v][1], u, w1);
+        }
       }
     }
   }
@@ -152,29 +153,31 @@ PDSERVE_AVX2DOT void RowDotAvx2(const uint8_t* ux, const float* sx,
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
   int64_t pf_done = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (; pf_done < pf_lines && pf_done * groups <= g * pf_lines; ++pf_done)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
-                   _MM_HINT_T1);
-    if (MR <= 2) {
-      for (int v = 0; v < NV; ++v)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(w + v * panel_bytes + g * 64 + 1024),
-            _MM_HINT_T0);
-    }
-    for (int i = 0; i < MR; ++i) {
-      uint32_t u4;
-      std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
-      const __m256i q =
-          _mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(u4)), offset);
-      const __m256i aq = _mm256_abs_epi8(q);
-      for (int v = 0; v < NV; ++v) {
-        const uint8_t* wg = w + v * panel_bytes + g * 64;
-        for (int h = 0; h < 2; ++h) {
-          acc[i][v][h] = DotAvx2(
-              acc[i][v][h], aq, q,
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * h)),
-              ones);
+  for (int64_t g0 = 0; g0 < groups; g0 += kRowDotUnroll) {
+    PrefetchDueLines(pf, pf_lines, groups, g0 + kRowDotUnroll - 1, &pf_done);
+#pragma GCC unroll 8
+    for (int64_t g = g0; g < g0 + kRowDotUnroll; ++g) {
+      if (MR <= 2) {
+        for (int v = 0; v < NV; ++v)
+          _mm_prefetch(reinterpret_cast<const char*>(w + v * panel_bytes +
+                                                     g * 64 + 1024),
+                       _MM_HINT_T0);
+      }
+      for (int i = 0; i < MR; ++i) {
+        uint32_t u4;
+        std::memcpy(&u4, ux + (g * MR + i) * 4, 4);
+        const __m256i q =
+            _mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(u4)), offset);
+        const __m256i aq = _mm256_abs_epi8(q);
+        for (int v = 0; v < NV; ++v) {
+          const uint8_t* wg = w + v * panel_bytes + g * 64;
+          for (int h = 0; h < 2; ++h) {
+            acc[i][v][h] =
+                DotAvx2(acc[i][v][h], aq, q,
+                        _mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(wg + 32 * h)),
+                        ones);
+          }
         }
       }
     }

@@ -416,8 +416,6 @@ void QuantizeActivationsVnniTiles(const float* x, int64_t m, int64_t k,
 // next weight tile into L2 (pf_lines 64-byte lines from pf, spread over k),
 // so that the memory stream overlaps the arithmetic instead of stalling the
 // next tile's first pass.
-constexpr int64_t kRowDotUnroll = 8;
-static_assert(kRowDotK / 4 % kRowDotUnroll == 0);
 template <int MR, int NV>
 PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx,
                              const uint8_t* w, int64_t panel_bytes,
@@ -430,16 +428,10 @@ PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx,
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
   int64_t pf_done = 0;
-  // Groups run kRowDotUnroll at a time (groups is a multiple: kq is of
-  // kRowDotK), and the next tile's lines due by the last group of a stretch
-  // go out at its start: the loop's counters and the prefetch schedule's
-  // compare cost once a stretch instead of once a group, which the 8 x 3
-  // tile needs to keep both VPDPBUSD ports busy.
+  // (Once a group, the counters and the schedule kept the 8 x 3 tile from
+  // feeding both VPDPBUSD ports.)
   for (int64_t g0 = 0; g0 < groups; g0 += kRowDotUnroll) {
-    const int64_t due = g0 + kRowDotUnroll - 1;
-    for (; pf_done < pf_lines && pf_done * groups <= due * pf_lines; ++pf_done)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done * 64),
-                   _MM_HINT_T1);
+    PrefetchDueLines(pf, pf_lines, groups, g0 + kRowDotUnroll - 1, &pf_done);
 #pragma GCC unroll 8
     for (int64_t g = g0; g < g0 + kRowDotUnroll; ++g) {
       __m512i wg[NV];

@@ -249,6 +249,21 @@ constexpr int64_t kRowDotMaxHwK = int64_t{1} << 16;
 inline int64_t RowDotPaddedK(int64_t k) {
   return (k + kRowDotK - 1) / kRowDotK * kRowDotK;
 }
+// The row-dot tiles run their groups of 4 k kRowDotUnroll at a time (groups
+// is a multiple: kq is of kRowDotK), and issue the next tile's lines due by
+// the last group of a stretch at its start: the loop counters and the
+// prefetch schedule's compare cost once a stretch instead of once a group.
+constexpr int64_t kRowDotUnroll = 8;
+static_assert(kRowDotK / 4 % kRowDotUnroll == 0);
+// Lines [*done, ...) of pf's pf_lines toward L2, up to those due by group
+// `due` of `groups` (line j once j * groups <= due * pf_lines).
+inline void PrefetchDueLines(const uint8_t* pf, int64_t pf_lines,
+                             int64_t groups, int64_t due, int64_t* done) {
+  int64_t j = *done;
+  for (; j < pf_lines && j * groups <= due * pf_lines; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(pf + j * 64), _MM_HINT_T1);
+  *done = j;
+}
 // One row rounded with one scale, q padded to kq with zeros.
 void QuantizeRowPerRowPortable(const float* x, int64_t k, int64_t kq, int8_t* q,
                                float* scale);
