@@ -106,21 +106,23 @@ PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
   int64_t pf_done = 0;
   int pf_v = 0;
   const uint8_t* pf_line = pf != nullptr ? pf->base : nullptr;
+  auto issue_next = [&] {
+    _mm_prefetch(
+        reinterpret_cast<const char*>(pf_line + pf_v * pf->panel_bytes),
+        _MM_HINT_T0);
+    if (++pf_v == pf->nv) {
+      pf_v = 0;
+      pf_line += 64;
+    }
+  };
   int64_t q = k0;
   for (; q + 2 <= k1; q += 2) {
     const float* xq = xp + (q - k0) * MR;
     const int64_t pair = (q - k0) / 2;
     if (pf_total > 0 && pair % kPfPairs == 0) {
       const int64_t due = std::min(pairs - 1, pair + kPfPairs - 1) * pf_total;
-      for (; pf_done < pf_total && pf_done * pairs <= due; ++pf_done) {
-        _mm_prefetch(
-            reinterpret_cast<const char*>(pf_line + pf_v * pf->panel_bytes),
-            _MM_HINT_T0);
-        if (++pf_v == pf->nv) {
-          pf_v = 0;
-          pf_line += 64;
-        }
-      }
+      for (; pf_done < pf_total && pf_done * pairs <= due; ++pf_done)
+        issue_next();
     }
     if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
       const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
@@ -159,15 +161,7 @@ PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
       _mm512_storeu_ps(io + i * kWidth + v * 16, acc[i][v]);
   }
   // What the stage's k did not reach (fewer pairs than lines).
-  for (; pf_done < pf_total; ++pf_done) {
-    _mm_prefetch(
-        reinterpret_cast<const char*>(pf_line + pf_v * pf->panel_bytes),
-        _MM_HINT_T0);
-    if (++pf_v == pf->nv) {
-      pf_v = 0;
-      pf_line += 64;
-    }
-  }
+  for (; pf_done < pf_total; ++pf_done) issue_next();
 }
 
 template <Fmt W, int MR, int NV>

@@ -78,15 +78,17 @@ TEST_P(PackedGemmTest, EqualsTheScalarFmaChainAtOddShapes) {
   struct Shape {
     int64_t m, n, k;
   };
-  // m > 6 (4 for avx2/portable) widens once per stage for all row tiles;
+  // m > 8 (4 for avx2/portable) widens once per stage for all row tiles,
+  // each row tile prefetching its share of the next stage; m = 8 is one full
+  // 8-row AVX-512 tile;
   // 130 x 8111 takes two k blocks (partial sums through y) with an odd tail.
   // At m <= 2 int8 and fp16 take tiles of up to 8 panels on AVX-512: 1, 3,
   // 5, 6, 7 and 8 panels in a tile, full and partial.
   for (const Shape s :
-       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
-        Shape{33, 97, 515}, Shape{1, 130, 2049}, Shape{130, 33, 8111},
-        Shape{2, 250, 67}, Shape{1, 95, 31}, Shape{2, 80, 129},
-        Shape{1, 33, 64}, Shape{2, 110, 40}}) {
+       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{8, 61, 257},
+        Shape{9, 50, 300}, Shape{33, 97, 515}, Shape{1, 130, 2049},
+        Shape{130, 33, 8111}, Shape{2, 250, 67}, Shape{1, 95, 31},
+        Shape{2, 80, 129}, Shape{1, 33, 64}, Shape{2, 110, 40}}) {
     const auto x = Random(s.m * s.k), wf = Random(s.n * s.k, 0.05f);
     const WeightMatrix w = Pack(wf, s.n, s.k);
     std::vector<float> y(s.m * s.n, -1.0f);
@@ -557,8 +559,8 @@ TEST_F(Int8DotTest, EveryPathEqualsThePlainContractAtOddShapes) {
     int64_t m, n, k;
   };
   for (const Shape s :
-       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{9, 50, 300},
-        Shape{33, 97, 515}, Shape{5, 130, 2049}}) {
+       {Shape{1, 1, 1}, Shape{3, 17, 33}, Shape{7, 45, 129}, Shape{8, 61, 257},
+        Shape{9, 50, 300}, Shape{33, 97, 515}, Shape{5, 130, 2049}}) {
     auto x = Random(s.m * s.k, 1.0f);
     if (s.k > 40) {  // an all-zero block and a single outlier
       for (int64_t p = 32; p < 64 && p < s.k; ++p) x[p] = 0.0f;
