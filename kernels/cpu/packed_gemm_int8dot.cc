@@ -428,8 +428,6 @@ PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx,
   const uint8_t* wp[NV];
   for (int v = 0; v < NV; ++v) wp[v] = w + v * panel_bytes;
   int64_t pf_done = 0;
-  // (Once a group, the counters and the schedule kept the 8 x 3 tile from
-  // feeding both VPDPBUSD ports.)
   for (int64_t g0 = 0; g0 < groups; g0 += kRowDotUnroll) {
     PrefetchDueLines(pf, pf_lines, groups, g0 + kRowDotUnroll - 1, &pf_done);
 #pragma GCC unroll 8
