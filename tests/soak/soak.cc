@@ -38,6 +38,7 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -45,6 +46,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -112,6 +114,13 @@ ABSL_FLAG(bool, slow, false,
           "engine step (512 prompt tokens) takes over a second and the slow "
           "paths run (prefill abandoned mid-step, reservations waiting for "
           "blocks)");
+ABSL_FLAG(double, reference_timeout_s, 120,
+          "a reference `pdserve generate` still running after this is killed "
+          "and its spec fails");
+ABSL_FLAG(double, check_limit_s, 360,
+          "the check phase (from the end of the load until the cluster is "
+          "stopped) fails, naming where it waits, once it runs this long; "
+          "the default stays under the ctest timeout");
 
 namespace pdserve::soak {
 namespace {
@@ -369,6 +378,19 @@ struct Cluster {
     }
   }
 
+  // SIGKILLs every process now, without waiting: the last resort of a
+  // check phase that ran out of time. The lock is taken when it is free; a
+  // thread stuck while holding it must not keep the processes alive.
+  void KillAllNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const bool locked = mu.TryLock();
+    for (auto& p : procs) {
+      if (p->pid <= 0) continue;
+      if (p->stopped) kill(p->pid, SIGCONT);
+      kill(p->pid, SIGKILL);
+    }
+    if (locked) mu.Unlock();
+  }
+
   void StopAll() {
     std::vector<Proc*> all;
     {
@@ -505,9 +527,18 @@ struct Reference {
   std::string finish_reason;
 };
 
-// Runs a command to completion; its stdout (and stderr when asked).
+// The child of the `Run` in progress (0: none), for the check watchdog.
+std::atomic<pid_t> g_run_child{0};
+
+// Runs a command to completion; its stdout (and stderr when asked; otherwise
+// stderr is appended to `stderr_path`, or dropped when that is empty). With
+// `timeout_s` > 0 the command is killed once it runs that long, and
+// `*timed_out` says so.
 std::string Run(const std::vector<std::string>& args, int* status,
-                bool with_stderr = false) {
+                bool with_stderr = false, double timeout_s = 0,
+                const std::string& stderr_path = "",
+                bool* timed_out = nullptr) {
+  if (timed_out != nullptr) *timed_out = false;
   int fds[2];
   if (pipe(fds) != 0) return "";
   const pid_t pid = fork();
@@ -516,6 +547,8 @@ std::string Run(const std::vector<std::string>& args, int* status,
     close(fds[0]);
     if (with_stderr) {
       dup2(fds[1], 2);
+    } else if (!stderr_path.empty()) {
+      dup2(open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644), 2);
     } else {
       dup2(open("/dev/null", O_WRONLY), 2);
     }
@@ -526,18 +559,44 @@ std::string Run(const std::vector<std::string>& args, int* status,
     _exit(127);
   }
   close(fds[1]);
+  g_run_child = pid;
   std::string out;
   char buf[4096];
-  ssize_t n;
-  while ((n = read(fds[0], buf, sizeof(buf))) > 0) out.append(buf, n);
+  const double until = Now() + timeout_s;
+  while (true) {
+    int wait_ms = -1;
+    if (timeout_s > 0) {
+      const double left = until - Now();
+      if (left <= 0) {
+        kill(pid, SIGKILL);
+        if (timed_out != nullptr) *timed_out = true;
+        break;
+      }
+      wait_ms = static_cast<int>(left * 1000) + 1;
+    }
+    pollfd pfd{fds[0], POLLIN, 0};
+    const int r = poll(&pfd, 1, wait_ms);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      kill(pid, SIGKILL);
+      break;
+    }
+    if (r == 0) continue;  // the deadline check above ends it
+    const ssize_t n = read(fds[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, n);
+  }
   close(fds[0]);
   waitpid(pid, status, 0);
+  g_run_child = 0;
   return out;
 }
 
 // `pdserve generate --model --json` with the spec's parameters.
+// It is killed after `timeout_s`; its stderr is appended to `log_path`.
 Reference ComputeReference(const std::string& bin, const std::string& model,
-                           const Spec& s) {
+                           const Spec& s, double timeout_s,
+                           const std::string& log_path) {
   std::vector<std::string> args = {
       bin,
       "generate",
@@ -553,8 +612,17 @@ Reference ComputeReference(const std::string& bin, const std::string& model,
   if (s.ignore_eos) args.push_back("--ignore-eos");
   for (const auto& st : s.stop) args.push_back("--stop=" + st);
   int status = 0;
-  const std::string out = Run(args, &status);
+  bool timed_out = false;
+  const std::string out =
+      Run(args, &status, false, timeout_s, log_path, &timed_out);
   Reference r;
+  if (timed_out) {
+    r.error = absl::StrFormat(
+        "reference `pdserve generate` for spec %d ran past %g s and was "
+        "killed; its stderr is in %s",
+        s.id, timeout_s, log_path);
+    return r;
+  }
   const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
   const bool shaped = !j.is_discarded() && j.is_object() &&
                       j.contains("token_ids") && j["token_ids"].is_array() &&
@@ -664,11 +732,19 @@ class Soak {
     Log(absl::StrCat("model ", preset, ", ", specs_.size(),
                      " prompts, longest ", longest, " bytes"));
     refs_.resize(specs_.size());
+    // A reference on the tiny model takes well under a second; the limit
+    // only keeps a stuck one from holding the check phase.
     std::thread ref_thread([this] {
+      const std::string log = dir_ + "/references.log";
       for (size_t i = 0; i < specs_.size() && !abort_; ++i) {
-        Reference r = ComputeReference(cluster_.bin, model_, specs_[i]);
+        Reference r =
+            ComputeReference(cluster_.bin, model_, specs_[i],
+                             absl::GetFlag(FLAGS_reference_timeout_s), log);
         absl::MutexLock l(&mu_);
+        if (!r.error.empty() && ++refs_failed_ <= 5)
+          Log("reference: " + r.error.substr(0, 300));
         refs_[i] = std::move(r);
+        ++refs_done_;
       }
     });
 
@@ -767,17 +843,77 @@ class Soak {
     hostile.join();
     Log("load and faults stopped; checking the cluster");
 
+    // Every wait below is bounded; the watchdog turns a wait that is not
+    // into a failure that names its phase, before the test's own limit.
+    CheckWatchdog watchdog(this, absl::GetFlag(FLAGS_check_limit_s));
+    SetPhase("checking the cluster (workers up, blocks drained, index)");
     const bool pass = Check();
+    size_t refs_done = 0;
+    {
+      absl::MutexLock l(&mu_);
+      refs_done = refs_done_;
+    }
+    SetPhase(absl::StrCat("waiting for the references (", refs_done, " of ",
+                          specs_.size(), " done when the wait began)"));
     ref_thread.join();
     stop = true;
+    SetPhase("stopping the monitor");
     monitor.join();
+    SetPhase("comparing outputs with the references");
     const bool refs_pass = CheckOutputs();
+    SetPhase("stopping the cluster");
     cluster_.StopAll();
+    watchdog.Disarm();
     const bool all = Summarize(pass && refs_pass);
     return all ? 0 : 1;
   }
 
  private:
+  void SetPhase(std::string phase) {
+    absl::MutexLock l(&phase_mu_);
+    phase_ = std::move(phase);
+  }
+
+  // Fails the soak, naming the phase, when the check phase is still running
+  // after `limit_s`: the processes are killed and the soak exits 1.
+  class CheckWatchdog {
+   public:
+    CheckWatchdog(Soak* soak, double limit_s)
+        : thread_([this, soak, limit_s] {
+            absl::MutexLock l(&mu_);
+            if (mu_.AwaitWithTimeout(absl::Condition(&disarmed_),
+                                     absl::Seconds(limit_s)))
+              return;
+            std::string phase;
+            {
+              absl::MutexLock pl(&soak->phase_mu_);
+              phase = soak->phase_;
+            }
+            Log(absl::StrFormat(
+                "FAIL: the check phase ran past %g s, while %s; killing "
+                "the cluster",
+                limit_s, phase));
+            const pid_t child = g_run_child;
+            if (child > 0) kill(child, SIGKILL);
+            soak->cluster_.KillAllNow();
+            std::fflush(stderr);
+            std::_Exit(1);
+          }) {}
+    ~CheckWatchdog() { Disarm(); }
+
+    void Disarm() {
+      {
+        absl::MutexLock l(&mu_);
+        disarmed_ = true;
+      }
+      if (thread_.joinable()) thread_.join();
+    }
+
+   private:
+    absl::Mutex mu_;
+    bool disarmed_ = false;
+    std::thread thread_;
+  };
   std::unique_ptr<v1::Router::Stub> RouterStub() {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -1423,8 +1559,15 @@ class Soak {
         ++matched_;
       }
     }
-    for (const Reference& r : refs_)
-      if (!r.ok) Log("reference missing: " + r.error);
+    // Outputs without a reference went unchecked: that fails the soak.
+    int missing = 0;
+    for (const Reference& r : refs_) {
+      if (r.ok) continue;
+      if (++missing <= 5) Log("FAIL: reference missing: " + r.error);
+      ok = false;
+    }
+    if (missing > 5)
+      Log(absl::StrCat("FAIL: ", missing, " references missing"));
     if (mismatches_ > 0 || unclear_ > 0 || malformed_accepted_ > 0 ||
         hostile_fds_leaked_ > 0)
       ok = false;
@@ -1585,6 +1728,10 @@ class Soak {
 
   absl::Mutex mu_;
   std::vector<Reference> refs_ ABSL_GUARDED_BY(mu_);
+  size_t refs_done_ ABSL_GUARDED_BY(mu_) = 0;
+  int refs_failed_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex phase_mu_;
+  std::string phase_ ABSL_GUARDED_BY(phase_mu_);
   std::vector<Outcome> outcomes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> faults_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> errors_ ABSL_GUARDED_BY(mu_);
