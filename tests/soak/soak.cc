@@ -732,8 +732,8 @@ class Soak {
     Log(absl::StrCat("model ", preset, ", ", specs_.size(),
                      " prompts, longest ", longest, " bytes"));
     refs_.resize(specs_.size());
-    // A reference on the tiny model takes well under a second; the limit
-    // only keeps a stuck one from holding the check phase.
+    // A reference run takes seconds; the limit only keeps a stuck one from
+    // holding the check phase.
     std::thread ref_thread([this] {
       const std::string log = dir_ + "/references.log";
       for (size_t i = 0; i < specs_.size() && !abort_; ++i) {
@@ -914,6 +914,7 @@ class Soak {
     bool disarmed_ = false;
     std::thread thread_;
   };
+
   std::unique_ptr<v1::Router::Stub> RouterStub() {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
