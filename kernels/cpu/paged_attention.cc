@@ -302,6 +302,14 @@ void PagedAttention(const float* q, int32_t num_heads,
       auto qs_of = [&](const Unit& x) {
         return qs_all.data() + int64_t{x.hi} * states + x.first_state;
       };
+      // The first pair's K and V, all at once: nothing runs before their
+      // loads to spread them over, and the lines in flight still shorten
+      // the wait (attention_bench, one thread, fp32 KV: 7-9% a call).
+      for (int first = 0; first < std::min(units, 2); ++first) {
+        prefetcher.Add(cache, seq.block_table[first / nh],
+                       task.head_begin + first % nh);
+      }
+      prefetcher.Issue(prefetcher.Pending());
       for (int u = 0; u < units; u += 2) {
         Unit& a = unit[0];
         Unit& c = unit[1];
