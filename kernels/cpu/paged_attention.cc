@@ -302,23 +302,22 @@ void PagedAttention(const float* q, int32_t num_heads,
       auto qs_of = [&](const Unit& x) {
         return qs_all.data() + int64_t{x.hi} * states + x.first_state;
       };
+      auto queue = [&](int u) {
+        prefetcher.Add(cache, seq.block_table[u / nh],
+                       task.head_begin + u % nh);
+      };
       // The first pair's K and V, all at once: nothing runs before their
       // loads to spread them over, and the lines in flight still shorten
       // the wait (attention_bench, one thread, fp32 KV: 7-9% a call).
-      for (int first = 0; first < std::min(units, 2); ++first) {
-        prefetcher.Add(cache, seq.block_table[first / nh],
-                       task.head_begin + first % nh);
-      }
+      for (int u = 0; u < std::min(units, 2); ++u) queue(u);
       prefetcher.Issue(prefetcher.Pending());
       for (int u = 0; u < units; u += 2) {
         Unit& a = unit[0];
         Unit& c = unit[1];
         const bool two = u + 1 < units;
         // The next pair's K and V, over this pair's seven steps.
-        for (int next = u + 2; next < std::min(units, u + 4); ++next) {
-          prefetcher.Add(cache, seq.block_table[next / nh],
-                         task.head_begin + next % nh);
-        }
+        for (int next = u + 2; next < std::min(units, u + 4); ++next)
+          queue(next);
         share = (prefetcher.Pending() + 6) / 7;
         prefetcher.Issue(share);
         prepare(u, a);
