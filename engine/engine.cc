@@ -486,6 +486,11 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   }
   if (batch.empty()) return outputs;
   ++steps_;
+  for (const Scheduled& s : batch) {
+    const bool decode =
+        s.num_tokens == 1 && s.seq->num_computed >= s.seq->num_prompt;
+    (decode ? decode_tokens_ : prefill_tokens_) += s.num_tokens;
+  }
 
   std::vector<LlamaModel::SeqInput> inputs;
   for (const Scheduled& s : batch) {
@@ -762,6 +767,8 @@ EngineStats Engine::Stats() const {
   s.constrained_rows = constrained_rows_;
   s.constraint_seconds = constraint_seconds_;
   s.steps = steps_;
+  s.prefill_tokens = prefill_tokens_;
+  s.decode_tokens = decode_tokens_;
   s.num_reserved = static_cast<int64_t>(reserved_.size());
   if (tier_) {
     s.has_kv_tier = true;

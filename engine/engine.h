@@ -156,6 +156,12 @@ struct EngineStats {
   int64_t prefix_hit_tokens = 0;
   int64_t preemptions = 0;
   int64_t steps = 0;
+  // Tokens computed by the steps: of prompt passes (prompts, chunks of
+  // them, recomputation after preemption) and of one-token decode steps.
+  int64_t prefill_tokens = 0;
+  int64_t decode_tokens = 0;
+  // Wall seconds spent in steps, counted by EngineLoop (0 from Engine).
+  double step_seconds = 0;
   int64_t num_reserved = 0;  // awaiting remote KV
   int64_t queued_prefill_tokens =
       0;  // prompt tokens admitted but not yet computed
@@ -309,6 +315,7 @@ class Engine {
   std::vector<int32_t> presampled_;
   std::vector<std::pair<size_t, int64_t>> presample_rows_;
   int64_t prefix_queried_ = 0, prefix_hit_ = 0, preemptions_ = 0, steps_ = 0;
+  int64_t prefill_tokens_ = 0, decode_tokens_ = 0;
   int64_t constrained_rows_ = 0;
   double constraint_seconds_ = 0;
 };

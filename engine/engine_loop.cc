@@ -335,7 +335,9 @@ void EngineLoop::Run() {
     if (engine_->HasWork()) {
       set_busy(true);
       const int64_t steps_before = engine_->Stats().steps;
+      const absl::Time step_start = absl::Now();
       auto outputs = engine_->Step();
+      step_seconds_ += absl::ToDoubleSeconds(absl::Now() - step_start);
       stalled = outputs.ok() && outputs->empty() &&
                 engine_->Stats().steps == steps_before;
       if (!outputs.ok()) {
@@ -371,6 +373,7 @@ void EngineLoop::Run() {
     }
     absl::MutexLock l(&mu_);
     stats_ = engine_->Stats();
+    stats_.step_seconds = step_seconds_;
   }
 }
 

@@ -211,6 +211,7 @@ class EngineLoop {
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> num_pending_reservations_{0};
   // Engine thread only.
+  double step_seconds_ = 0;  // summed wall time of Engine::Step
   absl::flat_hash_map<std::string, std::shared_ptr<RequestStream>> streams_;
   std::deque<std::shared_ptr<PendingReservation>> reservations_;
   // Free blocks when the head reservation last failed to fit; it is retried

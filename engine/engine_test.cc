@@ -124,6 +124,10 @@ TEST_F(EngineTest, LongPrefillChunkLetsAShortPromptFinishFirst) {
       }
     }
     ExpectNoLeaks(e.get());
+    // Chunked or not, the prompts' 105 tokens go through prompt passes and
+    // each request's 3 tokens after its first through one-token steps.
+    EXPECT_EQ(e->Stats().prefill_tokens, 105);
+    EXPECT_EQ(e->Stats().decode_tokens, 6);
     return out;
   };
   std::map<std::string, int> whole, chunked;

@@ -469,7 +469,10 @@ TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
       "pdserve_prefix_cache_hit_tokens_total",
       "pdserve_kv_transfer_bytes_total",
       "pdserve_kv_transfer_duration_seconds",
-      "pdserve_kv_transfer_failures_total"};
+      "pdserve_kv_transfer_failures_total",
+      "pdserve_engine_steps_total",
+      "pdserve_engine_step_seconds_total",
+      "pdserve_engine_tokens_total"};
   for (Proc* p : c.All()) {
     const std::string text = Scrape(p->metrics_port);
     ASSERT_FALSE(text.empty()) << p->role;
@@ -506,6 +509,22 @@ TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
       MetricValue(Scrape(c.decode[0].metrics_port),
                   "pdserve_kv_transfer_bytes_total{direction=\"received\"}"),
       0);
+  // The engines' work: the prefill worker computed the whole prompt in
+  // prompt passes and decoded nothing; the decode worker computed the
+  // tokens after the first in one-token steps.
+  const std::string prefill = Scrape(c.prefill[0].metrics_port);
+  const std::string decode = Scrape(c.decode[0].metrics_port);
+  EXPECT_EQ(
+      MetricValue(prefill, "pdserve_engine_tokens_total{kind=\"prefill\"}"),
+      FamilySum(router, "pdserve_prompt_tokens_total"));
+  EXPECT_EQ(
+      MetricValue(prefill, "pdserve_engine_tokens_total{kind=\"decode\"}"), 0);
+  EXPECT_EQ(
+      MetricValue(decode, "pdserve_engine_tokens_total{kind=\"decode\"}"), 4);
+  for (const std::string* text : {&prefill, &decode}) {
+    EXPECT_GE(MetricValue(*text, "pdserve_engine_steps_total"), 1) << *text;
+    EXPECT_GT(MetricValue(*text, "pdserve_engine_step_seconds_total"), 0);
+  }
 }
 
 }  // namespace

@@ -315,6 +315,21 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
         r, "pdserve_structured_mask_seconds_total",
         "Engine-thread seconds spent masking logits and advancing matchers "
         "for structured output");
+    // Engine steps: with the step seconds, busy time and mean step time
+    // (rate(step_seconds) / rate(steps)); with the tokens, the batch mix.
+    auto* steps = metrics::CounterChild(r, "pdserve_engine_steps_total",
+                                        "Engine steps (forward passes) run");
+    auto* step_s = metrics::CounterChild(
+        r, "pdserve_engine_step_seconds_total",
+        "Wall seconds the engine thread spent in steps: the worker's busy "
+        "time");
+    auto* step_tokens = metrics::Must(r.AddCounter(
+        "pdserve_engine_tokens_total",
+        "Tokens computed by engine steps: prompt passes (prefill) and "
+        "one-token decode steps",
+        {"kind"}));
+    auto* prefill_tokens = metrics::Must(step_tokens->WithLabels({"prefill"}));
+    auto* decode_tokens = metrics::Must(step_tokens->WithLabels({"decode"}));
     auto* kernel_threads = metrics::GaugeChild(
         r, "pdserve_kernel_threads",
         "Threads the next parallel CPU kernel may use: --threads plus those "
@@ -351,6 +366,12 @@ struct WorkerServer::Impl final : public v1::Worker::Service {
       constrained_rows->Increment(
           static_cast<double>(s.constrained_rows - last->constrained_rows));
       constraint_s->Increment(s.constraint_seconds - last->constraint_seconds);
+      steps->Increment(static_cast<double>(s.steps - last->steps));
+      step_s->Increment(s.step_seconds - last->step_seconds);
+      prefill_tokens->Increment(
+          static_cast<double>(s.prefill_tokens - last->prefill_tokens));
+      decode_tokens->Increment(
+          static_cast<double>(s.decode_tokens - last->decode_tokens));
       *last = s;
     });
   }
