@@ -519,8 +519,8 @@ TEST_F(ServingTest, EveryProcessExpositionPassesPromtool) {
       FamilySum(router, "pdserve_prompt_tokens_total"));
   EXPECT_EQ(
       MetricValue(prefill, "pdserve_engine_tokens_total{kind=\"decode\"}"), 0);
-  EXPECT_EQ(
-      MetricValue(decode, "pdserve_engine_tokens_total{kind=\"decode\"}"), 4);
+  EXPECT_EQ(MetricValue(decode, "pdserve_engine_tokens_total{kind=\"decode\"}"),
+            4);
   for (const std::string* text : {&prefill, &decode}) {
     EXPECT_GE(MetricValue(*text, "pdserve_engine_steps_total"), 1) << *text;
     EXPECT_GT(MetricValue(*text, "pdserve_engine_step_seconds_total"), 0);
