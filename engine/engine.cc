@@ -486,14 +486,12 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Step() {
   }
   if (batch.empty()) return outputs;
   ++steps_;
+
+  std::vector<LlamaModel::SeqInput> inputs;
   for (const Scheduled& s : batch) {
     const bool decode =
         s.num_tokens == 1 && s.seq->num_computed >= s.seq->num_prompt;
     (decode ? decode_tokens_ : prefill_tokens_) += s.num_tokens;
-  }
-
-  std::vector<LlamaModel::SeqInput> inputs;
-  for (const Scheduled& s : batch) {
     const bool completes = s.seq->num_computed + s.num_tokens ==
                            static_cast<int32_t>(s.seq->tokens.size());
     inputs.push_back(
