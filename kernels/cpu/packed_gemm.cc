@@ -44,6 +44,7 @@ using packed_gemm_internal::Avx512WideRows;
 using packed_gemm_internal::Avx512WideTile;
 using packed_gemm_internal::Bf16DotTile;
 using packed_gemm_internal::BlockScaleOffset;
+using packed_gemm_internal::ExpectedNextTile;
 using packed_gemm_internal::Fmt;
 using packed_gemm_internal::FormatOf;
 using packed_gemm_internal::GemmDotLayoutChain;
@@ -475,6 +476,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       1, std::max(tiles / (threads * 16),
                   std::min((kChunkMinBytes + tile_bytes - 1) / tile_bytes,
                            tiles / (threads * 2))));
+  const int run_threads = parallel ? threads : 1;
   const int width_max = max_nv * kPanel;
   // One row's packed copy ([k][1]) would be x itself: the tiles read x in
   // place (bf16dot packs it into bf16 pairs).
@@ -526,6 +528,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       const float* const xbase = x_in_place ? x + k0 : xp.data();
       alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
       for (int64_t tile = t_begin; tile < t_end; ++tile) {
+        const int64_t next =
+            ExpectedNextTile(tile, t_end, tiles, chunk, run_threads);
+        const int64_t next_tile = (next - tile) * max_nv * pb;
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
         const int64_t c0 = p0 * kPanel;
@@ -597,7 +602,8 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                   __builtin_prefetch(base + l * 64);
               }
               if (isa == GemmIsa::kAvx2) {
-                Avx2Tile(Fmt::kF32, rows)(xi, sw, spb, 0, q1 - q0, iot, zero);
+                Avx2Tile(Fmt::kF32, rows)(xi, sw, spb, 0, q1 - q0, iot, zero,
+                                          0);
               } else {
                 TilePortable(Fmt::kF32, rows, nv, xi, sw, spb, 0, q1 - q0, iot,
                              zero);
@@ -613,7 +619,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
           if (!first) load_partial(i0, rows, io);
           const float* xi = xbase + i0 * kc;
           if (bf16dot_hw) {
-            Bf16DotTile(rows, nv)(xi, wp, pb, k0, k1, io, first);
+            Bf16DotTile(rows, nv)(xi, wp, pb, k0, k1, io, first, next_tile);
           } else if (bf16dot) {
             TileBf16DotPortable(rows, nv, reinterpret_cast<const uint32_t*>(xi),
                                 wp, pb, k0, k1, io, first);
@@ -622,11 +628,11 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
               case GemmIsa::kAvx512:
                 (wide ? Avx512WideTile(fmt, rows, nv)
                       : Avx512Tile(fmt, rows, nv))(xi, wp, pb, k0, k1, io,
-                                                   first);
+                                                   first, next_tile);
                 break;
               case GemmIsa::kAvx2:
                 (wide_avx2 ? Avx2WideTile(fmt, nv) : Avx2Tile(fmt, rows))(
-                    xi, wp, pb, k0, k1, io, first);
+                    xi, wp, pb, k0, k1, io, first, next_tile);
                 break;
               case GemmIsa::kPortable:
                 TilePortable(fmt, rows, nv, xi, wp, pb, k0, k1, io, first);
@@ -636,7 +642,7 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         }
       }
     };
-    RunChunks(tiles, chunk, parallel ? threads : 1, run_tiles);
+    RunChunks(tiles, chunk, run_threads, run_tiles);
     if (prof != nullptr && parallel) {
       const ChunkRunStats& stats = LastChunkRunStats();
       if (first) {

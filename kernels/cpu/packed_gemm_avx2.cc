@@ -59,7 +59,7 @@ PDSERVE_AVX2 inline void LoadPairAvx2(const uint8_t* panel, int64_t q,
 template <Fmt W, int MR>
 PDSERVE_AVX2 void TileAvx2(const float* xp, const uint8_t* w,
                            int64_t /*panel_bytes*/, int64_t k0, int64_t k1,
-                           float* io, bool zero) {
+                           float* io, bool zero, int64_t /*next_tile*/) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) {
     for (int h = 0; h < 2; ++h) {
@@ -109,7 +109,7 @@ PDSERVE_AVX2 void TileAvx2(const float* xp, const uint8_t* w,
 template <Fmt W, int NV>
 PDSERVE_AVX2 void TileAvx2Wide(const float* xp, const uint8_t* w,
                                int64_t panel_bytes, int64_t k0, int64_t k1,
-                               float* io, bool zero) {
+                               float* io, bool zero, int64_t next_tile) {
   __m256 acc[NV][2];
   for (int v = 0; v < NV; ++v) {
     for (int h = 0; h < 2; ++h) {
@@ -123,7 +123,8 @@ PDSERVE_AVX2 void TileAvx2Wide(const float* xp, const uint8_t* w,
     const __m256 xa = _mm256_broadcast_ss(xp + (q - k0));
     const __m256 xb = _mm256_broadcast_ss(xp + (q - k0) + 1);
     if ((q * kBytesPerK) % 64 == 0) {
-      const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
+      const int64_t off =
+          StreamAheadOffset(q * kBytesPerK, panel_bytes, next_tile);
       for (int v = 0; v < NV; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(w + v * panel_bytes + off),
                      _MM_HINT_T0);
@@ -170,7 +171,7 @@ PDSERVE_AVX2 inline void BlockScalesAvx2(const uint8_t* panel, int64_t b,
 template <int MR>
 PDSERVE_AVX2 void TileAvx2B32(const float* xp, const uint8_t* w,
                               int64_t /*panel_bytes*/, int64_t k0, int64_t k1,
-                              float* io, bool zero) {
+                              float* io, bool zero, int64_t /*next_tile*/) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) {
     for (int h = 0; h < 2; ++h) {

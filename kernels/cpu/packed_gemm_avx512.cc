@@ -81,6 +81,7 @@ template <Fmt W, int MR, int NV>
 PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
                                           int64_t panel_bytes, int64_t k0,
                                           int64_t k1, float* io, bool zero,
+                                          int64_t next_tile,
                                           const StagePrefetch* pf) {
   using P = Avx512Pair<W>;
   constexpr int kWidth = NV * 16;
@@ -125,7 +126,8 @@ PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
         issue_next();
     }
     if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
-      const int64_t off = StreamAheadOffset(q * kBytesPerK, panel_bytes, NV);
+      const int64_t off =
+          StreamAheadOffset(q * kBytesPerK, panel_bytes, next_tile);
       for (int v = 0; v < NV; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(wp[v] + off), _MM_HINT_T0);
     }
@@ -167,8 +169,9 @@ PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
 template <Fmt W, int MR, int NV>
 PDSERVE_AVX512 void TileAvx512(const float* xp, const uint8_t* w,
                                int64_t panel_bytes, int64_t k0, int64_t k1,
-                               float* io, bool zero) {
-  TileAvx512Body<W, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero, nullptr);
+                               float* io, bool zero, int64_t next_tile) {
+  TileAvx512Body<W, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero, next_tile,
+                            nullptr);
 }
 
 template <int MR, int NV>
@@ -176,7 +179,8 @@ PDSERVE_AVX512 void StageTileAvx512(const float* xp, const uint8_t* w,
                                     int64_t panel_bytes, int64_t k0, int64_t k1,
                                     float* io, bool zero,
                                     const StagePrefetch& pf) {
-  TileAvx512Body<Fmt::kF32, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero, &pf);
+  TileAvx512Body<Fmt::kF32, MR, NV>(xp, w, panel_bytes, k0, k1, io, zero,
+                                    NV * panel_bytes, &pf);
 }
 
 // Block int8: per block the NV panels' scales stay in registers; each k's
@@ -184,7 +188,7 @@ PDSERVE_AVX512 void StageTileAvx512(const float* xp, const uint8_t* w,
 template <int MR, int NV>
 PDSERVE_AVX512 void TileAvx512B32(const float* xp, const uint8_t* w,
                                   int64_t panel_bytes, int64_t k0, int64_t k1,
-                                  float* io, bool zero) {
+                                  float* io, bool zero, int64_t /*next_tile*/) {
   constexpr int kWidth = NV * 16;
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
@@ -259,7 +263,7 @@ PDSERVE_AVX512 void WidenAvx512(const uint8_t* w, int64_t panel_bytes, int nv,
 template <int MR, int NV>
 __attribute__((target("avx512f,avx512bf16"))) void TileBf16Dot(
     const float* xpf, const uint8_t* w, int64_t panel_bytes, int64_t k0,
-    int64_t k1, float* io, bool zero) {
+    int64_t k1, float* io, bool zero, int64_t /*next_tile*/) {
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xpf);
   constexpr int kWidth = NV * 16;
   __m512 acc[MR][NV];

@@ -53,13 +53,27 @@ constexpr int64_t ElementBytesOf(Fmt t) {
 
 // Small-batch tiles stream their panels front to back and prefetch
 // kStreamAheadBytes ahead in each. Where that runs past a panel's end it
-// moves on to the same panel of the next tile (nv panels on), which would
-// otherwise start cold in all its panels at once: the offset from a panel's
-// start to prefetch when the tile reads byte `at` of it.
+// moves on to the same panel of the tile this thread runs next (next_tile
+// bytes from this tile's start), which would otherwise start cold in all its
+// panels at once: the offset from a panel's start to prefetch when the tile
+// reads byte `at` of it.
 constexpr int64_t kStreamAheadBytes = 1024;
-constexpr int64_t StreamAheadOffset(int64_t at, int64_t panel_bytes, int nv) {
+// The tile a thread is expected to run after `tile` of its claim [.., t_end)
+// of `tiles` claimed `chunk` at a time by `threads` threads: the next of its
+// claim, else the first of the claim after those the other threads are
+// expected to have taken meanwhile (claims go out in turn), so that a tile's
+// prefetches past its panels warm a tile no other thread streams already.
+// Past the last tile: the next one (nothing left to warm).
+constexpr int64_t ExpectedNextTile(int64_t tile, int64_t t_end, int64_t tiles,
+                                   int64_t chunk, int threads) {
+  const int64_t next =
+      tile + 1 < t_end ? tile + 1 : t_end + (threads - 1) * chunk;
+  return next < tiles ? next : tile + 1;
+}
+constexpr int64_t StreamAheadOffset(int64_t at, int64_t panel_bytes,
+                                    int64_t next_tile) {
   const int64_t ahead = at + kStreamAheadBytes;
-  return ahead < panel_bytes ? ahead : ahead - panel_bytes + nv * panel_bytes;
+  return ahead < panel_bytes ? ahead : ahead - panel_bytes + next_tile;
 }
 
 // Byte offset of weight (k index q, column c of the panel) inside a panel.
@@ -131,8 +145,12 @@ inline float LoadWidened(Fmt t, const uint8_t* panel, int64_t q, int64_t c) {
 // resume from io. Every chain is fma over k in increasing order. x comes
 // packed as xp[(q - k0) * MR + i] (one k's MR values side by side), so a tile
 // reads one contiguous stream instead of MR rows that share cache sets.
+// next_tile: the distance in bytes from w to the first panel of the tile the
+// calling thread is expected to run next, where the small-batch tiles send
+// their prefetches past their own panels' ends (StreamAheadOffset); it never
+// changes a result.
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, int64_t,
-                        float*, bool);
+                        float*, bool, int64_t);
 
 using WidenFn = void (*)(const uint8_t*, int64_t, int, int64_t, int64_t,
                          float*);

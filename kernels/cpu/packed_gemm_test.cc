@@ -896,16 +896,38 @@ TEST_F(RowInt8DotTest, IsItsOwnNumericsCloseToTheFp32Chain) {
 }
 
 // A small-batch tile prefetches kStreamAheadBytes ahead in each panel; in a
-// panel's last stretch that moves on to the same panel of the next tile.
+// panel's last stretch that moves on to the same panel of the tile the thread
+// runs next, next_tile bytes on.
 TEST(StreamAheadTest, MovesOnToTheNextTilesPanelPastAPanelsEnd) {
   using packed_gemm_internal::kStreamAheadBytes;
   using packed_gemm_internal::StreamAheadOffset;
   constexpr int64_t pb = 8192;  // one panel's bytes
-  EXPECT_EQ(StreamAheadOffset(0, pb, 8), kStreamAheadBytes);
-  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes - 64, pb, 8), pb - 64);
+  EXPECT_EQ(StreamAheadOffset(0, pb, 8 * pb), kStreamAheadBytes);
+  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes - 64, pb, 8 * pb),
+            pb - 64);
   // The first line past this panel's end: the next tile's panel, 8 on.
-  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes, pb, 8), 8 * pb);
-  EXPECT_EQ(StreamAheadOffset(pb - 64, pb, 3), 3 * pb + kStreamAheadBytes - 64);
+  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes, pb, 8 * pb), 8 * pb);
+  EXPECT_EQ(StreamAheadOffset(pb - 64, pb, 3 * pb),
+            3 * pb + kStreamAheadBytes - 64);
+  // Two tiles of 8 panels on (the other thread runs the tile between).
+  EXPECT_EQ(StreamAheadOffset(pb - kStreamAheadBytes, pb, 16 * pb), 16 * pb);
+}
+
+// Claims of one tile by two threads go out in turn (0, 1, 2, ...), so the
+// thread that ran tile 0 runs tile 2 next; inside a claim, the next tile.
+TEST(StreamAheadTest, ExpectsTheTileAfterTheOtherThreadsClaims) {
+  using packed_gemm_internal::ExpectedNextTile;
+  // tile, end of its claim, tiles, chunk, threads
+  EXPECT_EQ(ExpectedNextTile(0, 1, 6, 1, 2), 2);
+  EXPECT_EQ(ExpectedNextTile(3, 4, 6, 1, 2), 5);
+  EXPECT_EQ(ExpectedNextTile(0, 5, 22, 5, 2), 1);
+  EXPECT_EQ(ExpectedNextTile(4, 5, 22, 5, 2), 10);
+  EXPECT_EQ(ExpectedNextTile(4, 5, 22, 5, 3), 15);
+  // One thread runs the claims back to back.
+  EXPECT_EQ(ExpectedNextTile(4, 5, 22, 5, 1), 5);
+  // Nothing left to claim: the next tile.
+  EXPECT_EQ(ExpectedNextTile(4, 5, 6, 1, 2), 5);
+  EXPECT_EQ(ExpectedNextTile(5, 6, 6, 1, 2), 6);
 }
 
 TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
