@@ -5,7 +5,8 @@
 # usage: bench/experiments/up_disagg_vs_coloc.sh [PDSERVE_BIN] [MODEL_DIR] [REPS]
 #   extra binaries to compare (e.g. an older build) in $OTHER_BINS, each run
 #   disaggregated in the same rounds; $NUM_REQUESTS (24) and $CONCURRENCY (4)
-#   size the closed-loop `mixed` workload; $SPLIT_UP_ARGS adds arguments to
+#   size the closed-loop `mixed` workload; $UP_ARGS adds arguments to every
+#   run's `pdserve up` command line (e.g. "--weight-dtype int8"); $SPLIT_UP_ARGS adds arguments to
 #   the 1P+1D runs' `pdserve up` command line, and with '|' between sets
 #   (e.g. "|--threads 1") runs 1P+1D once per set in every round.
 set -euo pipefail
@@ -25,7 +26,7 @@ run() {  # run NAME BIN PREFILL_WORKERS [UP_ARGS...]
   local name=$1 bin=$2 prefill=$3 log=$WORK/up.log
   shift 3
   "$bin" up --model "$MODEL" --prefill "$prefill" --decode 1 --port 0 --metrics-port 0 \
-    --http-port 0 --kv-cache-memory 512MiB "$@" > "$log" 2>&1 &
+    --http-port 0 --kv-cache-memory 512MiB ${UP_ARGS:-} "$@" > "$log" 2>&1 &
   UP_PID=$!
   local addr=
   for _ in $(seq 1 600); do
