@@ -6,9 +6,10 @@
 #   extra binaries to compare (e.g. an older build) in $OTHER_BINS, each run
 #   disaggregated in the same rounds; $NUM_REQUESTS (24) and $CONCURRENCY (4)
 #   size the closed-loop `mixed` workload; $UP_ARGS adds arguments to every
-#   run's `pdserve up` command line (e.g. "--weight-dtype int8"); $SPLIT_UP_ARGS adds arguments to
-#   the 1P+1D runs' `pdserve up` command line, and with '|' between sets
-#   (e.g. "|--threads 1") runs 1P+1D once per set in every round.
+#   run's `pdserve up` command line (e.g. "--weight-dtype int8"), so that
+#   both setups use them; $SPLIT_UP_ARGS adds arguments to the 1P+1D runs'
+#   `pdserve up` command line, and with '|' between sets (e.g. "|--threads
+#   1") runs 1P+1D once per set in every round.
 set -euo pipefail
 B=${1:-build/bin/pdserve}
 WORK=$(mktemp -d)
@@ -22,9 +23,10 @@ trap cleanup EXIT
 WORKLOAD=(--workload mixed --num-requests "${NUM_REQUESTS:-24}" --input-len 64 --output-len 32
   --concurrency "${CONCURRENCY:-4}" --seed 7)
 
-run() {  # run NAME BIN PREFILL_WORKERS [UP_ARGS...]
+run() {  # run NAME BIN PREFILL_WORKERS [ARGS...]
   local name=$1 bin=$2 prefill=$3 log=$WORK/up.log
   shift 3
+  # shellcheck disable=SC2086  # UP_ARGS is a list of words
   "$bin" up --model "$MODEL" --prefill "$prefill" --decode 1 --port 0 --metrics-port 0 \
     --http-port 0 --kv-cache-memory 512MiB ${UP_ARGS:-} "$@" > "$log" 2>&1 &
   UP_PID=$!
