@@ -402,11 +402,11 @@ PDSERVE_ATTN_AVX512 void AccumulateAvx512(const float* p, int valid,
   }
 }
 
-// AccumulateAvx512 for NS states at once (weights p[s * ldp + t], factors
-// c[s], accumulators a + s * d) over SEG 16-wide segments from dimension i:
-// each V row segment is loaded once for all NS states. Every element sees the
-// same operations in the same order as in AccumulateAvx512.
-template <int NS, int SEG, DType T = DType::kF32>
+// AccumulateAvx512 for NS states at once (weights p[s * ldp + t * LDT],
+// factors c[s], accumulators a + s * d) over SEG 16-wide segments from
+// dimension i: each V row segment is loaded once for all NS states. Every
+// element sees the same operations in the same order as in AccumulateAvx512.
+template <int NS, int SEG, DType T = DType::kF32, int LDT = 1>
 PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
                                               int valid, const float* c,
                                               const void* v, int d, float* a,
@@ -424,7 +424,7 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
     for (int j = 0; j < SEG; ++j)
       vv[j] = Load16<T>(v, int64_t{t} * d + i + 16 * j, sv);
     for (int s = 0; s < NS; ++s) {
-      const __m512 ps = _mm512_set1_ps(p[s * ldp + t]);
+      const __m512 ps = _mm512_set1_ps(p[s * ldp + t * LDT]);
       for (int j = 0; j < SEG; ++j)
         acc[s][j] = _mm512_add_ps(acc[s][j], _mm512_mul_ps(ps, vv[j]));
     }
@@ -487,6 +487,110 @@ void AccumulateWidenedStatesT(const float* p, int ldp, int ns, int valid,
       return AccumulateWidenedAvx512<T, 2>(p, ldp, valid, c, v, v_scale, d, a);
     default:
       return AccumulateWidenedAvx512<T, 1>(p, ldp, valid, c, v, v_scale, d, a);
+  }
+}
+
+// --- Lane form: 16 query states side by side, state s in lane s ----------
+
+// Scores and the online-softmax step of 16 states against one block of 16
+// keys, with head_dim D. Per state, the operations of ScoresAvx512Tile and
+// ScoresToWeights in the same order: lane s of s_t is fma(q_s[i], k_t[i],
+// acc) over i in order, as the tile's lane t is fma(q_s[i], kt[i][t], acc);
+// the maximum runs over the keys one lane at a time instead of as a
+// reduction, which can differ only in the sign of a zero maximum, and Exp
+// of +0 and -0 are both 1.
+template <int D>
+PDSERVE_ATTN_AVX512 void BlockLanesAvx512(const float* qt, const float* k,
+                                          float scale, const int32_t* valid,
+                                          float* m, float* l, float* p,
+                                          float* c) {
+  __m512 sc[kLaneStates];
+  for (int t = 0; t < kLaneStates; ++t) sc[t] = _mm512_setzero_ps();
+  for (int i = 0; i < D; ++i) {
+    const __m512 qv = _mm512_loadu_ps(qt + i * kLaneStates);
+    for (int t = 0; t < kLaneStates; ++t)
+      sc[t] = _mm512_fmadd_ps(qv, _mm512_set1_ps(k[t * D + i]), sc[t]);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512 neg_inf =
+      _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i vl = _mm512_loadu_si512(valid);
+  __m512 block_max = neg_inf;
+  __mmask16 in[kLaneStates];
+  for (int t = 0; t < kLaneStates; ++t) {
+    sc[t] = _mm512_mul_ps(sc[t], sv);
+    in[t] = _mm512_cmpgt_epi32_mask(vl, _mm512_set1_epi32(t));
+    // Keys past a state's valid ones, and NaN scores, never win.
+    const __mmask16 take =
+        in[t] & ~_mm512_cmp_ps_mask(sc[t], sc[t], _CMP_UNORD_Q);
+    block_max =
+        _mm512_max_ps(block_max, _mm512_mask_mov_ps(neg_inf, take, sc[t]));
+  }
+  const __m512 mv = _mm512_loadu_ps(m);
+  const __m512 new_m = _mm512_mask_mov_ps(
+      mv, _mm512_cmp_ps_mask(mv, block_max, _CMP_LT_OQ), block_max);
+  const __m512 cv = Exp16(_mm512_sub_ps(mv, new_m));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), cv);
+  for (int t = 0; t < kLaneStates; ++t) {
+    const __m512 w = Exp16(_mm512_sub_ps(sc[t], new_m));
+    _mm512_storeu_ps(p + t * kLaneStates, w);
+    sum = _mm512_mask_add_ps(sum, in[t], sum, w);
+  }
+  // A state that sees none of the block keeps its maximum and sum.
+  const __mmask16 active = in[0];
+  _mm512_mask_storeu_ps(m, active, new_m);
+  _mm512_mask_storeu_ps(l, active, sum);
+  _mm512_storeu_ps(c, cv);
+}
+
+void BlockLanes(const float* qt, const float* k, int d, float scale,
+                const int32_t* valid, float* m, float* l, float* p, float* c) {
+  if (d == 64) return BlockLanesAvx512<64>(qt, k, scale, valid, m, l, p, c);
+  BlockLanesAvx512<128>(qt, k, scale, valid, m, l, p, c);
+}
+
+template <DType T, int NS>
+PDSERVE_ATTN_AVX512 void AccumulateLanesAvx512(const float* p, int valid,
+                                               const float* c, const void* v,
+                                               float v_scale, int d, float* a) {
+  int i = 0;
+  for (; i + 64 <= d; i += 64) {
+    AccumulateStatesTile<NS, 4, T, kLaneStates>(p, 1, valid, c, v, d, a, i,
+                                                v_scale);
+  }
+  for (; i < d; i += 16) {
+    AccumulateStatesTile<NS, 1, T, kLaneStates>(p, 1, valid, c, v, d, a, i,
+                                                v_scale);
+  }
+}
+
+template <DType T>
+void AccumulateLanesT(const float* p, int ns, int valid, const float* c,
+                      const void* v, float v_scale, int d, float* a) {
+  static_assert(kAccStates == 4);
+  switch (ns) {
+    case 4:
+      return AccumulateLanesAvx512<T, 4>(p, valid, c, v, v_scale, d, a);
+    case 3:
+      return AccumulateLanesAvx512<T, 3>(p, valid, c, v, v_scale, d, a);
+    case 2:
+      return AccumulateLanesAvx512<T, 2>(p, valid, c, v, v_scale, d, a);
+    default:
+      return AccumulateLanesAvx512<T, 1>(p, valid, c, v, v_scale, d, a);
+  }
+}
+
+void AccumulateLanes(DType t, const float* p, int ns, int valid, const float* c,
+                     const void* v, float v_scale, int d, float* a) {
+  switch (t) {
+    case DType::kBF16:
+      return AccumulateLanesT<DType::kBF16>(p, ns, valid, c, v, v_scale, d, a);
+    case DType::kF16:
+      return AccumulateLanesT<DType::kF16>(p, ns, valid, c, v, v_scale, d, a);
+    case DType::kI8:
+      return AccumulateLanesT<DType::kI8>(p, ns, valid, c, v, v_scale, d, a);
+    default:
+      return AccumulateLanesT<DType::kF32>(p, ns, valid, c, v, v_scale, d, a);
   }
 }
 

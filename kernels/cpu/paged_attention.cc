@@ -18,19 +18,24 @@
 namespace pdserve::kernels {
 namespace {
 
+using paged_attention_internal::AccumulateLanes;
 using paged_attention_internal::AccumulateStates;
 using paged_attention_internal::AccumulateWidenedStates;
 using paged_attention_internal::ActiveAttnIsa;
 using paged_attention_internal::AttnIsa;
 using paged_attention_internal::BestAttnIsa;
+using paged_attention_internal::BlockLanes;
 using paged_attention_internal::kAccStates;
+using paged_attention_internal::kLaneStates;
 using paged_attention_internal::Scores;
 using paged_attention_internal::ScoresPair;
 using paged_attention_internal::ScoresToWeights;
 using paged_attention_internal::TransposeKeys;
 using paged_attention_internal::TransposeKeysWidened;
 
-constexpr int kQueryChunk = 32;  // queries per attention task
+// Queries per attention task: a task's query states, accumulators and
+// transposed queries stay within L1 at head_dim 64.
+constexpr int kQueryChunk = 8;
 // (sequence, query chunk) pairs per thread from which a task takes every KV
 // head.
 constexpr int kTasksPerThread = 4;
@@ -164,8 +169,9 @@ void PagedAttention(const float* q, int32_t num_heads,
     float *kbuf, *vbuf, *kt, *scores;  // this unit's scratch
   };
   struct Scratch {
-    std::vector<float> kbuf, vbuf, kt, acc, m, l, scores, weights;
+    std::vector<float> kbuf, vbuf, kt, acc, m, l, scores, weights, qt;
     std::vector<const float*> qs;
+    std::vector<int32_t> lane_pos;
   };
   const int ldk = (bs + 15) / 16 * 16;
   const AttnIsa isa = ActiveAttnIsa();
@@ -173,6 +179,108 @@ void PagedAttention(const float* q, int32_t num_heads,
       isa == AttnIsa::kAvx512 && ldk == 16 && d % 16 == 0 &&
       (cache.dtype == DType::kBF16 || cache.dtype == DType::kF16 ||
        cache.dtype == DType::kI8);
+  // Tasks of many query states (prefill chunks) run in lane form: 16 states
+  // side by side through each block's scores and softmax, so a block's keys
+  // are read in place instead of transposed, and the softmax runs once per
+  // 16 states. Each state's numbers are those of the unit path below.
+  const bool lanes_ok =
+      isa == AttnIsa::kAvx512 && bs == 16 && (d == 64 || d == 128);
+  auto run_lanes = [&](const Task& task, Scratch& sc) {
+    const AttentionSeq& seq = seqs[task.seq];
+    const int nq = task.q_end - task.q_begin;
+    const int states = nq * group;
+    const int groups = (states + kLaneStates - 1) / kLaneStates;
+    const int padded = groups * kLaneStates;
+    const int last_pos = seq.start_pos + task.q_end - 1;
+    const int num_blocks = last_pos / bs + 1;
+    const bool f32 = cache.dtype == DType::kF32;
+    sc.qt.resize(int64_t{groups} * d * kLaneStates);
+    sc.acc.resize(int64_t{padded} * d);
+    sc.m.resize(padded);
+    sc.l.resize(padded);
+    sc.weights.resize(int64_t{bs} * kLaneStates + kLaneStates);
+    // Each lane's query position (-1 past the last state: it sees nothing).
+    sc.lane_pos.assign(padded, -1);
+    for (int st = 0; st < states; ++st)
+      sc.lane_pos[st] = seq.start_pos + task.q_begin + st / group;
+    float* p = sc.weights.data();
+    float* corrections = p + int64_t{bs} * kLaneStates;
+    for (int kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+      // State st = qi * group + g reads query head kv_head * group + g of
+      // row qi; lanes past the last state hold zero queries and see nothing.
+      std::fill(sc.qt.begin(), sc.qt.end(), 0.0f);
+      for (int st = 0; st < states; ++st) {
+        const float* row_q =
+            q + (seq.q_row + task.q_begin + st / group) * row_stride +
+            (int64_t{kv_head} * group + st % group) * d;
+        float* qt = sc.qt.data() + int64_t{st / kLaneStates} * d * kLaneStates +
+                    st % kLaneStates;
+        for (int i = 0; i < d; ++i) qt[int64_t{i} * kLaneStates] = row_q[i];
+      }
+      std::fill(sc.acc.begin(), sc.acc.end(), 0.0f);
+      std::fill(sc.m.begin(), sc.m.end(),
+                -std::numeric_limits<float>::infinity());
+      std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+      for (int b = 0; b < num_blocks; ++b) {
+        const int64_t block = seq.block_table[b];
+        const int block_start = b * bs;
+        const int count = std::min(bs, last_pos - block_start + 1);
+        const float* kb;
+        const void* vb;
+        float v_scale = 1.0f;
+        if (f32) {
+          const float* data = static_cast<const float*>(cache.data);
+          kb = data + cache.Offset(block, 0, kv_head);
+          vb = data + cache.Offset(block, 1, kv_head);
+        } else {
+          // Keys widened as ReadKvBlock widens them (the bits the unit
+          // path's transpose reads); V widened by the accumulation.
+          ReadKvBlock(cache, block, 0, kv_head, count, sc.kbuf.data());
+          kb = sc.kbuf.data();
+          const auto* data = static_cast<const char*>(cache.data);
+          vb = data + cache.Offset(block, 1, kv_head) *
+                          static_cast<int64_t>(DTypeBytes(cache.dtype));
+          if (cache.dtype == DType::kI8)
+            v_scale = cache.Scale(block, 1, kv_head);
+        }
+        for (int g = 0; g < groups; ++g) {
+          alignas(64) int32_t valid[kLaneStates];
+          bool any = false;
+          for (int s = 0; s < kLaneStates; ++s) {
+            valid[s] = std::clamp(
+                sc.lane_pos[g * kLaneStates + s] - block_start + 1, 0, count);
+            any |= valid[s] > 0;
+          }
+          if (!any) continue;
+          const int64_t s0 = int64_t{g} * kLaneStates;
+          BlockLanes(sc.qt.data() + s0 * d, kb, d, scale, valid,
+                     sc.m.data() + s0, sc.l.data() + s0, p, corrections);
+          // Runs of up to kAccStates states that see the same keys.
+          for (int s = 0; s < kLaneStates;) {
+            if (valid[s] == 0) {
+              ++s;
+              continue;
+            }
+            int ns = 1;
+            while (ns < kAccStates && s + ns < kLaneStates &&
+                   valid[s + ns] == valid[s])
+              ++ns;
+            AccumulateLanes(cache.dtype, p + s, ns, valid[s], corrections + s,
+                            vb, v_scale, d, sc.acc.data() + (s0 + s) * d);
+            s += ns;
+          }
+        }
+      }
+      for (int st = 0; st < states; ++st) {
+        const int64_t row = seq.q_row + task.q_begin + st / group;
+        const int head = kv_head * group + st % group;
+        const float inv = sc.l[st] > 0 ? 1.0f / sc.l[st] : 0.0f;
+        float* o = out + row * row_stride + int64_t{head} * d;
+        const float* acc = sc.acc.data() + int64_t{st} * d;
+        for (int i = 0; i < d; ++i) o[i] = acc[i] * inv;
+      }
+    }
+  };
   auto run = [&](int64_t t_begin, int64_t t_end, bool) {
     // Per unit of a pair: widened K and V, keys transposed and zero-padded
     // to ldk (a multiple of 16), the states' scores [states][ldk]; the
@@ -192,6 +300,10 @@ void PagedAttention(const float* q, int32_t num_heads,
       const AttentionSeq& seq = seqs[task.seq];
       const int nq = task.q_end - task.q_begin;
       const int states = nq * group;
+      if (lanes_ok && states >= kLaneStates) {
+        run_lanes(task, sc);
+        continue;
+      }
       const int nh = task.head_end - task.head_begin;
       acc_all.assign(int64_t{nh} * states * d, 0.0f);
       m_all.assign(int64_t{nh} * states,

@@ -62,4 +62,24 @@ void AccumulateWidenedStates(DType t, const float* p, int ldp, int ns,
                              int valid, const float* c, const void* v,
                              float v_scale, int d, float* a);
 
+// Lane form (AVX-512 only, 16-token blocks): 16 query states side by side,
+// state s in lane s, for tasks with many states (prefill chunks). Per state
+// it gives the bits of Scores, ScoresToWeights and AccumulateStates.
+constexpr int kLaneStates = 16;
+
+// Scores of 16 states against a block's keys k [16][d] (fp32 rows; d 64 or
+// 128), times scale, and the online-softmax step over the first valid[s]
+// keys of state s (0: the state sees none of the block, and its m and l are
+// left as they are). The states' queries are transposed: qt[i * 16 + s].
+// Weights p[t * 16 + s] for every t < 16 (those from valid[s] on unused);
+// c[s] the factor for the accumulators.
+void BlockLanes(const float* qt, const float* k, int d, float scale,
+                const int32_t* valid, float* m, float* l, float* p, float* c);
+
+// AccumulateStates (t == kF32, v fp32 rows) or AccumulateWidenedStates (bf16,
+// fp16, int8: v the raw block) for ns <= kAccStates consecutive states whose
+// weights are in lane form: p[t * 16 + s] for state s of the run. d % 16 == 0.
+void AccumulateLanes(DType t, const float* p, int ns, int valid, const float* c,
+                     const void* v, float v_scale, int d, float* a);
+
 }  // namespace pdserve::kernels::paged_attention_internal

@@ -9,6 +9,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/matmul.h"
@@ -151,6 +152,55 @@ TEST_F(PagedAttentionTest, ChunkedPrefillEqualsOneQueryAtATimeBitForBit) {
           << DTypeName(dtype) << " pos=" << pos;
     }
     (void)group;
+  }
+}
+
+// A prefill chunk of many query states runs in lane form on AVX-512 (16
+// states side by side); one query at a time and the portable instruction set
+// run the per-unit path. All three give the same bits, for every KV dtype,
+// query group, head_dim, a chunk that starts inside a block after a cached
+// prefix, and a partly filled last block.
+TEST_F(PagedAttentionTest, LaneFormPrefillEqualsOneQueryAtATimeBitForBit) {
+  struct Geometry {
+    int kv_heads, group, hd;
+  };
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kI8}) {
+    for (const Geometry& g :
+         {Geometry{2, 4, 64}, Geometry{1, 8, 64}, Geometry{3, 1, 64},
+          Geometry{2, 2, 128}, Geometry{1, 3, 64}}) {
+      const int heads = g.kv_heads * g.group, hd = g.hd, bs = 16, len = 93;
+      const int start = 37, nq = len - start;
+      PagedFixture f = Build(dtype, g.kv_heads, hd, bs, {len});
+      std::normal_distribution<float> dist;
+      std::vector<float> q(int64_t{nq} * heads * hd);
+      for (auto& x : q) x = dist(rng_);
+      // Some scores tie at the block maximum and some are exactly zero.
+      for (int i = 0; i < hd; ++i) q[i] = 0.0f;
+      AttentionSeq chunk{0, nq, start, f.tables[0].data()};
+      std::vector<float> best(q.size()), portable(q.size()),
+          one(int64_t{heads} * hd);
+      PagedAttention(q.data(), heads, {&chunk, 1}, f.view, 0.125f, best.data());
+      ASSERT_TRUE(SetPagedAttentionIsa(PagedAttentionIsa::kPortable));
+      PagedAttention(q.data(), heads, {&chunk, 1}, f.view, 0.125f,
+                     portable.data());
+      SetPagedAttentionIsa(PagedAttentionIsa::kBest);
+      const std::string where = std::string(DTypeName(dtype)) +
+                                " kv_heads=" + std::to_string(g.kv_heads) +
+                                " group=" + std::to_string(g.group) +
+                                " hd=" + std::to_string(hd);
+      ASSERT_EQ(0, std::memcmp(best.data(), portable.data(),
+                               best.size() * sizeof(float)))
+          << where;
+      for (int i = 0; i < nq; ++i) {
+        AttentionSeq single{0, 1, start + i, f.tables[0].data()};
+        PagedAttention(q.data() + int64_t{i} * heads * hd, heads, {&single, 1},
+                       f.view, 0.125f, one.data());
+        ASSERT_EQ(0,
+                  std::memcmp(one.data(), best.data() + int64_t{i} * heads * hd,
+                              one.size() * sizeof(float)))
+            << where << " query=" << i;
+      }
+    }
   }
 }
 
