@@ -461,32 +461,39 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
 // One state runs the same operations as AccumulateAvx512 (acc * c, then
 // + p_t * v_t in t order), so every ns gives the bits of the widen-first
 // path.
-template <DType T, int NS>
+// (weights p[s * ldp + t * LDT]; LDT 16 for the lane form's weights)
+template <DType T, int NS, int LDT = 1>
 PDSERVE_ATTN_AVX512 void AccumulateWidenedAvx512(const float* p, int ldp,
                                                  int valid, const float* c,
                                                  const void* v, float v_scale,
                                                  int d, float* a) {
   int i = 0;
-  for (; i + 64 <= d; i += 64)
-    AccumulateStatesTile<NS, 4, T>(p, ldp, valid, c, v, d, a, i, v_scale);
-  for (; i < d; i += 16)
-    AccumulateStatesTile<NS, 1, T>(p, ldp, valid, c, v, d, a, i, v_scale);
+  for (; i + 64 <= d; i += 64) {
+    AccumulateStatesTile<NS, 4, T, LDT>(p, ldp, valid, c, v, d, a, i, v_scale);
+  }
+  for (; i < d; i += 16) {
+    AccumulateStatesTile<NS, 1, T, LDT>(p, ldp, valid, c, v, d, a, i, v_scale);
+  }
 }
 
-template <DType T>
+template <DType T, int LDT = 1>
 void AccumulateWidenedStatesT(const float* p, int ldp, int ns, int valid,
                               const float* c, const void* v, float v_scale,
                               int d, float* a) {
   static_assert(kAccStates == 4);
   switch (ns) {
     case 4:
-      return AccumulateWidenedAvx512<T, 4>(p, ldp, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedAvx512<T, 4, LDT>(p, ldp, valid, c, v, v_scale, d,
+                                                a);
     case 3:
-      return AccumulateWidenedAvx512<T, 3>(p, ldp, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedAvx512<T, 3, LDT>(p, ldp, valid, c, v, v_scale, d,
+                                                a);
     case 2:
-      return AccumulateWidenedAvx512<T, 2>(p, ldp, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedAvx512<T, 2, LDT>(p, ldp, valid, c, v, v_scale, d,
+                                                a);
     default:
-      return AccumulateWidenedAvx512<T, 1>(p, ldp, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedAvx512<T, 1, LDT>(p, ldp, valid, c, v, v_scale, d,
+                                                a);
   }
 }
 
@@ -549,48 +556,22 @@ void BlockLanes(const float* qt, const float* k, int d, float scale,
   BlockLanesAvx512<128>(qt, k, scale, valid, m, l, p, c);
 }
 
-template <DType T, int NS>
-PDSERVE_ATTN_AVX512 void AccumulateLanesAvx512(const float* p, int valid,
-                                               const float* c, const void* v,
-                                               float v_scale, int d, float* a) {
-  int i = 0;
-  for (; i + 64 <= d; i += 64) {
-    AccumulateStatesTile<NS, 4, T, kLaneStates>(p, 1, valid, c, v, d, a, i,
-                                                v_scale);
-  }
-  for (; i < d; i += 16) {
-    AccumulateStatesTile<NS, 1, T, kLaneStates>(p, 1, valid, c, v, d, a, i,
-                                                v_scale);
-  }
-}
-
-template <DType T>
-void AccumulateLanesT(const float* p, int ns, int valid, const float* c,
-                      const void* v, float v_scale, int d, float* a) {
-  static_assert(kAccStates == 4);
-  switch (ns) {
-    case 4:
-      return AccumulateLanesAvx512<T, 4>(p, valid, c, v, v_scale, d, a);
-    case 3:
-      return AccumulateLanesAvx512<T, 3>(p, valid, c, v, v_scale, d, a);
-    case 2:
-      return AccumulateLanesAvx512<T, 2>(p, valid, c, v, v_scale, d, a);
-    default:
-      return AccumulateLanesAvx512<T, 1>(p, valid, c, v, v_scale, d, a);
-  }
-}
-
 void AccumulateLanes(DType t, const float* p, int ns, int valid, const float* c,
                      const void* v, float v_scale, int d, float* a) {
+  constexpr int kL = kLaneStates;
   switch (t) {
     case DType::kBF16:
-      return AccumulateLanesT<DType::kBF16>(p, ns, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kBF16, kL>(p, 1, ns, valid, c, v,
+                                                        v_scale, d, a);
     case DType::kF16:
-      return AccumulateLanesT<DType::kF16>(p, ns, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kF16, kL>(p, 1, ns, valid, c, v,
+                                                       v_scale, d, a);
     case DType::kI8:
-      return AccumulateLanesT<DType::kI8>(p, ns, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kI8, kL>(p, 1, ns, valid, c, v,
+                                                      v_scale, d, a);
     default:
-      return AccumulateLanesT<DType::kF32>(p, ns, valid, c, v, v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kF32, kL>(p, 1, ns, valid, c, v,
+                                                       v_scale, d, a);
   }
 }
 
