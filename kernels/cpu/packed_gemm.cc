@@ -60,6 +60,7 @@ using packed_gemm_internal::kBlockBytes;
 using packed_gemm_internal::kPanel;
 using packed_gemm_internal::kPortableRows;
 using packed_gemm_internal::kStageK;
+using packed_gemm_internal::kStreamAheadRows;
 using packed_gemm_internal::LoadWidened;
 using packed_gemm_internal::PackBf16PairsAvx512;
 using packed_gemm_internal::PackBf16PairsPortable;
@@ -474,9 +475,9 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
   // their small matrices go in claims of one tile, and the threads finish
   // within a tile of each other (`small` decode, batch 1, weights and KV
   // cold: 0-4% more tokens/s at int8, bf16 and fp32).
-  const bool streams_ahead =
-      (isa == GemmIsa::kAvx512 && !bf16dot && m <= 2 && fmt != Fmt::kI8B32) ||
-      wide_avx2;
+  const bool streams_ahead = (isa == GemmIsa::kAvx512 && !bf16dot &&
+                              m <= kStreamAheadRows && fmt != Fmt::kI8B32) ||
+                             wide_avx2;
   const int64_t tile_bytes = std::max<int64_t>(
       1, max_nv * pb * std::min(kc, k) / std::max<int64_t>(w.padded_k(), 1));
   const int64_t chunk = std::max<int64_t>(

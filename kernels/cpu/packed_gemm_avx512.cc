@@ -125,7 +125,7 @@ PDSERVE_AVX512 inline void TileAvx512Body(const float* xp, const uint8_t* w,
       for (; pf_done < pf_total && pf_done * pairs <= due; ++pf_done)
         issue_next();
     }
-    if (MR <= 2 && (q * kBytesPerK) % 64 == 0) {
+    if (MR <= kStreamAheadRows && pf == nullptr && (q * kBytesPerK) % 64 == 0) {
       const int64_t off =
           StreamAheadOffset(q * kBytesPerK, panel_bytes, next_tile);
       for (int v = 0; v < NV; ++v)

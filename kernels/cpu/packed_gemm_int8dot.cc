@@ -435,7 +435,7 @@ PDSERVE_VNNI void RowDotVnni(const uint8_t* ux, const float* sx,
       __m512i wg[NV];
       for (int v = 0; v < NV; ++v) {
         wg[v] = _mm512_loadu_si512(wp[v] + g * 64);
-        if (MR <= 2)
+        if (MR <= kStreamAheadRows)
           _mm_prefetch(reinterpret_cast<const char*>(wp[v] + g * 64 + 1024),
                        _MM_HINT_T0);
       }

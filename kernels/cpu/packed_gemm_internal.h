@@ -58,6 +58,13 @@ constexpr int64_t ElementBytesOf(Fmt t) {
 // panels at once: the offset from a panel's start to prefetch when the tile
 // reads byte `at` of it.
 constexpr int64_t kStreamAheadBytes = 1024;
+// The most rows of an AVX-512 tile (fp32 chain, widened formats and
+// int8dot's row dot) that streams its panels with a prefetch
+// kStreamAheadBytes ahead. Up to 4 rows a tile still reads each weight from
+// memory once for little arithmetic; without the prefetch the hardware
+// prefetcher alone held one thread at 3-4 rows to 0.45-0.76 of its batch-1
+// weight rate (bench/RESULTS.md).
+constexpr int kStreamAheadRows = 4;
 // The tile a thread is expected to run after `tile` of its claim [.., t_end)
 // of `tiles` claimed `chunk` at a time by `threads` threads: the next of its
 // claim, else the first of the claim after those the other threads are
