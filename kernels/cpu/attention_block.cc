@@ -556,23 +556,31 @@ void BlockLanes(const float* qt, const float* k, int d, float scale,
   BlockLanesAvx512<128>(qt, k, scale, valid, m, l, p, c);
 }
 
-void AccumulateLanes(DType t, const float* p, int ns, int valid, const float* c,
-                     const void* v, float v_scale, int d, float* a) {
-  constexpr int kL = kLaneStates;
+// AccumulateWidenedStatesT for the KV dtype t, weights p[s * ldp + t * LDT].
+template <int LDT>
+void AccumulateWidenedStatesOf(DType t, const float* p, int ldp, int ns,
+                               int valid, const float* c, const void* v,
+                               float v_scale, int d, float* a) {
   switch (t) {
     case DType::kBF16:
-      return AccumulateWidenedStatesT<DType::kBF16, kL>(p, 1, ns, valid, c, v,
-                                                        v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kBF16, LDT>(p, ldp, ns, valid, c,
+                                                         v, v_scale, d, a);
     case DType::kF16:
-      return AccumulateWidenedStatesT<DType::kF16, kL>(p, 1, ns, valid, c, v,
-                                                       v_scale, d, a);
+      return AccumulateWidenedStatesT<DType::kF16, LDT>(p, ldp, ns, valid, c, v,
+                                                        v_scale, d, a);
     case DType::kI8:
-      return AccumulateWidenedStatesT<DType::kI8, kL>(p, 1, ns, valid, c, v,
-                                                      v_scale, d, a);
-    default:
-      return AccumulateWidenedStatesT<DType::kF32, kL>(p, 1, ns, valid, c, v,
+      return AccumulateWidenedStatesT<DType::kI8, LDT>(p, ldp, ns, valid, c, v,
                                                        v_scale, d, a);
+    default:
+      return AccumulateWidenedStatesT<DType::kF32, LDT>(p, ldp, ns, valid, c, v,
+                                                        v_scale, d, a);
   }
+}
+
+void AccumulateLanes(DType t, const float* p, int ns, int valid, const float* c,
+                     const void* v, float v_scale, int d, float* a) {
+  AccumulateWidenedStatesOf<kLaneStates>(t, p, 1, ns, valid, c, v, v_scale, d,
+                                         a);
 }
 
 #pragma GCC diagnostic pop
@@ -623,19 +631,7 @@ void TransposeKeysWidened(DType t, const void* k, int count, int d, float scale,
 void AccumulateWidenedStates(DType t, const float* p, int ldp, int ns,
                              int valid, const float* c, const void* v,
                              float v_scale, int d, float* a) {
-  switch (t) {
-    case DType::kBF16:
-      return AccumulateWidenedStatesT<DType::kBF16>(p, ldp, ns, valid, c, v,
-                                                    v_scale, d, a);
-    case DType::kF16:
-      return AccumulateWidenedStatesT<DType::kF16>(p, ldp, ns, valid, c, v,
-                                                   v_scale, d, a);
-    case DType::kI8:
-      return AccumulateWidenedStatesT<DType::kI8>(p, ldp, ns, valid, c, v,
-                                                  v_scale, d, a);
-    default:
-      break;
-  }
+  AccumulateWidenedStatesOf<1>(t, p, ldp, ns, valid, c, v, v_scale, d, a);
 }
 
 }  // namespace pdserve::kernels::paged_attention_internal
