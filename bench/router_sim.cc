@@ -127,6 +127,7 @@ void Simulation::Build() {
     v.fingerprint = fingerprint_;
     v.status.set_role(v.role);
     v.status.mutable_layout()->set_block_size(bs_);
+    v.block_size = bs_;
     // The rates a worker measures and exports (the cost model's), for the
     // policy's tier pricing and the pull decision.
     if (c_.prefill_us_per_token > 0)

@@ -105,7 +105,7 @@ class PrefixMatches {
 
  private:
   int64_t Tokens(const WorkerView& w, bool with_tier) {
-    const int32_t bs = static_cast<int32_t>(w.status.layout().block_size());
+    const int32_t bs = w.block_size;
     if (bs <= 0 || r_.tokens == nullptr || w.index < 0) return 0;
     const std::vector<int32_t>& counts =
         CountsFor(w.fingerprint, bs, with_tier);
@@ -248,10 +248,6 @@ class CacheAwarePolicy : public Policy {
   absl::StatusOr<RouteDecision> Choose(
       const RouteRequest& request,
       const std::vector<WorkerView>& workers) override {
-    // Each worker's block size lives in its status's layout, a message of
-    // its own elsewhere on the heap, read once per worker below: requested
-    // now, its misses overlap with the index walk's instead of following it.
-    for (const WorkerView& w : workers) __builtin_prefetch(&w.status.layout());
     ScratchLease scratch;
     PrefixMatches matches(request, index_, &scratch);
     const uint64_t start = next_++;

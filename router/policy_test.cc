@@ -22,6 +22,7 @@ WorkerView Worker(WorkerIndex index, v1::WorkerRole role) {
   w.up = true;
   w.fingerprint = kFingerprint;
   w.status.mutable_layout()->set_block_size(kBlockSize);
+  w.block_size = kBlockSize;
   w.status.set_total_blocks(100);
   w.status.set_free_blocks(100);
   w.status.set_max_model_len(4096);

@@ -196,13 +196,15 @@ void RouterServer::Impl::StartCall(Call& call) {
 
 absl::StatusOr<RouterServer::Impl::Route> RouterServer::Impl::ChooseWorkers(
     const Call& call) {
-  std::vector<WorkerView> workers = registry->UpWorkers();
-  // A draining worker finishes what it has but takes nothing new.
-  std::erase_if(workers,
-                [](const WorkerView& w) { return w.status.draining(); });
+  // Shared with concurrent requests, not copied. A draining worker finishes
+  // what it has but takes nothing new: the policies skip it, and so does
+  // everything below.
+  const std::shared_ptr<const std::vector<WorkerView>> snapshot =
+      registry->UpSnapshot();
+  const std::vector<WorkerView>& workers = *snapshot;
   uint32_t max_len = 0;
   for (const auto& w : workers) {
-    if (w.role != v1::WORKER_ROLE_PREFILL)
+    if (w.role != v1::WORKER_ROLE_PREFILL && !w.status.draining())
       max_len = max_len ? std::min(max_len, w.status.max_model_len())
                         : w.status.max_model_len();
   }
@@ -226,8 +228,7 @@ absl::StatusOr<RouterServer::Impl::Route> RouterServer::Impl::ChooseWorkers(
   route.uncached = request.num_tokens - decision.prefill_cached_tokens;
   (route.prefill ? m->remote : m->local)->Increment();
   auto hashes_for = [&](const WorkerView& w) {
-    return hashes.For(w.fingerprint,
-                      static_cast<int32_t>(w.status.layout().block_size()));
+    return hashes.For(w.fingerprint, w.block_size);
   };
   // Peer pull: asked before the speculative entries below, which would
   // credit the prefill worker with the whole prompt.
@@ -268,7 +269,7 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
   in.prefill_tier_load_tokens_per_second =
       p.status.kv_tier_load_tokens_per_second();
   in.prompt_blocks = static_cast<int32_t>(chain.size());
-  in.block_size = static_cast<int32_t>(p.status.layout().block_size());
+  in.block_size = p.block_size;
   in.bytes_per_block = BytesPerBlock(p.status.layout());
   in.prefill_tokens_per_second = p.status.prefill_tokens_per_second();
   in.prefill_transfer_bytes_per_second =
@@ -276,7 +277,8 @@ v1::PeerPull RouterServer::Impl::PeerPullFor(
   const std::string p_layout = p.status.layout().SerializeAsString();
   const absl::Time now = absl::Now();
   for (const WorkerView& w : workers) {
-    if (held_all(w.index) <= in.prefill_cached_blocks) continue;
+    if (w.status.draining() || held_all(w.index) <= in.prefill_cached_blocks)
+      continue;
     PeerPullCandidate c;
     c.index = w.index;
     c.address = w.address;

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
@@ -108,6 +109,7 @@ WorkerRegistry::Entry* WorkerRegistry::Add(const std::string& address,
     if (e != nullptr && e->view.address == address) return e.get();
   }
   if (added != nullptr) *added = true;
+  ViewsChanged();
   auto e = std::make_unique<Entry>();
   if (free_indices_.empty()) {
     e->view.index = static_cast<WorkerIndex>(entries_.size());
@@ -161,6 +163,7 @@ size_t WorkerRegistry::slots() const {
 }
 
 void WorkerRegistry::Retire(Entry* e) {
+  ViewsChanged();
   e->retired = true;
   e->retired_at = absl::Now();
   e->view.up = false;
@@ -174,6 +177,7 @@ void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   Entry* e = Add(address, role, &added);
   if (added) e->registered = true;
   if (e->registered && e->retired) {
+    ViewsChanged();
     e->retired = false;
     e->view.role = role;
     e->view.stub = NewWorkerStub(address);
@@ -219,13 +223,24 @@ void WorkerRegistry::Stop() {
   for (auto& t : threads) t.join();
 }
 
-std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
+std::shared_ptr<const std::vector<WorkerView>> WorkerRegistry::UpSnapshot()
+    const {
   absl::MutexLock l(&mu_);
-  std::vector<WorkerView> out;
-  for (const auto& e : entries_) {
-    if (e != nullptr && e->view.up && !e->retired) out.push_back(e->view);
+  if (up_ == nullptr) {
+    up_ = std::make_shared<std::vector<WorkerView>>();
+    up_position_.assign(entries_.size(), -1);
+    for (const auto& e : entries_) {
+      if (e == nullptr || !e->view.up || e->retired) continue;
+      up_position_[static_cast<size_t>(e->view.index)] =
+          static_cast<int32_t>(up_->size());
+      up_->push_back(e->view);
+    }
   }
-  return out;
+  return up_;
+}
+
+std::vector<WorkerView> WorkerRegistry::UpWorkers() const {
+  return *UpSnapshot();
 }
 
 std::vector<WorkerView> WorkerRegistry::AllWorkers() const {
@@ -242,6 +257,7 @@ void WorkerRegistry::ReportFailure(WorkerIndex index) {
   if (index < 0 || index >= static_cast<WorkerIndex>(entries_.size()) ||
       entries_[index] == nullptr)
     return;
+  ViewsChanged();
   entries_[index]->view.up = false;
 }
 
@@ -253,6 +269,21 @@ void WorkerRegistry::AddLoad(WorkerIndex index, int64_t prefill_tokens,
     return;
   entries_[index]->view.routed_prefill_tokens += prefill_tokens;
   entries_[index]->view.routed_requests += requests;
+  if (up_ == nullptr) return;
+  const size_t at = static_cast<size_t>(index);
+  if (at >= up_position_.size() || up_position_[at] < 0) return;
+  if (up_.use_count() != 1) {
+    // A request is reading it: the next UpSnapshot() builds a new one.
+    up_.reset();
+    return;
+  }
+  // Only the registry holds it, and copies are made under mu_ alone; the
+  // fence orders the last reader's reads (before it released its copy)
+  // before these writes.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  WorkerView& v = (*up_)[static_cast<size_t>(up_position_[at])];
+  v.routed_prefill_tokens += prefill_tokens;
+  v.routed_requests += requests;
 }
 
 bool WorkerRegistry::WaitForWorkers(size_t n, absl::Duration timeout) const {
@@ -317,6 +348,7 @@ void WorkerRegistry::ResolveDns() {
     Entry* e = Add(address, role);
     e->from_dns = true;
     if (e->retired) {
+      ViewsChanged();
       e->retired = false;
       e->view.stub = NewWorkerStub(address);
     }
@@ -396,12 +428,14 @@ void WorkerRegistry::OnStatus(Entry* entry, StatusPoll* poll,
         --polls_in_flight_;
         return;
       }
+      ViewsChanged();
       v.up = st.ok();
       if (st.ok()) {
         v.status = poll->status;
         v.id = poll->status.id();
         v.role = poll->status.role();
         v.fingerprint = ParseFingerprint(poll->status.cache_fingerprint());
+        v.block_size = static_cast<int32_t>(v.status.layout().block_size());
         entry->last_seen = absl::Now();
         entry->wants_events = true;
         if (!was_up) {

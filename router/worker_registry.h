@@ -34,18 +34,25 @@
 
 namespace pdserve::router {
 
+// Every routing decision reads the fields before `status` of every worker,
+// and a few of the status's, so they come first: a decision over N workers
+// then touches about three cache lines of each view, not its whole length
+// and a sub-message elsewhere on the heap.
 struct WorkerView {
   WorkerIndex index = -1;
-  std::string address;
-  std::string id;
   v1::WorkerRole role = v1::WORKER_ROLE_UNSPECIFIED;
+  // status.layout().block_size(), copied with the status like role and
+  // fingerprint.
+  int32_t block_size = 0;
   bool up = false;
-  v1::WorkerStatus status;
   engine::ModelFingerprint fingerprint{};
   // Router-side in-flight accounting, exact between heartbeats: prefill
   // tokens routed whose first token has not come back, and open requests.
   int64_t routed_prefill_tokens = 0;
   int64_t routed_requests = 0;
+  v1::WorkerStatus status;
+  std::string address;
+  std::string id;
   std::shared_ptr<v1::Worker::Stub> stub;
 };
 
@@ -90,7 +97,14 @@ class WorkerRegistry {
   // comes back.
   void Register(const std::string& address, v1::WorkerRole role)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Workers currently up.
+  // Workers currently up, as one snapshot shared by every caller until a
+  // worker's view changes (its status, state or role; AddLoad updates the
+  // snapshot's counters in place while nobody else holds it). Routing reads
+  // it per request: copying 64 views with their status messages would cost
+  // more than the decision.
+  std::shared_ptr<const std::vector<WorkerView>> UpSnapshot() const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The same, copied.
   std::vector<WorkerView> UpWorkers() const;
   std::vector<WorkerView> AllWorkers() const;
   // A call to this worker just failed at the transport level: mark it down
@@ -128,12 +142,19 @@ class WorkerRegistry {
   void Retire(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts retired entries nothing refers to any more, freeing their index.
   void EvictRetired() ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops the snapshot: called wherever a view changes, except for the
+  // load counters.
+  void ViewsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { up_.reset(); }
 
   const RegistryConfig config_;
   PrefixIndex* const index_;
   mutable absl::Mutex mu_;
   // By WorkerIndex; null where an evicted entry's index awaits reuse.
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  // UpSnapshot()'s, built on the first call after a change; with each
+  // WorkerIndex's position in it (-1: not in it).
+  mutable std::shared_ptr<std::vector<WorkerView>> up_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<int32_t> up_position_ ABSL_GUARDED_BY(mu_);
   std::vector<WorkerIndex> free_indices_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int polls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
