@@ -28,6 +28,11 @@ struct RouterMetrics {
         duration(metrics::HistogramChild(r, "pdserve_request_duration_seconds",
                                          "End-to-end request time",
                                          metrics::DefaultLatencyBuckets())),
+        route_time(metrics::HistogramChild(
+            r, "pdserve_router_route_seconds",
+            "Time to choose a request's workers: the up-worker snapshot, the "
+            "prompt's block hashes and the policy's decision",
+            metrics::ExponentialBuckets(1e-6, 2, 18))),
         prompt_tokens(metrics::CounterChild(r, "pdserve_prompt_tokens_total",
                                             "Prompt tokens received")),
         generation_tokens(metrics::CounterChild(
@@ -107,6 +112,7 @@ struct RouterMetrics {
   metrics::Histogram* ttft;
   metrics::Histogram* itl;
   metrics::Histogram* duration;
+  metrics::Histogram* route_time;
   metrics::Counter* prompt_tokens;
   metrics::Counter* generation_tokens;
   metrics::CounterFamily* decisions;

@@ -196,6 +196,7 @@ void RouterServer::Impl::StartCall(Call& call) {
 
 absl::StatusOr<RouterServer::Impl::Route> RouterServer::Impl::ChooseWorkers(
     const Call& call) {
+  const absl::Time route_start = absl::Now();
   // Shared with concurrent requests, not copied. A draining worker finishes
   // what it has but takes nothing new: the policies skip it, and so does
   // everything below.
@@ -223,6 +224,7 @@ absl::StatusOr<RouterServer::Impl::Route> RouterServer::Impl::ChooseWorkers(
   RouteRequest request{static_cast<int64_t>(route.tokens.size()),
                        call.cache_salt, &route.tokens, call.exclude, &hashes};
   ASSIGN_OR_RETURN(RouteDecision decision, policy->Choose(request, workers));
+  m->route_time->Observe(absl::ToDoubleSeconds(absl::Now() - route_start));
   route.decode = *decision.decode;
   if (decision.prefill != nullptr) route.prefill = *decision.prefill;
   route.uncached = request.num_tokens - decision.prefill_cached_tokens;

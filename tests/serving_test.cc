@@ -63,9 +63,14 @@ TEST_F(ServingTest, OutputsAreIdenticalAcrossDisaggregatedColocatedAndLocal) {
     EXPECT_EQ(a.last.finish_reason(), "length");
     EXPECT_EQ(a.last.usage().completion_tokens(), 24u);
   }
-  EXPECT_GT(MetricValue(Scrape(disagg.router.metrics_port),
+  const std::string router_metrics = Scrape(disagg.router.metrics_port);
+  EXPECT_GT(MetricValue(router_metrics,
                         "pdserve_prefill_decisions_total{mode=\"remote\"}"),
             0);
+  // Every routed request timed (at least one per temperature above).
+  EXPECT_GE(MetricValue(router_metrics, "pdserve_router_route_seconds_count"),
+            2);
+  EXPECT_GT(MetricValue(router_metrics, "pdserve_router_route_seconds_sum"), 0);
   double sent = 0;
   for (auto& p : disagg.prefill)
     sent += MetricValue(Scrape(p.metrics_port),
