@@ -90,58 +90,6 @@ TEST(WorkerRegistryTest, IndexRecoversAfterAHeartbeatFailureClearedIt) {
   server->Shutdown();
 }
 
-// Routing reads the up workers once per request; the registry hands out one
-// shared snapshot and copies it only when a view changes.
-TEST(WorkerRegistryTest, UpSnapshotIsSharedUntilAViewChanges) {
-  FakeWorker worker;
-  int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &port);
-  builder.RegisterService(&worker);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(port, 0);
-  PrefixIndex index;
-  RegistryConfig config;
-  config.decode = {absl::StrCat("127.0.0.1:", port)};
-  config.heartbeat = absl::Hours(1);  // one poll: the views then stay put
-  WorkerRegistry registry(config, &index);
-  registry.Start();
-  ASSERT_TRUE(WaitFor([&] { return registry.UpWorkers().size() == 1; }));
-
-  std::shared_ptr<const std::vector<WorkerView>> a = registry.UpSnapshot();
-  EXPECT_EQ(registry.UpSnapshot(), a) << "rebuilt with nothing changed";
-  const WorkerIndex w = a->at(0).index;
-
-  // Load accounting while a request holds the snapshot: a new one carries
-  // it, and the held one is left as it was.
-  registry.AddLoad(w, 100, 1);
-  std::shared_ptr<const std::vector<WorkerView>> b = registry.UpSnapshot();
-  EXPECT_NE(b, a);
-  EXPECT_EQ(a->at(0).routed_prefill_tokens, 0);
-  EXPECT_EQ(a->at(0).routed_requests, 0);
-  EXPECT_EQ(b->at(0).routed_prefill_tokens, 100);
-  EXPECT_EQ(b->at(0).routed_requests, 1);
-
-  // Held by nobody else: updated in place.
-  const std::vector<WorkerView>* held_by_registry = b.get();
-  a.reset();
-  b.reset();
-  registry.AddLoad(w, -40, 0);
-  std::shared_ptr<const std::vector<WorkerView>> c = registry.UpSnapshot();
-  EXPECT_EQ(c.get(), held_by_registry);
-  EXPECT_EQ(c->at(0).routed_prefill_tokens, 60);
-  EXPECT_EQ(c->at(0).routed_requests, 1);
-
-  // A view change: the next snapshot is new and leaves the worker out.
-  registry.ReportFailure(w);
-  EXPECT_TRUE(registry.UpSnapshot()->empty());
-  EXPECT_TRUE(registry.UpWorkers().empty());
-  EXPECT_EQ(c->size(), 1u) << "a reader's snapshot changed under it";
-  registry.Stop();
-  server->Shutdown();
-}
-
 // A worker that answers its first status poll and then, on demand, hangs:
 // status polls and KV event streams block (never answering) until the call
 // is cancelled or the test releases them.
@@ -213,6 +161,58 @@ struct TestServer {
   std::unique_ptr<grpc::Server> server;
 };
 
+// A registry config listing one decode worker: the one `server` serves.
+RegistryConfig OneDecodeWorker(const TestServer& server) {
+  RegistryConfig config;
+  config.decode = {server.address()};
+  return config;
+}
+
+// Routing reads the up workers once per request; the registry hands out one
+// shared snapshot and copies it only when a view changes.
+TEST(WorkerRegistryTest, UpSnapshotIsSharedUntilAViewChanges) {
+  PrefixIndex index;
+  FakeWorker worker;
+  TestServer server(&worker);
+  ASSERT_NE(server.port, 0);
+  RegistryConfig config = OneDecodeWorker(server);
+  config.heartbeat = absl::Hours(1);  // one poll: the views then stay put
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  ASSERT_TRUE(WaitFor([&] { return registry.UpWorkers().size() == 1; }));
+
+  std::shared_ptr<const std::vector<WorkerView>> a = registry.UpSnapshot();
+  EXPECT_EQ(registry.UpSnapshot(), a) << "rebuilt with nothing changed";
+  const WorkerIndex w = a->at(0).index;
+
+  // Load accounting while a request holds the snapshot: a new one carries
+  // it, and the held one is left as it was.
+  registry.AddLoad(w, 100, 1);
+  std::shared_ptr<const std::vector<WorkerView>> b = registry.UpSnapshot();
+  EXPECT_NE(b, a);
+  EXPECT_EQ(a->at(0).routed_prefill_tokens, 0);
+  EXPECT_EQ(a->at(0).routed_requests, 0);
+  EXPECT_EQ(b->at(0).routed_prefill_tokens, 100);
+  EXPECT_EQ(b->at(0).routed_requests, 1);
+
+  // Held by nobody else: updated in place.
+  const std::vector<WorkerView>* held_by_registry = b.get();
+  a.reset();
+  b.reset();
+  registry.AddLoad(w, -40, 0);
+  std::shared_ptr<const std::vector<WorkerView>> c = registry.UpSnapshot();
+  EXPECT_EQ(c.get(), held_by_registry);
+  EXPECT_EQ(c->at(0).routed_prefill_tokens, 60);
+  EXPECT_EQ(c->at(0).routed_requests, 1);
+
+  // A view change: the next snapshot is new and leaves the worker out.
+  registry.ReportFailure(w);
+  EXPECT_TRUE(registry.UpSnapshot()->empty());
+  EXPECT_TRUE(registry.UpWorkers().empty());
+  EXPECT_EQ(c->size(), 1u) << "a reader's snapshot changed under it";
+  registry.Stop();
+}
+
 // Stop() on a registry whose worker hangs mid-stream and mid-poll: it used
 // to block for good on the event stream's Read (no deadline, nothing to
 // cancel it).
@@ -221,8 +221,7 @@ TEST(WorkerRegistryTest, StopReturnsPromptlyWhileAWorkerHangs) {
   TestServer server(&worker);
   ASSERT_NE(server.port, 0);
   PrefixIndex index;
-  RegistryConfig config;
-  config.decode = {server.address()};
+  RegistryConfig config = OneDecodeWorker(server);
   config.heartbeat = absl::Milliseconds(20);
   config.status_timeout = absl::Minutes(5);
   config.event_stream_idle_timeout = absl::Minutes(5);
@@ -300,8 +299,7 @@ TEST(WorkerRegistryTest, ReopensAnEventStreamThatStaysSilent) {
   HangingWorker worker;
   TestServer server(&worker);
   PrefixIndex index;
-  RegistryConfig config;
-  config.decode = {server.address()};
+  RegistryConfig config = OneDecodeWorker(server);
   config.heartbeat = absl::Milliseconds(20);
   config.event_stream_idle_timeout = absl::Milliseconds(200);
   WorkerRegistry registry(config, &index);
