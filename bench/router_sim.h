@@ -165,6 +165,13 @@ struct SimRun {
   double decision_p50_us = 0, decision_p99_us = 0, decision_wall_p99_us = 0;
   double hash_p50_us = 0, hash_p99_us = 0;
   double route_p50_us = 0, route_p99_us = 0;
+  // The host's own share of those tails: a fixed register-only loop, sized
+  // to the decision's running median and timed the same way right after
+  // each decision (p50, p99). Interrupts, a hypervisor's exits and vCPU
+  // preemption are charged to the thread's CPU time too, so a decision p99
+  // far above its p50 next to a reference p99 as high is the machine's,
+  // not the router's. NaN for the oracle.
+  double reference_p50_us = 0, reference_p99_us = 0;
   // The router's index at the end of the run.
   int64_t index_hashes = 0, index_entries = 0, index_bytes = 0;
   double index_bytes_per_block = 0;  // per (block hash, worker) entry

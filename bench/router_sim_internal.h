@@ -105,6 +105,13 @@ inline engine::ModelFingerprint SimFingerprint(int32_t block_size) {
 // preemptions of a busy host that wall-clock time would add.
 double ThreadCpuMicros();
 
+// A dependent multiply-add chain of `iterations` steps: constant work with
+// no memory traffic, the reference that decision times are set against.
+uint64_t ReferenceLoop(int64_t iterations, uint64_t seed);
+// Iterations of ReferenceLoop per microsecond of this thread's CPU time
+// (the best of a few timed runs).
+double ReferenceLoopRate();
+
 inline Micros FromMs(double ms) {
   return static_cast<Micros>(std::llround(ms * 1000.0));
 }
@@ -261,6 +268,9 @@ class Simulation {
   // router_service's PeerPullFor on the simulated views and index: per tier,
   // the pool's counts and the pool's plus the tiers'.
   void DecidePull(int32_t r);
+  // Times ReferenceLoop over about the decisions' running median, given
+  // the latest decision's time.
+  void MeasureReference(double decision_us);
 
   // The workers again (router_sim.cc): the holder's side of a pull,
   // admission, prefill and decode.
@@ -347,7 +357,11 @@ class Simulation {
   int64_t input_tokens_ = 0, hit_tokens_ = 0;
   int64_t events_lost_ = 0, resyncs_ = 0;
   std::vector<double> ttft_ms_, prefill_queue_ms_, decode_admit_ms_, tpot_ms_,
-      decision_us_, decision_wall_us_, hash_us_, route_us_;
+      decision_us_, decision_wall_us_, hash_us_, route_us_, reference_us_;
+  // The decisions' running median, and ReferenceLoop's iterations (0 until
+  // the first decision), steered so that the loop takes about that long.
+  double decision_median_us_ = 0, reference_iterations_ = 0;
+  uint64_t reference_sink_ = 0;
 };
 
 }  // namespace pdserve::bench::router_sim_internal

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -42,6 +43,28 @@ double ThreadCpuMicros() {
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) * 1e6 +
          static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
+uint64_t ReferenceLoop(int64_t iterations, uint64_t seed) {
+  uint64_t x = seed;
+  for (int64_t i = 0; i < iterations; ++i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    asm volatile("" : "+r"(x));  // keeps the chain: one step per iteration
+  }
+  return x;
+}
+
+double ReferenceLoopRate() {
+  constexpr int64_t kIterations = 200'000;
+  double best = std::numeric_limits<double>::infinity();
+  uint64_t sink = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double t0 = ThreadCpuMicros();
+    sink += ReferenceLoop(kIterations, sink + i);
+    best = std::min(best, ThreadCpuMicros() - t0);
+  }
+  asm volatile("" : : "r"(sink));
+  return static_cast<double>(kIterations) / std::max(best, 1.0);
 }
 
 void Simulation::Heartbeat() {
@@ -88,6 +111,7 @@ absl::Status Simulation::Arrive(int32_t r) {
   decision_wall_us_.push_back(std::chrono::duration<double, std::micro>(
                                   std::chrono::steady_clock::now() - wall0)
                                   .count());
+  if (!oracle_) MeasureReference(cpu1 - cpu0);
   if (!d.ok()) return d.status();
   Req& q = reqs_[r];
   q.decode = static_cast<int32_t>(d->decode - views_.data());
@@ -107,6 +131,26 @@ absl::Status Simulation::Arrive(int32_t r) {
   decode_[q.decode - num_prefill_].admit.push_back(r);
   TryAdmit(q.decode - num_prefill_);
   return absl::OkStatus();
+}
+
+void Simulation::MeasureReference(double decision_us) {
+  if (reference_iterations_ == 0) {
+    decision_median_us_ = decision_us;
+    reference_iterations_ = std::max(1.0, decision_us * ReferenceLoopRate());
+  }
+  // Running medians, a step of 1% toward each new time: the tail being
+  // measured does not stretch the reference, and a cold first decision is
+  // forgotten within a few hundred.
+  decision_median_us_ *= decision_us > decision_median_us_ ? 1.01 : 0.99;
+  const double t0 = ThreadCpuMicros();
+  reference_sink_ = ReferenceLoop(static_cast<int64_t>(reference_iterations_),
+                                  reference_sink_);
+  const double us = ThreadCpuMicros() - t0;
+  reference_us_.push_back(us);
+  // The loop's length is steered so that its own median follows the
+  // decisions' (the calibrated rate is a best case; a busy host runs slower).
+  reference_iterations_ *= us > decision_median_us_ ? 0.99 : 1.01;
+  reference_iterations_ = std::max(reference_iterations_, 1.0);
 }
 
 void Simulation::DecidePull(int32_t r) {

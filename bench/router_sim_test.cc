@@ -3,11 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <span>
 
 #include "absl/strings/str_cat.h"
+#include "bench/router_sim_internal.h"
 #include "bench/trace.h"
 
 namespace pdserve::bench {
@@ -153,7 +155,32 @@ TEST(RouterSimTest, HandBuiltFamiliesHitAsComputedByHand) {
   EXPECT_GT(aware.decision_p99_us, 0);
   EXPECT_GE(aware.route_p99_us, aware.decision_p99_us);
   EXPECT_TRUE(std::isnan(RunOf(*r, "oracle", 2).decision_p50_us));
+  EXPECT_GT(aware.reference_p50_us, 0);
+  EXPECT_GE(aware.reference_p99_us, aware.reference_p50_us);
+  EXPECT_TRUE(std::isnan(RunOf(*r, "oracle", 2).reference_p99_us));
   EXPECT_GT(aware.index_bytes_per_block, 0);
+}
+
+// The reference loop is a chain the compiler cannot fold: its result
+// depends on every step, and its time grows with its length.
+TEST(RouterSimTest, ReferenceLoopRunsEveryStep) {
+  using router_sim_internal::ReferenceLoop;
+  EXPECT_EQ(ReferenceLoop(0, 5), 5u);
+  EXPECT_EQ(ReferenceLoop(1, 5),
+            5 * 6364136223846793005ULL + 1442695040888963407ULL);
+  EXPECT_NE(ReferenceLoop(1000, 5), ReferenceLoop(1001, 5));
+  EXPECT_GT(router_sim_internal::ReferenceLoopRate(), 0);
+  auto best_us = [](int64_t iterations) {
+    double best = 1e30;
+    for (int i = 0; i < 5; ++i) {
+      const double t0 = router_sim_internal::ThreadCpuMicros();
+      volatile uint64_t sink = ReferenceLoop(iterations, i);
+      (void)sink;
+      best = std::min(best, router_sim_internal::ThreadCpuMicros() - t0);
+    }
+    return best;
+  };
+  EXPECT_GT(best_us(4'000'000), 4 * best_us(200'000));
 }
 
 // Peer pull: round robin sends 3 of the 9 repeats of a family's
@@ -336,7 +363,7 @@ TEST(RouterSimTest, SameSeedGivesIdenticalReport) {
     for (SimRun& run : r.runs) {  // measured, not simulated
       run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us = 0;
       run.hash_p50_us = run.hash_p99_us = run.route_p50_us = run.route_p99_us =
-          0;
+          run.reference_p50_us = run.reference_p99_us = 0;
     }
     return r.ToJson();
   };
