@@ -62,6 +62,25 @@ deps() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# After a failed ctest run: the last lines each failed test printed, again at
+# the end of the log (--output-on-failure prints them where they fail, which
+# a log's tail does not show among hundreds of tests).
+failed_test_tails() {
+  local log="$BUILD_DIR/Testing/Temporary/LastTest.log"
+  [ -f "$log" ] || return 0
+  echo "[test] output of the failed tests (last 40 lines each):"
+  awk '
+    /^[0-9]+\/[0-9]+ Test: / { name = $0; sub(/^[0-9]+\/[0-9]+ Test: /, "", name); n = 0; out = 0; next }
+    /^Output:$/ { out = 1; next }
+    out && /^<end of output>$/ { out = 0; next }
+    out { if ($0 !~ /^-+$/ || n > 0) lines[n++] = $0; next }
+    /^Test Failed\.$/ {
+      print "==== " name
+      for (i = (n > 40 ? n - 40 : 0); i < n; i++) print lines[i]
+    }
+  ' "$log"
+}
+
 build() {
   local cuda=${PDSERVE_CUDA:-AUTO}
   local nvcc_path=""
@@ -123,7 +142,10 @@ case "$cmd" in
       echo "[test] fuzz targets building in the background (log: $FUZZ_BUILD_DIR/build.log)"
     fi
     build
-    (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@")
+    if ! (cd "$BUILD_DIR" && ctest -L cpu --output-on-failure -j "$JOBS" "$@"); then
+      failed_test_tails
+      exit 8
+    fi
     if [ -n "$fuzz_pid" ]; then
       echo "[test] waiting for the fuzz build"
       if ! wait "$fuzz_pid"; then

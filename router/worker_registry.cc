@@ -50,9 +50,9 @@ struct WorkerRegistry::Entry {
   // Added by RegisterWorker (not a flag or DNS): forgotten when down long.
   bool registered = false;
   // Gone from DNS (a rolled-out pod) or a registered worker down too long:
-  // no longer polled, routed to or counted; a retired entry drops its
-  // channel. It is evicted (and its WorkerIndex reused) once nothing refers
-  // to it (EvictRetired).
+  // no longer polled, routed to or counted. It keeps its channel (a call in
+  // flight must not outlive it) until it is evicted (and its WorkerIndex
+  // reused) once nothing refers to it (EvictRetired).
   bool retired = false;
   absl::Time retired_at;
   // When it last answered a poll or registered (for forgetting).
@@ -162,13 +162,26 @@ size_t WorkerRegistry::slots() const {
   return entries_.size() - free_indices_.size();
 }
 
-void WorkerRegistry::Retire(Entry* e) {
+void WorkerRegistry::Retire(Entry* e, Retired* out) {
   ViewsChanged();
   e->retired = true;
   e->retired_at = absl::Now();
   e->view.up = false;
   e->wants_events = false;
-  e->view.stub.reset();  // in-flight calls keep their own reference
+  out->indices.push_back(e->view.index);
+  // A poll in flight would otherwise hold the entry (and its index) until
+  // its deadline; its completion sees `retired` and only drops it.
+  if (e->poll) out->polls.push_back(e->poll);
+  if (e->events_ctx) out->streams.push_back(e->events_ctx);
+}
+
+void WorkerRegistry::Release(Retired& retired) {
+  for (auto& p : retired.polls) p->ctx.TryCancel();
+  for (auto& c : retired.streams) c->TryCancel();
+  retired.polls.clear();
+  retired.streams.clear();
+  for (WorkerIndex w : retired.indices) index_->ClearWorker(w);
+  retired.indices.clear();
 }
 
 void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
@@ -179,8 +192,7 @@ void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   if (e->registered && e->retired) {
     ViewsChanged();
     e->retired = false;
-    e->view.role = role;
-    e->view.stub = NewWorkerStub(address);
+    e->view.role = role;  // its channel was kept
     PDSERVE_LOG(INFO) << "forgotten worker " << address << " registered again";
   }
   e->last_seen = absl::Now();
@@ -339,18 +351,15 @@ void WorkerRegistry::ResolveDns() {
   for (const auto& a : config_.both)
     if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_BOTH);
   if (!any_dns) return;
-  std::vector<WorkerIndex> gone;
-  absl::Cleanup clear_gone = [&] {  // after mu_ is released
-    for (WorkerIndex w : gone) index_->ClearWorker(w);
-  };
+  Retired gone;
+  absl::Cleanup release_gone = [&] { Release(gone); };  // after mu_'s release
   absl::MutexLock l(&mu_);
   for (const auto& [address, role] : found) {
     Entry* e = Add(address, role);
     e->from_dns = true;
     if (e->retired) {
       ViewsChanged();
-      e->retired = false;
-      e->view.stub = NewWorkerStub(address);
+      e->retired = false;  // its channel was kept
     }
   }
   if (!all_resolved) return;
@@ -360,8 +369,7 @@ void WorkerRegistry::ResolveDns() {
         std::any_of(found.begin(), found.end(),
                     [&](const auto& f) { return f.first == e->view.address; });
     if (!listed) {
-      Retire(e.get());
-      gone.push_back(e->view.index);
+      Retire(e.get(), &gone);
       PDSERVE_LOG(INFO) << "worker " << e->view.address
                         << " left DNS; forgotten";
     }
@@ -485,16 +493,15 @@ void WorkerRegistry::StartEventStreams() {
 }
 
 void WorkerRegistry::Sweep(absl::Time now) {
-  std::vector<std::shared_ptr<grpc::ClientContext>> idle;
-  std::vector<WorkerIndex> forgotten;
+  Retired forgotten;
   {
     absl::MutexLock l(&mu_);
     for (auto& e : entries_) {
       if (e == nullptr || e->retired) continue;
       if (e->events_ctx != nullptr &&
           now - e->last_event > config_.event_stream_idle_timeout) {
-        idle.push_back(e->events_ctx);
-        e->last_event = now;  // once per timeout
+        forgotten.streams.push_back(e->events_ctx);  // idle: cancelled
+        e->last_event = now;                         // once per timeout
       }
       if (e->registered && !e->view.up &&
           now - e->last_seen > config_.forget_registered_after) {
@@ -502,14 +509,11 @@ void WorkerRegistry::Sweep(absl::Time now) {
                           << " down for "
                           << absl::FormatDuration(now - e->last_seen)
                           << "; forgotten";
-        Retire(e.get());
-        forgotten.push_back(e->view.index);
-        if (e->events_ctx) idle.push_back(e->events_ctx);
+        Retire(e.get(), &forgotten);
       }
     }
   }
-  for (auto& c : idle) c->TryCancel();
-  for (WorkerIndex w : forgotten) index_->ClearWorker(w);
+  Release(forgotten);
 }
 
 void WorkerRegistry::EventLoop(Entry* entry) {

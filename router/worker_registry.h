@@ -137,9 +137,19 @@ class WorkerRegistry {
   // The entry for `address`, created (and `*added` set) if there is none.
   Entry* Add(const std::string& address, v1::WorkerRole role,
              bool* added = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // No longer polled, routed to or counted; its index entries are dropped
-  // by the caller (ClearWorker) once mu_ is released.
-  void Retire(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What retiring entries leaves to its caller once mu_ is released: a
+  // cancelled call may complete inline, and a completion takes mu_.
+  struct Retired {
+    std::vector<WorkerIndex> indices;  // their index entries: ClearWorker
+    std::vector<std::shared_ptr<StatusPoll>> polls;             // cancelled
+    std::vector<std::shared_ptr<grpc::ClientContext>> streams;  // cancelled
+  };
+  // No longer polled, routed to or counted; its calls in flight and index
+  // entries go to `out`, for Release once mu_ is released. It keeps its
+  // channel until eviction: a callback call must not outlive its channel.
+  void Retire(Entry* e, Retired* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Cancels the polls and streams, then clears the index entries.
+  void Release(Retired& retired) ABSL_LOCKS_EXCLUDED(mu_);
   // Evicts retired entries nothing refers to any more, freeing their index.
   void EvictRetired() ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the snapshot: called wherever a view changes, except for the

@@ -1,7 +1,11 @@
 #include "router/worker_registry.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -397,6 +401,59 @@ TEST(WorkerRegistryTest, AddressChurnKeepsTheRegistryAndIndexBounded) {
   }
   EXPECT_EQ(index.num_hashes(), 0u);
   EXPECT_EQ(index.Memory().reverse_entries, 0u);
+  registry.Stop();
+}
+
+// A listener that never accepts: the kernel completes the TCP handshake but
+// no HTTP/2 settings ever arrive, so a status poll stays queued in its
+// channel until the channel goes away.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (fd_ < 0 || bind(fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
+        listen(fd_, 64) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      port_ = -1;
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = -1;
+};
+
+// Forgetting a worker drops its channel while its status poll is still
+// queued there; the poll's completion (which takes the registry's lock) must
+// not run under that lock.
+TEST(WorkerRegistryTest, ForgettingAWorkerWithAPollInFlightCompletesIt) {
+  SilentListener silent;
+  ASSERT_GT(silent.port(), 0);
+  PrefixIndex index;
+  RegistryConfig config;
+  config.heartbeat = absl::Milliseconds(10);
+  config.status_timeout = absl::Seconds(30);
+  config.forget_registered_after = absl::Milliseconds(50);
+  config.evict_retired_after = absl::ZeroDuration();
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  for (int round = 0; round < 20; ++round) {
+    registry.Register(absl::StrCat("127.0.0.1:", silent.port()),
+                      v1::WORKER_ROLE_DECODE);
+    // The poll completes with the channel's end, well before its deadline.
+    ASSERT_TRUE(WaitFor([&] { return registry.slots() == 0; }, 100))
+        << "round " << round << ": " << registry.slots() << " slots";
+  }
   registry.Stop();
 }
 
