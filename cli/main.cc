@@ -16,6 +16,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "cli/command.h"
 #include "cli/flag_table.h"
 
@@ -133,6 +134,13 @@ int Main(int argc, char** argv) {
 }  // namespace pdserve::cli
 
 int main(int argc, char** argv) {
+  // Debian builds Abseil without NDEBUG, which leaves absl::Mutex's deadlock
+  // detector on and aborting: every lock then also updates a process-wide
+  // lock-order graph under one global lock (about 30 ns more per uncontended
+  // lock in a microbenchmark), and gRPC's own locking has been reported to
+  // trip it without a real deadlock under connection churn. The server turns
+  // it off; the test binaries keep it, as a check on pdserve's lock order.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Kernel threads wait passively between parallel regions unless the user
   // chose otherwise. Spinning (libgomp's default) collapses when cores are
   // shared — several workers per node, or a busy CI machine: a descheduled
