@@ -185,6 +185,7 @@ void WorkerRegistry::Release(Retired& retired) {
 }
 
 void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
+  std::shared_ptr<v1::Worker::Stub> old;  // dropped once mu_ is released
   absl::MutexLock l(&mu_);
   bool added = false;
   Entry* e = Add(address, role, &added);
@@ -192,10 +193,21 @@ void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   if (e->registered && e->retired) {
     ViewsChanged();
     e->retired = false;
-    e->view.role = role;  // its channel was kept
+    e->view.role = role;
+    old = Renew(e);
     PDSERVE_LOG(INFO) << "forgotten worker " << address << " registered again";
   }
   e->last_seen = absl::Now();
+}
+
+std::shared_ptr<v1::Worker::Stub> WorkerRegistry::Renew(Entry* e) {
+  // The old channel may be in reconnect back-off from the failures that
+  // retired the entry. A poll still in flight on it (cancelled, completing)
+  // keeps it: a callback call must not outlive its channel.
+  if (e->poll != nullptr) return nullptr;
+  std::shared_ptr<v1::Worker::Stub> old = std::move(e->view.stub);
+  e->view.stub = NewWorkerStub(e->view.address);
+  return old;
 }
 
 void WorkerRegistry::Start() {
@@ -352,6 +364,7 @@ void WorkerRegistry::ResolveDns() {
     if (a.rfind("dns:", 0) == 0) resolve(a, v1::WORKER_ROLE_BOTH);
   if (!any_dns) return;
   Retired gone;
+  std::vector<std::shared_ptr<v1::Worker::Stub>> old;   // after mu_'s release
   absl::Cleanup release_gone = [&] { Release(gone); };  // after mu_'s release
   absl::MutexLock l(&mu_);
   for (const auto& [address, role] : found) {
@@ -359,7 +372,8 @@ void WorkerRegistry::ResolveDns() {
     e->from_dns = true;
     if (e->retired) {
       ViewsChanged();
-      e->retired = false;  // its channel was kept
+      e->retired = false;
+      old.push_back(Renew(e));
     }
   }
   if (!all_resolved) return;

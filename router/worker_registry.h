@@ -148,6 +148,11 @@ class WorkerRegistry {
   // entries go to `out`, for Release once mu_ is released. It keeps its
   // channel until eviction: a callback call must not outlive its channel.
   void Retire(Entry* e, Retired* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A fresh channel for a retired entry that comes back, unless a poll is
+  // still in flight on the old one; returns the old one, to be dropped once
+  // mu_ is released.
+  std::shared_ptr<v1::Worker::Stub> Renew(Entry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Cancels the polls and streams, then clears the index entries.
   void Release(Retired& retired) ABSL_LOCKS_EXCLUDED(mu_);
   // Evicts retired entries nothing refers to any more, freeing their index.

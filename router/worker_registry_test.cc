@@ -149,10 +149,11 @@ class CountingWorker final : public v1::Worker::Service {
 };
 
 struct TestServer {
-  explicit TestServer(grpc::Service* service) {
+  // On `fixed_port`, or on a free one when 0.
+  explicit TestServer(grpc::Service* service, int fixed_port = 0) {
     grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port);
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", fixed_port),
+                             grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service);
     server = builder.BuildAndStart();
   }
@@ -294,6 +295,38 @@ TEST(WorkerRegistryTest, ForgetsARegisteredWorkerThatStaysDown) {
   // Registering again brings it back.
   registry.Register("127.0.0.1:2", v1::WORKER_ROLE_DECODE);
   EXPECT_TRUE(listed("127.0.0.1:2"));
+  registry.Stop();
+}
+
+// A registered worker that was down long enough to be forgotten comes back
+// on the same address and registers again: it is polled on a new channel,
+// not one still backing off from the failures that retired it (gRPC's first
+// back-off is 1 s, the next ones 1.6x longer).
+TEST(WorkerRegistryTest, AForgottenWorkerThatComesBackIsUpPromptly) {
+  CountingWorker worker;
+  int port = 0;
+  {
+    TestServer probe(&worker);  // finds a free port, then frees it
+    port = probe.port;
+  }
+  ASSERT_GT(port, 0);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  PrefixIndex index;
+  RegistryConfig config;
+  config.heartbeat = absl::Milliseconds(20);
+  config.forget_registered_after = absl::Milliseconds(2500);
+  WorkerRegistry registry(config, &index);
+  registry.Start();
+  registry.Register(address, v1::WORKER_ROLE_DECODE);
+  ASSERT_TRUE(WaitFor([&] { return registry.AllWorkers().empty(); }))
+      << "the down worker was never forgotten";
+  TestServer server(&worker, port);
+  ASSERT_EQ(server.port, port);
+  const absl::Time back = absl::Now();
+  registry.Register(address, v1::WORKER_ROLE_DECODE);
+  ASSERT_TRUE(registry.WaitForWorkers(1, absl::Seconds(5)));
+  EXPECT_LT(absl::Now() - back, absl::Milliseconds(1500))
+      << "the worker came up only after its old channel's back-off";
   registry.Stop();
 }
 
