@@ -175,13 +175,10 @@ void WorkerRegistry::Retire(Entry* e, Retired* out) {
   if (e->events_ctx) out->streams.push_back(e->events_ctx);
 }
 
-void WorkerRegistry::Release(Retired& retired) {
+void WorkerRegistry::Release(const Retired& retired) {
   for (auto& p : retired.polls) p->ctx.TryCancel();
   for (auto& c : retired.streams) c->TryCancel();
-  retired.polls.clear();
-  retired.streams.clear();
   for (WorkerIndex w : retired.indices) index_->ClearWorker(w);
-  retired.indices.clear();
 }
 
 void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
@@ -191,16 +188,16 @@ void WorkerRegistry::Register(const std::string& address, v1::WorkerRole role) {
   Entry* e = Add(address, role, &added);
   if (added) e->registered = true;
   if (e->registered && e->retired) {
-    ViewsChanged();
-    e->retired = false;
     e->view.role = role;
-    old = Renew(e);
+    old = Revive(e);
     PDSERVE_LOG(INFO) << "forgotten worker " << address << " registered again";
   }
   e->last_seen = absl::Now();
 }
 
-std::shared_ptr<v1::Worker::Stub> WorkerRegistry::Renew(Entry* e) {
+std::shared_ptr<v1::Worker::Stub> WorkerRegistry::Revive(Entry* e) {
+  ViewsChanged();
+  e->retired = false;
   // The old channel may be in reconnect back-off from the failures that
   // retired the entry. A poll still in flight on it (cancelled, completing)
   // keeps it: a callback call must not outlive its channel.
@@ -371,9 +368,7 @@ void WorkerRegistry::ResolveDns() {
     Entry* e = Add(address, role);
     e->from_dns = true;
     if (e->retired) {
-      ViewsChanged();
-      e->retired = false;
-      old.push_back(Renew(e));
+      old.push_back(Revive(e));
     }
   }
   if (!all_resolved) return;

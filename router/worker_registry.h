@@ -148,13 +148,13 @@ class WorkerRegistry {
   // entries go to `out`, for Release once mu_ is released. It keeps its
   // channel until eviction: a callback call must not outlive its channel.
   void Retire(Entry* e, Retired* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A fresh channel for a retired entry that comes back, unless a poll is
-  // still in flight on the old one; returns the old one, to be dropped once
-  // mu_ is released.
-  std::shared_ptr<v1::Worker::Stub> Renew(Entry* e)
+  // A retired entry that comes back: polled and routed to again, on a fresh
+  // channel unless a poll is still in flight on the old one. Returns the old
+  // one, to be dropped once mu_ is released.
+  std::shared_ptr<v1::Worker::Stub> Revive(Entry* e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Cancels the polls and streams, then clears the index entries.
-  void Release(Retired& retired) ABSL_LOCKS_EXCLUDED(mu_);
+  void Release(const Retired& retired) ABSL_LOCKS_EXCLUDED(mu_);
   // Evicts retired entries nothing refers to any more, freeing their index.
   void EvictRetired() ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the snapshot: called wherever a view changes, except for the
