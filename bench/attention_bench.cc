@@ -51,7 +51,9 @@ int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [THREADS] [CONTEXT] [SEQS] "
                "[fp32|bf16|fp16|int8] [in-order|shuffled] [REPS] "
-               "[1b|small] [cold|warm]\n",
+               "[1b|small] [cold|warm] [best|l1|l2]\n"
+               "  the last picks where the K and V prefetch puts its lines "
+               "(best: the CPU's default)\n",
                argv0);
   return 2;
 }
@@ -65,7 +67,7 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  if (argc > 9) return Usage(argv[0]);
+  if (argc > 10) return Usage(argv[0]);
   const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
   const int context = argc > 2 ? std::atoi(argv[2]) : 256;
   const int num_seqs = argc > 3 ? std::atoi(argv[3]) : 32;
@@ -74,6 +76,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 6 ? std::atoi(argv[6]) : 30;
   const std::string shape = argc > 7 ? argv[7] : "1b";
   const std::string caches = argc > 8 ? argv[8] : "cold";
+  const std::string hint = argc > 9 ? argv[9] : "best";
   DType dtype;
   if (dtype_name == "fp32") {
     dtype = DType::kF32;
@@ -89,8 +92,12 @@ int main(int argc, char** argv) {
   if (threads < 1 || context < 1 || num_seqs < 1 || reps < 1 ||
       (order != "in-order" && order != "shuffled") ||
       (shape != "1b" && shape != "small") ||
-      (caches != "cold" && caches != "warm"))
+      (caches != "cold" && caches != "warm") ||
+      (hint != "best" && hint != "l1" && hint != "l2"))
     return Usage(argv[0]);
+  kernels::SetKvPrefetchHint(hint == "l1"   ? kernels::KvPrefetchHint::kL1
+                             : hint == "l2" ? kernels::KvPrefetchHint::kL2
+                                            : kernels::KvPrefetchHint::kBest);
   const int heads = shape == "1b" ? 32 : 8;
   const int kv_heads = heads / 4;
   kernels::SetKernelThreads(threads);

@@ -44,10 +44,17 @@ constexpr int kTasksPerThread = 4;
 // or V of one block (4 KiB in fp32 at head_dim 64), a run where the hardware
 // prefetcher starts over. Its lines are requested a share at a time over the
 // current pair's steps, since a whole unit's lines requested at once stall
-// the loads that follow them. They go to L2 (T2): an L1 prefetch holds one of
-// the core's few L1 miss buffers until its line arrives, which capped the
-// lines in flight (attention_bench, 32 sequences x 256 tokens of fp32 KV, on
-// a Xeon: 1.87 ms a call with T0, 1.66 with T2).
+// the loads that follow them. Where they go depends on the CPU
+// (KvPrefetchHint): on an Intel Xeon an L1 prefetch (T0) held one of the
+// core's few L1 miss buffers until its line arrived, which capped the lines
+// in flight (attention_bench, 32 sequences x 256 tokens of fp32 KV: 1.87 ms
+// a call with T0, 1.66 with T2); on an AMD EPYC (Zen 5) the T2 requests
+// themselves arrived at a third of T0's rate.
+bool& KvPrefetchToL1() {
+  static bool l1 = __builtin_cpu_is("amd");
+  return l1;
+}
+
 class KvPrefetcher {
  public:
   // Queues unit (block, head)'s K, then its V.
@@ -71,8 +78,13 @@ class KvPrefetcher {
   void Issue(int64_t lines) {
     while (lines > 0 && next_ < count_) {
       const Range& r = ranges_[next_];
-      for (; lines > 0 && offset_ < r.bytes; --lines, offset_ += 64)
-        _mm_prefetch(r.p + offset_, _MM_HINT_T2);
+      if (l1_) {
+        for (; lines > 0 && offset_ < r.bytes; --lines, offset_ += 64)
+          _mm_prefetch(r.p + offset_, _MM_HINT_T0);
+      } else {
+        for (; lines > 0 && offset_ < r.bytes; --lines, offset_ += 64)
+          _mm_prefetch(r.p + offset_, _MM_HINT_T2);
+      }
       if (offset_ >= r.bytes) {
         ++next_;
         offset_ = 0;
@@ -88,6 +100,7 @@ class KvPrefetcher {
   };
   static constexpr int kMaxRanges = 4;  // two units' K and V
   Range ranges_[kMaxRanges];
+  const bool l1_ = KvPrefetchToL1();
   int count_ = 0, next_ = 0;
   int64_t offset_ = 0;
 };
@@ -113,6 +126,12 @@ bool SetPagedAttentionIsa(PagedAttentionIsa isa) {
       return true;
   }
   return false;
+}
+
+void SetKvPrefetchHint(KvPrefetchHint hint) {
+  KvPrefetchToL1() = hint == KvPrefetchHint::kBest
+                         ? __builtin_cpu_is("amd")
+                         : hint == KvPrefetchHint::kL1;
 }
 
 float AttentionExpForTesting(float x) { return vec_exp::ExpPortable(x); }

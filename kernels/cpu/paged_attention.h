@@ -81,6 +81,17 @@ void PagedAttention(const float* q, int32_t num_heads,
 enum class PagedAttentionIsa { kBest, kPortable, kAvx2, kAvx512 };
 bool SetPagedAttentionIsa(PagedAttentionIsa isa);
 
+// Where the software prefetch of the K and V a task reads next puts its
+// lines. kBest: L1 (T0) on AMD CPUs and L2 (T2) elsewhere. Measured with
+// `attention_bench`, caches flushed: on an AMD EPYC (Zen 5) T2 requests of
+// scattered 4 KiB KV units came in at 5-7 GB/s a thread against 20-26 with
+// T0 (2 threads, one 168-token sequence of `small`: 25-39 us a call
+// against 7-9); on an Intel Xeon T2 was 12% faster than T0 (32 sequences x
+// 256 tokens). The hint never changes a result. For tests and benchmarks;
+// not synchronised with running attention calls.
+enum class KvPrefetchHint { kBest, kL1, kL2 };
+void SetKvPrefetchHint(KvPrefetchHint hint);
+
 // The exp attention's softmax uses (x <= 0), for tests.
 float AttentionExpForTesting(float x);
 

@@ -292,6 +292,34 @@ TEST_F(PagedAttentionTest, EveryInstructionSetGivesTheSameBits) {
   }
 }
 
+// Where the K and V prefetch puts its lines (L1 or L2) is a hint: the
+// results are the same bits either way, decode rows and prefill chunks.
+TEST_F(PagedAttentionTest, TheKvPrefetchHintNeverChangesAResult) {
+  const int kv_heads = 2, group = 4, heads = kv_heads * group, hd = 64;
+  const std::vector<int> lens = {1, 168, 70};
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+    PagedFixture f = Build(dtype, kv_heads, hd, 16, lens);
+    std::vector<AttentionSeq> seqs;
+    int64_t rows = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      const int nq = s == 2 ? 30 : 1;
+      seqs.push_back({rows, nq, lens[s] - nq, f.tables[s].data()});
+      rows += nq;
+    }
+    std::normal_distribution<float> dist(0.0f, 2.0f);
+    std::vector<float> q(rows * heads * hd);
+    for (auto& x : q) x = dist(rng_);
+    std::vector<float> l1(q.size()), l2(q.size());
+    SetKvPrefetchHint(KvPrefetchHint::kL1);
+    PagedAttention(q.data(), heads, seqs, f.view, 0.125f, l1.data());
+    SetKvPrefetchHint(KvPrefetchHint::kL2);
+    PagedAttention(q.data(), heads, seqs, f.view, 0.125f, l2.data());
+    SetKvPrefetchHint(KvPrefetchHint::kBest);
+    EXPECT_EQ(0, std::memcmp(l1.data(), l2.data(), l1.size() * 4))
+        << DTypeName(dtype);
+  }
+}
+
 // Widening a stored block to fp32 gives the same bits on every instruction
 // set, over every bf16 and fp16 bit pattern but NaNs (zeros, subnormals,
 // infinities) and every int8 value, at lengths with and without a tail.
