@@ -487,6 +487,14 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
                       : std::min((kChunkMinBytes + tile_bytes - 1) / tile_bytes,
                                  tiles / (threads * 2))));
   const int run_threads = parallel ? threads : 1;
+  // Tiles that stream ahead are claimed from both ends (the caller from the
+  // front, helpers from the back), so that each thread's tiles lie next to
+  // each other and the tile it prefetches into is the one it runs next.
+  // Claimed alternately from one end, a thread's next tile was a guess that
+  // missed whenever the other thread got ahead (`small` bf16 decode, batch
+  // 1, weights and KV cold, AMD EPYC: the GEMM phases 0.85-0.98 ms a step
+  // against 0.88-1.04, alternating runs).
+  const bool two_ended = streams_ahead;
   const int width_max = max_nv * kPanel;
   // One row's packed copy ([k][1]) would be x itself: the tiles read x in
   // place (bf16dot packs it into bf16 pairs).
@@ -535,11 +543,16 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         if (tprof != nullptr) tprof->pack_ns += ProfileNowNs() - pack_start;
       }
       float* const io = io_all.data();
+      const bool from_back = two_ended && ClaimingFromBack();
       const float* const xbase = x_in_place ? x + k0 : xp.data();
       alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
       for (int64_t tile = t_begin; tile < t_end; ++tile) {
-        const int64_t next =
-            ExpectedNextTile(tile, t_end, tiles, chunk, run_threads);
+        const int64_t next = !from_back
+                                 ? ExpectedNextTile(tile, t_end, tiles, chunk,
+                                                    two_ended ? 1 : run_threads)
+                             : tile + 1 < t_end ? tile + 1
+                             : t_begin >= chunk ? t_begin - chunk
+                                                : tile + 1;
         const int64_t next_tile = (next - tile) * max_nv * pb;
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));
@@ -652,7 +665,11 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
         }
       }
     };
-    RunChunks(tiles, chunk, run_threads, run_tiles);
+    if (two_ended) {
+      RunChunksFromBothEnds(tiles, chunk, run_threads, run_tiles);
+    } else {
+      RunChunks(tiles, chunk, run_threads, run_tiles);
+    }
     if (prof != nullptr && parallel) {
       const ChunkRunStats& stats = LastChunkRunStats();
       if (first) {

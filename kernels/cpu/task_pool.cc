@@ -36,6 +36,10 @@ constexpr int kMaxBackoffJobs = 512;
 constexpr double kLossSlackNs = 50'000;
 
 thread_local ChunkRunStats last_stats;
+// Set on a helper while it runs a chunk of a two-ended job.
+thread_local bool claiming_from_back = false;
+// A two-ended claim keeps both ends in 16 bits each.
+constexpr int64_t kMaxTwoEndedTasks = 0xffff;
 
 }  // namespace
 
@@ -104,7 +108,7 @@ class TaskPool {
     }
     // What no helper took in time: claimed here, not counted.
     int64_t begin, end, own = 0;
-    while (Claim(gen, tasks, 1, &begin, &end)) own += end - begin;
+    while (Claim(gen, tasks, 1, false, false, &begin, &end)) own += end - begin;
     done_.fetch_add(own, std::memory_order_acq_rel);
     while (done_.load(std::memory_order_acquire) < tasks)
       std::this_thread::yield();
@@ -119,7 +123,8 @@ class TaskPool {
     busy_.store(false, std::memory_order_release);
   }
 
-  void Run(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
+  void Run(int64_t tasks, int64_t chunk, int threads, ChunkFn fn,
+           bool both_ends) {
     ChunkRunStats& stats = last_stats;
     stats = ChunkRunStats();
     const int64_t start = NowNs();
@@ -141,10 +146,13 @@ class TaskPool {
       return;
     }
     EnsureHelpers(threads - 1);
-    const uint32_t gen = Publish(Job{&fn, tasks, chunk, threads - 1});
+    both_ends = both_ends && tasks <= kMaxTwoEndedTasks;
+    const uint32_t gen =
+        Publish(Job{&fn, tasks, chunk, threads - 1, both_ends});
     bool first = true;
     int64_t begin, end, own = 0, own_start = 0;
-    while (Claim(gen, tasks, chunk, &begin, &end)) {
+    while (Claim(gen, tasks, chunk, both_ends, /*from_back=*/false, &begin,
+                 &end)) {
       if (first) {
         own_start = NowNs();
         stats.publish_ns = own_start - start;
@@ -173,6 +181,7 @@ class TaskPool {
     const ChunkFn* fn = nullptr;
     int64_t tasks = 0, chunk = 1;
     int helpers = 0;  // helpers with index < helpers may join
+    bool both_ends = false;
   };
 
   // Makes `job` the current one, under a new generation (returned), and
@@ -187,8 +196,14 @@ class TaskPool {
     slot.tasks.store(job.tasks, std::memory_order_relaxed);
     slot.chunk.store(job.chunk, std::memory_order_relaxed);
     slot.helpers.store(job.helpers, std::memory_order_relaxed);
+    slot.both_ends.store(job.both_ends, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    claim_.store(uint64_t{gen} << 32, std::memory_order_release);
+    // One-ended: the next task. Two-ended: the front's next task in the low
+    // 16 bits, the back's end (one past its next task) in the high 16.
+    claim_.store(
+        uint64_t{gen} << 32 |
+            (job.both_ends ? static_cast<uint64_t>(job.tasks) << 16 : 0),
+        std::memory_order_release);
     // Sequentially consistent with the sleepers' count: either a helper
     // going to sleep sees this generation, or this sees it counted.
     published_.store(gen, std::memory_order_seq_cst);
@@ -200,20 +215,38 @@ class TaskPool {
   }
 
   // Claims the next chunk of job `gen`; false when the job is exhausted or
-  // already replaced by a newer one.
-  bool Claim(uint32_t gen, int64_t tasks, int64_t chunk, int64_t* begin,
-             int64_t* end) {
+  // already replaced by a newer one. Two-ended jobs: from_back claims the
+  // chunk below the back's end, else the one at the front.
+  bool Claim(uint32_t gen, int64_t tasks, int64_t chunk, bool both_ends,
+             bool from_back, int64_t* begin, int64_t* end) {
     uint64_t cur = claim_.load(std::memory_order_acquire);
     for (;;) {
       if (static_cast<uint32_t>(cur >> 32) != gen) return false;
-      const int64_t next = static_cast<int64_t>(cur & 0xffffffffu);
-      if (next >= tasks) return false;
-      const int64_t stop = std::min(tasks, next + chunk);
-      if (claim_.compare_exchange_weak(
-              cur, (uint64_t{gen} << 32) | static_cast<uint64_t>(stop),
-              std::memory_order_acq_rel)) {
+      uint64_t next_word;
+      if (!both_ends) {
+        const int64_t next = static_cast<int64_t>(cur & 0xffffffffu);
+        if (next >= tasks) return false;
         *begin = next;
-        *end = stop;
+        *end = std::min(tasks, next + chunk);
+        next_word = static_cast<uint64_t>(*end);
+      } else {
+        const int64_t front = static_cast<int64_t>(cur & 0xffffu);
+        const int64_t back = static_cast<int64_t>((cur >> 16) & 0xffffu);
+        if (front >= back) return false;
+        if (from_back) {
+          *begin = std::max(front, back - chunk);
+          *end = back;
+          next_word = static_cast<uint64_t>(*begin) << 16 |
+                      static_cast<uint64_t>(front);
+        } else {
+          *begin = front;
+          *end = std::min(back, front + chunk);
+          next_word =
+              static_cast<uint64_t>(back) << 16 | static_cast<uint64_t>(*end);
+        }
+      }
+      if (claim_.compare_exchange_weak(cur, (uint64_t{gen} << 32) | next_word,
+                                       std::memory_order_acq_rel)) {
         return true;
       }
     }
@@ -261,14 +294,18 @@ class TaskPool {
       job.tasks = slot.tasks.load(std::memory_order_relaxed);
       job.chunk = slot.chunk.load(std::memory_order_relaxed);
       job.helpers = slot.helpers.load(std::memory_order_relaxed);
+      job.both_ends = slot.both_ends.load(std::memory_order_relaxed);
       seen = gen;
       if (index >= job.helpers) continue;
       bool first = true;
       int64_t begin, end;
-      while (Claim(gen, job.tasks, job.chunk, &begin, &end)) {
+      while (Claim(gen, job.tasks, job.chunk, job.both_ends,
+                   /*from_back=*/true, &begin, &end)) {
         // The claim keeps job `gen` (and *job.fn) alive until done_ counts
         // this chunk.
+        claiming_from_back = job.both_ends;
         (*job.fn)(begin, end, first);
+        claiming_from_back = false;
         first = false;
         done_.fetch_add(end - begin, std::memory_order_acq_rel);
       }
@@ -279,6 +316,7 @@ class TaskPool {
     std::atomic<const ChunkFn*> fn{nullptr};
     std::atomic<int64_t> tasks{0}, chunk{1};
     std::atomic<int> helpers{0};
+    std::atomic<bool> both_ends{false};
   };
 
   HelpPolicy policy_;         // only touched by the thread that holds busy_
@@ -288,7 +326,7 @@ class TaskPool {
   absl::CondVar cv_;
   std::atomic<int> sleepers_{0};
   std::atomic<uint32_t> published_{0};  // the newest generation
-  std::atomic<uint64_t> claim_{0};      // generation << 32 | next task
+  std::atomic<uint64_t> claim_{0};      // generation << 32 | next task(s)
   std::atomic<int64_t> done_{0};        // tasks finished in this job
   std::atomic<bool> busy_{false};       // a caller is running a job
   absl::Mutex start_mu_;
@@ -298,8 +336,15 @@ class TaskPool {
 }  // namespace
 
 void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn) {
-  TaskPool::Get().Run(tasks, chunk, threads, fn);
+  TaskPool::Get().Run(tasks, chunk, threads, fn, /*both_ends=*/false);
 }
+
+void RunChunksFromBothEnds(int64_t tasks, int64_t chunk, int threads,
+                           ChunkFn fn) {
+  TaskPool::Get().Run(tasks, chunk, threads, fn, /*both_ends=*/true);
+}
+
+bool ClaimingFromBack() { return claiming_from_back; }
 
 const ChunkRunStats& LastChunkRunStats() { return last_stats; }
 

@@ -43,6 +43,18 @@ using ChunkFn = absl::FunctionRef<void(int64_t begin, int64_t end, bool first)>;
 // alone). Returns when every task has run.
 void RunChunks(int64_t tasks, int64_t chunk, int threads, ChunkFn fn);
 
+// RunChunks where the calling thread claims chunks from the front, in
+// order, and the helpers from the back, in reverse: where the helpers keep
+// up, each thread's chunks are then next to each other (a GEMM's weight
+// tiles one stream per thread) while a claim is still one chunk, so a
+// preempted helper holds no more than one. Over 65,535 tasks it is
+// RunChunks.
+void RunChunksFromBothEnds(int64_t tasks, int64_t chunk, int threads,
+                           ChunkFn fn);
+// Inside fn: whether this thread claimed its chunk from the back of a
+// RunChunksFromBothEnds job (its next chunk, if any, lies below).
+bool ClaimingFromBack();
+
 // What the last RunChunks on this thread waited for (for --profile):
 // publish_ns from entry to the caller's first chunk, wait_ns from the
 // caller's last chunk until every claimed chunk was done, and whether any
