@@ -30,75 +30,29 @@ TEST(RunOnOwnThreadsTest,
   }
 }
 
+// Both claim orders; 70,000 tasks is past what a two-ended claim holds, so
+// RunChunksFromBothEnds runs it as RunChunks.
 TEST(TaskPoolTest, RunsEveryTaskOnceForAnyChunkAndThreadCount) {
-  for (int threads : {1, 2, 4}) {
-    for (int64_t tasks : {0, 1, 2, 3, 17, 1000}) {
-      for (int64_t chunk : {1, 3, 64}) {
-        std::vector<std::atomic<int>> hits(tasks);
-        RunChunks(tasks, chunk, threads, [&](int64_t begin, int64_t end, bool) {
-          ASSERT_LE(end - begin, chunk);
-          for (int64_t t = begin; t < end; ++t) hits[t]++;
-        });
-        for (int64_t t = 0; t < tasks; ++t) {
-          ASSERT_EQ(hits[t].load(), 1)
-              << "task " << t << " of " << tasks << ", chunk " << chunk
-              << ", threads " << threads;
+  for (auto* run : {&RunChunks, &RunChunksFromBothEnds}) {
+    for (int threads : {1, 2, 4}) {
+      for (int64_t tasks : {0, 1, 2, 3, 17, 1000, 70000}) {
+        for (int64_t chunk : {1, 3, 64}) {
+          std::vector<std::atomic<int>> hits(tasks);
+          run(tasks, chunk, threads, [&](int64_t begin, int64_t end, bool) {
+            ASSERT_LE(end - begin, chunk);
+            ASSERT_LT(begin, end);
+            for (int64_t t = begin; t < end; ++t) hits[t]++;
+          });
+          for (int64_t t = 0; t < tasks; ++t) {
+            ASSERT_EQ(hits[t].load(), 1)
+                << "task " << t << " of " << tasks << ", chunk " << chunk
+                << ", threads " << threads
+                << (run == &RunChunks ? ", one end" : ", both ends");
+          }
         }
       }
     }
   }
-}
-
-TEST(TaskPoolTest, BothEndsRunsEveryTaskOnceForAnyChunkAndThreadCount) {
-  for (int threads : {1, 2, 4}) {
-    for (int64_t tasks : {0, 1, 2, 3, 17, 1000, 70000}) {
-      for (int64_t chunk : {1, 3, 64}) {
-        std::vector<std::atomic<int>> hits(tasks);
-        RunChunksFromBothEnds(tasks, chunk, threads,
-                              [&](int64_t begin, int64_t end, bool) {
-                                ASSERT_LE(end - begin, chunk);
-                                ASSERT_LT(begin, end);
-                                for (int64_t t = begin; t < end; ++t) hits[t]++;
-                              });
-        for (int64_t t = 0; t < tasks; ++t) {
-          ASSERT_EQ(hits[t].load(), 1)
-              << "task " << t << " of " << tasks << ", chunk " << chunk
-              << ", threads " << threads;
-        }
-      }
-    }
-  }
-}
-
-// The caller's chunks run in order from the front and a helper's in reverse
-// from the back, so each thread's tasks form one run; only helpers say they
-// claim from the back.
-TEST(TaskPoolTest, BothEndsGivesEachThreadOneRunOfTasks) {
-  ResetHelpPolicyForTesting();
-  const std::thread::id caller = std::this_thread::get_id();
-  bool helped = false;
-  for (int rep = 0; rep < 50 && !helped; ++rep) {
-    std::vector<int64_t> mine, theirs;  // begins, in claim order
-    std::atomic<int> wrong_side{0};
-    RunChunksFromBothEnds(64, 2, 2, [&](int64_t begin, int64_t end, bool) {
-      const bool on_caller = std::this_thread::get_id() == caller;
-      if (ClaimingFromBack() == on_caller) wrong_side++;
-      // One helper: each vector is written by one thread only.
-      (on_caller ? mine : theirs).push_back(begin);
-      EXPECT_EQ(end - begin, 2);
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    });
-    EXPECT_EQ(wrong_side.load(), 0);
-    EXPECT_FALSE(ClaimingFromBack());
-    ASSERT_EQ(mine.size() + theirs.size(), 32u);
-    for (size_t i = 0; i < mine.size(); ++i)
-      EXPECT_EQ(mine[i], static_cast<int64_t>(2 * i)) << "caller, claim " << i;
-    for (size_t i = 0; i < theirs.size(); ++i)
-      EXPECT_EQ(theirs[i], static_cast<int64_t>(62 - 2 * i))
-          << "helper, claim " << i;
-    helped = !theirs.empty();
-  }
-  EXPECT_TRUE(helped);
 }
 
 TEST(TaskPoolTest, FirstIsTrueOnceAndOnlyOnEachThreadsFirstChunk) {
