@@ -84,6 +84,11 @@ struct SimConfig {
   // Arrival = timestamp x time_scale; < 1 raises the load.
   double time_scale = 1.0;
   int64_t max_requests = 0;  // first N trace requests; 0 = all
+  // Each (prefill count, policy) is simulated this many times. Replays are
+  // deterministic (same decisions, same index), so a request's fastest
+  // decision over them is its own cost with most of the host's
+  // interruptions left out (decision_min_p50_us, decision_min_p99_us).
+  int32_t decision_replays = 1;
 
   // Prefill: per uncached token, plus a fixed cost per prompt.
   double prefill_us_per_token = 100;  // 10k tokens/s
@@ -172,6 +177,13 @@ struct SimRun {
   // far above its p50 next to a reference p99 as high is the machine's,
   // not the router's. NaN for the oracle.
   double reference_p50_us = 0, reference_p99_us = 0;
+  // Over SimConfig::decision_replays replays: each request's fastest
+  // decision, then the percentiles of those (equal to decision_p50_us and
+  // decision_p99_us with one replay). NaN for the oracle.
+  int32_t decision_replays = 1;
+  double decision_min_p50_us = 0, decision_min_p99_us = 0;
+  // Each request's decision time in arrival order (not in the JSON).
+  std::vector<double> decision_us;
   // The router's index at the end of the run.
   int64_t index_hashes = 0, index_entries = 0, index_bytes = 0;
   double index_bytes_per_block = 0;  // per (block hash, worker) entry

@@ -251,6 +251,8 @@ absl::Status SimConfig::Validate() const {
     return absl::InvalidArgumentError("--decode-kv-tokens must hold a block");
   if (!(time_scale > 0))
     return absl::InvalidArgumentError("--time-scale must be positive");
+  if (decision_replays < 1)
+    return absl::InvalidArgumentError("--decision-replays must be at least 1");
   if (max_requests < 0)
     return absl::InvalidArgumentError("--max-requests must not be negative");
   for (double v : {prefill_us_per_token, prefill_overhead_ms, decode_step_ms,

@@ -67,7 +67,8 @@ SimRun Simulation::Report() {
     run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us =
         run.hash_p50_us = run.hash_p99_us = run.route_p50_us =
             run.route_p99_us = run.reference_p50_us = run.reference_p99_us =
-                std::numeric_limits<double>::quiet_NaN();
+                run.decision_min_p50_us = run.decision_min_p99_us =
+                    std::numeric_limits<double>::quiet_NaN();
   } else {
     run.decision_p50_us = Percentile(decision_us_, 0.5);
     run.decision_p99_us = Percentile(decision_us_, 0.99);
@@ -78,6 +79,9 @@ SimRun Simulation::Report() {
     run.route_p99_us = Percentile(route_us_, 0.99);
     run.reference_p50_us = Percentile(reference_us_, 0.5);
     run.reference_p99_us = Percentile(reference_us_, 0.99);
+    run.decision_min_p50_us = run.decision_p50_us;
+    run.decision_min_p99_us = run.decision_p99_us;
+    run.decision_us = decision_us_;
     const router::PrefixIndex::MemoryUsage m = index_.Memory();
     run.index_hashes = static_cast<int64_t>(m.hashes);
     run.index_entries = static_cast<int64_t>(m.holders);
@@ -143,6 +147,7 @@ std::string SimReport::ToJson() const {
         {"block_size", c.block_size},
         {"time_scale", c.time_scale},
         {"max_requests", c.max_requests},
+        {"decision_replays", c.decision_replays},
         {"prefill_us_per_token", c.prefill_us_per_token},
         {"prefill_overhead_ms", c.prefill_overhead_ms},
         {"decode_step_ms", c.decode_step_ms},
@@ -195,6 +200,9 @@ std::string SimReport::ToJson() const {
                            {"route_p99_us", r.route_p99_us},
                            {"reference_p50_us", r.reference_p50_us},
                            {"reference_p99_us", r.reference_p99_us},
+                           {"decision_replays", r.decision_replays},
+                           {"decision_min_p50_us", r.decision_min_p50_us},
+                           {"decision_min_p99_us", r.decision_min_p99_us},
                            {"index_hashes", r.index_hashes},
                            {"index_entries", r.index_entries},
                            {"index_bytes", r.index_bytes},
@@ -223,27 +231,27 @@ std::string SimReport::ToTable() const {
                          : absl::StrFormat("%.*f", digits, v);
   };
   std::string out = absl::StrFormat(
-      "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s\n",
+      "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s %8s\n",
       "policy", "P", "D", "hit", "/oracle", "imbal", "ttft_p50", "ttft_p99",
-      "queue_p50", "queue_p99", "tpot_p50", "dec_p50", "dec_p99", "ref_p99",
-      "hash_p99", "B/block");
+      "queue_p50", "queue_p99", "tpot_p50", "dec_p50", "dec_p99", "min_p99",
+      "ref_p99", "hash_p99", "B/block");
   absl::StrAppend(
-      &out,
-      absl::StrFormat(
-          "%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s\n",
-          "", "", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "us", "us",
-          "us", "us", ""));
+      &out, absl::StrFormat("%-16s %5s %4s %7s %7s %6s %9s %9s %9s %9s %8s %8s "
+                            "%8s %8s %8s %8s %8s\n",
+                            "", "", "", "", "", "", "ms", "ms", "ms", "ms",
+                            "ms", "us", "us", "us", "us", "us", ""));
   for (const SimRun& r : runs) {
     absl::StrAppend(
         &out,
         absl::StrFormat("%-16s %5d %4d %7s %7s %6s %9s %9s %9s %9s %8s %8s %8s "
-                        "%8s %8s %8s\n",
+                        "%8s %8s %8s %8s\n",
                         r.policy, r.prefill_workers, r.decode_workers,
                         num(r.hit_ratio, 3), num(HitVsOracle(r), 3),
                         num(r.imbalance, 2), num(r.ttft_p50_ms, 0),
                         num(r.ttft_p99_ms, 0), num(r.prefill_queue_p50_ms, 0),
                         num(r.prefill_queue_p99_ms, 0), num(r.tpot_p50_ms, 1),
                         num(r.decision_p50_us, 1), num(r.decision_p99_us, 1),
+                        num(r.decision_min_p99_us, 1),
                         num(r.reference_p99_us, 1), num(r.hash_p99_us, 1),
                         IsOracle(r.policy) ? std::string("-")
                                            : num(r.index_bytes_per_block, 0)));

@@ -161,6 +161,42 @@ TEST(RouterSimTest, HandBuiltFamiliesHitAsComputedByHand) {
   EXPECT_GT(aware.index_bytes_per_block, 0);
 }
 
+// Replays repeat the same decisions; each request's fastest decision over
+// them is no slower than its time in any one replay, so the percentiles of
+// the fastest are at most the first replay's.
+TEST(RouterSimTest, DecisionReplaysKeepEachRequestsFastestDecision) {
+  std::vector<TraceRequest> trace;
+  for (int k = 0; k < 40; ++k)
+    trace.push_back(Request(500 * k, 1024, 2, {k % 5, 100 + k}));
+  SimConfig c = SmallConfig();
+  c.policies = {"cache_aware", "oracle"};
+  auto once = RunRouterSim(c, trace);
+  ASSERT_TRUE(once.ok()) << once.status();
+  const SimRun& one = RunOf(*once, "cache_aware", 2);
+  EXPECT_EQ(one.decision_replays, 1);
+  EXPECT_EQ(one.decision_min_p99_us, one.decision_p99_us);
+  EXPECT_EQ(one.decision_us.size(), 40u);
+
+  c.decision_replays = 3;
+  auto thrice = RunRouterSim(c, trace);
+  ASSERT_TRUE(thrice.ok()) << thrice.status();
+  const SimRun& three = RunOf(*thrice, "cache_aware", 2);
+  EXPECT_EQ(three.decision_replays, 3);
+  EXPECT_EQ(three.hit_tokens, one.hit_tokens);
+  EXPECT_DOUBLE_EQ(three.imbalance, one.imbalance);
+  EXPECT_GT(three.decision_min_p50_us, 0);
+  EXPECT_LE(three.decision_min_p50_us, three.decision_p50_us);
+  EXPECT_LE(three.decision_min_p99_us, three.decision_p99_us);
+  EXPECT_LE(three.decision_min_p50_us, three.decision_min_p99_us);
+  EXPECT_TRUE(std::isnan(RunOf(*thrice, "oracle", 2).decision_min_p99_us));
+  EXPECT_NE(thrice->ToJson().find("\"decision_min_p99_us\""),
+            std::string::npos);
+
+  c.decision_replays = 0;
+  EXPECT_EQ(RunRouterSim(c, trace).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The reference loop is a chain the compiler cannot fold: its result
 // depends on every step, and its time grows with its length.
 TEST(RouterSimTest, ReferenceLoopRunsEveryStep) {
@@ -364,6 +400,7 @@ TEST(RouterSimTest, SameSeedGivesIdenticalReport) {
       run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us = 0;
       run.hash_p50_us = run.hash_p99_us = run.route_p50_us = run.route_p99_us =
           run.reference_p50_us = run.reference_p99_us = 0;
+      run.decision_min_p50_us = run.decision_min_p99_us = 0;
     }
     return r.ToJson();
   };

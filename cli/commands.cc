@@ -77,6 +77,9 @@ ABSL_FLAG(double, time_scale, 1.0,
           "sim route: arrival time multiplier (< 1 raises the load)");
 ABSL_FLAG(int64_t, max_requests, 0,
           "sim route: first N trace requests (0 = all)");
+ABSL_FLAG(int32_t, decision_replays, 1,
+          "sim route: simulate each policy and cluster size this many times "
+          "and report each request's fastest decision (decision_min_p99_us)");
 ABSL_FLAG(double, pool_fraction, 0,
           "sim route: > 0 sizes every worker's KV pool as this fraction of "
           "the trace's working set over the worker count (instead of "
@@ -271,6 +274,7 @@ int RunSimRoute(const std::vector<std::string>&) {
   c.block_size = absl::GetFlag(FLAGS_block_size);
   c.time_scale = absl::GetFlag(FLAGS_time_scale);
   c.max_requests = absl::GetFlag(FLAGS_max_requests);
+  c.decision_replays = absl::GetFlag(FLAGS_decision_replays);
   c.pool_fraction = absl::GetFlag(FLAGS_pool_fraction);
   c.tier_multiple = absl::GetFlag(FLAGS_tier_multiple);  // "+tier" policies
   c.pull_from_tiers = absl::GetFlag(FLAGS_pull_from_tiers);

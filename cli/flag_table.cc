@@ -390,6 +390,7 @@ const std::vector<FlagSpec>& AllFlags() {
       {"cache_tokens", kSimRoute},
       {"time_scale", kSimRoute},
       {"max_requests", kSimRoute},
+      {"decision_replays", kSimRoute},
       {"pool_fraction", kSimRoute},
       {"tiers", kSimRoute},
       {"tier_multiple", kSimRoute},
