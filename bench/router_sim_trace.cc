@@ -1,6 +1,7 @@
 // `pdserve sim route`'s input: the Mooncake trace read and put in replay
 // order, each request's synthesized prompt hashed into blocks once, the
-// working set measured, then one Simulation per policy and cluster size.
+// working set measured, then one Simulation per policy and cluster size (or
+// --decision-replays of them).
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -23,22 +24,26 @@ using router_sim_internal::Simulation;
 
 namespace {
 
-// Replays `first`'s simulation config.decision_replays - 1 more times and
-// keeps each request's fastest decision. A replay that routes differently
-// (another hit ratio or imbalance) is an error: the replays are meant to
-// repeat the same decisions on the same index.
-absl::StatusOr<SimRun> FastestOfReplays(
-    const SimConfig& config, const std::vector<Prepared>& requests,
-    const std::string& policy, int32_t workers, int64_t working_set_blocks,
-    int64_t max_request_blocks, SimRun first) {
-  first.decision_replays = 1;
-  if (config.decision_replays <= 1 || std::isnan(first.decision_p99_us))
-    return first;
-  std::vector<double> fastest = first.decision_us;
-  for (int32_t i = 1; i < config.decision_replays; ++i) {
+// Simulates `policy` at `workers` prefill workers config.decision_replays
+// times and returns the first run, with each request's fastest decision over
+// all of them. A replay that routes differently (another hit ratio or
+// imbalance) is an error: the replays are meant to repeat the same decisions
+// on the same index.
+absl::StatusOr<SimRun> Simulate(const SimConfig& config,
+                                const std::vector<Prepared>& requests,
+                                const std::string& policy, int32_t workers,
+                                int64_t working_set_blocks,
+                                int64_t max_request_blocks) {
+  auto run_once = [&] {
     Simulation sim(config, requests, policy, workers, working_set_blocks,
                    max_request_blocks);
-    ASSIGN_OR_RETURN(const SimRun again, sim.Run());
+    return sim.Run();
+  };
+  ASSIGN_OR_RETURN(SimRun first, run_once());
+  if (std::isnan(first.decision_p99_us)) return first;  // the oracle
+  std::vector<double> fastest = first.decision_us;
+  for (int32_t i = 1; i < config.decision_replays; ++i) {
+    ASSIGN_OR_RETURN(const SimRun again, run_once());
     if (again.hit_ratio != first.hit_ratio ||
         again.imbalance != first.imbalance ||
         again.decision_us.size() != fastest.size()) {
@@ -114,13 +119,9 @@ absl::StatusOr<SimReport> RunRouterSim(
       report.working_set_tokens / config.block_size;
   for (int32_t workers : config.prefill_workers) {
     for (const std::string& policy : config.policies) {
-      Simulation sim(config, requests, policy, workers, working_set_blocks,
-                     max_request_blocks);
-      ASSIGN_OR_RETURN(SimRun run, sim.Run());
-      ASSIGN_OR_RETURN(run,
-                       FastestOfReplays(config, requests, policy, workers,
-                                        working_set_blocks, max_request_blocks,
-                                        std::move(run)));
+      ASSIGN_OR_RETURN(SimRun run,
+                       Simulate(config, requests, policy, workers,
+                                working_set_blocks, max_request_blocks));
       if (progress) progress(run);
       report.runs.push_back(std::move(run));
     }
