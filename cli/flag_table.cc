@@ -116,6 +116,19 @@ std::optional<std::string> UpKvTransport(const UpChild&) {
   if (t != "auto") return t;
   return Current("device") == "cuda" ? "cuda_ipc" : "shm";
 }
+// `up`'s CPU workers share this host's cores, lent through the core share
+// to whichever has work. Sending each layer's KV as the forward pass writes
+// it overlaps a shm copy (about a millisecond for a 512-token `small` prompt)
+// with compute, but the prefill worker's sender thread and the decode
+// worker's receiver then take cores from the prefill kernels: on 2 cores the
+// prefill worker's busy time per prompt rose 15% and 1P+1D served 3-9% fewer
+// tokens/s (bench/RESULTS.md). Unless given, up's CPU workers send the KV
+// once the prompt's forward pass is done.
+std::optional<std::string> UpKvLayerwise(const UpChild&) {
+  if (GivenFlags().count("kv_layerwise") || Current("device") == "cuda")
+    return Current("kv_layerwise");
+  return "false";
+}
 // The core share `up` made (or was given) for its workers.
 std::optional<std::string> UpCoreShare(const UpChild& c) {
   return c.core_share;
@@ -248,7 +261,12 @@ const std::vector<FlagSpec>& AllFlags() {
        UpKvTransport},
       {"kv_cuda_device", kWorkerCommands, U::kWorkers},
       {"core_share", kWorkerCommands, U::kWorkers, {}, nullptr, UpCoreShare},
-      {"kv_layerwise", kWorkerCommands, U::kWorkers},
+      {"kv_layerwise",
+       kWorkerCommands,
+       U::kWorkers,
+       {},
+       nullptr,
+       UpKvLayerwise},
       {"kv_stream_queue_bytes", kWorkerCommands, U::kWorkers},
       {"admission_timeout_ms", kWorkerCommands, U::kWorkers},
       {"drain_timeout_ms", kWorkerCommands, U::kWorkers},

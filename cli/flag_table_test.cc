@@ -183,6 +183,22 @@ TEST(FlagTableTest, UpSplitsThreadsByWhatEachWorkerDoes) {
                   "--threads=", UpWorkerThreads("decode", cores, 1, 2), " ")));
 }
 
+// up's CPU workers share the host's cores: unless given, they send the KV
+// after the forward pass instead of layer by layer; given, it is kept.
+TEST(FlagTableTest, UpTurnsLayerwiseSendingOffOnCpuUnlessGiven) {
+  absl::FlagSaver saver;
+  UpChild prefill{false, "prefill", 0, 2, "/m", 1};
+  EXPECT_THAT(absl::StrJoin(UpChildArgs(prefill), " ") + " ",
+              HasSubstr("--kv-layerwise=false "));
+  absl::SetFlag(&FLAGS_device, std::string("cuda"));
+  EXPECT_THAT(absl::StrJoin(UpChildArgs(prefill), " ") + " ",
+              HasSubstr("--kv-layerwise=true "));
+  absl::SetFlag(&FLAGS_device, std::string("cpu"));
+  ASSERT_TRUE(CheckCommandLineFlags("up", kUp, {"--kv_layerwise=true"}).ok());
+  EXPECT_THAT(absl::StrJoin(UpChildArgs(prefill), " ") + " ",
+              HasSubstr("--kv-layerwise=true "));
+}
+
 TEST(EngineFlagsTest, LongPrefillChunkAutoIsSetOnPrefillWorkersOnly) {
   absl::FlagSaver saver;
   auto worker = EngineConfigFromFlags(/*prefill_worker=*/true);

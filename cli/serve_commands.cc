@@ -81,7 +81,8 @@ ABSL_FLAG(int32_t, kv_cuda_device, 0,
           "communicators use");
 ABSL_FLAG(bool, kv_layerwise, true,
           "prefill workers: send each layer's KV as soon as the forward pass "
-          "wrote it, overlapping transfer with compute");
+          "wrote it, overlapping transfer with compute (`up` on CPU, whose "
+          "workers share the host's cores: off unless given)");
 ABSL_FLAG(int64_t, kv_stream_queue_bytes, int64_t{64} << 20,
           "prefill workers: per request, KV bytes queued for sending at most "
           "(beyond it the rest goes after the prefill)");

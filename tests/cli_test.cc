@@ -579,6 +579,11 @@ TEST_F(CliTest, UpForwardsEveryFlagToEveryWorkerAndTheRouter) {
                 pdserve::testing::Scrape(mem.workers().at(0).metrics_port),
                 "pdserve_worker")["kv_offload_memory"],
             "16MiB");
+  // Not given, --kv-layerwise is off on up's CPU workers.
+  EXPECT_EQ(pdserve::testing::ConfigInfo(
+                pdserve::testing::Scrape(mem.workers().at(0).metrics_port),
+                "pdserve_worker")["kv_layerwise"],
+            "false");
   mem.Stop();
   // The certificate files: mTLS between up's children, with a throwaway CA
   // and one certificate for 127.0.0.1 (the identity of every process).
