@@ -119,11 +119,12 @@ std::optional<std::string> UpKvTransport(const UpChild&) {
 // `up`'s CPU workers share this host's cores, lent through the core share
 // to whichever has work. Sending each layer's KV as the forward pass writes
 // it overlaps a shm copy (about a millisecond for a 512-token `small` prompt)
-// with compute, but the prefill worker's sender thread and the decode
-// worker's receiver then take cores from the prefill kernels: on 2 cores the
-// prefill worker's busy time per prompt rose 15% and 1P+1D served 3-9% fewer
-// tokens/s (bench/RESULTS.md). Unless given, up's CPU workers send the KV
-// once the prompt's forward pass is done.
+// with compute, but each layer's send is a control-stream round trip (a
+// manifest the decode worker's gRPC threads answer) and a copy, run on the
+// cores the prefill kernels use: on 2 cores the prefill worker's time in
+// steps per prompt rose 15%, and 1P+1D served fewer tokens/s in 7 of 8
+// alternating pairs (bench/RESULTS.md). Unless given, up's CPU workers send
+// the KV once the prompt's forward pass is done.
 std::optional<std::string> UpKvLayerwise(const UpChild&) {
   if (GivenFlags().count("kv_layerwise") || Current("device") == "cuda")
     return Current("kv_layerwise");
