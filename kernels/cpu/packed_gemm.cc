@@ -45,6 +45,7 @@ using packed_gemm_internal::Avx512WideTile;
 using packed_gemm_internal::Bf16DotTile;
 using packed_gemm_internal::BlockScaleOffset;
 using packed_gemm_internal::ExpectedNextTile;
+using packed_gemm_internal::ExpectedNextTileFromBack;
 using packed_gemm_internal::Fmt;
 using packed_gemm_internal::FormatOf;
 using packed_gemm_internal::GemmDotLayoutChain;
@@ -547,12 +548,10 @@ void GemmNT(const float* __restrict__ x, int64_t m, int64_t k,
       const float* const xbase = x_in_place ? x + k0 : xp.data();
       alignas(64) float stage[kAvx512Panels * kStageK * kPanel];
       for (int64_t tile = t_begin; tile < t_end; ++tile) {
-        const int64_t next = !from_back
-                                 ? ExpectedNextTile(tile, t_end, tiles, chunk,
-                                                    two_ended ? 1 : run_threads)
-                             : tile + 1 < t_end ? tile + 1
-                             : t_begin >= chunk ? t_begin - chunk
-                                                : tile + 1;
+        const int64_t next =
+            from_back ? ExpectedNextTileFromBack(tile, t_begin, t_end, chunk)
+                      : ExpectedNextTile(tile, t_end, tiles, chunk,
+                                         two_ended ? 1 : run_threads);
         const int64_t next_tile = (next - tile) * max_nv * pb;
         const int64_t p0 = tile * max_nv;
         const int nv = static_cast<int>(std::min<int64_t>(max_nv, panels - p0));

@@ -77,6 +77,14 @@ constexpr int64_t ExpectedNextTile(int64_t tile, int64_t t_end, int64_t tiles,
       tile + 1 < t_end ? tile + 1 : t_end + (threads - 1) * chunk;
   return next < tiles ? next : tile + 1;
 }
+// The same for a helper of a two-ended claim (RunChunksFromBothEnds), whose
+// claims go from the back down: the next of its claim [t_begin, t_end), else
+// the first of the claim below it; at the front: the next one.
+constexpr int64_t ExpectedNextTileFromBack(int64_t tile, int64_t t_begin,
+                                           int64_t t_end, int64_t chunk) {
+  if (tile + 1 < t_end) return tile + 1;
+  return t_begin >= chunk ? t_begin - chunk : tile + 1;
+}
 constexpr int64_t StreamAheadOffset(int64_t at, int64_t panel_bytes,
                                     int64_t next_tile) {
   const int64_t ahead = at + kStreamAheadBytes;

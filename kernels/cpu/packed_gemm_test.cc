@@ -930,6 +930,17 @@ TEST(StreamAheadTest, ExpectsTheTileAfterTheOtherThreadsClaims) {
   EXPECT_EQ(ExpectedNextTile(5, 6, 6, 1, 2), 6);
 }
 
+// A helper claiming from the back runs its claim up, then the claim below.
+TEST(StreamAheadTest, FromTheBackExpectsTheClaimBelow) {
+  using packed_gemm_internal::ExpectedNextTileFromBack;
+  // tile, begin and end of its claim, chunk
+  EXPECT_EQ(ExpectedNextTileFromBack(17, 15, 20, 5), 18);
+  EXPECT_EQ(ExpectedNextTileFromBack(19, 15, 20, 5), 10);
+  EXPECT_EQ(ExpectedNextTileFromBack(5, 5, 6, 1), 4);
+  // At the front: the next tile.
+  EXPECT_EQ(ExpectedNextTileFromBack(4, 2, 5, 5), 5);
+}
+
 TEST(WeightMatrixTest, Int8RoundTripIsWithinHalfAStepPerRow) {
   std::mt19937 rng(3);
   std::normal_distribution<float> dist(0.0f, 0.02f);
