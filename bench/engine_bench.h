@@ -6,7 +6,10 @@
 //  - the peak of the active GEMM path (kernels/cpu/fma_peak.h: fp32 FMA, or
 //    VDPBF16PS, VPDPBUSD or AMX-INT8 TDPBSSD for the dot-product paths);
 //    prefill's and each decode batch's achieved FLOP/s are reported as a
-//    fraction of it.
+//    fraction of it;
+//  - a read of the step's weights alone, a join after each matrix, which
+//    decode's "of read" ratio divides by (what the weight stream reaches
+//    without arithmetic or attention).
 // Optionally the accuracy of compact weight dtypes against the fp32 model.
 // Single-threaded driver; not thread-safe.
 #pragma once
@@ -59,6 +62,8 @@ struct DecodeFigure {
   double step_ms = 0;
   double bytes_per_step = 0;  // weights + KV read by one step
   double roofline_ratio = 0;  // (bytes_per_step / step time) / stream bandwidth
+  // (bytes_per_step / step time) / decode_weight_read_gb_per_s.
+  double weight_read_ratio = 0;
   double flops_per_step = 0;  // matrices + attention
   double gflops = 0;
   double fma_peak_fraction = 0;
@@ -114,6 +119,10 @@ struct EngineBenchResult {
   // Means of the measurements taken in each decode round (what the decode
   // roofline ratios and peak fractions divide by).
   double decode_stream_gb_per_s = 0;
+  // The step's weights alone read by the kernel threads in each round, a
+  // join after each matrix (no arithmetic, no attention): the most a batch-1
+  // step's weight stream can reach on this machine.
+  double decode_weight_read_gb_per_s = 0;
   double decode_fma_peak_gflops = 0;
   // int8dot on AMX: the VPDPBUSD peak of the same rounds, which the batch
   // sizes below int8dot_amx_min_rows (run on VNNI) are divided by.

@@ -118,6 +118,27 @@ TEST_F(EngineBenchProfileTest, NoProfileUnlessAsked) {
   ASSERT_EQ(r->decode.size(), 2u);
 }
 
+// Each round also reads the step's weights alone; every decode figure is
+// divided by that rate as well as by the triad, from the same bytes.
+TEST_F(EngineBenchProfileTest, ReportsTheWeightReadAndEachBatchAgainstIt) {
+  auto r = RunEngineBench(Config(false));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->decode_weight_read_gb_per_s, 0);
+  ASSERT_EQ(r->decode.size(), 2u);
+  for (const DecodeFigure& d : r->decode) {
+    SCOPED_TRACE(d.batch);
+    EXPECT_GT(d.weight_read_ratio, 0);
+    EXPECT_NEAR(d.weight_read_ratio * r->decode_weight_read_gb_per_s,
+                d.roofline_ratio * r->decode_stream_gb_per_s,
+                1e-9 * d.roofline_ratio * r->decode_stream_gb_per_s);
+  }
+  EXPECT_THAT(r->ToTable(), ::testing::HasSubstr("weight read "));
+  EXPECT_THAT(r->ToTable(), ::testing::HasSubstr("of read"));
+  EXPECT_THAT(r->ToJson(),
+              ::testing::HasSubstr("\"decode_weight_read_gb_per_s\""));
+  EXPECT_THAT(r->ToJson(), ::testing::HasSubstr("\"weight_read_ratio\""));
+}
+
 // With weights and KV flushed before each timed step (an untimed step
 // first), every timed and profiled step still decodes the whole batch (the
 // run fails otherwise), and the output names the mode.

@@ -383,11 +383,13 @@ const std::vector<Command>& AllCommands() {
        "Reports prefill tokens/s, decode tokens/s per batch size, and the "
        "decode\nroofline ratio: bytes a step must read (weights + KV) per "
        "second divided by\nthe STREAM-triad bandwidth measured in the same "
-       "run, over at least 4x the\nlast-level cache (sysfs). Prefill and each "
-       "decode batch also report GFLOP/s as a\nfraction of the FMA peak of "
-       "the GEMM path, measured in the same run. With\n--accuracy-positions, "
-       "bf16/fp16/int8 logits are compared with fp32 (max and mean\nrelative "
-       "error, top-1 agreement).\n",
+       "run, over at least 4x the\nlast-level cache (sysfs). Each decode "
+       "row's \"of read\" divides the same bytes\na second by a plain read "
+       "of the step's weights (a join after each matrix)\nin the same "
+       "rounds. Prefill and each decode batch also report GFLOP/s as a\n"
+       "fraction of the FMA peak of the GEMM path, measured in the same run. "
+       "With\n--accuracy-positions, bf16/fp16/int8 logits are compared with "
+       "fp32 (max and mean\nrelative error, top-1 agreement).\n",
        RunBenchEngine},
       {"tokenize",
        "token ids of a text (or a chat) with a model's tokenizer, as JSON",
