@@ -120,8 +120,8 @@ struct EngineBenchResult {
   // roofline ratios and peak fractions divide by).
   double decode_stream_gb_per_s = 0;
   // The step's weights alone read by the kernel threads in each round, a
-  // join after each matrix (no arithmetic, no attention): the most a batch-1
-  // step's weight stream can reach on this machine.
+  // join after each matrix (no arithmetic, no attention): what a batch-1
+  // step's weight stream is compared with (a reference, not a bound).
   double decode_weight_read_gb_per_s = 0;
   double decode_fma_peak_gflops = 0;
   // int8dot on AMX: the VPDPBUSD peak of the same rounds, which the batch
