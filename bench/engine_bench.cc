@@ -252,22 +252,34 @@ void FlushFromCaches(const void* p, size_t bytes) {
 
 namespace {
 
+// The matrices a dense decode step streams, in the order it reads them.
+std::vector<const kernels::WeightMatrix*> StepMatrices(
+    const engine::ModelWeights& weights) {
+  std::vector<const kernels::WeightMatrix*> order;
+  for (const engine::LayerWeights& l : weights.layers) {
+    for (const kernels::WeightMatrix* m :
+         {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
+      order.push_back(m);
+    }
+  }
+  order.push_back(&weights.output_matrix());
+  return order;
+}
+
+void FlushMatrices(std::span<const kernels::WeightMatrix* const> matrices) {
+  for (const kernels::WeightMatrix* m : matrices) {
+    if (!m->empty())
+      FlushFromCaches(m->data(), static_cast<size_t>(m->bytes()));
+  }
+}
+
 // Every matrix a decode step streams, and every block of the engine's host
 // KV cache that a sequence holds, out of the caches. (Flushing the whole
 // pool instead walks every page of it, and the step then starts with its
 // TLB and page-walk caches refilled with the pool's pages.)
 void FlushWeightsAndKv(const engine::ModelWeights& weights,
                        engine::Engine& eng) {
-  auto flush = [](const kernels::WeightMatrix& m) {
-    if (!m.empty()) FlushFromCaches(m.data(), static_cast<size_t>(m.bytes()));
-  };
-  for (const engine::LayerWeights& l : weights.layers) {
-    flush(l.qkv);
-    flush(l.o_proj);
-    flush(l.gate_up);
-    flush(l.down);
-  }
-  flush(weights.output_matrix());
+  FlushMatrices(StepMatrices(weights));
   engine::KvStorage& kv = eng.kv_storage();
   if (kv.memory().kind == engine::MemoryKind::kHost) {
     for (int32_t layer = 0; layer < kv.spec().num_layers; ++layer) {
@@ -300,18 +312,8 @@ __m128i XorOfLine(const char* line) {
 // Adds the whole 64-byte lines read to *bytes and returns the seconds.
 double TimeJoinedWeightRead(const engine::ModelWeights& weights, int threads,
                             double* bytes) {
-  std::vector<const kernels::WeightMatrix*> order;
-  for (const engine::LayerWeights& l : weights.layers) {
-    for (const kernels::WeightMatrix* m :
-         {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
-      order.push_back(m);
-    }
-  }
-  order.push_back(&weights.output_matrix());
-  for (const kernels::WeightMatrix* m : order) {
-    if (!m->empty())
-      FlushFromCaches(m->data(), static_cast<size_t>(m->bytes()));
-  }
+  const std::vector<const kernels::WeightMatrix*> order = StepMatrices(weights);
+  FlushMatrices(order);
   _mm_mfence();
   kernels::WakeKernelHelpers(threads);
   std::vector<int64_t> sinks(static_cast<size_t>(threads) * 8, 0);
