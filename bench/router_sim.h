@@ -159,21 +159,21 @@ struct SimRun {
   double decode_admit_p50_ms = 0,
          decode_admit_p99_ms = 0;  // waiting for decode KV
   double tpot_p50_ms = 0, tpot_p99_ms = 0;
-  // The router's work per request, on the real code, as thread CPU time
-  // (p50, p99) plus wall-clock p99 (which adds the host's preemptions). NaN
-  // for the oracle, which is not a router.
+  // The router's work per request, on the real code, in wall-clock time on
+  // the monotonic clock (p50, p99). NaN for the oracle, which is not a
+  // router.
   //  - decision: Policy::Choose given the prompt's block hashes (index
   //    query, scoring);
   //  - hash: hashing the prompt's blocks at intake (PromptHashes, as the
   //    service does once per request for the decision and speculation);
   //  - route: the two together, per request.
-  double decision_p50_us = 0, decision_p99_us = 0, decision_wall_p99_us = 0;
+  double decision_p50_us = 0, decision_p99_us = 0;
   double hash_p50_us = 0, hash_p99_us = 0;
   double route_p50_us = 0, route_p99_us = 0;
   // The host's own share of those tails: a fixed register-only loop, sized
   // to the decision's running median and timed the same way right after
   // each decision (p50, p99). Interrupts, a hypervisor's exits and vCPU
-  // preemption are charged to the thread's CPU time too, so a decision p99
+  // preemption land in any span of time, so a decision p99
   // far above its p50 next to a reference p99 as high is the machine's,
   // not the router's. NaN for the oracle.
   double reference_p50_us = 0, reference_p99_us = 0;

@@ -4,7 +4,6 @@
 // and the policy names ("cache_aware+tier+pull", "oracle", ...) that
 // SimConfig::Validate checks.
 #include <algorithm>
-#include <chrono>
 #include <ctime>
 #include <limits>
 #include <utility>
@@ -38,9 +37,9 @@ bool IsOracle(const std::string& base) {
   return base == kOracle || base == kUnbounded;
 }
 
-double ThreadCpuMicros() {
+double MonotonicMicros() {
   timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<double>(ts.tv_sec) * 1e6 +
          static_cast<double>(ts.tv_nsec) / 1e3;
 }
@@ -59,9 +58,9 @@ double ReferenceLoopRate() {
   double best = std::numeric_limits<double>::infinity();
   uint64_t sink = 0;
   for (int i = 0; i < 5; ++i) {
-    const double t0 = ThreadCpuMicros();
+    const double t0 = MonotonicMicros();
     sink += ReferenceLoop(kIterations, sink + i);
-    best = std::min(best, ThreadCpuMicros() - t0);
+    best = std::min(best, MonotonicMicros() - t0);
   }
   asm volatile("" : : "r"(sink));
   return static_cast<double>(kIterations) / std::max(best, 1.0);
@@ -99,19 +98,15 @@ absl::Status Simulation::Arrive(int32_t r) {
       SynthesizePrompt(*prep.trace, c_.seed, kVocabSize);
   router::PromptHashes hashes(&tokens, "");
   router::RouteRequest route{Input(r), "", &tokens, {}, &hashes};
-  const double hash0 = ThreadCpuMicros();
+  const double hash0 = MonotonicMicros();
   if (!oracle_) hashes.For(fingerprint_, bs_);  // as the service, at intake
-  const auto wall0 = std::chrono::steady_clock::now();
-  const double cpu0 = ThreadCpuMicros();
+  const double t0 = MonotonicMicros();
   absl::StatusOr<router::RouteDecision> d = policy_->Choose(route, views_);
-  const double cpu1 = ThreadCpuMicros();
-  decision_us_.push_back(cpu1 - cpu0);
-  hash_us_.push_back(cpu0 - hash0);
-  route_us_.push_back(cpu1 - hash0);
-  decision_wall_us_.push_back(std::chrono::duration<double, std::micro>(
-                                  std::chrono::steady_clock::now() - wall0)
-                                  .count());
-  if (!oracle_) MeasureReference(cpu1 - cpu0);
+  const double t1 = MonotonicMicros();
+  decision_us_.push_back(t1 - t0);
+  hash_us_.push_back(t0 - hash0);
+  route_us_.push_back(t1 - hash0);
+  if (!oracle_) MeasureReference(t1 - t0);
   if (!d.ok()) return d.status();
   Req& q = reqs_[r];
   q.decode = static_cast<int32_t>(d->decode - views_.data());
@@ -142,10 +137,10 @@ void Simulation::MeasureReference(double decision_us) {
   // measured does not stretch the reference, and a cold first decision is
   // forgotten within a few hundred.
   decision_median_us_ *= decision_us > decision_median_us_ ? 1.01 : 0.99;
-  const double t0 = ThreadCpuMicros();
+  const double t0 = MonotonicMicros();
   reference_sink_ = ReferenceLoop(static_cast<int64_t>(reference_iterations_),
                                   reference_sink_);
-  const double us = ThreadCpuMicros() - t0;
+  const double us = MonotonicMicros() - t0;
   reference_us_.push_back(us);
   // The loop's length is steered so that its own median follows the
   // decisions' (the calibrated rate is a best case; a busy host runs slower).

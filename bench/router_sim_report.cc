@@ -64,7 +64,7 @@ SimRun Simulation::Report() {
   run.tpot_p50_ms = Percentile(tpot_ms_, 0.5);
   run.tpot_p99_ms = Percentile(tpot_ms_, 0.99);
   if (oracle_) {
-    run.decision_p50_us = run.decision_p99_us = run.decision_wall_p99_us =
+    run.decision_p50_us = run.decision_p99_us =
         run.hash_p50_us = run.hash_p99_us = run.route_p50_us =
             run.route_p99_us = run.reference_p50_us = run.reference_p99_us =
                 run.decision_min_p50_us = run.decision_min_p99_us =
@@ -72,7 +72,6 @@ SimRun Simulation::Report() {
   } else {
     run.decision_p50_us = Percentile(decision_us_, 0.5);
     run.decision_p99_us = Percentile(decision_us_, 0.99);
-    run.decision_wall_p99_us = Percentile(decision_wall_us_, 0.99);
     run.hash_p50_us = Percentile(hash_us_, 0.5);
     run.hash_p99_us = Percentile(hash_us_, 0.99);
     run.route_p50_us = Percentile(route_us_, 0.5);
@@ -193,7 +192,6 @@ std::string SimReport::ToJson() const {
                            {"tpot_p99_ms", r.tpot_p99_ms},
                            {"decision_p50_us", r.decision_p50_us},
                            {"decision_p99_us", r.decision_p99_us},
-                           {"decision_wall_p99_us", r.decision_wall_p99_us},
                            {"hash_p50_us", r.hash_p50_us},
                            {"hash_p99_us", r.hash_p99_us},
                            {"route_p50_us", r.route_p50_us},
