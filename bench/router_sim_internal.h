@@ -110,7 +110,7 @@ double MonotonicMicros();
 // A dependent multiply-add chain of `iterations` steps: constant work with
 // no memory traffic, the reference that decision times are set against.
 uint64_t ReferenceLoop(int64_t iterations, uint64_t seed);
-// Iterations of ReferenceLoop per microsecond of this thread's CPU time
+// Iterations of ReferenceLoop per microsecond of the monotonic clock
 // (the best of a few timed runs).
 double ReferenceLoopRate();
 
