@@ -64,9 +64,9 @@ SimRun Simulation::Report() {
   run.tpot_p50_ms = Percentile(tpot_ms_, 0.5);
   run.tpot_p99_ms = Percentile(tpot_ms_, 0.99);
   if (oracle_) {
-    run.decision_p50_us = run.decision_p99_us =
-        run.hash_p50_us = run.hash_p99_us = run.route_p50_us =
-            run.route_p99_us = run.reference_p50_us = run.reference_p99_us =
+    run.decision_p50_us = run.decision_p99_us = run.hash_p50_us =
+        run.hash_p99_us = run.route_p50_us = run.route_p99_us =
+            run.reference_p50_us = run.reference_p99_us =
                 run.decision_min_p50_us = run.decision_min_p99_us =
                     std::numeric_limits<double>::quiet_NaN();
   } else {
