@@ -281,8 +281,16 @@ void QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* q,
 // thread and the kernel helpers (task_pool.h; which thread takes a tile never
 // changes its numbers); per tile begin(panels, nv), then for each of
 // row_tiles = ceil(m / max_rows) equal row tiles
-// compute(i0, rows, rt, row_tiles, panels, nv, io) fills io [rows][nv * 16],
-// copied to y.
+// compute(i0, rows, rt, row_tiles, panels, nv, next, io) fills io
+// [rows][nv * 16], copied to y. `next` is the first panel of the tile this
+// thread is expected to run next (null past the last), for the kernels to
+// pull toward the cache meanwhile: the calling thread claims tiles from the
+// front and the helpers from the back, so that a thread's tiles lie next to
+// each other and that guess holds across its claims. (With every thread
+// claiming from the front, a claim's last tile pulled in the tile another
+// thread took next, and its own next tile started cold: matrices of 43-64
+// tiles, claimed two to four at a time, ran 1.4-1.5x faster on two threads
+// than on one against 2.0x for 342 tiles claimed 21 at a time.)
 template <typename Begin, typename Compute>
 void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
                      int max_nv, float* __restrict__ y, Begin&& begin,
@@ -299,6 +307,7 @@ void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
   // is taken over; which thread computes a tile never changes its numbers.
   const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
   auto run_tiles = [&](int64_t t_begin, int64_t t_end, bool) {
+    const bool from_back = ClaimingFromBack();
     for (int64_t tile = t_begin; tile < t_end; ++tile) {
       alignas(64) float io[kTileRowsMax * kTilePanelsMax * kPanel];
       const int64_t p0 = tile * max_nv;
@@ -306,11 +315,16 @@ void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
       const int64_t c0 = p0 * kPanel;
       const int64_t cols = std::min<int64_t>(n - c0, nv * kPanel);
       const uint8_t* wp = w.data() + p0 * pb;
+      const int64_t next_tile =
+          from_back ? ExpectedNextTileFromBack(tile, t_begin, t_end, chunk)
+                    : ExpectedNextTile(tile, t_end, tiles, chunk, 1);
+      const uint8_t* next =
+          next_tile < tiles ? w.data() + next_tile * max_nv * pb : nullptr;
       begin(wp, nv);
       for (int64_t rt = 0; rt < row_tiles; ++rt) {
         const int64_t i0 = m * rt / row_tiles;
         const int rows = static_cast<int>(m * (rt + 1) / row_tiles - i0);
-        compute(i0, rows, rt, row_tiles, wp, nv, io);
+        compute(i0, rows, rt, row_tiles, wp, nv, next, io);
         for (int i = 0; i < rows; ++i) {
           std::memcpy(y + (i0 + i) * n + c0, io + i * nv * kPanel,
                       cols * sizeof(float));
@@ -318,7 +332,7 @@ void RunInt8DotTiles(int64_t m, int64_t k, const WeightMatrix& w, int max_rows,
       }
     }
   };
-  RunChunks(tiles, chunk, parallel ? threads : 1, run_tiles);
+  RunChunksFromBothEnds(tiles, chunk, parallel ? threads : 1, run_tiles);
 }
 
 PDSERVE_VNNI void QuantizeRowPerRowAvx512(const float* x, int64_t k, int64_t kq,
@@ -518,7 +532,7 @@ void GemmInt8Dot(const float* __restrict__ x, int64_t m, int64_t k,
         PrepareInt8DotTile(wp, pb, nv, blocks, prep.data());
       },
       [&](int64_t i0, int rows, int64_t, int64_t, const uint8_t* wp, int nv,
-          float* io) {
+          const uint8_t*, float* io) {
         const std::vector<uint8_t>& prep = Int8DotPrepBuffer();
         if (prepared) {
           Int8DotVnniPreparedTile(rows, nv)(
@@ -591,14 +605,15 @@ void GemmRowDot(const float* __restrict__ x, int64_t m, int64_t k,
       m, k, w, hw ? max_rows : kInt8DotRows, hw ? max_nv : 1, y,
       [](const uint8_t*, int) {},
       [&](int64_t i0, int rows, int64_t rt, int64_t row_tiles,
-          const uint8_t* wp, int nv, float* io) {
+          const uint8_t* wp, int nv, const uint8_t* next, float* io) {
         const int64_t c0 = (wp - w.data()) / pb * kPanel;
         const float* sw = w.scales() + c0;
         if (hw) {
           // Row tile rt of row_tiles prefetches that share of the next tile.
-          const uint8_t* next = wp + nv * pb;
           const int64_t next_bytes =
-              row_tiles > 1 ? std::min<int64_t>(w_end - next, nv * pb) : 0;
+              row_tiles > 1 && next != nullptr
+                  ? std::min<int64_t>(w_end - next, max_nv * pb)
+                  : 0;
           const int64_t lines = (next_bytes + 63) / 64;
           const int64_t l0 = lines * rt / row_tiles;
           const int64_t l1 = lines * (rt + 1) / row_tiles;
