@@ -124,10 +124,48 @@ PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const void* k, int count, int d,
   }
 }
 
+// The same with AVX2 for ldk == 16 and d % 8 == 0: per 8 keys and 8
+// dimensions, one 8 x 8 register transpose (missing keys are zero rows).
+PDSERVE_ATTN_AVX2 void TransposeKeys16Avx2(const float* k, int count, int d,
+                                           float* kt) {
+  for (int t0 = 0; t0 < 16; t0 += 8) {
+    for (int j = 0; j < d; j += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int row = 0; row < 8; ++row) {
+        r[row] = t0 + row < count
+                     ? _mm256_loadu_ps(k + int64_t{t0 + row} * d + j)
+                     : _mm256_setzero_ps();
+      }
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      // u[4h + c], 128-bit lane L: rows 4h..4h+3 of column 4L + c.
+      for (int h = 0; h < 2; ++h) {
+        u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xee);
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
+      }
+      float* out = kt + int64_t{j} * 16 + t0;
+      for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(out + c * 16,
+                         _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+        _mm256_storeu_ps(out + (4 + c) * 16,
+                         _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+      }
+    }
+  }
+}
+
 void TransposeKeys(AttnIsa isa, const float* k, int count, int d, int ldk,
                    float* kt) {
   if (isa == AttnIsa::kAvx512 && ldk == 16 && d % 16 == 0) {
     TransposeKeys16Avx512(k, count, d, kt);
+    return;
+  }
+  if (isa == AttnIsa::kAvx2 && ldk == 16 && d % 8 == 0) {
+    TransposeKeys16Avx2(k, count, d, kt);
     return;
   }
   TransposeKeysPortable(k, count, d, ldk, kt);
@@ -166,20 +204,29 @@ PDSERVE_ATTN_AVX512 void ScoresAvx512Tile(const float* const* qs,
   }
 }
 
-template <int S>
+// S states by T 8-key vectors at once (ldk is a multiple of 16, so T = 2
+// always divides it): S x T independent FMA chains.
+template <int S, int T = S >= 8 ? 1 : 2>
 PDSERVE_ATTN_AVX2 void ScoresAvx2Tile(const float* const* qs, const float* kt,
                                       int d, int ldk, float scale, float* out) {
-  for (int t0 = 0; t0 < ldk; t0 += 8) {
-    __m256 acc[S];
-    for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
+  for (int t0 = 0; t0 < ldk; t0 += 8 * T) {
+    __m256 acc[S][T];
+    for (int s = 0; s < S; ++s)
+      for (int u = 0; u < T; ++u) acc[s][u] = _mm256_setzero_ps();
     for (int i = 0; i < d; ++i) {
-      const __m256 kv = _mm256_loadu_ps(kt + i * ldk + t0);
-      for (int s = 0; s < S; ++s)
-        acc[s] = _mm256_fmadd_ps(_mm256_set1_ps(qs[s][i]), kv, acc[s]);
+      __m256 kv[T];
+      for (int u = 0; u < T; ++u)
+        kv[u] = _mm256_loadu_ps(kt + i * ldk + t0 + 8 * u);
+      for (int s = 0; s < S; ++s) {
+        const __m256 qv = _mm256_set1_ps(qs[s][i]);
+        for (int u = 0; u < T; ++u)
+          acc[s][u] = _mm256_fmadd_ps(qv, kv[u], acc[s][u]);
+      }
     }
     for (int s = 0; s < S; ++s)
-      _mm256_storeu_ps(out + s * ldk + t0,
-                       _mm256_mul_ps(acc[s], _mm256_set1_ps(scale)));
+      for (int u = 0; u < T; ++u)
+        _mm256_storeu_ps(out + s * ldk + t0 + 8 * u,
+                         _mm256_mul_ps(acc[s][u], _mm256_set1_ps(scale)));
   }
 }
 
@@ -337,6 +384,37 @@ PDSERVE_ATTN_AVX512 float BlockMaxAvx512(const float* scores, int valid) {
   return _mm512_reduce_max_ps(mx);
 }
 
+PDSERVE_ATTN_AVX2 float BlockMaxAvx2(const float* scores, int valid) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256 neg_inf8 = _mm256_set1_ps(neg_inf);
+  __m256 mx = neg_inf8;
+  int t = 0;
+  for (; t + 8 <= valid; t += 8) {
+    __m256 x = _mm256_loadu_ps(scores + t);
+    // NaN lanes become -inf, so they never win.
+    x = _mm256_blendv_ps(x, neg_inf8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float block_max = neg_inf;
+  for (float x : lanes) block_max = std::max(block_max, x);
+  for (; t < valid; ++t) block_max = std::max(block_max, scores[t]);
+  return block_max;
+}
+
+float BlockMax(AttnIsa isa, const float* scores, int valid) {
+  switch (isa) {
+    case AttnIsa::kAvx512:
+      return BlockMaxAvx512(scores, valid);
+    case AttnIsa::kAvx2:
+      return BlockMaxAvx2(scores, valid);
+    case AttnIsa::kPortable:
+      break;
+  }
+  return BlockMaxPortable(scores, valid);
+}
+
 // The online-softmax step of ns states (ns <= kAccStates) over a block's
 // `valid` scores (state j's at scores + j * ldk): m[j] and l[j] updated,
 // p + j * ldk the weights, c[j] the factor for the accumulators. Each l[j]
@@ -347,9 +425,7 @@ void ScoresToWeights(AttnIsa isa, const float* scores, int ldk, int ns,
   float sum[kAccStates], new_m[kAccStates], shift[kAccStates];
   for (int j = 0; j < ns; ++j) {
     const float* sj = scores + int64_t{j} * ldk;
-    const float block_max = isa == AttnIsa::kAvx512
-                                ? BlockMaxAvx512(sj, valid)
-                                : BlockMaxPortable(sj, valid);
+    const float block_max = BlockMax(isa, sj, valid);
     new_m[j] = std::max(m[j], block_max);
     shift[j] = m[j] - new_m[j];
   }
@@ -445,6 +521,59 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
     AccumulateStatesTile<NS, 4>(p, ldp, valid, c, v, d, a, i);
   for (; i + 16 <= d; i += 16)
     AccumulateStatesTile<NS, 1>(p, ldp, valid, c, v, d, a, i);
+  for (int s = 0; s < NS; ++s) {
+    float* as = a + int64_t{s} * d;
+    for (int k = i; k < d; ++k) {
+      float x = as[k] * c[s];
+      for (int t = 0; t < valid; ++t)
+        x += p[s * ldp + t] * v[int64_t{t} * d + k];
+      as[k] = x;
+    }
+  }
+}
+
+// AccumulateStatesTile with AVX2: NS states over SEG 8-wide segments from
+// dimension i, fp32 V rows; the same operations on every element.
+template <int NS, int SEG>
+PDSERVE_ATTN_AVX2 void AccumulateStatesAvx2Tile(const float* p, int ldp,
+                                                int valid, const float* c,
+                                                const float* v, int d, float* a,
+                                                int i) {
+  __m256 acc[NS][SEG];
+  for (int s = 0; s < NS; ++s) {
+    const __m256 cs = _mm256_set1_ps(c[s]);
+    for (int j = 0; j < SEG; ++j)
+      acc[s][j] =
+          _mm256_mul_ps(_mm256_loadu_ps(a + int64_t{s} * d + i + 8 * j), cs);
+  }
+  for (int t = 0; t < valid; ++t) {
+    __m256 vv[SEG];
+    for (int j = 0; j < SEG; ++j)
+      vv[j] = _mm256_loadu_ps(v + int64_t{t} * d + i + 8 * j);
+    for (int s = 0; s < NS; ++s) {
+      const __m256 ps = _mm256_set1_ps(p[s * ldp + t]);
+      for (int j = 0; j < SEG; ++j)
+        acc[s][j] = _mm256_add_ps(acc[s][j], _mm256_mul_ps(ps, vv[j]));
+    }
+  }
+  for (int s = 0; s < NS; ++s) {
+    for (int j = 0; j < SEG; ++j)
+      _mm256_storeu_ps(a + int64_t{s} * d + i + 8 * j, acc[s][j]);
+  }
+}
+
+// AccumulateStatesAvx512 with AVX2 (NS x SEG accumulators and SEG V
+// segments within the 16 vector registers).
+template <int NS>
+PDSERVE_ATTN_AVX2 void AccumulateStatesAvx2(const float* p, int ldp, int valid,
+                                            const float* c, const float* v,
+                                            int d, float* a) {
+  constexpr int kSeg = NS >= 3 ? 2 : 4;
+  int i = 0;
+  for (; i + 8 * kSeg <= d; i += 8 * kSeg)
+    AccumulateStatesAvx2Tile<NS, kSeg>(p, ldp, valid, c, v, d, a, i);
+  for (; i + 8 <= d; i += 8)
+    AccumulateStatesAvx2Tile<NS, 1>(p, ldp, valid, c, v, d, a, i);
   for (int s = 0; s < NS; ++s) {
     float* as = a + int64_t{s} * d;
     for (int k = i; k < d; ++k) {
@@ -608,6 +737,17 @@ void AccumulateStates(AttnIsa isa, const float* p, int ldp, int ns, int valid,
         return AccumulateStatesAvx512<2>(p, ldp, valid, c, v, d, a);
       default:
         break;
+    }
+  } else if (isa == AttnIsa::kAvx2) {
+    switch (ns) {
+      case 4:
+        return AccumulateStatesAvx2<4>(p, ldp, valid, c, v, d, a);
+      case 3:
+        return AccumulateStatesAvx2<3>(p, ldp, valid, c, v, d, a);
+      case 2:
+        return AccumulateStatesAvx2<2>(p, ldp, valid, c, v, d, a);
+      default:
+        return AccumulateStatesAvx2<1>(p, ldp, valid, c, v, d, a);
     }
   }
   for (int s = 0; s < ns; ++s)

@@ -43,7 +43,10 @@ TEST(StepProfileTest, CollectorIsPerThread) {
 
 TEST(StepProfileTest, GemmRecordsCallsRegionsAndKBlockBarriers) {
   SetKernelThreads(2);
-  const int64_t m = 256, k = 8192, n = 64;
+  // n = 512: enough column tiles for both threads on every path (a path
+  // with wide tiles runs a one-tile GEMM on the calling thread alone, with
+  // no parallel region).
+  const int64_t m = 256, k = 8192, n = 512;
   std::vector<float> x(m * k, 0.5f), w(n * k, 0.25f), y(m * n);
   const WeightMatrix wm = WeightMatrix::Pack(w.data(), n, k, DType::kBF16);
   StepProfile prof;
