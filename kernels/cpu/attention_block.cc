@@ -126,34 +126,55 @@ PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const void* k, int count, int d,
 
 // The same with AVX2 for ldk == 16 and d % 8 == 0: per 8 keys and 8
 // dimensions, one 8 x 8 register transpose (missing keys are zero rows).
+// Key r of a block's keys k [count][d], dimensions [j, j + 8); zero past
+// the last key.
+PDSERVE_ATTN_AVX2 inline __m256 KeyRowAvx2(const float* k, int count, int r,
+                                           int d, int j) {
+  return r < count ? _mm256_loadu_ps(k + int64_t{r} * d + j)
+                   : _mm256_setzero_ps();
+}
+
 PDSERVE_ATTN_AVX2 void TransposeKeys16Avx2(const float* k, int count, int d,
                                            float* kt) {
+  // Named registers rather than arrays: GCC kept arrays of the 24 vectors on
+  // the stack.
   for (int t0 = 0; t0 < 16; t0 += 8) {
     for (int j = 0; j < d; j += 8) {
-      __m256 r[8], t[8], u[8];
-      for (int row = 0; row < 8; ++row) {
-        r[row] = t0 + row < count
-                     ? _mm256_loadu_ps(k + int64_t{t0 + row} * d + j)
-                     : _mm256_setzero_ps();
-      }
-      for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-      }
-      // u[4h + c], 128-bit lane L: rows 4h..4h+3 of column 4L + c.
-      for (int h = 0; h < 2; ++h) {
-        u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xee);
-        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
-      }
+      const __m256 r0 = KeyRowAvx2(k, count, t0 + 0, d, j),
+                   r1 = KeyRowAvx2(k, count, t0 + 1, d, j),
+                   r2 = KeyRowAvx2(k, count, t0 + 2, d, j),
+                   r3 = KeyRowAvx2(k, count, t0 + 3, d, j),
+                   r4 = KeyRowAvx2(k, count, t0 + 4, d, j),
+                   r5 = KeyRowAvx2(k, count, t0 + 5, d, j),
+                   r6 = KeyRowAvx2(k, count, t0 + 6, d, j),
+                   r7 = KeyRowAvx2(k, count, t0 + 7, d, j);
+      const __m256 a0 = _mm256_unpacklo_ps(r0, r1);
+      const __m256 a1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 a2 = _mm256_unpacklo_ps(r2, r3);
+      const __m256 a3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 a4 = _mm256_unpacklo_ps(r4, r5);
+      const __m256 a5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 a6 = _mm256_unpacklo_ps(r6, r7);
+      const __m256 a7 = _mm256_unpackhi_ps(r6, r7);
+      // uC (C < 4), 128-bit lane L: rows 0..3 of column 4L + C; vC the same
+      // for rows 4..7.
+      const __m256 u0 = _mm256_shuffle_ps(a0, a2, 0x44);
+      const __m256 u1 = _mm256_shuffle_ps(a0, a2, 0xee);
+      const __m256 u2 = _mm256_shuffle_ps(a1, a3, 0x44);
+      const __m256 u3 = _mm256_shuffle_ps(a1, a3, 0xee);
+      const __m256 v0 = _mm256_shuffle_ps(a4, a6, 0x44);
+      const __m256 v1 = _mm256_shuffle_ps(a4, a6, 0xee);
+      const __m256 v2 = _mm256_shuffle_ps(a5, a7, 0x44);
+      const __m256 v3 = _mm256_shuffle_ps(a5, a7, 0xee);
       float* out = kt + int64_t{j} * 16 + t0;
-      for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(out + c * 16,
-                         _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
-        _mm256_storeu_ps(out + (4 + c) * 16,
-                         _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
-      }
+      _mm256_storeu_ps(out + 0 * 16, _mm256_permute2f128_ps(u0, v0, 0x20));
+      _mm256_storeu_ps(out + 1 * 16, _mm256_permute2f128_ps(u1, v1, 0x20));
+      _mm256_storeu_ps(out + 2 * 16, _mm256_permute2f128_ps(u2, v2, 0x20));
+      _mm256_storeu_ps(out + 3 * 16, _mm256_permute2f128_ps(u3, v3, 0x20));
+      _mm256_storeu_ps(out + 4 * 16, _mm256_permute2f128_ps(u0, v0, 0x31));
+      _mm256_storeu_ps(out + 5 * 16, _mm256_permute2f128_ps(u1, v1, 0x31));
+      _mm256_storeu_ps(out + 6 * 16, _mm256_permute2f128_ps(u2, v2, 0x31));
+      _mm256_storeu_ps(out + 7 * 16, _mm256_permute2f128_ps(u3, v3, 0x31));
     }
   }
 }
@@ -211,19 +232,26 @@ PDSERVE_ATTN_AVX2 void ScoresAvx2Tile(const float* const* qs, const float* kt,
                                       int d, int ldk, float scale, float* out) {
   for (int t0 = 0; t0 < ldk; t0 += 8 * T) {
     __m256 acc[S][T];
+#pragma GCC unroll 16
     for (int s = 0; s < S; ++s)
+#pragma GCC unroll 16
       for (int u = 0; u < T; ++u) acc[s][u] = _mm256_setzero_ps();
     for (int i = 0; i < d; ++i) {
       __m256 kv[T];
+#pragma GCC unroll 16
       for (int u = 0; u < T; ++u)
         kv[u] = _mm256_loadu_ps(kt + i * ldk + t0 + 8 * u);
+#pragma GCC unroll 16
       for (int s = 0; s < S; ++s) {
         const __m256 qv = _mm256_set1_ps(qs[s][i]);
+#pragma GCC unroll 16
         for (int u = 0; u < T; ++u)
           acc[s][u] = _mm256_fmadd_ps(qv, kv[u], acc[s][u]);
       }
     }
+#pragma GCC unroll 16
     for (int s = 0; s < S; ++s)
+#pragma GCC unroll 16
       for (int u = 0; u < T; ++u)
         _mm256_storeu_ps(out + s * ldk + t0 + 8 * u,
                          _mm256_mul_ps(acc[s][u], _mm256_set1_ps(scale)));
@@ -540,23 +568,30 @@ PDSERVE_ATTN_AVX2 void AccumulateStatesAvx2Tile(const float* p, int ldp,
                                                 const float* v, int d, float* a,
                                                 int i) {
   __m256 acc[NS][SEG];
+#pragma GCC unroll 16
   for (int s = 0; s < NS; ++s) {
     const __m256 cs = _mm256_set1_ps(c[s]);
+#pragma GCC unroll 16
     for (int j = 0; j < SEG; ++j)
       acc[s][j] =
           _mm256_mul_ps(_mm256_loadu_ps(a + int64_t{s} * d + i + 8 * j), cs);
   }
   for (int t = 0; t < valid; ++t) {
     __m256 vv[SEG];
+#pragma GCC unroll 16
     for (int j = 0; j < SEG; ++j)
       vv[j] = _mm256_loadu_ps(v + int64_t{t} * d + i + 8 * j);
+#pragma GCC unroll 16
     for (int s = 0; s < NS; ++s) {
       const __m256 ps = _mm256_set1_ps(p[s * ldp + t]);
+#pragma GCC unroll 16
       for (int j = 0; j < SEG; ++j)
         acc[s][j] = _mm256_add_ps(acc[s][j], _mm256_mul_ps(ps, vv[j]));
     }
   }
+#pragma GCC unroll 16
   for (int s = 0; s < NS; ++s) {
+#pragma GCC unroll 16
     for (int j = 0; j < SEG; ++j)
       _mm256_storeu_ps(a + int64_t{s} * d + i + 8 * j, acc[s][j]);
   }
