@@ -124,8 +124,6 @@ PDSERVE_ATTN_AVX512 void TransposeKeys16Avx512(const void* k, int count, int d,
   }
 }
 
-// The same with AVX2 for ldk == 16 and d % 8 == 0: per 8 keys and 8
-// dimensions, one 8 x 8 register transpose (missing keys are zero rows).
 // Key r of a block's keys k [count][d], dimensions [j, j + 8); zero past
 // the last key.
 PDSERVE_ATTN_AVX2 inline __m256 KeyRowAvx2(const float* k, int count, int r,
@@ -134,10 +132,12 @@ PDSERVE_ATTN_AVX2 inline __m256 KeyRowAvx2(const float* k, int count, int r,
                    : _mm256_setzero_ps();
 }
 
+// TransposeKeys16Avx512 with AVX2, for ldk == 16 and d % 8 == 0: per 8 keys
+// and 8 dimensions, one 8 x 8 register transpose (missing keys are zero
+// rows). Named registers rather than arrays: GCC kept arrays of the 24
+// vectors on the stack.
 PDSERVE_ATTN_AVX2 void TransposeKeys16Avx2(const float* k, int count, int d,
                                            float* kt) {
-  // Named registers rather than arrays: GCC kept arrays of the 24 vectors on
-  // the stack.
   for (int t0 = 0; t0 < 16; t0 += 8) {
     for (int j = 0; j < d; j += 8) {
       const __m256 r0 = KeyRowAvx2(k, count, t0 + 0, d, j),
