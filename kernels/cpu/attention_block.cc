@@ -539,6 +539,22 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesTile(const float* p, int ldp,
   }
 }
 
+// The accumulation of ns states over dimensions [i, d), one at a time: what
+// the vector versions run past their last whole vector.
+void AccumulateDimsPortable(const float* p, int ldp, int ns, int valid,
+                            const float* c, const float* v, int d, float* a,
+                            int i) {
+  for (int s = 0; s < ns; ++s) {
+    float* as = a + int64_t{s} * d;
+    for (int k = i; k < d; ++k) {
+      float x = as[k] * c[s];
+      for (int t = 0; t < valid; ++t)
+        x += p[s * ldp + t] * v[int64_t{t} * d + k];
+      as[k] = x;
+    }
+  }
+}
+
 template <int NS>
 PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
                                                 int valid, const float* c,
@@ -549,15 +565,7 @@ PDSERVE_ATTN_AVX512 void AccumulateStatesAvx512(const float* p, int ldp,
     AccumulateStatesTile<NS, 4>(p, ldp, valid, c, v, d, a, i);
   for (; i + 16 <= d; i += 16)
     AccumulateStatesTile<NS, 1>(p, ldp, valid, c, v, d, a, i);
-  for (int s = 0; s < NS; ++s) {
-    float* as = a + int64_t{s} * d;
-    for (int k = i; k < d; ++k) {
-      float x = as[k] * c[s];
-      for (int t = 0; t < valid; ++t)
-        x += p[s * ldp + t] * v[int64_t{t} * d + k];
-      as[k] = x;
-    }
-  }
+  AccumulateDimsPortable(p, ldp, NS, valid, c, v, d, a, i);
 }
 
 // AccumulateStatesTile with AVX2: NS states over SEG 8-wide segments from
@@ -609,15 +617,7 @@ PDSERVE_ATTN_AVX2 void AccumulateStatesAvx2(const float* p, int ldp, int valid,
     AccumulateStatesAvx2Tile<NS, kSeg>(p, ldp, valid, c, v, d, a, i);
   for (; i + 8 <= d; i += 8)
     AccumulateStatesAvx2Tile<NS, 1>(p, ldp, valid, c, v, d, a, i);
-  for (int s = 0; s < NS; ++s) {
-    float* as = a + int64_t{s} * d;
-    for (int k = i; k < d; ++k) {
-      float x = as[k] * c[s];
-      for (int t = 0; t < valid; ++t)
-        x += p[s * ldp + t] * v[int64_t{t} * d + k];
-      as[k] = x;
-    }
-  }
+  AccumulateDimsPortable(p, ldp, NS, valid, c, v, d, a, i);
 }
 
 // AccumulateStatesAvx512 for ns <= kAccStates states over a bf16, fp16 or
