@@ -226,7 +226,10 @@ PDSERVE_ATTN_AVX512 void ScoresAvx512Tile(const float* const* qs,
 }
 
 // S states by T 8-key vectors at once (ldk is a multiple of 16, so T = 2
-// always divides it): S x T independent FMA chains.
+// always divides it): S x T independent FMA chains. The AVX2 tiles unroll
+// their register-array loops explicitly (`#pragma GCC unroll`), as in
+// packed_gemm_avx2.cc: without it GCC 12 kept the accumulator arrays on the
+// stack.
 template <int S, int T = S >= 8 ? 1 : 2>
 PDSERVE_ATTN_AVX2 void ScoresAvx2Tile(const float* const* qs, const float* kt,
                                       int d, int ldk, float scale, float* out) {
