@@ -1,6 +1,7 @@
 #include "router/prefix_index.h"
 
 #include <algorithm>
+#include <bit>
 #include <thread>
 
 namespace pdserve::router {
@@ -305,6 +306,17 @@ size_t PrefixIndex::LiveHolders(const engine::BlockHash& h, absl::Time now,
   return n;
 }
 
+bool PrefixIndex::LivePoolSet(const engine::BlockHash& h, int64_t now_ns,
+                              WorkerSet* out) const {
+  if (clearing_workers_ > 0) return false;
+  auto it = index_.find(h);
+  if (it == index_.end()) {
+    *out = WorkerSet{};
+    return true;
+  }
+  return it->second.PoolSet(now_ns, out);
+}
+
 void PrefixIndex::LeadingBlocksOfPrompt(
     size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
     std::vector<int32_t>* counts, TierMask tiers) const {
@@ -348,7 +360,25 @@ void PrefixIndex::LeadingBlocksWalk(
   };
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
+  const int64_t now_ns = absl::ToUnixNanos(now);
   auto credit = [&](size_t pos) {
+    // From the entries' worker sets where they tell: both slots were just
+    // probed, so this reads no further memory.
+    WorkerSet here_set, next_set{};
+    if (tiers == kPoolTier && LivePoolSet(hash_at(pos), now_ns, &here_set) &&
+        (pos + 1 >= num_blocks ||
+         LivePoolSet(hash_at(pos + 1), now_ns, &next_set))) {
+      for (size_t word = 0; word < here_set.size(); ++word) {
+        for (uint64_t ended = here_set[word] & ~next_set[word]; ended != 0;
+             ended &= ended - 1) {
+          const size_t w =
+              word * 64 + static_cast<size_t>(std::countr_zero(ended));
+          if (w >= counts->size()) counts->resize(w + 1, 0);
+          (*counts)[w] = static_cast<int32_t>(pos + 1);
+        }
+      }
+      return;
+    }
     LiveHolders(hash_at(pos), now, tiers, &here);
     next.clear();
     if (pos + 1 < num_blocks) LiveHolders(hash_at(pos + 1), now, tiers, &next);

@@ -5,8 +5,9 @@
 //
 // LeadingBlocks costs O(blocks) hash lookups, each touching a small per-hash
 // list of workers; LeadingBlocksOfPrompt, the routing path, bisects and costs
-// O(distinct match lengths x log blocks). Thread-safe: queries share a reader
-// lock, event updates take it exclusively.
+// O(distinct match lengths x log blocks), reading per-hash counts and worker
+// bit sets kept in the table's slots rather than the lists. Thread-safe:
+// queries share a reader lock, event updates take it exclusively.
 //
 // Tiers: each (hash, worker) entry says which of the worker's
 // tiers hold the block, the pool (confirmed or speculative) and the tiers
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -164,6 +166,9 @@ class PrefixIndex {
  private:
   struct Holder;
   static constexpr size_t kInlineHolders = 2;
+  // Workers whose pool states each entry also keeps as bits (WorkerSet).
+  static constexpr size_t kSetWorkers = 128;
+  using WorkerSet = std::array<uint64_t, kSetWorkers / 64>;
   using Holders = absl::InlinedVector<Holder, kInlineHolders>;
   struct Holder {
     WorkerIndex worker;
@@ -190,13 +195,22 @@ class PrefixIndex {
     // all live; none later: none live. Either way the list need not be read.
     int64_t speculative_min_ns = std::numeric_limits<int64_t>::max();
     int64_t speculative_max_ns = std::numeric_limits<int64_t>::min();
+    // The same pool states as sets of workers, for workers below
+    // kSetWorkers (a worker has one holder per hash): the walk reads which
+    // workers' matches end at a block from these, not from the lists.
+    // A set with fewer members than its count means a holder past the sets:
+    // then the lists are read.
+    WorkerSet confirmed_set{};
+    WorkerSet speculative_set{};
     Holders holders;
     // Adds `d` to the count of `x`'s pool state (none when not in the pool).
     void Count(const Holder& x, int d) {
       if (x.expires == absl::InfiniteFuture()) {
         confirmed += d;
+        Mark(confirmed_set, x.worker, d);
       } else if (x.expires != absl::InfinitePast()) {
         speculative += d;
+        Mark(speculative_set, x.worker, d);
         if (d > 0) {
           const int64_t ns = absl::ToUnixNanos(x.expires);
           speculative_min_ns = std::min(speculative_min_ns, ns);
@@ -206,6 +220,32 @@ class PrefixIndex {
           speculative_max_ns = std::numeric_limits<int64_t>::min();
         }
       }
+    }
+    static uint32_t Members(const WorkerSet& set) {
+      uint32_t n = 0;
+      for (uint64_t word : set) n += static_cast<uint32_t>(std::popcount(word));
+      return n;
+    }
+    void Mark(WorkerSet& set, WorkerIndex w, int d) {
+      if (w < 0 || static_cast<size_t>(w) >= kSetWorkers) return;
+      const uint64_t bit = uint64_t{1} << (w % 64);
+      if (d > 0) {
+        set[static_cast<size_t>(w) / 64] |= bit;
+      } else {
+        set[static_cast<size_t>(w) / 64] &= ~bit;
+      }
+    }
+    // The live pool holders as a set, when the sets and the expiry bounds
+    // tell (no holder stale, none past the sets); else false.
+    bool PoolSet(int64_t now_ns, WorkerSet* out) const {
+      if (Members(confirmed_set) != confirmed) return false;
+      *out = confirmed_set;
+      if (speculative == 0 || speculative_max_ns < now_ns) return true;
+      if (speculative_min_ns <= now_ns ||
+          Members(speculative_set) != speculative)
+        return false;
+      for (size_t i = 0; i < out->size(); ++i) (*out)[i] |= speculative_set[i];
+      return true;
     }
     // Live pool holders if the counts alone tell (no holder stale), else -1.
     // `now_ns` is now in Unix nanoseconds, rounded down: the comparisons are
@@ -259,6 +299,10 @@ class PrefixIndex {
   using WorkerList = absl::InlinedVector<WorkerIndex, 16>;
   size_t LiveHolders(const engine::BlockHash& h, absl::Time now, TierMask tiers,
                      WorkerList* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The live pool holders of `h` as a set, when the entry's sets tell
+  // (Entry::PoolSet; no ClearWorker running); else false.
+  bool LivePoolSet(const engine::BlockHash& h, int64_t now_ns,
+                   WorkerSet* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Both forms of LeadingBlocksOfPrompt; `prefetch`: hash_at is cheap for
   // any position (the chain is hashed), so upcoming probes may be fetched.
   void LeadingBlocksWalk(size_t num_blocks,

@@ -520,5 +520,39 @@ TEST(PrefixIndexTest, StoresDuringAClearSurviveIt) {
   EXPECT_EQ(index.Memory().reverse_entries, 0u);
 }
 
+TEST(PrefixIndexTest, MatchEndsFromWorkerSetsAgreeWithTheListsPastTheSets) {
+  // The walk reads whose match ends at a block from each entry's worker
+  // sets, and from the holder lists where the sets cannot tell: a holder
+  // past the sets' workers, or speculative holders of which some have
+  // expired and some not. Each case must give the exact counts.
+  FakeClock clock;
+  PrefixIndex index(clock.fn());
+  const auto h = Chain(64, 91);
+  index.Stored(3, std::span(h).first(40));
+  index.Stored(127, std::span(h).first(20));
+  index.Stored(200, std::span(h).first(30));  // past the sets
+  index.Speculate(64, std::span(h).first(50), absl::Milliseconds(100));
+  index.Speculate(65, std::span(h).first(10), absl::Milliseconds(300));
+  const std::vector<WorkerIndex> ids = {3, 64, 65, 127, 200, 9};
+  auto check = [&](const char* when) {
+    std::vector<int32_t> counts;
+    index.LeadingBlocksOfPrompt(h, &counts);
+    std::vector<int32_t> got;
+    for (WorkerIndex w : ids)
+      got.push_back(static_cast<size_t>(w) < counts.size() ? counts[w] : 0);
+    EXPECT_EQ(got, index.LeadingBlocks(h, ids)) << when;
+    return got;
+  };
+  EXPECT_EQ(check("all live"), (std::vector<int32_t>{40, 50, 10, 20, 30, 0}));
+  clock.now += absl::Milliseconds(200);  // worker 64's speculation expired
+  EXPECT_EQ(check("one expired"), (std::vector<int32_t>{40, 0, 10, 20, 30, 0}));
+  index.Removed(200, std::span(h).first(30));  // no holder past the sets
+  index.Removed(3, std::span(h).subspan(25));
+  EXPECT_EQ(check("tails removed"),
+            (std::vector<int32_t>{25, 0, 10, 20, 0, 0}));
+  clock.now += absl::Milliseconds(200);  // every speculation expired
+  EXPECT_EQ(check("all expired"), (std::vector<int32_t>{25, 0, 0, 20, 0, 0}));
+}
+
 }  // namespace
 }  // namespace pdserve::router
