@@ -335,8 +335,9 @@ void PrefixIndex::LeadingBlocksWalk(
     size_t num_blocks, absl::FunctionRef<engine::BlockHash(size_t)> hash_at,
     bool prefetch, std::vector<int32_t>* counts, TierMask tiers) const {
   if (num_blocks == 0) return;
-  // A probe is a block position and how many live holders it has; a list
-  // of holders is fetched only where a count drops between neighbours.
+  // A probe is a block position and how many live holders it has; who holds
+  // a block is read only where a count drops between neighbours, from the
+  // entries' worker sets or, where those cannot tell, the holder lists.
   struct Probe {
     size_t pos;
     size_t holders;
