@@ -362,6 +362,10 @@ void PrefixIndex::LeadingBlocksWalk(
   // Workers holding block `pos` but not block `pos + 1` (or the prompt ends
   // there) hold exactly pos + 1 leading blocks.
   const int64_t now_ns = absl::ToUnixNanos(now);
+  auto ends_at = [&](size_t w, size_t pos) {
+    if (w >= counts->size()) counts->resize(w + 1, 0);
+    (*counts)[w] = static_cast<int32_t>(pos + 1);
+  };
   auto credit = [&](size_t pos) {
     // From the entries' worker sets where they tell: both slots were just
     // probed, so this reads no further memory.
@@ -372,10 +376,8 @@ void PrefixIndex::LeadingBlocksWalk(
       for (size_t word = 0; word < here_set.size(); ++word) {
         for (uint64_t ended = here_set[word] & ~next_set[word]; ended != 0;
              ended &= ended - 1) {
-          const size_t w =
-              word * 64 + static_cast<size_t>(std::countr_zero(ended));
-          if (w >= counts->size()) counts->resize(w + 1, 0);
-          (*counts)[w] = static_cast<int32_t>(pos + 1);
+          ends_at(word * 64 + static_cast<size_t>(std::countr_zero(ended)),
+                  pos);
         }
       }
       return;
@@ -391,8 +393,7 @@ void PrefixIndex::LeadingBlocksWalk(
     for (WorkerIndex w : here) {
       const size_t word = static_cast<size_t>(w) / 64;
       if (word < in_next.size() && (in_next[word] >> (w % 64) & 1)) continue;
-      if (static_cast<size_t>(w) >= counts->size()) counts->resize(w + 1, 0);
-      (*counts)[w] = static_cast<int32_t>(pos + 1);
+      ends_at(static_cast<size_t>(w), pos);
     }
     for (WorkerIndex w : next) in_next[static_cast<size_t>(w) / 64] = 0;
   };
